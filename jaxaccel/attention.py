@@ -1,0 +1,109 @@
+"""One attention function, several implementations of the same mathematics.
+
+Layout everywhere: q is [B, T, H, D]; k and v are [B, S, K, D] with K dividing H (grouped-query
+attention; K == 1 is multi-query). A query token attends to a key token only if both carry the
+same segment id and, when ``causal``, the key is not later than the query. Padding carries segment
+id 0 and so attends only to other padding: no row is ever fully masked, so no NaNs appear.
+"""
+
+import jax
+import jax.numpy as jnp
+
+from jaxaccel.errors import ConfigError
+
+IMPLEMENTATIONS = ("xla", "cudnn")
+
+
+def attention_mask(T: int, S: int, *, causal: bool, segment_ids_q=None, segment_ids_kv=None):
+    """Boolean [B or 1, 1, T, S] mask: True where query t may attend to key s.
+
+    Segment ids of keys default to those of the queries (self-attention).
+    """
+    mask_TS = jnp.ones((T, S), dtype=bool)
+    if causal:
+        mask_TS = jnp.tril(mask_TS, k=S - T)
+    mask_BHTS = mask_TS[None, None]
+    if segment_ids_q is not None:
+        if segment_ids_kv is None:
+            segment_ids_kv = segment_ids_q
+        same_BTS = segment_ids_q[:, :, None] == segment_ids_kv[:, None, :]
+        mask_BHTS = mask_BHTS & same_BTS[:, None]
+    return mask_BHTS
+
+
+def _check_shapes(q, k, v):
+    if q.ndim != 4 or k.ndim != 4 or v.ndim != 4:
+        raise ConfigError(
+            f"attention expects [batch, seq, heads, head_dim] arrays, got q{q.shape} k{k.shape} "
+            f"v{v.shape}; reshape to that layout")
+    if k.shape != v.shape or q.shape[0] != k.shape[0] or q.shape[3] != k.shape[3]:
+        raise ConfigError(
+            f"attention shapes disagree: q{q.shape} k{k.shape} v{v.shape}; k and v must match "
+            "each other and q in batch and head_dim")
+    if q.shape[2] % k.shape[2]:
+        raise ConfigError(
+            f"{k.shape[2]} key/value heads do not divide {q.shape[2]} query heads; choose "
+            "n_kv_heads dividing n_heads")
+
+
+def xla_attention(q_BTHD, k_BSKD, v_BSKD, *, segment_ids=None, causal=True, sm_scale=None):
+    """Reference implementation in plain jnp: scores and softmax in float32, output in q's dtype."""
+    B, T, H, D = q_BTHD.shape
+    S, K = k_BSKD.shape[1], k_BSKD.shape[2]
+    G = H // K
+    scale = D ** -0.5 if sm_scale is None else sm_scale
+    q_BTKGD = q_BTHD.reshape(B, T, K, G, D)
+    scores_BKGTS = jnp.einsum(
+        "btkgd,bskd->bkgts", q_BTKGD, k_BSKD, preferred_element_type=jnp.float32) * scale
+    mask_B1TS = attention_mask(T, S, causal=causal, segment_ids_q=segment_ids)
+    scores_BKGTS = jnp.where(mask_B1TS[:, :, None], scores_BKGTS, jnp.finfo(jnp.float32).min)
+    probs_BKGTS = jax.nn.softmax(scores_BKGTS, axis=-1)
+    out_BTKGD = jnp.einsum(
+        "bkgts,bskd->btkgd", probs_BKGTS.astype(v_BSKD.dtype), v_BSKD,
+        preferred_element_type=jnp.float32)
+    return out_BTKGD.reshape(B, T, H, D).astype(q_BTHD.dtype)
+
+
+def cudnn_attention(q_BTHD, k_BSKD, v_BSKD, *, segment_ids=None, causal=True, sm_scale=None):
+    """cuDNN flash attention through ``jax.nn.dot_product_attention`` (NVIDIA GPUs only).
+
+    cuDNN's fused kernel takes only float16 and bfloat16: float32 inputs run in bfloat16 and the
+    output is cast back to float32. Segments are passed as a boolean mask.
+    """
+    if jax.default_backend() != "gpu":
+        raise ConfigError(
+            f"attention implementation 'cudnn' needs an NVIDIA GPU, but the backend is "
+            f"'{jax.default_backend()}'; use --attention xla")
+    out_dtype = q_BTHD.dtype
+    if out_dtype == jnp.float32:
+        q_BTHD, k_BSKD, v_BSKD = (x.astype(jnp.bfloat16) for x in (q_BTHD, k_BSKD, v_BSKD))
+    mask = None
+    if segment_ids is not None:
+        mask = attention_mask(
+            q_BTHD.shape[1], k_BSKD.shape[1], causal=False, segment_ids_q=segment_ids)
+    out_BTHD = jax.nn.dot_product_attention(
+        q_BTHD, k_BSKD, v_BSKD, mask=mask, scale=sm_scale, is_causal=causal,
+        implementation="cudnn")
+    return out_BTHD.astype(out_dtype)
+
+
+def dot_product_attention(q, k, v, *, segment_ids=None, causal=True, implementation="xla",
+                          sm_scale=None):
+    """Attention over [B, T, H, D] queries and [B, S, K, D] keys/values, K dividing H.
+
+    Args:
+      segment_ids: int32 [B, T] or None; tokens attend only within their own segment.
+      causal: a token attends only to itself and earlier tokens.
+      implementation: one of ``IMPLEMENTATIONS``.
+      sm_scale: softmax scale, default 1/sqrt(D).
+    Returns:
+      [B, T, H, D] in q's dtype.
+    """
+    _check_shapes(q, k, v)
+    if implementation == "xla":
+        return xla_attention(q, k, v, segment_ids=segment_ids, causal=causal, sm_scale=sm_scale)
+    if implementation == "cudnn":
+        return cudnn_attention(q, k, v, segment_ids=segment_ids, causal=causal, sm_scale=sm_scale)
+    raise ConfigError(
+        f"unknown attention implementation {implementation!r}; choose one of "
+        f"{', '.join(IMPLEMENTATIONS)}")

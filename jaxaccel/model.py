@@ -1,0 +1,269 @@
+"""A decoder-only transformer (GPT) in Flax NNX.
+
+Token embedding, rotary position embedding driven by the Batch's ``positions`` (so packed
+documents restart at 0), pre-norm blocks with RMSNorm, grouped-query attention through
+``jaxaccel.attention.dot_product_attention``, a SwiGLU or GELU MLP and an untied or tied output
+head. Logits come out in float32.
+
+The module is stateful NNX; training code works on a plain nested dict of parameters
+(``init_params``) and a pure ``apply`` function (``make_apply``), so that every step function is a
+pure function of pytrees.
+"""
+
+import dataclasses
+
+import jax
+import jax.numpy as jnp
+from flax import nnx
+
+from jaxaccel.attention import IMPLEMENTATIONS, dot_product_attention
+from jaxaccel.errors import ConfigError
+from jaxaccel.tokenizer import ByteTokenizer
+
+MLP_KINDS = ("swiglu", "gelu")
+
+
+@dataclasses.dataclass(frozen=True)
+class ModelConfig:
+    """Shape and options of the GPT. ``n_kv_heads`` and ``d_ff`` default from the others."""
+
+    vocab_size: int = ByteTokenizer().padded_vocab_size
+    d_model: int = 256
+    n_layers: int = 4
+    n_heads: int = 4
+    n_kv_heads: int | None = None
+    d_ff: int | None = None
+    max_seq_len: int = 256
+    mlp: str = "swiglu"
+    tie_embeddings: bool = False
+    rope_base: float = 10_000.0
+    dropout: float = 0.0
+    attention: str = "xla"
+
+    def __post_init__(self):
+        if self.n_kv_heads is None:
+            object.__setattr__(self, "n_kv_heads", self.n_heads)
+        if self.d_ff is None:
+            object.__setattr__(self, "d_ff", default_d_ff(self.d_model, self.mlp))
+        self.validate()
+
+    @property
+    def head_dim(self) -> int:
+        return self.d_model // self.n_heads
+
+    def validate(self):
+        """Raise ConfigError on an inconsistent shape, naming the flag that fixes it."""
+        for name in ("vocab_size", "d_model", "n_layers", "n_heads", "n_kv_heads", "d_ff",
+                     "max_seq_len"):
+            if getattr(self, name) < 1:
+                flag = name.replace("_", "-")
+                raise ConfigError(f"{name} must be positive, got {getattr(self, name)}; fix --{flag}")
+        if self.d_model % self.n_heads:
+            raise ConfigError(
+                f"n_heads={self.n_heads} does not divide d_model={self.d_model}; choose --n-heads "
+                f"dividing --d-model")
+        if self.n_heads % self.n_kv_heads:
+            raise ConfigError(
+                f"n_kv_heads={self.n_kv_heads} does not divide n_heads={self.n_heads}; choose "
+                f"--n-kv-heads dividing --n-heads")
+        if self.head_dim % 2:
+            raise ConfigError(
+                f"head_dim={self.head_dim} (d_model/n_heads) is odd, rotary embedding needs it "
+                f"even; change --d-model or --n-heads")
+        if self.mlp not in MLP_KINDS:
+            raise ConfigError(f"unknown mlp {self.mlp!r}; choose --mlp from {', '.join(MLP_KINDS)}")
+        if self.attention not in IMPLEMENTATIONS:
+            raise ConfigError(
+                f"unknown attention {self.attention!r}; choose --attention from "
+                f"{', '.join(IMPLEMENTATIONS)}")
+        if not 0.0 <= self.dropout < 1.0:
+            raise ConfigError(f"dropout must be in [0, 1), got {self.dropout}; fix --dropout")
+
+
+def default_d_ff(d_model: int, mlp: str) -> int:
+    """4*d for GELU; for SwiGLU 8/3*d rounded up to a multiple of 64 (about the same parameters)."""
+    if mlp == "gelu":
+        return 4 * d_model
+    return -(-(8 * d_model // 3) // 64) * 64
+
+
+PRESETS = {
+    "tiny": ModelConfig(d_model=256, n_layers=4, n_heads=4, max_seq_len=256),
+    "small": ModelConfig(d_model=768, n_layers=12, n_heads=12, max_seq_len=1024, mlp="gelu"),
+    "medium": ModelConfig(d_model=1024, n_layers=24, n_heads=16, max_seq_len=1024, mlp="gelu"),
+}
+
+
+def preset(name: str, **overrides) -> ModelConfig:
+    """A preset's config with some fields replaced; ``None`` overrides are ignored.
+
+    ``n_kv_heads`` and ``d_ff`` are re-derived unless given, so ``--n-heads 8`` alone stays valid.
+    """
+    if name not in PRESETS:
+        raise ConfigError(f"unknown model preset {name!r}; choose --model from {', '.join(PRESETS)}")
+    fields = dataclasses.asdict(PRESETS[name])
+    overrides = {k: v for k, v in overrides.items() if v is not None}
+    if "n_heads" in overrides:
+        fields["n_kv_heads"] = None
+    if "d_model" in overrides or "mlp" in overrides:
+        fields["d_ff"] = None
+    fields.update(overrides)
+    return ModelConfig(**fields)
+
+
+def rotary_sin_cos(positions_BT, head_dim: int, base: float):
+    """Sines and cosines [B, T, head_dim/2] of the rotary angles, in float32."""
+    inv_freq_F = base ** (-jnp.arange(0, head_dim, 2, dtype=jnp.float32) / head_dim)
+    angles_BTF = positions_BT.astype(jnp.float32)[..., None] * inv_freq_F
+    return jnp.sin(angles_BTF), jnp.cos(angles_BTF)
+
+
+def apply_rotary(x_BTHD, sin_BTF, cos_BTF):
+    """Rotate the two halves of each head's features by the position's angles."""
+    x1, x2 = jnp.split(x_BTHD.astype(jnp.float32), 2, axis=-1)
+    sin, cos = sin_BTF[:, :, None], cos_BTF[:, :, None]
+    rotated = jnp.concatenate([x1 * cos - x2 * sin, x2 * cos + x1 * sin], axis=-1)
+    return rotated.astype(x_BTHD.dtype)
+
+
+def _dense(d_in, d_out, std, rngs):
+    return nnx.Linear(d_in, d_out, use_bias=False,
+                      kernel_init=nnx.initializers.normal(stddev=std), rngs=rngs)
+
+
+class Attention(nnx.Module):
+    """Grouped-query self-attention with rotary embeddings."""
+
+    def __init__(self, cfg: ModelConfig, *, rngs: nnx.Rngs):
+        self.cfg = cfg
+        d, hd = cfg.d_model, cfg.head_dim
+        out_std = 0.02 / (2 * cfg.n_layers) ** 0.5
+        self.wq = _dense(d, cfg.n_heads * hd, 0.02, rngs)
+        self.wk = _dense(d, cfg.n_kv_heads * hd, 0.02, rngs)
+        self.wv = _dense(d, cfg.n_kv_heads * hd, 0.02, rngs)
+        self.wo = _dense(cfg.n_heads * hd, d, out_std, rngs)
+
+    def __call__(self, x_BTD, sin_BTF, cos_BTF, segment_ids_BT):
+        cfg = self.cfg
+        B, T, _ = x_BTD.shape
+        q_BTHD = self.wq(x_BTD).reshape(B, T, cfg.n_heads, cfg.head_dim)
+        k_BTKD = self.wk(x_BTD).reshape(B, T, cfg.n_kv_heads, cfg.head_dim)
+        v_BTKD = self.wv(x_BTD).reshape(B, T, cfg.n_kv_heads, cfg.head_dim)
+        q_BTHD = apply_rotary(q_BTHD, sin_BTF, cos_BTF)
+        k_BTKD = apply_rotary(k_BTKD, sin_BTF, cos_BTF)
+        out_BTHD = dot_product_attention(
+            q_BTHD, k_BTKD, v_BTKD, segment_ids=segment_ids_BT, causal=True,
+            implementation=cfg.attention)
+        return self.wo(out_BTHD.reshape(B, T, cfg.n_heads * cfg.head_dim))
+
+
+class MLP(nnx.Module):
+    """SwiGLU (silu(x W_gate) * x W_up) W_down, or GELU(x W_in) W_out."""
+
+    def __init__(self, cfg: ModelConfig, *, rngs: nnx.Rngs):
+        self.kind = cfg.mlp
+        out_std = 0.02 / (2 * cfg.n_layers) ** 0.5
+        self.w_in = _dense(cfg.d_model, cfg.d_ff, 0.02, rngs)
+        if cfg.mlp == "swiglu":
+            self.w_gate = _dense(cfg.d_model, cfg.d_ff, 0.02, rngs)
+        self.w_out = _dense(cfg.d_ff, cfg.d_model, out_std, rngs)
+
+    def __call__(self, x_BTD):
+        if self.kind == "swiglu":
+            h_BTF = jax.nn.silu(self.w_gate(x_BTD)) * self.w_in(x_BTD)
+        else:
+            h_BTF = jax.nn.gelu(self.w_in(x_BTD))
+        return self.w_out(h_BTF)
+
+
+class Block(nnx.Module):
+    """Pre-norm transformer block: x + attn(norm(x)), then x + mlp(norm(x))."""
+
+    def __init__(self, cfg: ModelConfig, *, rngs: nnx.Rngs):
+        self.dropout = cfg.dropout
+        self.attn_norm = nnx.RMSNorm(cfg.d_model, rngs=rngs)
+        self.attn = Attention(cfg, rngs=rngs)
+        self.mlp_norm = nnx.RMSNorm(cfg.d_model, rngs=rngs)
+        self.mlp = MLP(cfg, rngs=rngs)
+
+    def _drop(self, x, key):
+        if key is None or self.dropout == 0.0:
+            return x
+        keep = jax.random.bernoulli(key, 1.0 - self.dropout, x.shape)
+        return jnp.where(keep, x / (1.0 - self.dropout), 0).astype(x.dtype)
+
+    def __call__(self, x_BTD, sin_BTF, cos_BTF, segment_ids_BT, dropout_key=None):
+        keys = (None, None) if dropout_key is None else jax.random.split(dropout_key)
+        h_BTD = self.attn(self.attn_norm(x_BTD), sin_BTF, cos_BTF, segment_ids_BT)
+        x_BTD = x_BTD + self._drop(h_BTD, keys[0])
+        h_BTD = self.mlp(self.mlp_norm(x_BTD))
+        return x_BTD + self._drop(h_BTD, keys[1])
+
+
+class GPT(nnx.Module):
+    """Decoder-only transformer: ids [B, T] -> float32 logits [B, T, vocab_size]."""
+
+    def __init__(self, cfg: ModelConfig, *, rngs: nnx.Rngs):
+        self.cfg = cfg
+        self.embed = nnx.Embed(cfg.vocab_size, cfg.d_model,
+                               embedding_init=nnx.initializers.normal(stddev=0.02), rngs=rngs)
+        self.blocks = nnx.List([Block(cfg, rngs=rngs) for _ in range(cfg.n_layers)])
+        self.final_norm = nnx.RMSNorm(cfg.d_model, rngs=rngs)
+        if not cfg.tie_embeddings:
+            self.head = _dense(cfg.d_model, cfg.vocab_size, 0.02, rngs)
+
+    def __call__(self, inputs_BT, positions_BT, segment_ids_BT, *, dropout_key=None):
+        cfg = self.cfg
+        x_BTD = self.embed(inputs_BT)
+        sin_BTF, cos_BTF = rotary_sin_cos(positions_BT, cfg.head_dim, cfg.rope_base)
+        for i, block in enumerate(self.blocks):
+            key = None if dropout_key is None else jax.random.fold_in(dropout_key, i)
+            x_BTD = block(x_BTD, sin_BTF, cos_BTF, segment_ids_BT, key)
+        x_BTD = self.final_norm(x_BTD)
+        if cfg.tie_embeddings:
+            logits_BTV = self.embed.attend(x_BTD)
+        else:
+            logits_BTV = self.head(x_BTD)
+        return logits_BTV.astype(jnp.float32)
+
+
+def init_params(cfg: ModelConfig, key) -> dict:
+    """Fresh parameters as a plain nested dict of arrays."""
+    model = GPT(cfg, rngs=nnx.Rngs(params=key))
+    return nnx.to_pure_dict(nnx.state(model, nnx.Param))
+
+
+def make_apply(cfg: ModelConfig):
+    """``apply(params, batch, dropout_key=None) -> logits [B, T, V]``, a pure function."""
+    graphdef, _ = nnx.split(nnx.eval_shape(lambda: GPT(cfg, rngs=nnx.Rngs(0))))
+
+    def apply(params, batch, dropout_key=None):
+        model = nnx.merge(graphdef, params)
+        return model(batch["inputs"], batch["positions"], batch["segment_ids"],
+                     dropout_key=dropout_key)
+
+    return apply
+
+
+def count_params(params) -> int:
+    return sum(x.size for x in jax.tree.leaves(params))
+
+
+def matmul_params(cfg: ModelConfig) -> int:
+    """Parameters that take part in a matmul per token: all but the embedding lookup.
+
+    A tied head multiplies by the embedding matrix, so it counts once here.
+    """
+    d, hd = cfg.d_model, cfg.head_dim
+    attn = d * cfg.n_heads * hd * 2 + d * cfg.n_kv_heads * hd * 2
+    mlp = d * cfg.d_ff * (3 if cfg.mlp == "swiglu" else 2)
+    return cfg.n_layers * (attn + mlp) + d * cfg.vocab_size
+
+
+def flops_per_token(cfg: ModelConfig, seq_len: int) -> float:
+    """Training FLOPs per token: 6 N for the matmuls plus 12 L d T for attention scores and values.
+
+    N is ``matmul_params``; the attention term is the PaLM accounting (forward 4 L d T, backward
+    twice that), counting the full T x T score matrix as implementations without tile skipping do.
+    """
+    return 6.0 * matmul_params(cfg) + 12.0 * cfg.n_layers * cfg.d_model * seq_len
