@@ -1,0 +1,54 @@
+"""Ahead-of-time compilation per input shape, with the compiles counted.
+
+In JAX every new input shape is a new XLA compilation. ``CompiledFn`` makes that visible: it
+lowers and compiles once per distinct set of argument shapes, counts the compilations and their
+seconds, and keeps each compiled executable for XLA's memory and cost analyses.
+"""
+
+import time
+
+import jax
+
+
+def shape_key(args) -> tuple:
+    """A hashable signature of the arguments' tree structure, shapes and dtypes."""
+    leaves, treedef = jax.tree.flatten(args)
+    return treedef, tuple((tuple(x.shape), str(x.dtype)) for x in leaves)
+
+
+class CompiledFn:
+    """``jax.jit(fn)`` compiled ahead of time for each new argument signature."""
+
+    def __init__(self, fn, **jit_kwargs):
+        self._jitted = jax.jit(fn, **jit_kwargs)
+        self._executables = {}
+        self.compiles = 0
+        self.compile_seconds = 0.0
+        self.last = None
+
+    def compile(self, *args):
+        """The executable for these arguments' shapes, compiling it on first sight."""
+        key = shape_key(args)
+        executable = self._executables.get(key)
+        if executable is None:
+            start = time.perf_counter()
+            executable = self._jitted.lower(*args).compile()
+            self.compile_seconds += time.perf_counter() - start
+            self.compiles += 1
+            self._executables[key] = executable
+        self.last = executable
+        return executable
+
+    def __call__(self, *args):
+        return self.compile(*args)(*args)
+
+
+def memory_bytes(executable) -> dict:
+    """XLA's compiled memory analysis as a dict of byte counts (empty if the backend has none)."""
+    analysis = executable.memory_analysis()
+    if analysis is None:
+        return {}
+    fields = ("argument_size_in_bytes", "output_size_in_bytes", "temp_size_in_bytes",
+              "alias_size_in_bytes", "generated_code_size_in_bytes",
+              "host_temp_size_in_bytes")
+    return {f.removesuffix("_size_in_bytes"): int(getattr(analysis, f, 0) or 0) for f in fields}

@@ -1,0 +1,88 @@
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+from jaxaccel.compiled import CompiledFn, memory_bytes
+from jaxaccel.model import ModelConfig, init_params, make_apply
+from jaxaccel.optim import decay_mask, make_optimizer
+from jaxaccel.train import init_state, make_eval_step, make_train_step, weighted_cross_entropy
+
+CFG = ModelConfig(vocab_size=64, d_model=32, n_layers=2, n_heads=4, max_seq_len=16)
+
+
+def random_batch(seed, B=4, T=16, pad=0):
+    rng = np.random.default_rng(seed)
+    tokens = rng.integers(3, 64, (B, T + 1)).astype(np.int32)
+    weights = np.ones((B, T), np.float32)
+    seg = np.ones((B, T), np.int32)
+    if pad:
+        weights[:, -pad:] = 0
+        seg[:, -pad:] = 0
+    return {"inputs": tokens[:, :-1], "targets": tokens[:, 1:], "weights": weights,
+            "segment_ids": seg, "positions": np.tile(np.arange(T, dtype=np.int32), (B, 1))}
+
+
+def make(steps=100, lr=3e-3):
+    optimizer, schedule = make_optimizer(learning_rate=lr, total_steps=steps, warmup_steps=5)
+    state = init_state(init_params(CFG, jax.random.PRNGKey(0)), optimizer, seed=0)
+    apply_fn = make_apply(CFG)
+    return state, make_train_step(apply_fn, optimizer, schedule), make_eval_step(apply_fn)
+
+
+def test_weighted_cross_entropy_ignores_zero_weights():
+    logits = jnp.asarray(np.random.default_rng(0).standard_normal((1, 3, 5)), jnp.float32)
+    targets = jnp.array([[1, 2, 3]])
+    full, _ = weighted_cross_entropy(logits[:, :2], targets[:, :2], jnp.ones((1, 2)))
+    masked, count = weighted_cross_entropy(logits, targets, jnp.array([[1.0, 1.0, 0.0]]))
+    assert count == 2 and np.isclose(full, masked)
+
+
+def test_loss_falls_when_overfitting_one_batch():
+    state, train_step, eval_step = make()
+    step = jax.jit(train_step, donate_argnums=0)
+    batch = random_batch(0, pad=3)
+    first = float(eval_step(state, batch)["loss_sum"] / eval_step(state, batch)["weight_sum"])
+    for _ in range(60):
+        state, metrics = step(state, batch)
+    assert first > 3.5
+    assert float(metrics["loss"]) < 0.5 * first
+    assert int(state.step) == 60
+    assert float(metrics["real_tokens"]) == 4 * 13 and int(metrics["padded_tokens"]) == 4 * 3
+    assert float(metrics["grad_norm"]) > 0 and float(metrics["learning_rate"]) > 0
+
+
+def test_train_step_is_deterministic():
+    state_a, train_step, _ = make()
+    state_b, _, _ = make()
+    step = jax.jit(train_step)
+    for seed in range(3):
+        state_a, _ = step(state_a, random_batch(seed))
+        state_b, _ = step(state_b, random_batch(seed))
+    for a, b in zip(jax.tree.leaves(state_a), jax.tree.leaves(state_b)):
+        np.testing.assert_array_equal(a, b)
+
+
+def test_weight_decay_skips_norms_and_embeddings():
+    params = init_params(CFG, jax.random.PRNGKey(0))
+    mask = decay_mask(params)
+    assert mask["blocks"][0]["attn"]["wq"]["kernel"] is True
+    assert mask["blocks"][0]["attn_norm"]["scale"] is False
+    assert mask["embed"]["embedding"] is False
+
+
+def test_compiles_are_counted_once_per_shape_and_match_xla():
+    backend_compiles = []
+    jax.monitoring.register_event_duration_secs_listener(
+        lambda event, secs, **kw: backend_compiles.append(event)
+        if event == "/jax/core/compile/backend_compile_duration" else None)
+    state, train_step, _ = make()
+    step = CompiledFn(train_step, donate_argnums=0)
+    before = len(backend_compiles)
+    for seed in range(4):
+        state, _ = step(state, random_batch(seed))
+    assert step.compiles == 1
+    assert len(backend_compiles) - before == 1   # XLA itself compiled the step exactly once
+    state, _ = step(state, random_batch(9, T=8))
+    assert step.compiles == 2 and step.compile_seconds > 0
+    assert memory_bytes(step.last)["temp"] > 0
