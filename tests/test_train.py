@@ -1,3 +1,4 @@
+import chex
 import jax
 import jax.numpy as jnp
 import numpy as np
@@ -59,8 +60,7 @@ def test_train_step_is_deterministic():
     for seed in range(3):
         state_a, _ = step(state_a, random_batch(seed))
         state_b, _ = step(state_b, random_batch(seed))
-    for a, b in zip(jax.tree.leaves(state_a), jax.tree.leaves(state_b)):
-        np.testing.assert_array_equal(a, b)
+    chex.assert_trees_all_equal(state_a, state_b)
 
 
 def test_weight_decay_skips_norms_and_embeddings():

@@ -1,0 +1,65 @@
+"""The main job: train a GPT on the embedded corpus and print what the run achieved.
+
+    python -m experiments.train                 # tiny model, stdlib corpus, a few CPU minutes
+    python -m experiments.train --resume        # continue the latest run from its checkpoint
+    python -m experiments.train --help          # every flag
+
+Writes metrics.jsonl, checkpoints/ and loss.png into the run directory. Bits per byte count
+every target token: each byte, and the end-of-document token once per document.
+"""
+
+import json
+import signal
+import sys
+
+from jaxaccel.config import parse_config
+from jaxaccel.errors import ConfigError
+from jaxaccel.loop import train
+
+
+def format_summary(s: dict) -> str:
+    """The run's summary as aligned lines for the terminal."""
+    mfu = f"{s['mfu']:.1%}" if s["mfu"] is not None else "n/a (device peak unknown)"
+    rows = [
+        ("run dir", s["run_dir"]),
+        ("device", f"{s['device']}, jax {s['jax_version']}"),
+        ("steps", f"{s['steps']} ({s['steps_this_run']} this run)"),
+        ("parameters", f"{s['params']:,}"),
+        ("real tokens/s", f"{s['real_tokens_per_s']:,.0f}"),
+        ("model FLOP/s", f"{s['achieved_flops_per_s'] / 1e9:,.1f} GFLOP/s (MFU {mfu})"),
+        ("padding efficiency", f"{s['padding_efficiency']:.1%}"),
+        ("train bits/byte", f"{s['train_bpb']:.3f} (last tenth of the steps)"),
+        ("val bits/byte", f"{s['val_bpb']:.3f} over {s['val_tokens']:,} tokens"),
+        ("unigram bits/byte", f"{s['unigram_bpb']:.3f} (entropy of the corpus's byte frequencies)"),
+        ("compiles", f"{s['compiles']} train step ({s['compile_s']:.1f} s), "
+                     f"{s['eval_compiles']} eval step"),
+        ("documents", f"{s['split_documents']:,} split into chunks, "
+                      f"{s['empty_documents_skipped']:,} empty skipped"),
+        ("wall time", f"{s['wall_s']:.1f} s ({s['train_s']:.1f} s training)"),
+    ]
+    width = max(len(name) for name, _ in rows)
+    return "\n".join(f"{name:<{width}}  {value}" for name, value in rows)
+
+
+def main(argv=None) -> int:
+    try:
+        cfg = parse_config(argv, description=__doc__.split("\n\n")[0])
+        summary = train(cfg)
+    except ConfigError as e:
+        print(f"error: {e}", file=sys.stderr)
+        return 2
+    if summary["interrupted"]:
+        print(f"stopped by {summary['interrupted']} at step {summary['steps']}; checkpoint saved; "
+              f"continue with: python -m experiments.train --resume --run-dir {summary['run_dir']}",
+              file=sys.stderr)
+        signum = getattr(signal.Signals, summary["interrupted"], None)
+        return 128 + signum if signum else 1
+    print(format_summary(summary))
+    if cfg.json:
+        with open(cfg.json, "w") as f:
+            json.dump(summary, f, indent=2)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,115 @@
+"""Run configuration: a dataclass whose fields are also the command-line flags.
+
+``TrainConfig`` holds every setting of a training run; ``parse_config`` builds an argparse parser
+from its fields (help text from each field's metadata), so ``--help`` always lists them all and
+a new field is a new flag.
+"""
+
+import argparse
+import dataclasses
+import types
+import typing
+
+from jaxaccel.attention import IMPLEMENTATIONS
+from jaxaccel.errors import ConfigError
+from jaxaccel.model import MLP_KINDS, PRESETS, ModelConfig, preset
+
+
+def _field(default, help_text, **extra):
+    return dataclasses.field(default=default, metadata={"help": help_text, **extra})
+
+
+@dataclasses.dataclass
+class TrainConfig:
+    """Every setting of ``experiments.train``; the model fields default to the preset's values."""
+
+    model: str = _field("tiny", "model preset", choices=tuple(PRESETS))
+    d_model: int | None = _field(None, "model width (overrides the preset)")
+    n_layers: int | None = _field(None, "number of transformer blocks")
+    n_heads: int | None = _field(None, "attention heads; must divide --d-model")
+    n_kv_heads: int | None = _field(None, "key/value heads (grouped-query); must divide --n-heads")
+    d_ff: int | None = _field(None, "MLP inner width (default 4*d for gelu, ~8/3*d for swiglu)")
+    max_seq_len: int | None = _field(None, "model context length")
+    mlp: str | None = _field(None, "MLP kind", choices=MLP_KINDS)
+    tie_embeddings: bool | None = _field(None, "share the input embedding with the output head")
+    dropout: float | None = _field(None, "residual dropout rate (0 = off)")
+    attention: str = _field("xla", "attention implementation", choices=IMPLEMENTATIONS)
+
+    data: str = _field("stdlib", "corpus: 'stdlib', a directory of text files or a .jsonl file")
+    seq_len: int | None = _field(None, "training sequence length (default: the model context)")
+    batch_size: int = _field(16, "sequences per batch")
+    steps: int = _field(300, "optimizer steps in the whole run")
+    learning_rate: float = _field(3e-3, "peak learning rate")
+    warmup_steps: int = _field(50, "linear warmup steps")
+    weight_decay: float = _field(0.1, "AdamW weight decay (not on norms, biases, embeddings)")
+    clip_norm: float = _field(1.0, "global gradient-norm clip (0 = off)")
+    seed: int = _field(0, "seed of parameters, data order and dropout")
+
+    run_dir: str | None = _field(
+        None, "run directory (default: a new runs/train-<time>; with --resume, the latest one)")
+    checkpoint_every: int = _field(100, "save an orbax checkpoint every N steps (and at the end)")
+    eval_every: int = _field(100, "evaluate on --eval-batches validation batches every N steps")
+    eval_batches: int = _field(20, "validation batches in periodic evaluations (the final one "
+                                   "uses the whole split)")
+    log_every: int = _field(10, "write metrics every N steps")
+    resume: bool = _field(False, "continue the run in --run-dir from its latest checkpoint")
+    progress: bool = _field(True, "show a progress bar")
+    cache_dir: str | None = _field(None, "tokenized corpus cache (default $JAXACCEL_CACHE_DIR "
+                                         "or ~/.cache/jaxaccel)")
+    json: str | None = _field(None, "also write the summary as JSON to this path")
+
+    def model_config(self) -> ModelConfig:
+        names = {f.name for f in dataclasses.fields(ModelConfig)}
+        return preset(self.model, **{k: v for k, v in vars(self).items() if k in names})
+
+    def resolved_seq_len(self, model_cfg: ModelConfig) -> int:
+        return model_cfg.max_seq_len if self.seq_len is None else self.seq_len
+
+    def validate(self) -> ModelConfig:
+        """Check the settings together; return the model config they describe."""
+        model_cfg = self.model_config()
+        seq_len = self.resolved_seq_len(model_cfg)
+        for name in ("batch_size", "steps", "seq_len"):
+            value = seq_len if name == "seq_len" else getattr(self, name)
+            if value < 1:
+                raise ConfigError(f"{name} must be at least 1, got {value}; fix --{name.replace('_', '-')}")
+        if seq_len > model_cfg.max_seq_len:
+            raise ConfigError(
+                f"seq_len={seq_len} exceeds the model context max_seq_len={model_cfg.max_seq_len}; "
+                f"lower --seq-len or raise --max-seq-len")
+        for name in ("checkpoint_every", "eval_every", "eval_batches", "log_every", "warmup_steps"):
+            if getattr(self, name) < 0:
+                raise ConfigError(f"{name} must be >= 0, got {getattr(self, name)}; fix "
+                                  f"--{name.replace('_', '-')}")
+        return model_cfg
+
+
+def _scalar_type(annotation):
+    """int for ``int | None``, and so on."""
+    if isinstance(annotation, types.UnionType) or typing.get_origin(annotation) is typing.Union:
+        return next(a for a in typing.get_args(annotation) if a is not type(None))
+    return annotation
+
+
+def build_parser(config_cls=TrainConfig, description: str = "") -> argparse.ArgumentParser:
+    """An argparse parser with one flag per dataclass field, defaults shown in --help."""
+    parser = argparse.ArgumentParser(
+        description=description, formatter_class=argparse.ArgumentDefaultsHelpFormatter)
+    for f in dataclasses.fields(config_cls):
+        flag = "--" + f.name.replace("_", "-")
+        kind = _scalar_type(f.type)
+        kwargs = {"default": f.default, "help": f.metadata.get("help", "")}
+        if kind is bool:
+            kwargs["action"] = argparse.BooleanOptionalAction
+        else:
+            kwargs["type"] = kind
+            if "choices" in f.metadata:
+                kwargs["choices"] = f.metadata["choices"]
+        parser.add_argument(flag, dest=f.name, **kwargs)
+    return parser
+
+
+def parse_config(argv=None, config_cls=TrainConfig, description: str = ""):
+    """Parse command-line flags into ``config_cls``."""
+    args = build_parser(config_cls, description).parse_args(argv)
+    return config_cls(**vars(args))

@@ -1,0 +1,34 @@
+"""What the device can do: peak FLOP/s for model FLOPs utilisation, and its memory use."""
+
+import jax
+
+# Dense bf16 tensor-core peaks in FLOP/s from the vendors' data sheets (SXM parts).
+PEAK_BF16_FLOPS = {
+    "H200": 989e12,
+    "H100": 989e12,
+    "A100": 312e12,
+}
+
+
+def peak_flops(device=None) -> float | None:
+    """The device's dense bf16 peak, or None where it is not known (CPUs, other GPUs)."""
+    device = device or jax.devices()[0]
+    kind = getattr(device, "device_kind", "")
+    for name, flops in PEAK_BF16_FLOPS.items():
+        if name in kind:
+            return flops
+    return None
+
+
+def describe(device=None) -> str:
+    device = device or jax.devices()[0]
+    return f"{jax.device_count()} x {device.device_kind} ({device.platform})"
+
+
+def peak_memory_bytes(device=None) -> int | None:
+    """Peak bytes in use on the device since start, where the backend reports it (GPUs do)."""
+    device = device or jax.devices()[0]
+    stats = device.memory_stats() if hasattr(device, "memory_stats") else None
+    if not stats:
+        return None
+    return stats.get("peak_bytes_in_use")

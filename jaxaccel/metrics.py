@@ -1,0 +1,73 @@
+"""Where a run's metrics go: JSONL in the run directory, TensorBoard if it is installed, a PNG."""
+
+import json
+import math
+import os
+
+import numpy as np
+
+BITS_PER_NAT = 1.0 / math.log(2.0)
+
+
+class MetricsWriter:
+    """Appends one JSON object per record to ``metrics.jsonl``; mirrors scalars to TensorBoard
+    event files when ``tensorboardX`` is importable (optional, never required)."""
+
+    def __init__(self, run_dir: str):
+        self.path = os.path.join(run_dir, "metrics.jsonl")
+        self._file = open(self.path, "a")
+        try:
+            from tensorboardX import SummaryWriter
+            self._tb = SummaryWriter(os.path.join(run_dir, "tensorboard"))
+        except ImportError:
+            self._tb = None
+
+    def write(self, step: int, kind: str, values: dict):
+        record = {"step": int(step), "kind": kind, **{k: _plain(v) for k, v in values.items()}}
+        self._file.write(json.dumps(record) + "\n")
+        self._file.flush()
+        if self._tb is not None:
+            for key, value in record.items():
+                if isinstance(value, (int, float)) and key != "step":
+                    self._tb.add_scalar(f"{kind}/{key}", value, step)
+
+    def close(self):
+        self._file.close()
+        if self._tb is not None:
+            self._tb.close()
+
+
+def _plain(value):
+    if isinstance(value, (np.generic, np.ndarray)):
+        return value.item()
+    return value
+
+
+def read_metrics(path: str) -> list[dict]:
+    with open(path) as f:
+        return [json.loads(line) for line in f if line.strip()]
+
+
+def plot_loss_curve(records: list[dict], path: str, *, unigram_bpb: float | None = None,
+                    title: str = "loss"):
+    """Train and validation bits per byte against step, with the unigram baseline dashed."""
+    import matplotlib
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    fig, ax = plt.subplots(figsize=(7, 4.5))
+    for kind, style in (("train", "-"), ("eval", "o-")):
+        points = [(r["step"], r["bpb"]) for r in records if r["kind"] == kind and "bpb" in r]
+        if points:
+            steps, bpb = zip(*points)
+            ax.plot(steps, bpb, style, label="validation" if kind == "eval" else kind, ms=4)
+    if unigram_bpb is not None:
+        ax.axhline(unigram_bpb, ls="--", color="gray", label=f"unigram entropy {unigram_bpb:.2f}")
+    ax.set_xlabel("step")
+    ax.set_ylabel("bits per byte")
+    ax.set_title(title)
+    ax.grid(alpha=0.3)
+    ax.legend()
+    fig.tight_layout()
+    fig.savefig(path, dpi=110)
+    plt.close(fig)

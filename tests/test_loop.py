@@ -1,0 +1,156 @@
+"""The training loop end to end on a small JSONL corpus: summary, resume, signals, bad input."""
+
+import json
+import os
+import signal
+import subprocess
+import sys
+import time
+
+import chex
+import jax
+import numpy as np
+import orbax.checkpoint as ocp
+import pytest
+
+from experiments.train import main
+from jaxaccel.config import TrainConfig
+from jaxaccel.loop import train
+
+SMALL_MODEL = ["--d-model", "32", "--n-layers", "2", "--n-heads", "4", "--max-seq-len", "32"]
+
+
+@pytest.fixture(scope="module")
+def corpus_path(tmp_path_factory):
+    """About 600 short documents of code-like text, enough for a validation split."""
+    rng = np.random.default_rng(0)
+    words = ["def", "return", "self", "x", "=", "+", "(", ")", ":", "if", "for", "in", "\n    "]
+    path = tmp_path_factory.mktemp("data") / "docs.jsonl"
+    with open(path, "w") as f:
+        for _ in range(600):
+            n = int(rng.integers(3, 40))
+            f.write(json.dumps({"text": " ".join(rng.choice(words, n))}) + "\n")
+    return str(path)
+
+
+def small_config(corpus_path, tmp_path, name="run", **overrides):
+    fields = dict(d_model=32, n_layers=2, n_heads=4, max_seq_len=32, data=corpus_path,
+                  seq_len=32, batch_size=4, steps=8, warmup_steps=2, eval_every=4,
+                  eval_batches=2, log_every=2, checkpoint_every=3, progress=False,
+                  run_dir=str(tmp_path / name), cache_dir=str(tmp_path / "cache"))
+    fields.update(overrides)
+    return TrainConfig(**fields)
+
+
+def final_state(run_dir, step):
+    return ocp.StandardCheckpointer().restore(os.path.join(run_dir, "checkpoints", str(step), "state"))
+
+
+def test_summary_metrics_and_artifacts(corpus_path, tmp_path):
+    summary = train(small_config(corpus_path, tmp_path))
+    for key in ("steps", "real_tokens_per_s", "padding_efficiency", "train_bpb", "val_bpb",
+                "unigram_bpb", "compiles", "wall_s"):
+        assert key in summary
+    assert summary["steps"] == 8 and summary["compiles"] == 1 and summary["interrupted"] is None
+    assert 0 < summary["padding_efficiency"] <= 1 and summary["real_tokens_per_s"] > 0
+    assert np.isfinite(summary["val_bpb"]) and summary["val_tokens"] > 0
+    run_dir = summary["run_dir"]
+    records = [json.loads(line) for line in open(os.path.join(run_dir, "metrics.jsonl"))]
+    assert [r["step"] for r in records if r["kind"] == "train"] == [2, 4, 6, 8]
+    assert [r["step"] for r in records if r["kind"] == "eval"] == [4, 8]
+    assert os.path.getsize(os.path.join(run_dir, "loss.png")) > 1000
+    assert sorted(os.listdir(os.path.join(run_dir, "checkpoints"))) == ["6", "8"]
+
+
+def test_resume_is_bitwise_identical_to_an_uninterrupted_run(corpus_path, tmp_path):
+    whole = train(small_config(corpus_path, tmp_path, "whole"))
+    cut = train(small_config(corpus_path, tmp_path, "cut"), should_stop=lambda step: step == 5)
+    assert cut["interrupted"] == "requested" and cut["steps"] == 5
+    resumed = train(small_config(corpus_path, tmp_path, "cut", resume=True))
+    assert resumed["steps"] == 8 and resumed["steps_this_run"] == 3
+    a, b = final_state(whole["run_dir"], 8), final_state(resumed["run_dir"], 8)
+    assert len(jax.tree.leaves(a)) > 10
+    chex.assert_trees_all_equal(a, b)
+    assert resumed["val_bpb"] == whole["val_bpb"]
+
+
+def test_sigterm_saves_a_checkpoint_and_exits(corpus_path, tmp_path):
+    run_dir = tmp_path / "signalled"
+    cmd = [sys.executable, "-m", "experiments.train", *SMALL_MODEL, "--data", corpus_path,
+           "--seq-len", "32", "--batch-size", "4", "--steps", "100000", "--log-every", "1",
+           "--eval-every", "0", "--checkpoint-every", "0", "--no-progress",
+           "--run-dir", str(run_dir), "--cache-dir", str(tmp_path / "cache")]
+    proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    metrics = run_dir / "metrics.jsonl"
+    deadline = time.time() + 120
+    while time.time() < deadline and not (metrics.exists() and metrics.stat().st_size > 0):
+        assert proc.poll() is None, proc.communicate()
+        time.sleep(0.2)
+    proc.send_signal(signal.SIGTERM)
+    _, err = proc.communicate(timeout=120)
+    assert proc.returncode == 128 + signal.SIGTERM, err
+    assert "stopped by SIGTERM" in err and "--resume" in err
+    steps = os.listdir(run_dir / "checkpoints")
+    assert len(steps) == 1 and int(steps[0]) >= 1
+
+
+def run_cli(args, capsys):
+    code = main(args)
+    err = capsys.readouterr().err.strip().splitlines()
+    return code, err
+
+
+@pytest.mark.parametrize("args,message", [
+    (["--data", "/no/such/path"], "does not exist"),
+    (["--n-heads", "5"], "n_heads=5 does not divide d_model=32"),
+    (["--n-kv-heads", "3"], "n_kv_heads=3 does not divide n_heads=4"),
+    (["--seq-len", "64"], "seq_len=64 exceeds the model context max_seq_len=32"),
+    (["--batch-size", "0"], "batch_size must be at least 1"),
+])
+def test_bad_input_is_one_error_line_with_exit_code_2(args, message, corpus_path, tmp_path,
+                                                      capsys):
+    base = [*SMALL_MODEL, "--data", corpus_path, "--steps", "2", "--no-progress",
+            "--run-dir", str(tmp_path / "bad"), "--cache-dir", str(tmp_path / "cache")]
+    code, err = run_cli(base + args, capsys)
+    assert code == 2
+    assert len(err) == 1 and err[0].startswith("error: ") and message in err[0], err
+
+
+def test_empty_corpus_is_an_error(tmp_path, capsys):
+    empty = tmp_path / "empty"
+    empty.mkdir()
+    (empty / "blank.txt").write_text("  \n")
+    code, err = run_cli(["--data", str(empty), "--run-dir", str(tmp_path / "r"),
+                         "--cache-dir", str(tmp_path / "cache")], capsys)
+    assert code == 2 and len(err) == 1 and "no non-empty documents" in err[0]
+
+
+def test_checkpoint_problems_on_resume_are_errors(corpus_path, tmp_path, capsys):
+    base = [*SMALL_MODEL, "--data", corpus_path, "--seq-len", "32", "--batch-size", "4",
+            "--steps", "3", "--eval-every", "0", "--no-progress", "--run-dir",
+            str(tmp_path / "r"), "--cache-dir", str(tmp_path / "cache")]
+    assert main(base) == 0
+    capsys.readouterr()
+    code, err = run_cli(base, capsys)
+    assert code == 2 and "already holds checkpoints; pass --resume" in err[0]
+    code, err = run_cli(base + ["--resume", "--d-model", "64"], capsys)
+    assert code == 2 and len(err) == 1 and "written with other settings: d_model=32" in err[0]
+    code, err = run_cli([*base, "--resume", "--run-dir", str(tmp_path / "nothing")], capsys)
+    assert code == 2 and "no checkpoint in" in err[0]
+    state_dir = tmp_path / "r" / "checkpoints" / "3" / "state"
+    for root, _, files in os.walk(state_dir):
+        for name in files:
+            with open(os.path.join(root, name), "wb") as f:
+                f.write(b"garbage")
+    code, err = run_cli(base + ["--resume"], capsys)
+    assert code == 2 and len(err) == 1 and "is unreadable" in err[0], err
+
+
+def test_cli_exit_code_and_no_traceback_in_a_real_process(tmp_path):
+    proc = subprocess.run(
+        [sys.executable, "-m", "experiments.train", "--n-heads", "3", "--run-dir", str(tmp_path)],
+        capture_output=True, text=True, timeout=120)
+    assert proc.returncode == 2
+    assert proc.stderr.strip().splitlines() == [
+        "error: n_heads=3 does not divide d_model=256; choose --n-heads dividing --d-model"]
+    assert "Traceback" not in proc.stderr
