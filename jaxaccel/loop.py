@@ -175,6 +175,7 @@ def train(cfg: TrainConfig, *, should_stop=None) -> dict:
             window.append(metrics)
             done = step + 1
             if done % max(cfg.log_every, 1) == 0 or done == cfg.steps:
+                jax.block_until_ready(window[-1])
                 rate = totals["timed_real"] / max(watch.elapsed(), 1e-9)
                 history += _log_window(writer, done, window, rate, progress)
                 window = []
@@ -192,7 +193,7 @@ def train(cfg: TrainConfig, *, should_stop=None) -> dict:
                 break
         watch.pause(state)
         if window:
-            rate = totals["timed_real"] / max(watch.elapsed(), 1e-9)
+            rate = totals["timed_real"] / max(watch.seconds, 1e-9)
             history += _log_window(writer, int(state.step), window, rate, progress)
         final_step = int(state.step)
         save(final_step)
@@ -268,7 +269,8 @@ def _log_window(writer, step, window, tokens_per_s, progress) -> list[tuple[floa
     writer.write(step, "train", record)
     if progress is not None:
         progress.update(step - progress.n)
-        progress.set_postfix(bpb=f"{record['bpb']:.2f}", tok_s=f"{tokens_per_s:,.0f}")
+        progress.set_postfix(loss=f"{loss:.3f}", bpb=f"{record['bpb']:.2f}",
+                             tok_s=f"{tokens_per_s:,.0f}")
     return list(zip(losses.tolist(), tokens.tolist()))
 
 
