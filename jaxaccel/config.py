@@ -11,11 +11,13 @@ import types
 import typing
 
 from jaxaccel.attention import IMPLEMENTATIONS
+from jaxaccel.data import STRATEGIES
 from jaxaccel.errors import ConfigError
 from jaxaccel.model import MLP_KINDS, PRESETS, ModelConfig, preset
 
 
-def _field(default, help_text, **extra):
+def flag(default, help_text, **extra):
+    """A dataclass field that is also a command-line flag with this help text."""
     return dataclasses.field(default=default, metadata={"help": help_text, **extra})
 
 
@@ -23,40 +25,53 @@ def _field(default, help_text, **extra):
 class TrainConfig:
     """Every setting of ``experiments.train``; the model fields default to the preset's values."""
 
-    model: str = _field("tiny", "model preset", choices=tuple(PRESETS))
-    d_model: int | None = _field(None, "model width (overrides the preset)")
-    n_layers: int | None = _field(None, "number of transformer blocks")
-    n_heads: int | None = _field(None, "attention heads; must divide --d-model")
-    n_kv_heads: int | None = _field(None, "key/value heads (grouped-query); must divide --n-heads")
-    d_ff: int | None = _field(None, "MLP inner width (default 4*d for gelu, ~8/3*d for swiglu)")
-    max_seq_len: int | None = _field(None, "model context length")
-    mlp: str | None = _field(None, "MLP kind", choices=MLP_KINDS)
-    tie_embeddings: bool | None = _field(None, "share the input embedding with the output head")
-    dropout: float | None = _field(None, "residual dropout rate (0 = off)")
-    attention: str = _field("xla", "attention implementation", choices=IMPLEMENTATIONS)
+    model: str = flag("tiny", "model preset", choices=tuple(PRESETS))
+    d_model: int | None = flag(None, "model width (overrides the preset)")
+    n_layers: int | None = flag(None, "number of transformer blocks")
+    n_heads: int | None = flag(None, "attention heads; must divide --d-model")
+    n_kv_heads: int | None = flag(None, "key/value heads (grouped-query); must divide --n-heads")
+    d_ff: int | None = flag(None, "MLP inner width (default 4*d for gelu, ~8/3*d for swiglu)")
+    max_seq_len: int | None = flag(None, "model context length")
+    mlp: str | None = flag(None, "MLP kind", choices=MLP_KINDS)
+    tie_embeddings: bool | None = flag(None, "share the input embedding with the output head")
+    dropout: float | None = flag(None, "residual dropout rate (0 = off)")
+    attention: str = flag("xla", "attention implementation", choices=IMPLEMENTATIONS)
 
-    data: str = _field("stdlib", "corpus: 'stdlib', a directory of text files or a .jsonl file")
-    seq_len: int | None = _field(None, "training sequence length (default: the model context)")
-    batch_size: int = _field(16, "sequences per batch")
-    steps: int = _field(300, "optimizer steps in the whole run")
-    learning_rate: float = _field(3e-3, "peak learning rate")
-    warmup_steps: int = _field(50, "linear warmup steps")
-    weight_decay: float = _field(0.1, "AdamW weight decay (not on norms, biases, embeddings)")
-    clip_norm: float = _field(1.0, "global gradient-norm clip (0 = off)")
-    seed: int = _field(0, "seed of parameters, data order and dropout")
+    data: str = flag("stdlib", "corpus: 'stdlib', a directory of text files or a .jsonl file")
+    seq_len: int | None = flag(None, "training sequence length (default: the model context)")
+    batching: str = flag("fixed", "batching strategy: fixed padding, dynamic padding, length "
+                                    "buckets or sequence packing", choices=tuple(STRATEGIES))
+    batch_size: int | None = flag(None, "sequences per batch (default 16 unless "
+                                          "--tokens-per-batch is given)")
+    tokens_per_batch: int | None = flag(None, "token budget per batch instead of --batch-size "
+                                                "(bucket: a batch size per bucket)")
+    buckets: int = flag(8, "number of length buckets (--batching bucket)")
+    pad_multiple: int = flag(64, "row lengths are padded to a multiple of this "
+                                   "(dynamic, bucket)")
+    pack_window: int | None = flag(None, "documents packed together per window "
+                                           "(--batching pack; default: the data module's)")
+    prefetch: int = flag(2, "batches the loader thread keeps ready on the devices")
+    steps: int = flag(300, "optimizer steps in the whole run")
+    train_tokens: int | None = flag(None, "train on about this many real tokens instead of "
+                                            "--steps (steps = tokens / mean real tokens per batch)")
+    learning_rate: float = flag(3e-3, "peak learning rate")
+    warmup_steps: int = flag(50, "linear warmup steps")
+    weight_decay: float = flag(0.1, "AdamW weight decay (not on norms, biases, embeddings)")
+    clip_norm: float = flag(1.0, "global gradient-norm clip (0 = off)")
+    seed: int = flag(0, "seed of parameters, data order and dropout")
 
-    run_dir: str | None = _field(
+    run_dir: str | None = flag(
         None, "run directory (default: a new runs/train-<time>; with --resume, the latest one)")
-    checkpoint_every: int = _field(100, "save an orbax checkpoint every N steps (and at the end)")
-    eval_every: int = _field(100, "evaluate on --eval-batches validation batches every N steps")
-    eval_batches: int = _field(20, "validation batches in periodic evaluations (the final one "
+    checkpoint_every: int = flag(100, "save an orbax checkpoint every N steps (and at the end)")
+    eval_every: int = flag(100, "evaluate on --eval-batches validation batches every N steps")
+    eval_batches: int = flag(20, "validation batches in periodic evaluations (the final one "
                                    "uses the whole split)")
-    log_every: int = _field(10, "write metrics every N steps")
-    resume: bool = _field(False, "continue the run in --run-dir from its latest checkpoint")
-    progress: bool = _field(True, "show a progress bar")
-    cache_dir: str | None = _field(None, "tokenized corpus cache (default $JAXACCEL_CACHE_DIR "
+    log_every: int = flag(10, "write metrics every N steps")
+    resume: bool = flag(False, "continue the run in --run-dir from its latest checkpoint")
+    progress: bool = flag(True, "show a progress bar")
+    cache_dir: str | None = flag(None, "tokenized corpus cache (default $JAXACCEL_CACHE_DIR "
                                          "or ~/.cache/jaxaccel)")
-    json: str | None = _field(None, "also write the summary as JSON to this path")
+    json: str | None = flag(None, "also write the summary as JSON to this path")
 
     def model_config(self) -> ModelConfig:
         names = {f.name for f in dataclasses.fields(ModelConfig)}
@@ -65,13 +80,25 @@ class TrainConfig:
     def resolved_seq_len(self, model_cfg: ModelConfig) -> int:
         return model_cfg.max_seq_len if self.seq_len is None else self.seq_len
 
+    def batching_options(self) -> dict:
+        """Keyword arguments of ``jaxaccel.data.DataStream`` for the batch size and strategy."""
+        batch_size = self.batch_size
+        if batch_size is None and self.tokens_per_batch is None:
+            batch_size = 16
+        options = {"batch_size": batch_size, "tokens_per_batch": self.tokens_per_batch,
+                   "pad_multiple": self.pad_multiple, "num_buckets": self.buckets}
+        if self.pack_window is not None:
+            options["pack_window"] = self.pack_window
+        return options
+
     def validate(self) -> ModelConfig:
         """Check the settings together; return the model config they describe."""
         model_cfg = self.model_config()
         seq_len = self.resolved_seq_len(model_cfg)
-        for name in ("batch_size", "steps", "seq_len"):
+        for name in ("steps", "seq_len", "batch_size", "tokens_per_batch", "train_tokens",
+                     "prefetch"):
             value = seq_len if name == "seq_len" else getattr(self, name)
-            if value < 1:
+            if value is not None and value < 1:
                 raise ConfigError(f"{name} must be at least 1, got {value}; fix --{name.replace('_', '-')}")
         if seq_len > model_cfg.max_seq_len:
             raise ConfigError(

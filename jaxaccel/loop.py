@@ -9,6 +9,7 @@ in flight, save a checkpoint and return with ``summary["interrupted"]`` set.
 import contextlib
 import dataclasses
 import glob
+import math
 import os
 import signal
 import time
@@ -21,8 +22,9 @@ from jaxaccel.checkpoint import Checkpointer
 from jaxaccel.compiled import CompiledFn, memory_bytes
 from jaxaccel.config import TrainConfig
 from jaxaccel.corpus import load_corpus
-from jaxaccel.data import DataStream, batch_stats, batches
+from jaxaccel.data import DataStream, batches
 from jaxaccel.errors import ConfigError
+from jaxaccel.loader import DevicePrefetcher, abstract_batch, place_batch
 from jaxaccel.metrics import BITS_PER_NAT, MetricsWriter, plot_loss_curve, read_metrics
 from jaxaccel.model import count_params, flops_per_token, init_params, make_apply
 from jaxaccel.optim import make_optimizer
@@ -32,8 +34,8 @@ RUNS_ROOT = "runs"
 
 # Settings a resumed run must share with its checkpoint: they shape the state, the data order or
 # the optimizer's trajectory, so changing them would silently break the continuation.
-RESUME_KEYS = ("data", "seq_len", "batch_size", "steps", "learning_rate", "warmup_steps",
-               "weight_decay", "clip_norm", "seed")
+RESUME_KEYS = ("data", "batching", "learning_rate", "warmup_steps", "weight_decay",
+               "clip_norm", "seed")
 
 
 def resolve_run_dir(cfg: TrainConfig) -> str:
@@ -84,7 +86,7 @@ def evaluate(eval_step, state, documents, *, seq_len: int, batch_size: int,
                                       batch_size=batch_size, shuffle=False)):
         if max_batches and i >= max_batches:
             break
-        sums = eval_step(state, batch)
+        sums = eval_step(state, place_batch(batch))
         loss_sum, weight_sum = loss_sum + sums["loss_sum"], weight_sum + sums["weight_sum"]
     loss_sum, weight_sum = jax.device_get((loss_sum, weight_sum))
     return float(loss_sum) / max(float(weight_sum), 1.0), int(weight_sum)
@@ -122,64 +124,70 @@ def train(cfg: TrainConfig, *, should_stop=None) -> dict:
     corpus = load_corpus(cfg.data, cache_dir=cfg.cache_dir)
     os.makedirs(run_dir, exist_ok=True)
 
+    stream_args = dict(strategy=cfg.batching, seq_len=seq_len, seed=cfg.seed,
+                       process_index=jax.process_index(), process_count=jax.process_count(),
+                       data_parallel=jax.device_count(), **cfg.batching_options())
+    stream = DataStream(corpus.train, **stream_args)
+    total_steps = cfg.steps
+    if cfg.train_tokens is not None:
+        total_steps = max(1, math.ceil(cfg.train_tokens / stream.stats["real_tokens_per_batch"]))
     optimizer, schedule = make_optimizer(
         "adamw", learning_rate=cfg.learning_rate, weight_decay=cfg.weight_decay,
-        warmup_steps=cfg.warmup_steps, total_steps=cfg.steps, clip_norm=cfg.clip_norm)
-    params = init_params(model_cfg, jax.random.PRNGKey(cfg.seed))
-    state = init_state(params, optimizer, cfg.seed)
+        warmup_steps=cfg.warmup_steps, total_steps=total_steps, clip_norm=cfg.clip_norm)
+    state = init_state(init_params(model_cfg, jax.random.PRNGKey(cfg.seed)), optimizer, cfg.seed)
     resume_config = {**dataclasses.asdict(model_cfg),
-                     **{k: getattr(cfg, k) for k in RESUME_KEYS}, "seq_len": seq_len}
+                     **{k: getattr(cfg, k) for k in RESUME_KEYS},
+                     **cfg.batching_options(), "seq_len": seq_len, "steps": total_steps}
     checkpointer = Checkpointer(os.path.join(run_dir, "checkpoints"))
-    position = None
     if cfg.resume:
         state, position, _ = checkpointer.restore(state, config=resume_config)
-    stream = DataStream(corpus.train, seq_len=seq_len, batch_size=cfg.batch_size, seed=cfg.seed,
-                        position=position)
+        stream = DataStream(corpus.train, position=position, **stream_args)
 
     apply_fn = make_apply(model_cfg)
     train_step = CompiledFn(
         make_train_step(apply_fn, optimizer, schedule, dropout=model_cfg.dropout > 0),
         donate_argnums=0)
     eval_step = CompiledFn(make_eval_step(apply_fn))
-    writer = MetricsWriter(run_dir)
-    unigram_bpb = corpus.unigram_bits_per_token()
+    eval_batch_size = stream_args["batch_size"] or max(1, stream_args["tokens_per_batch"] // seq_len)
+    abstract_state = jax.tree.map(lambda x: jax.ShapeDtypeStruct(x.shape, x.dtype), state)
+    for shape in stream.shapes:
+        train_step.compile(abstract_state, abstract_batch(shape))
+    eval_step.compile(abstract_state, abstract_batch((eval_batch_size, seq_len)))
+    warm_compiles = train_step.compiles
 
+    writer = MetricsWriter(run_dir)
     first_step = int(state.step)
     watch = Stopwatch()
     window, history = [], []
-    totals = {"real": 0, "positions": 0, "timed_real": 0}
+    totals = {"real": 0, "positions": 0}
     interrupted = None
+    feed = DevicePrefetcher(stream, depth=cfg.prefetch)
 
     def save(step):
-        checkpointer.save(step, state, loader_position=stream.position, config=resume_config)
+        checkpointer.save(step, state, loader_position=feed.position, config=resume_config)
 
     def run_eval(step, max_batches):
         loss, tokens = evaluate(eval_step, state, corpus.val, seq_len=seq_len,
-                                batch_size=cfg.batch_size, max_batches=max_batches)
+                                batch_size=eval_batch_size, max_batches=max_batches)
         writer.write(step, "eval", {"loss": loss, "bpb": loss * BITS_PER_NAT, "tokens": tokens})
         return loss, tokens
 
-    progress = _progress_bar(cfg, first_step)
+    progress = _progress_bar(total_steps, first_step, cfg.progress)
+    watch.start()
     with stop_on_signals() as received:
-        for step in range(first_step, cfg.steps):
-            batch = next(stream)
+        for step in range(first_step, total_steps):
+            batch, counts = next(feed)
             state, metrics = train_step(state, batch)
-            counts = batch_stats(batch)
             totals["real"] += counts["real_tokens"]
             totals["positions"] += counts["real_tokens"] + counts["padded_tokens"]
-            if step == first_step:
-                jax.block_until_ready(metrics)
-                watch.start()
-            else:
-                totals["timed_real"] += counts["real_tokens"]
             window.append(metrics)
             done = step + 1
-            if done % max(cfg.log_every, 1) == 0 or done == cfg.steps:
+            if done % max(cfg.log_every, 1) == 0 or done == total_steps:
                 jax.block_until_ready(window[-1])
-                rate = totals["timed_real"] / max(watch.elapsed(), 1e-9)
+                rate = totals["real"] / max(watch.elapsed(), 1e-9)
                 history += _log_window(writer, done, window, rate, progress)
                 window = []
-            if cfg.eval_every and done % cfg.eval_every == 0 and done < cfg.steps:
+            if cfg.eval_every and done % cfg.eval_every == 0 and done < total_steps:
                 watch.pause(state)
                 run_eval(done, cfg.eval_batches)
                 watch.start()
@@ -193,10 +201,11 @@ def train(cfg: TrainConfig, *, should_stop=None) -> dict:
                 break
         watch.pause(state)
         if window:
-            rate = totals["timed_real"] / max(watch.seconds, 1e-9)
+            rate = totals["real"] / max(watch.seconds, 1e-9)
             history += _log_window(writer, int(state.step), window, rate, progress)
         final_step = int(state.step)
         save(final_step)
+    feed.close()
     if progress is not None:
         progress.close()
 
@@ -206,24 +215,32 @@ def train(cfg: TrainConfig, *, should_stop=None) -> dict:
         val_loss, val_tokens = run_eval(final_step, None)
     writer.close()
     checkpointer.close()
+    unigram_bpb = corpus.unigram_bits_per_token()
     plot_loss_curve(read_metrics(writer.path), os.path.join(run_dir, "loss.png"),
-                    unigram_bpb=unigram_bpb, title=f"{cfg.model} on {cfg.data}")
+                    unigram_bpb=unigram_bpb, title=f"{cfg.model} on {cfg.data}, {cfg.batching}")
 
     flops_token = flops_per_token(model_cfg, seq_len)
-    tokens_per_s = totals["timed_real"] / watch.seconds if watch.seconds > 0 else float("nan")
+    tokens_per_s = totals["real"] / watch.seconds if watch.seconds > 0 else float("nan")
     peak = hardware.peak_flops()
     return {
         "steps": final_step,
         "steps_this_run": final_step - first_step,
+        "batching": cfg.batching,
+        "real_tokens": totals["real"],
         "real_tokens_per_s": tokens_per_s,
         "padding_efficiency": totals["real"] / max(totals["positions"], 1),
+        "epoch_padding_efficiency": stream.stats["padding_efficiency"],
+        "shapes": [list(shape) for shape in stream.shapes],
         "train_bpb": _recent_bpb(history),
+        "val_loss": val_loss,
         "val_bpb": val_loss * BITS_PER_NAT,
         "val_tokens": val_tokens,
         "unigram_bpb": unigram_bpb,
         "compiles": train_step.compiles,
+        "compiles_after_warmup": train_step.compiles - warm_compiles,
         "compile_s": train_step.compile_seconds,
         "eval_compiles": eval_step.compiles,
+        "data_wait_s": feed.wait_seconds,
         "wall_s": time.perf_counter() - wall_start,
         "train_s": watch.seconds,
         "params": count_params(state.params),
@@ -241,11 +258,12 @@ def train(cfg: TrainConfig, *, should_stop=None) -> dict:
     }
 
 
-def _progress_bar(cfg: TrainConfig, first_step: int):
-    if not cfg.progress:
+def _progress_bar(total_steps: int, first_step: int, enabled: bool):
+    if not enabled:
         return None
     from tqdm import tqdm
-    return tqdm(total=cfg.steps, initial=first_step, desc="train", unit="step", dynamic_ncols=True)
+    return tqdm(total=total_steps, initial=first_step, desc="train", unit="step",
+                dynamic_ncols=True)
 
 
 def _log_window(writer, step, window, tokens_per_s, progress) -> list[tuple[float, float]]:

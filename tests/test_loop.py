@@ -154,3 +154,40 @@ def test_cli_exit_code_and_no_traceback_in_a_real_process(tmp_path):
     assert proc.stderr.strip().splitlines() == [
         "error: n_heads=3 does not divide d_model=256; choose --n-heads dividing --d-model"]
     assert "Traceback" not in proc.stderr
+
+
+@pytest.mark.parametrize("strategy,extra", [
+    ("dynamic", dict(pad_multiple=8)),
+    ("bucket", dict(buckets=3, pad_multiple=8, batch_size=None, tokens_per_batch=96)),
+    ("pack", {}),
+])
+def test_every_shape_compiles_in_warm_up_and_never_after(strategy, extra, corpus_path, tmp_path):
+    cfg = small_config(corpus_path, tmp_path, strategy, batching=strategy, steps=12,
+                       checkpoint_every=0, **extra)
+    summary = train(cfg)
+    assert summary["compiles"] == len(summary["shapes"]) >= 1
+    assert summary["compiles_after_warmup"] == 0
+    if strategy == "pack":
+        assert summary["shapes"] == [[4, 32]]
+        assert summary["padding_efficiency"] > 0.9
+    assert summary["data_wait_s"] >= 0 and np.isfinite(summary["val_bpb"])
+
+
+@pytest.mark.parametrize("strategy,extra", [
+    ("pack", {}),
+    ("bucket", dict(buckets=3, pad_multiple=8)),
+])
+def test_resume_is_bitwise_with_other_strategies(strategy, extra, corpus_path, tmp_path):
+    make = lambda name, **kw: small_config(corpus_path, tmp_path, name, batching=strategy,
+                                           eval_every=0, checkpoint_every=0, **extra, **kw)
+    whole = train(make("whole"))
+    train(make("cut"), should_stop=lambda step: step == 3)
+    resumed = train(make("cut", resume=True))
+    chex.assert_trees_all_equal(final_state(whole["run_dir"], 8), final_state(resumed["run_dir"], 8))
+
+
+def test_train_tokens_sets_the_number_of_steps(corpus_path, tmp_path):
+    summary = train(small_config(corpus_path, tmp_path, batching="pack", steps=1000,
+                                 train_tokens=4 * 32 * 5, checkpoint_every=0, eval_every=0))
+    assert 5 <= summary["steps"] <= 6
+    assert summary["real_tokens"] >= 0.9 * 4 * 32 * 5

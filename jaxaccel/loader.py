@@ -1,0 +1,94 @@
+"""Feeding the step: a background thread keeps batches ready on the devices.
+
+``DevicePrefetcher`` wraps a ``DataStream``: a thread makes the next batches on the host, places
+them on the devices with the step's input sharding (building one global array from each
+process's slice when there are several processes) and queues them, so the step finds its input
+waiting. It records how long the consumer waited for data, and the stream position that goes
+with each batch, since the thread runs ahead of what the step has consumed.
+"""
+
+import queue
+import threading
+import time
+
+import jax
+import numpy as np
+
+from jaxaccel.data import batch_stats
+
+
+def place_batch(batch: dict, sharding=None) -> dict:
+    """Put a host batch on the devices; with several processes, ``batch`` is this process's rows
+    of the global batch and ``sharding`` (required then) says how the global array is laid out."""
+    if jax.process_count() > 1:
+        if sharding is None:
+            raise ValueError("several processes need the batch sharding to build global arrays")
+        return {k: jax.make_array_from_process_local_data(sharding, v) for k, v in batch.items()}
+    return jax.device_put(batch, sharding)
+
+
+class DevicePrefetcher:
+    """Iterator of ``(device batch, host counts)`` that stays ``depth`` batches ahead.
+
+    ``position`` is the stream position after the last batch handed out, the one a checkpoint
+    must record. ``wait_seconds`` sums the time ``next`` blocked because no batch was ready.
+    """
+
+    _END = object()
+
+    def __init__(self, stream, *, sharding=None, depth: int = 2):
+        self.position = stream.position
+        self.wait_seconds = 0.0
+        self._queue = queue.Queue(maxsize=max(depth, 1))
+        self._stop = threading.Event()
+        self._thread = threading.Thread(
+            target=self._produce, args=(stream, sharding), daemon=True, name="prefetch")
+        self._thread.start()
+
+    def _produce(self, stream, sharding):
+        try:
+            for batch in stream:
+                item = (place_batch(batch, sharding), batch_stats(batch), stream.position)
+                while not self._stop.is_set():
+                    try:
+                        self._queue.put(item, timeout=0.1)
+                        break
+                    except queue.Full:
+                        continue
+                if self._stop.is_set():
+                    return
+        except BaseException as error:  # handed to the consumer, which re-raises it
+            self._queue.put(error)
+            return
+        self._queue.put(self._END)
+
+    def __iter__(self):
+        return self
+
+    def __next__(self):
+        start = time.perf_counter()
+        item = self._queue.get()
+        self.wait_seconds += time.perf_counter() - start
+        if item is self._END:
+            raise StopIteration
+        if isinstance(item, BaseException):
+            raise item
+        batch, counts, self.position = item
+        return batch, counts
+
+    def close(self):
+        """Stop the thread and drop the batches it made ahead."""
+        self._stop.set()
+        while self._thread.is_alive():
+            try:
+                self._queue.get(timeout=0.1)
+            except queue.Empty:
+                pass
+        self._thread.join()
+
+
+def abstract_batch(shape: tuple[int, int]) -> dict:
+    """ShapeDtypeStructs of a Batch of ``shape`` = (batch size, length), for compiling ahead."""
+    dtypes = {"inputs": np.int32, "targets": np.int32, "weights": np.float32,
+              "segment_ids": np.int32, "positions": np.int32}
+    return {k: jax.ShapeDtypeStruct(shape, d) for k, d in dtypes.items()}
