@@ -20,19 +20,6 @@ from jaxaccel.loop import train
 SMALL_MODEL = ["--d-model", "32", "--n-layers", "2", "--n-heads", "4", "--max-seq-len", "32"]
 
 
-@pytest.fixture(scope="module")
-def corpus_path(tmp_path_factory):
-    """About 600 short documents of code-like text, enough for a validation split."""
-    rng = np.random.default_rng(0)
-    words = ["def", "return", "self", "x", "=", "+", "(", ")", ":", "if", "for", "in", "\n    "]
-    path = tmp_path_factory.mktemp("data") / "docs.jsonl"
-    with open(path, "w") as f:
-        for _ in range(600):
-            n = int(rng.integers(3, 40))
-            f.write(json.dumps({"text": " ".join(rng.choice(words, n))}) + "\n")
-    return str(path)
-
-
 def small_config(corpus_path, tmp_path, name="run", **overrides):
     fields = dict(d_model=32, n_layers=2, n_heads=4, max_seq_len=32, data=corpus_path,
                   seq_len=32, batch_size=4, steps=8, warmup_steps=2, eval_every=4,
@@ -106,6 +93,11 @@ def run_cli(args, capsys):
     (["--n-kv-heads", "3"], "n_kv_heads=3 does not divide n_heads=4"),
     (["--seq-len", "64"], "seq_len=64 exceeds the model context max_seq_len=32"),
     (["--batch-size", "0"], "batch_size must be at least 1"),
+    (["--batching", "bucket", "--tokens-per-batch", "16", "--pad-multiple", "8"],
+     "smaller than the longest bucket row"),
+    (["--batching", "bucket", "--buckets", "0"], "num_buckets must be >= 1"),
+    (["--batching", "dynamic", "--pad-multiple", "0"], "pad_multiple must be >= 1"),
+    (["--batching", "dynamic", "--tokens-per-batch", "256"], "not --tokens-per-batch"),
 ])
 def test_bad_input_is_one_error_line_with_exit_code_2(args, message, corpus_path, tmp_path,
                                                       capsys):
