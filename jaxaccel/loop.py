@@ -118,6 +118,10 @@ def train(cfg: TrainConfig, *, should_stop=None) -> dict:
     would (checkpoint saved, ``interrupted`` set). Tests use it to cut a run short.
     """
     wall_start = time.perf_counter()
+    if jax.process_count() > 1:
+        raise ConfigError(
+            "training across several processes is not supported yet: the train step is compiled "
+            "for one process's devices; run a single process")
     model_cfg = cfg.validate()
     seq_len = cfg.resolved_seq_len(model_cfg)
     run_dir = resolve_run_dir(cfg)
