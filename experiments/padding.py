@@ -10,8 +10,9 @@ distinct batch shapes and compilations, real tokens/s, wall time, the final vali
 fixed padding, next to the bound that padding alone sets (efficiency / fixed's efficiency). It
 also times the loader alone: real tokens/s of making one whole training epoch of host batches,
 planning included, on one thread.
-``bucket`` uses a token budget of batch_size * seq_len per batch, the same positions per step as
-the others. A bar chart goes to the run directory.
+Each strategy's batches hold about as many real tokens as fixed padding's ``--batch-size``
+rows (``bucket`` through its token budget), so all take the same number of optimizer steps
+and only the padding differs. A bar chart goes to the run directory.
 """
 
 import dataclasses
@@ -24,7 +25,7 @@ import jax
 
 from jaxaccel.config import TrainConfig, flag, parse_config
 from jaxaccel.corpus import load_corpus
-from jaxaccel.data import STRATEGIES, batch_stats, batches
+from jaxaccel.data import STRATEGIES, DataStream, batch_stats, batches
 from jaxaccel.errors import ConfigError
 from jaxaccel.loop import train
 from jaxaccel.report import bar_chart, format_table
@@ -37,9 +38,15 @@ class PaddingConfig(TrainConfig):
     strategies: str = flag(",".join(STRATEGIES), "comma-separated strategies to compare")
     max_seq_len: int | None = flag(1024, "model context length")
     seq_len: int | None = flag(1024, "training sequence length")
-    batch_size: int | None = flag(4, "sequences per batch (bucket: a budget of "
-                                       "batch_size * seq_len tokens per batch)")
-    train_tokens: int | None = flag(300_000, "real tokens each strategy trains on")
+    batch_size: int | None = flag(8, "fixed padding's rows per batch; the others get the batch "
+                                       "size (bucket: token budget) that holds as many real "
+                                       "tokens")
+    match_real_tokens: bool = flag(True, "size every strategy's batches to hold fixed's real "
+                                         "tokens, so all take the same steps (off: the same "
+                                         "rows, and batch_size * seq_len tokens for bucket)")
+    train_tokens: int | None = flag(400_000, "real tokens each strategy trains on")
+    plan_only: bool = flag(False, "only plan one training epoch per strategy and time the "
+                                  "loader: whole-epoch padding efficiency, shapes, batches")
     eval_every: int = flag(0, "evaluate every N steps (0: only at the end)")
     checkpoint_every: int = flag(0, "save a checkpoint every N steps (0: only at the end)")
     warmup_steps: int = flag(10, "linear warmup steps")
@@ -47,6 +54,8 @@ class PaddingConfig(TrainConfig):
 
 COLUMNS = [
     ("strategy", "strategy", ""),
+    ("batch", "batch", ""),
+    ("real_tokens_per_step", "real tok/step", ",.0f"),
     ("padding_efficiency", "padding eff.", ".1%"),
     ("shapes", "shapes", "d"),
     ("compiles", "compiles", "d"),
@@ -70,19 +79,78 @@ def loader_tokens_per_s(documents, cfg: TrainConfig) -> float:
     return real / (time.perf_counter() - start)
 
 
+def matched_batch(documents, cfg: "PaddingConfig", strategy: str) -> dict:
+    """Batch settings for ``strategy`` whose batches hold about as many real tokens as fixed
+    padding's ``batch_size`` rows do, so every strategy takes the same optimizer steps.
+
+    Without matching, the strategies that cut padding would also take fewer, larger steps for
+    the same tokens, and a short run's loss would measure the step count, not the padding.
+    """
+    def real_per_batch(**batching):
+        stream = DataStream(documents, strategy=batching.pop("strategy"), seq_len=cfg.seq_len,
+                            pad_multiple=cfg.pad_multiple, num_buckets=cfg.buckets, **batching)
+        return stream.stats["real_tokens_per_batch"]
+
+    target = real_per_batch(strategy="fixed", batch_size=cfg.batch_size)
+    if strategy == "bucket":
+        budget = cfg.batch_size * cfg.seq_len
+        for _ in range(2 if cfg.match_real_tokens else 0):  # batch sizes per bucket round down
+            budget = round(budget * target / real_per_batch(strategy="bucket",
+                                                            tokens_per_batch=budget))
+        return {"batch_size": None, "tokens_per_batch": budget}
+    batch_size = cfg.batch_size
+    if cfg.match_real_tokens:
+        ratio = target / real_per_batch(strategy=strategy, batch_size=cfg.batch_size)
+        batch_size = max(1, round(cfg.batch_size * ratio))
+    return {"batch_size": batch_size, "tokens_per_batch": None}
+
+
+PLAN_COLUMNS = [
+    ("strategy", "strategy", ""),
+    ("batch", "batch", ""),
+    ("epoch_padding_efficiency", "epoch padding eff.", ".2%"),
+    ("shapes", "shapes", "d"),
+    ("batches_per_epoch", "batches/epoch", ",d"),
+    ("loader_tokens_per_s", "loader tok/s", ",.0f"),
+]
+
+
+def plan_strategy(cfg: PaddingConfig, strategy: str) -> dict:
+    """Plan epoch 0 of ``strategy`` with the experiment's batch settings, and time the loader."""
+    documents = load_corpus(cfg.data, cache_dir=cfg.cache_dir).train
+    batching = matched_batch(documents, cfg, strategy)
+    stream = DataStream(documents, strategy=strategy, seq_len=cfg.seq_len, seed=cfg.seed,
+                        pad_multiple=cfg.pad_multiple, num_buckets=cfg.buckets, **batching)
+    run_cfg = dataclasses.replace(cfg, batching=strategy, **batching)
+    return {
+        "strategy": strategy,
+        "batch": _describe_batch(run_cfg),
+        "epoch_padding_efficiency": stream.stats["padding_efficiency"],
+        "shapes": len(stream.shapes),
+        "batches_per_epoch": stream.batches_per_epoch,
+        "loader_tokens_per_s": loader_tokens_per_s(documents, run_cfg),
+    }
+
+
+def _describe_batch(cfg: TrainConfig) -> str:
+    return f"{cfg.batch_size} rows" if cfg.batch_size else f"{cfg.tokens_per_batch} tokens"
+
+
 def run_strategy(cfg: PaddingConfig, strategy: str, run_root: str) -> dict:
     """Measure the loader, train one strategy, and reduce both to a table row."""
+    documents = load_corpus(cfg.data, cache_dir=cfg.cache_dir).train
     fields = {f.name: getattr(cfg, f.name) for f in dataclasses.fields(TrainConfig)}
-    fields.update(batching=strategy, run_dir=os.path.join(run_root, strategy), json=None)
-    if strategy == "bucket":
-        fields.update(tokens_per_batch=cfg.batch_size * cfg.seq_len, batch_size=None)
+    fields.update(batching=strategy, run_dir=os.path.join(run_root, strategy), json=None,
+                  **matched_batch(documents, cfg, strategy))
     run_cfg = TrainConfig(**fields)
-    loader_rate = loader_tokens_per_s(load_corpus(cfg.data, cache_dir=cfg.cache_dir).train,
-                                      run_cfg)
+    loader_rate = loader_tokens_per_s(documents, run_cfg)
     summary = train(run_cfg)
     return {
         "strategy": strategy,
+        "batch": _describe_batch(run_cfg),
+        "real_tokens_per_step": summary["real_tokens"] / max(summary["steps"], 1),
         "padding_efficiency": summary["padding_efficiency"],
+        "epoch_padding_efficiency": summary["epoch_padding_efficiency"],
         "shapes": len(summary["shapes"]),
         "compiles": summary["compiles"],
         "compiles_after_warmup": summary["compiles_after_warmup"],
@@ -106,11 +174,20 @@ def main(argv=None) -> int:
         if unknown or not strategies:
             raise ConfigError(f"unknown strategies {unknown}; choose --strategies from "
                               f"{', '.join(STRATEGIES)}")
-        run_root = cfg.run_dir or os.path.join("runs", time.strftime("padding-%Y%m%d-%H%M%S"))
-        rows = [run_strategy(cfg, s, run_root) for s in strategies]
+        if cfg.plan_only:
+            rows = [plan_strategy(cfg, s) for s in strategies]
+        else:
+            run_root = cfg.run_dir or os.path.join("runs",
+                                                   time.strftime("padding-%Y%m%d-%H%M%S"))
+            rows = [run_strategy(cfg, s, run_root) for s in strategies]
     except ConfigError as e:
         print(f"error: {e}", file=sys.stderr)
         return 2
+    if cfg.plan_only:
+        print(f"\nseq_len {cfg.seq_len}, one epoch of {cfg.data} per strategy, loader on one thread")
+        print(format_table(rows, PLAN_COLUMNS))
+        _write_json(cfg.json, rows, {"seq_len": cfg.seq_len, "plan_only": True})
+        return 0
     fixed = next((r for r in rows if r["strategy"] == "fixed"), None)
     for row in rows:
         row["speedup_vs_fixed"] = (row["real_tokens_per_s"] / fixed["real_tokens_per_s"]
@@ -118,6 +195,7 @@ def main(argv=None) -> int:
         row["padding_bound"] = (row["padding_efficiency"] / fixed["padding_efficiency"]
                                 if fixed else None)
     meta = {"seq_len": cfg.seq_len, "batch_size": cfg.batch_size, "train_tokens": cfg.train_tokens,
+            "match_real_tokens": cfg.match_real_tokens,
             "model": cfg.model, "data": cfg.data, "device": jax.devices()[0].device_kind,
             "jax_version": jax.__version__, "date": time.strftime("%Y-%m-%d")}
     print(f"\nseq_len {cfg.seq_len}, {cfg.train_tokens:,} real tokens per strategy, "
@@ -128,10 +206,14 @@ def main(argv=None) -> int:
                ("padding efficiency", [r["padding_efficiency"] for r in rows]),
                ("validation loss", [r["val_loss"] for r in rows])],
               title=f"batching strategies, seq_len {cfg.seq_len}")
-    if cfg.json:
-        with open(cfg.json, "w") as f:
-            json.dump({"rows": rows, "meta": meta}, f, indent=2)
+    _write_json(cfg.json, rows, meta)
     return 0
+
+
+def _write_json(path, rows, meta):
+    if path:
+        with open(path, "w") as f:
+            json.dump({"rows": rows, "meta": meta}, f, indent=2)
 
 
 if __name__ == "__main__":

@@ -29,7 +29,7 @@ def bar_chart(path: str, labels: list[str], panels: list[tuple[str, list[float]]
     fig, axes = plt.subplots(1, len(panels), figsize=(4.2 * len(panels), 3.8))
     for ax, (ylabel, values) in zip(axes if len(panels) > 1 else [axes], panels):
         bars = ax.bar(labels, values, color="#4c72b0")
-        ax.bar_label(bars, fmt="%.3g", fontsize=8)
+        ax.bar_label(bars, fmt="%.4g", fontsize=8)
         ax.set_ylabel(ylabel)
         ax.grid(axis="y", alpha=0.3)
     fig.suptitle(title)

@@ -1,0 +1,43 @@
+"""Smoke tests of the experiment modules at a scale of seconds: structure, not figures."""
+
+import json
+
+from experiments import padding
+
+
+def test_padding_experiment_writes_every_row(corpus_path, tmp_path, capsys):
+    out = tmp_path / "padding.json"
+    code = padding.main([
+        "--data", corpus_path, "--d-model", "32", "--n-layers", "1", "--n-heads", "2",
+        "--max-seq-len", "32", "--seq-len", "32", "--batch-size", "4", "--pad-multiple", "8",
+        "--buckets", "3", "--train-tokens", "400", "--no-progress", "--run-dir",
+        str(tmp_path / "runs"), "--cache-dir", str(tmp_path / "cache"), "--json", str(out)])
+    assert code == 0
+    result = json.loads(out.read_text())
+    rows = {row["strategy"]: row for row in result["rows"]}
+    assert list(rows) == ["fixed", "dynamic", "bucket", "pack"]
+    for row in rows.values():
+        for key in ("padding_efficiency", "shapes", "compiles", "compile_s", "real_tokens_per_s",
+                    "wall_s", "val_loss", "speedup_vs_fixed"):
+            assert row[key] is not None, key
+        assert row["compiles"] == row["shapes"] and row["compiles_after_warmup"] == 0
+    assert rows["fixed"]["speedup_vs_fixed"] == 1.0 and rows["pack"]["shapes"] == 1
+    assert rows["pack"]["padding_efficiency"] > rows["fixed"]["padding_efficiency"]
+    assert result["meta"]["seq_len"] == 32
+    assert (tmp_path / "runs" / "padding.png").stat().st_size > 1000
+    assert "| strategy" in capsys.readouterr().out
+
+
+def test_padding_plan_only_reports_whole_epochs(corpus_path, tmp_path):
+    out = tmp_path / "plan.json"
+    code = padding.main([
+        "--data", corpus_path, "--max-seq-len", "32", "--seq-len", "32", "--batch-size", "4",
+        "--pad-multiple", "8", "--buckets", "3", "--plan-only", "--cache-dir",
+        str(tmp_path / "cache"), "--json", str(out)])
+    assert code == 0
+    rows = {row["strategy"]: row for row in json.loads(out.read_text())["rows"]}
+    assert rows["pack"]["epoch_padding_efficiency"] > rows["bucket"]["epoch_padding_efficiency"] \
+        > rows["fixed"]["epoch_padding_efficiency"]
+    assert rows["fixed"]["shapes"] == rows["pack"]["shapes"] == 1
+    assert 1 < rows["bucket"]["shapes"] <= 3
+    assert all(row["loader_tokens_per_s"] > 0 for row in rows.values())
