@@ -29,6 +29,8 @@ import numpy as np
 from jaxaccel.errors import ConfigError
 
 BATCH_KEYS = ("inputs", "targets", "weights", "segment_ids", "positions")
+BATCH_DTYPES = {"inputs": np.int32, "targets": np.int32, "weights": np.float32,
+                "segment_ids": np.int32, "positions": np.int32}
 
 # Strategy options and their defaults. Best-fit's cost per piece grows with the open rows, so
 # packing goes by windows of the shuffled pool; 2048 pieces hold enough short ones to fill the

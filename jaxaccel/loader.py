@@ -12,9 +12,8 @@ import threading
 import time
 
 import jax
-import numpy as np
 
-from jaxaccel.data import batch_stats
+from jaxaccel.data import BATCH_DTYPES, batch_stats
 
 
 def place_batch(batch: dict, sharding=None) -> dict:
@@ -89,6 +88,4 @@ class DevicePrefetcher:
 
 def abstract_batch(shape: tuple[int, int]) -> dict:
     """ShapeDtypeStructs of a Batch of ``shape`` = (batch size, length), for compiling ahead."""
-    dtypes = {"inputs": np.int32, "targets": np.int32, "weights": np.float32,
-              "segment_ids": np.int32, "positions": np.int32}
-    return {k: jax.ShapeDtypeStruct(shape, d) for k, d in dtypes.items()}
+    return {k: jax.ShapeDtypeStruct(shape, d) for k, d in BATCH_DTYPES.items()}
