@@ -14,6 +14,8 @@ from jaxaccel.attention import IMPLEMENTATIONS
 from jaxaccel.data import STRATEGIES
 from jaxaccel.errors import ConfigError
 from jaxaccel.model import MLP_KINDS, PRESETS, ModelConfig, preset
+from jaxaccel.optim import (LR_SCALING, NO_DECAY_PATTERNS, OPTIMIZERS, SCHEDULES,
+                             describe_defaults)
 
 
 def flag(default, help_text, **extra):
@@ -54,10 +56,27 @@ class TrainConfig:
     steps: int = flag(300, "optimizer steps in the whole run")
     train_tokens: int | None = flag(None, "train on about this many real tokens instead of "
                                             "--steps (steps = tokens / mean real tokens per batch)")
-    learning_rate: float = flag(3e-3, "peak learning rate")
+    optimizer: str = flag("adamw", "optimizer; its defaults: " + describe_defaults(),
+                          choices=OPTIMIZERS)
+    learning_rate: float | None = flag(None, "peak learning rate at --base-batch-size (default: "
+                                              "the optimizer's)")
+    schedule: str = flag("cosine", "learning-rate shape after the linear warmup: constant, "
+                                   "cosine or linear decay to 10%%, inverse square root",
+                         choices=SCHEDULES)
     warmup_steps: int = flag(50, "linear warmup steps")
-    weight_decay: float = flag(0.1, "AdamW weight decay (not on norms, biases, embeddings)")
+    lr_scaling: str = flag("none", "scale the learning rate from --base-batch-size to the batch "
+                                   "size: linear (SGD-style) or sqrt (Adam/LAMB-style)",
+                           choices=LR_SCALING)
+    base_batch_size: int = flag(16, "batch size (rows) at which --learning-rate is given")
+    weight_decay: float | None = flag(None, "weight decay (default: the optimizer's)")
+    no_decay: str = flag(",".join(NO_DECAY_PATTERNS),
+                         "comma-separated regexes of parameter paths exempt from weight decay "
+                         "and trust ratios (tensors under 2-D are always exempt)")
     clip_norm: float = flag(1.0, "global gradient-norm clip (0 = off)")
+    accumulate: int = flag(1, "split each batch into this many microbatches and sum their "
+                              "gradients in one step (same update, less activation memory)")
+    optimizer_state_dtype: str = flag("float32", "dtype of the optimizer's moments",
+                                      choices=("float32", "bfloat16"))
     seed: int = flag(0, "seed of parameters, data order and dropout")
 
     run_dir: str | None = flag(
@@ -91,15 +110,27 @@ class TrainConfig:
             options["pack_window"] = self.pack_window
         return options
 
+    def batch_rows(self, seq_len: int) -> int:
+        """Rows per batch: --batch-size, or the rows of seq_len that --tokens-per-batch holds."""
+        options = self.batching_options()
+        return options["batch_size"] or max(1, options["tokens_per_batch"] // seq_len)
+
+    def no_decay_patterns(self) -> tuple[str, ...]:
+        return tuple(p.strip() for p in self.no_decay.split(",") if p.strip())
+
     def validate(self) -> ModelConfig:
         """Check the settings together; return the model config they describe."""
         model_cfg = self.model_config()
         seq_len = self.resolved_seq_len(model_cfg)
         for name in ("steps", "seq_len", "batch_size", "tokens_per_batch", "train_tokens",
-                     "prefetch"):
+                     "prefetch", "accumulate", "base_batch_size"):
             value = seq_len if name == "seq_len" else getattr(self, name)
             if value is not None and value < 1:
                 raise ConfigError(f"{name} must be at least 1, got {value}; fix --{name.replace('_', '-')}")
+        if self.batch_size is not None and self.batch_size % self.accumulate:
+            raise ConfigError(
+                f"batch_size={self.batch_size} does not split into --accumulate "
+                f"{self.accumulate} microbatches; pass a batch size that is a multiple of it")
         if seq_len > model_cfg.max_seq_len:
             raise ConfigError(
                 f"seq_len={seq_len} exceeds the model context max_seq_len={model_cfg.max_seq_len}; "

@@ -15,6 +15,7 @@ import signal
 import time
 
 import jax
+import jax.numpy as jnp
 import numpy as np
 
 from jaxaccel import hardware
@@ -27,15 +28,17 @@ from jaxaccel.errors import ConfigError
 from jaxaccel.loader import DevicePrefetcher, abstract_batch, place_batch
 from jaxaccel.metrics import BITS_PER_NAT, MetricsWriter, plot_loss_curve, read_metrics
 from jaxaccel.model import count_params, flops_per_token, init_params, make_apply
-from jaxaccel.optim import make_optimizer
+from jaxaccel.optim import (DEFAULTS, decay_mask, make_optimizer, scale_learning_rate,
+                            state_bytes)
 from jaxaccel.train import init_state, make_eval_step, make_train_step
 
 RUNS_ROOT = "runs"
 
 # Settings a resumed run must share with its checkpoint: they shape the state, the data order or
 # the optimizer's trajectory, so changing them would silently break the continuation.
-RESUME_KEYS = ("data", "batching", "learning_rate", "warmup_steps", "weight_decay",
-               "clip_norm", "seed")
+RESUME_KEYS = ("data", "batching", "optimizer", "learning_rate", "schedule", "warmup_steps",
+               "lr_scaling", "base_batch_size", "weight_decay", "no_decay", "clip_norm",
+               "accumulate", "optimizer_state_dtype", "seed")
 
 
 def resolve_run_dir(cfg: TrainConfig) -> str:
@@ -130,14 +133,13 @@ def train(cfg: TrainConfig, *, should_stop=None) -> dict:
 
     stream_args = dict(strategy=cfg.batching, seq_len=seq_len, seed=cfg.seed,
                        process_index=jax.process_index(), process_count=jax.process_count(),
-                       data_parallel=jax.device_count(), **cfg.batching_options())
+                       data_parallel=jax.device_count() * cfg.accumulate,
+                       **cfg.batching_options())
     stream = DataStream(corpus.train, **stream_args)
     total_steps = cfg.steps
     if cfg.train_tokens is not None:
         total_steps = max(1, math.ceil(cfg.train_tokens / stream.stats["real_tokens_per_batch"]))
-    optimizer, schedule = make_optimizer(
-        "adamw", learning_rate=cfg.learning_rate, weight_decay=cfg.weight_decay,
-        warmup_steps=cfg.warmup_steps, total_steps=total_steps, clip_norm=cfg.clip_norm)
+    optimizer, schedule, hyperparameters = build_optimizer(cfg, seq_len, total_steps)
     state = init_state(init_params(model_cfg, jax.random.PRNGKey(cfg.seed)), optimizer, cfg.seed)
     resume_config = {**dataclasses.asdict(model_cfg),
                      **{k: getattr(cfg, k) for k in RESUME_KEYS},
@@ -149,7 +151,8 @@ def train(cfg: TrainConfig, *, should_stop=None) -> dict:
 
     apply_fn = make_apply(model_cfg)
     train_step = CompiledFn(
-        make_train_step(apply_fn, optimizer, schedule, dropout=model_cfg.dropout > 0),
+        make_train_step(apply_fn, optimizer, schedule, dropout=model_cfg.dropout > 0,
+                        accumulate=cfg.accumulate),
         donate_argnums=0)
     eval_step = CompiledFn(make_eval_step(apply_fn))
     eval_batch_size = stream_args["batch_size"] or max(1, stream_args["tokens_per_batch"] // seq_len)
@@ -248,6 +251,11 @@ def train(cfg: TrainConfig, *, should_stop=None) -> dict:
         "wall_s": time.perf_counter() - wall_start,
         "train_s": watch.seconds,
         "params": count_params(state.params),
+        "optimizer": cfg.optimizer,
+        **hyperparameters,
+        "batch_rows": cfg.batch_rows(seq_len),
+        "accumulate": cfg.accumulate,
+        "optimizer_state_bytes": state_bytes(state.opt_state),
         "flops_per_token": flops_token,
         "achieved_flops_per_s": tokens_per_s * flops_token,
         "mfu": tokens_per_s * flops_token / peak if peak else None,
@@ -260,6 +268,24 @@ def train(cfg: TrainConfig, *, should_stop=None) -> dict:
         "run_dir": run_dir,
         "interrupted": interrupted,
     }
+
+
+def build_optimizer(cfg: TrainConfig, seq_len: int, total_steps: int):
+    """The run's optimizer, its schedule, and its hyperparameters as resolved (the optimizer's
+    defaults filled in, the peak learning rate scaled to the batch size)."""
+    base_lr = (DEFAULTS[cfg.optimizer].learning_rate if cfg.learning_rate is None
+               else cfg.learning_rate)
+    learning_rate = scale_learning_rate(base_lr, cfg.lr_scaling, cfg.batch_rows(seq_len),
+                                        cfg.base_batch_size)
+    weight_decay = (DEFAULTS[cfg.optimizer].weight_decay if cfg.weight_decay is None
+                    else cfg.weight_decay)
+    patterns = cfg.no_decay_patterns()
+    optimizer, schedule = make_optimizer(
+        cfg.optimizer, learning_rate=learning_rate, weight_decay=weight_decay,
+        schedule=cfg.schedule, warmup_steps=cfg.warmup_steps, total_steps=total_steps,
+        clip_norm=cfg.clip_norm, mask=lambda params: decay_mask(params, patterns),
+        state_dtype=jnp.dtype(cfg.optimizer_state_dtype))
+    return optimizer, schedule, {"learning_rate": learning_rate, "weight_decay": weight_decay}
 
 
 def _progress_bar(total_steps: int, first_step: int, enabled: bool):
@@ -283,6 +309,7 @@ def _log_window(writer, step, window, tokens_per_s, progress) -> list[tuple[floa
     record = {
         "loss": loss, "bpb": loss * BITS_PER_NAT,
         "grad_norm": float(fetched[-1]["grad_norm"]),
+        "update_norm": float(fetched[-1]["update_norm"]),
         "learning_rate": float(fetched[-1]["learning_rate"]),
         "real_tokens": int(tokens.sum()),
         "padding_efficiency": float(tokens.sum() / max(tokens.sum() + padded.sum(), 1.0)),

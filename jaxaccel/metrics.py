@@ -71,3 +71,35 @@ def plot_loss_curve(records: list[dict], path: str, *, unigram_bpb: float | None
     fig.tight_layout()
     fig.savefig(path, dpi=110)
     plt.close(fig)
+
+
+def token_curve(records: list[dict]) -> tuple[list[float], list[float]]:
+    """(cumulative real tokens, train bits per byte) at each train record of a run."""
+    tokens, bpb, seen = [], [], 0
+    for r in records:
+        if r["kind"] == "train":
+            seen += r["real_tokens"]
+            tokens.append(seen)
+            bpb.append(r["bpb"])
+    return tokens, bpb
+
+
+def plot_curves(path: str, curves: dict[str, tuple[list[float], list[float]]], *,
+                xlabel: str, ylabel: str = "train bits per byte", title: str = ""):
+    """Several runs' curves on one axis, one line per label, written as a PNG."""
+    import matplotlib
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    fig, ax = plt.subplots(figsize=(7.5, 4.5))
+    for label, (xs, ys) in curves.items():
+        ax.plot(xs, ys, label=label)
+    ax.set_xlabel(xlabel)
+    ax.set_ylabel(ylabel)
+    ax.set_title(title)
+    ax.grid(alpha=0.3)
+    ax.legend(fontsize=8)
+    fig.tight_layout()
+    os.makedirs(os.path.dirname(path) or ".", exist_ok=True)
+    fig.savefig(path, dpi=110)
+    plt.close(fig)

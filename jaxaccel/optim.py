@@ -1,45 +1,225 @@
-"""Optimizer construction: an ``optax.GradientTransformation`` built by name.
+"""Optimizers by name, with the defaults that large-batch transformer training needs.
 
-This issue ships AdamW with linear warmup, cosine decay, global-norm clipping and weight decay
-masked off norms, biases and embeddings. Other optimizers plug in here.
+``make_optimizer(name, ...)`` returns ``(optax.GradientTransformation, schedule)`` for ``adamw``,
+``lion``, ``lamb``, ``lars``, ``sgd`` (momentum, optionally Nesterov) and ``adafactor``. The update
+rules are optax's own transformations; this module is the glue around them:
+
+- weight decay (and the LAMB/LARS trust ratio) applies to the weight matrices only: the default
+  ``decay_mask`` leaves out biases, normalisation scales (every leaf under two dimensions) and
+  the embeddings, judged from the parameter tree's paths; pass ``mask=`` to choose otherwise;
+- one schedule family for all: constant, or linear warmup then cosine or linear decay, or
+  inverse square root (``make_schedule``);
+- ``scale_learning_rate`` moves a learning rate tuned at one batch size to another (linear or
+  square-root rule);
+- global-norm clipping before the update, and optionally optimizer state kept in bfloat16
+  (``state_dtype``) to halve its memory.
+
+Each optimizer's recommended settings live in ``DEFAULTS``; Lion's are AdamW's scaled as its
+authors advise (learning rate 3-10x smaller, weight decay 3-10x larger: here 3x and 3x, so the
+product lr * weight decay, the strength of the decay, stays AdamW's).
 """
 
+import dataclasses
+import re
+
 import jax
+import jax.numpy as jnp
 import optax
 
 from jaxaccel.errors import ConfigError
 
-OPTIMIZERS = ("adamw",)
+SCHEDULES = ("constant", "cosine", "linear", "rsqrt")
+LR_SCALING = ("none", "linear", "sqrt")
+
+# Lion takes AdamW's learning rate divided, and weight decay multiplied, by this factor.
+LION_FACTOR = 3.0
 
 
-def warmup_cosine(learning_rate: float, warmup_steps: int, total_steps: int,
+@dataclasses.dataclass(frozen=True)
+class OptimizerDefaults:
+    """The settings an optimizer uses when the caller leaves them unset."""
+
+    learning_rate: float
+    weight_decay: float
+    b1: float | None = None       # first-moment (momentum) decay; None: the optimizer has none
+    b2: float | None = None       # second-moment decay
+    summary: str = ""
+
+
+_ADAMW_LR, _ADAMW_WD = 3e-3, 0.1
+DEFAULTS = {
+    "adamw": OptimizerDefaults(_ADAMW_LR, _ADAMW_WD, 0.9, 0.95,
+                               "Adam with decoupled weight decay"),
+    "lion": OptimizerDefaults(_ADAMW_LR / LION_FACTOR, _ADAMW_WD * LION_FACTOR, 0.9, 0.99,
+                              f"sign of interpolated momentum; lr {LION_FACTOR:g}x smaller and "
+                              f"weight decay {LION_FACTOR:g}x larger than AdamW's"),
+    "lamb": OptimizerDefaults(1e-2, 0.1, 0.9, 0.999,
+                              "Adam update rescaled per layer by ||w|| / ||update||"),
+    "lars": OptimizerDefaults(2.0, 1e-4, 0.9, None,
+                              "momentum SGD rescaled per layer by 0.001 ||w|| / ||g||"),
+    "sgd": OptimizerDefaults(0.3, 0.0, 0.9, None, "SGD with Nesterov momentum"),
+    "adafactor": OptimizerDefaults(_ADAMW_LR, 0.0, None, 0.8,
+                                   "factored second moments, no momentum, update clipping"),
+}
+OPTIMIZERS = tuple(DEFAULTS)
+
+
+def describe_defaults() -> str:
+    """One line per optimizer for ``--help``."""
+    return "; ".join(f"{name}: lr {d.learning_rate:g}, wd {d.weight_decay:g} ({d.summary})"
+                     for name, d in DEFAULTS.items())
+
+
+def make_schedule(name: str, learning_rate: float, *, warmup_steps: int, total_steps: int,
                   final_fraction: float = 0.1):
-    """Linear warmup from 0 to ``learning_rate``, then cosine decay to ``final_fraction`` of it."""
+    """``schedule(step) -> learning rate``: linear warmup from 0, then the named shape.
+
+    ``constant`` holds the peak; ``cosine`` and ``linear`` decay to ``final_fraction`` of it at
+    ``total_steps``; ``rsqrt`` decays as ``peak * sqrt(warmup / step)`` after the warmup.
+    """
+    if name not in SCHEDULES:
+        raise ConfigError(f"unknown schedule {name!r}; choose --schedule from {', '.join(SCHEDULES)}")
     warmup_steps = max(0, min(warmup_steps, total_steps - 1))
-    return optax.warmup_cosine_decay_schedule(
-        init_value=0.0, peak_value=learning_rate, warmup_steps=warmup_steps,
-        decay_steps=max(total_steps, warmup_steps + 1), end_value=learning_rate * final_fraction)
+    decay_steps = max(total_steps - warmup_steps, 1)
+    end_value = learning_rate * final_fraction
+    if name == "constant":
+        after = optax.constant_schedule(learning_rate)
+    elif name == "cosine":
+        after = optax.cosine_decay_schedule(learning_rate, decay_steps, alpha=final_fraction)
+    elif name == "linear":
+        after = optax.linear_schedule(learning_rate, end_value, decay_steps)
+    else:
+        offset = max(warmup_steps, 1)
+        after = lambda step: learning_rate * jax.lax.rsqrt((step + offset) / offset)  # noqa: E731
+    if warmup_steps == 0:
+        return after
+    warmup = optax.linear_schedule(0.0, learning_rate, warmup_steps)
+    return optax.join_schedules([warmup, after], [warmup_steps])
 
 
-def decay_mask(params):
-    """True for the matrices that weight decay applies to: every >= 2-D kernel but embeddings."""
+def scale_learning_rate(learning_rate: float, rule: str, batch_size: float,
+                        base_batch_size: float) -> float:
+    """The learning rate for ``batch_size`` given one tuned at ``base_batch_size``.
+
+    ``linear`` multiplies by the batch ratio (Goyal et al.), ``sqrt`` by its square root (the rule
+    for adaptive optimizers such as Adam and LAMB), ``none`` leaves it.
+    """
+    if rule not in LR_SCALING:
+        raise ConfigError(f"unknown learning-rate scaling {rule!r}; choose --lr-scaling from "
+                          f"{', '.join(LR_SCALING)}")
+    if base_batch_size <= 0 or batch_size <= 0:
+        raise ConfigError(f"batch sizes must be positive, got {batch_size} and base "
+                          f"{base_batch_size}; fix --base-batch-size")
+    ratio = batch_size / base_batch_size
+    return learning_rate * {"none": 1.0, "linear": ratio, "sqrt": ratio ** 0.5}[rule]
+
+
+# Parameter paths that never take weight decay or trust ratios, whatever their rank.
+NO_DECAY_PATTERNS = (r"(^|/)embed(/|$)", r"norm", r"(^|/)bias$")
+
+
+def path_name(path) -> str:
+    """A tree path as ``blocks/0/attn/wq/kernel``."""
+    return "/".join(str(getattr(k, "key", getattr(k, "name", getattr(k, "idx", k)))) for k in path)
+
+
+def decay_mask(params, exclude: tuple[str, ...] = NO_DECAY_PATTERNS):
+    """True on the leaves weight decay applies to: tensors of rank >= 2 whose path matches none
+    of the ``exclude`` regular expressions (by default embeddings, norms and biases)."""
+    try:
+        patterns = [re.compile(p) for p in exclude]
+    except re.error as e:
+        raise ConfigError(f"bad parameter-path pattern {e.pattern!r} ({e}); fix --no-decay") from None
+
     def decays(path, leaf):
-        names = [getattr(k, "key", getattr(k, "name", "")) for k in path]
-        return leaf.ndim >= 2 and "embed" not in names
+        name = path_name(path)
+        return leaf.ndim >= 2 and not any(p.search(name) for p in patterns)
+
     return jax.tree_util.tree_map_with_path(decays, params)
 
 
-def make_optimizer(name: str = "adamw", *, learning_rate: float, weight_decay: float = 0.1,
+def with_state_dtype(inner: optax.GradientTransformation, dtype) -> optax.GradientTransformation:
+    """Keep ``inner``'s floating-point state in ``dtype`` between steps (bfloat16: half the bytes);
+    it is updated in float32 and rounded back after each step."""
+
+    def cast(tree, to):
+        return jax.tree.map(lambda x: x.astype(to) if jnp.issubdtype(x.dtype, jnp.floating) else x,
+                            tree)
+
+    def init(params):
+        return cast(inner.init(params), dtype)
+
+    def update(updates, state, params=None):
+        updates, state = inner.update(updates, cast(state, jnp.float32), params)
+        return updates, cast(state, dtype)
+
+    return optax.GradientTransformation(init, update)
+
+
+def state_bytes(opt_state) -> int:
+    """Bytes of the optimizer state's arrays."""
+    return sum(x.size * x.dtype.itemsize for x in jax.tree.leaves(opt_state))
+
+
+def _lamb(schedule, b1, b2, weight_decay, mask):
+    """LAMB from optax's parts, so that the trust ratio obeys the same mask as the decay (optax's
+    ``lamb`` applies the trust ratio to every leaf, norm scales included)."""
+    return optax.chain(
+        optax.scale_by_adam(b1=b1, b2=b2, eps=1e-6),
+        optax.add_decayed_weights(weight_decay, mask),
+        optax.masked(optax.scale_by_trust_ratio(), mask),
+        optax.scale_by_learning_rate(schedule),
+    )
+
+
+def make_optimizer(name: str = "adamw", *, learning_rate: float | None = None,
+                   weight_decay: float | None = None, schedule: str = "cosine",
                    warmup_steps: int = 0, total_steps: int, clip_norm: float | None = 1.0,
-                   b1: float = 0.9, b2: float = 0.95):
-    """Return ``(optimizer, schedule)``; ``schedule(step)`` gives the learning rate for metrics."""
-    if name not in OPTIMIZERS:
-        raise ConfigError(f"unknown optimizer {name!r}; choose --optimizer from {', '.join(OPTIMIZERS)}")
+                   b1: float | None = None, b2: float | None = None, nesterov: bool = True,
+                   mask=None, state_dtype=None):
+    """Return ``(optimizer, schedule_fn)``; ``schedule_fn(step)`` is the learning rate at a step.
+
+    ``learning_rate``, ``weight_decay``, ``b1`` and ``b2`` default to ``DEFAULTS[name]``. ``mask``
+    (a tree of bools or a function of the params) says where weight decay and trust ratios apply;
+    default ``decay_mask``. ``state_dtype`` (e.g. ``jnp.bfloat16``) stores the state in that dtype.
+    """
+    if name not in DEFAULTS:
+        raise ConfigError(f"unknown optimizer {name!r}; choose --optimizer from "
+                          f"{', '.join(OPTIMIZERS)}")
+    defaults = DEFAULTS[name]
+    learning_rate = defaults.learning_rate if learning_rate is None else learning_rate
+    weight_decay = defaults.weight_decay if weight_decay is None else weight_decay
+    b1 = defaults.b1 if b1 is None else b1
+    b2 = defaults.b2 if b2 is None else b2
     if learning_rate <= 0:
         raise ConfigError(f"learning rate must be positive, got {learning_rate}; fix --learning-rate")
-    schedule = warmup_cosine(learning_rate, warmup_steps, total_steps)
-    parts = []
-    if clip_norm:
-        parts.append(optax.clip_by_global_norm(clip_norm))
-    parts.append(optax.adamw(schedule, b1=b1, b2=b2, weight_decay=weight_decay, mask=decay_mask))
-    return optax.chain(*parts), schedule
+    if weight_decay < 0:
+        raise ConfigError(f"weight decay must be >= 0, got {weight_decay}; fix --weight-decay")
+    if total_steps < 1:
+        raise ConfigError(f"total steps must be >= 1, got {total_steps}; fix --steps")
+    mask = decay_mask if mask is None else mask
+    lr = make_schedule(schedule, learning_rate, warmup_steps=warmup_steps,
+                       total_steps=total_steps)
+
+    if name == "adamw":
+        rule = optax.adamw(lr, b1=b1, b2=b2, weight_decay=weight_decay, mask=mask)
+    elif name == "lion":
+        rule = optax.lion(lr, b1=b1, b2=b2, weight_decay=weight_decay, mask=mask)
+    elif name == "lamb":
+        rule = _lamb(lr, b1, b2, weight_decay, mask)
+    elif name == "lars":
+        rule = optax.lars(lr, weight_decay=weight_decay, weight_decay_mask=mask,
+                          trust_ratio_mask=mask, momentum=b1, nesterov=nesterov)
+    elif name == "sgd":
+        rule = optax.chain(optax.add_decayed_weights(weight_decay, mask),
+                           optax.sgd(lr, momentum=b1, nesterov=nesterov))
+    else:
+        rule = optax.adafactor(lr, decay_rate=b2, momentum=b1, multiply_by_parameter_scale=False,
+                               weight_decay_rate=weight_decay or None,
+                               weight_decay_mask=mask if weight_decay else None)
+
+    parts = [optax.clip_by_global_norm(clip_norm)] if clip_norm else []
+    optimizer = optax.chain(*parts, rule)
+    if state_dtype is not None and jnp.dtype(state_dtype) != jnp.float32:
+        optimizer = with_state_dtype(optimizer, state_dtype)
+    return optimizer, lr

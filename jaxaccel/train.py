@@ -12,6 +12,8 @@ import jax.numpy as jnp
 import optax
 from flax import struct
 
+from jaxaccel.errors import ConfigError
+
 
 @struct.dataclass
 class TrainState:
@@ -36,25 +38,80 @@ def weighted_cross_entropy(logits_BTV, targets_BT, weights_BT):
     return jnp.sum(token_loss_BT * weights_BT), jnp.sum(weights_BT)
 
 
-def make_loss_fn(apply_fn, *, dropout: bool = False):
-    """``loss_fn(params, batch, key) -> (mean loss, weight sum)``: the DESIGN.md weighted loss."""
+def make_grad_fn(apply_fn, *, dropout: bool = False):
+    """``grad_fn(params, batch, key, normalizer) -> ((loss, weight_sum), grads)``.
 
-    def loss_fn(params, batch, key):
+    The loss is ``sum(weights * token_loss) / normalizer``. The caller passes the weight sum of
+    the whole global batch as ``normalizer``, so losses and gradients of parts of a batch add up
+    to those of the whole: the property gradient accumulation rests on.
+    """
+
+    def loss_fn(params, batch, key, normalizer):
         logits_BTV = apply_fn(params, batch, key if dropout else None)
         loss_sum, weight_sum = weighted_cross_entropy(logits_BTV, batch["targets"], batch["weights"])
-        return loss_sum / jnp.maximum(weight_sum, 1.0), weight_sum
+        return loss_sum / normalizer, weight_sum
 
-    return loss_fn
+    return jax.value_and_grad(loss_fn, has_aux=True)
+
+
+def split_microbatches(batch, microbatches: int):
+    """``[B, ...]`` leaves to ``[microbatches, B / microbatches, ...]``, taking every k-th row.
+
+    Strided rather than contiguous, so that when the batch's rows are split over devices each
+    microbatch takes the same share of every device's rows and stays spread over all of them.
+    """
+    rows = batch["inputs"].shape[0]
+    if rows % microbatches:
+        raise ConfigError(f"batch of {rows} rows does not split into {microbatches} microbatches; "
+                          f"choose --accumulate dividing the batch size")
+    return jax.tree.map(
+        lambda x: x.reshape(rows // microbatches, microbatches, *x.shape[1:]).swapaxes(0, 1),
+        batch)
+
+
+def accumulate_gradients(grad_fn, microbatches: int):
+    """Gradient accumulation as a transformation of ``grad_fn`` (same signature).
+
+    The batch is split into ``microbatches`` parts whose gradients ``lax.scan`` sums into one
+    gradient-sized accumulator, so only one microbatch's activations are alive at a time. With the
+    global ``normalizer`` the result equals the whole batch's loss and gradient. Each microbatch
+    gets its own dropout key.
+    """
+    if microbatches < 1:
+        raise ConfigError(f"accumulate must be >= 1, got {microbatches}; fix --accumulate")
+    if microbatches == 1:
+        return grad_fn
+
+    def accumulated(params, batch, key, normalizer):
+        def add_microbatch(carry, index_and_batch):
+            index, microbatch = index_and_batch
+            (loss, weight_sum), grads = grad_fn(params, microbatch, jax.random.fold_in(key, index),
+                                                normalizer)
+            total_loss, total_weight, total_grads = carry
+            return (total_loss + loss, total_weight + weight_sum,
+                    jax.tree.map(jnp.add, total_grads, grads)), None
+
+        zeros = (jnp.zeros((), jnp.float32), jnp.zeros((), jnp.float32),
+                 jax.tree.map(jnp.zeros_like, params))
+        parts = (jnp.arange(microbatches), split_microbatches(batch, microbatches))
+        (loss, weight_sum, grads), _ = jax.lax.scan(add_microbatch, zeros, parts)
+        return (loss, weight_sum), grads
+
+    return accumulated
 
 
 def make_train_step(apply_fn, optimizer: optax.GradientTransformation, schedule, *,
-                    dropout: bool = False):
-    """Build the pure ``train_step(state, batch) -> (state, metrics)``."""
-    grad_fn = jax.value_and_grad(make_loss_fn(apply_fn, dropout=dropout), has_aux=True)
+                    dropout: bool = False, accumulate: int = 1):
+    """Build the pure ``train_step(state, batch) -> (state, metrics)``.
+
+    ``accumulate`` > 1 computes the gradient over that many microbatches of the batch.
+    """
+    grad_fn = accumulate_gradients(make_grad_fn(apply_fn, dropout=dropout), accumulate)
 
     def train_step(state: TrainState, batch):
         key = jax.random.fold_in(state.rng, state.step)
-        (loss, real_tokens), grads = grad_fn(state.params, batch, key)
+        normalizer = jnp.maximum(jnp.sum(batch["weights"].astype(jnp.float32)), 1.0)
+        (loss, real_tokens), grads = grad_fn(state.params, batch, key, normalizer)
         updates, opt_state = optimizer.update(grads, state.opt_state, state.params)
         params = optax.apply_updates(state.params, updates)
         metrics = {
@@ -62,6 +119,7 @@ def make_train_step(apply_fn, optimizer: optax.GradientTransformation, schedule,
             "real_tokens": real_tokens,
             "padded_tokens": jnp.sum(batch["segment_ids"] == 0),
             "grad_norm": optax.tree.norm(grads),
+            "update_norm": optax.tree.norm(updates),
             "learning_rate": schedule(state.step),
         }
         new_state = state.replace(params=params, opt_state=opt_state, step=state.step + 1)

@@ -2,7 +2,9 @@
 
 import json
 
-from experiments import padding
+import pytest
+
+from experiments import optimizers, padding
 
 
 def test_padding_experiment_writes_every_row(corpus_path, tmp_path, capsys):
@@ -41,3 +43,29 @@ def test_padding_plan_only_reports_whole_epochs(corpus_path, tmp_path):
     assert rows["fixed"]["shapes"] == rows["pack"]["shapes"] == 1
     assert 1 < rows["bucket"]["shapes"] <= 3
     assert all(row["loader_tokens_per_s"] > 0 for row in rows.values())
+
+
+def test_optimizers_experiment_runs_both_tables(corpus_path, tmp_path, capsys):
+    out = tmp_path / "optimizers.json"
+    code = optimizers.main([
+        "--data", corpus_path, "--d-model", "32", "--n-layers", "1", "--n-heads", "2",
+        "--max-seq-len", "32", "--seq-len", "32", "--batch-size", "2", "--train-tokens", "640",
+        "--warmup-steps", "4", "--large-batch-factor", "4", "--optimizers", "adamw,lion,lamb",
+        "--no-progress", "--run-dir", str(tmp_path / "runs"), "--cache-dir",
+        str(tmp_path / "cache"), "--json", str(out)])
+    assert code == 0
+    rows = json.loads(out.read_text())["rows"]
+    assert [(r["optimizer"], r["batch_size"], r["lr_scaling"]) for r in rows] == [
+        ("adamw", 2, "none"), ("lion", 2, "none"), ("lamb", 2, "none"),
+        ("adamw", 8, "linear"), ("adamw", 8, "sqrt"), ("lamb", 8, "linear"), ("lamb", 8, "sqrt")]
+    for row in rows:
+        for key in ("val_loss", "tokens_per_s", "state_bytes"):
+            assert row[key] is not None and row[key] > 0, key
+    by = {(r["optimizer"], r["lr_scaling"]): r for r in rows}
+    assert by["lion", "none"]["state_bytes"] < 0.6 * by["adamw", "none"]["state_bytes"]
+    assert by["adamw", "linear"]["learning_rate"] == pytest.approx(4 * by["adamw", "none"]["learning_rate"])
+    assert by["adamw", "sqrt"]["learning_rate"] == pytest.approx(2 * by["adamw", "none"]["learning_rate"])
+    assert by["adamw", "linear"]["steps"] < by["adamw", "none"]["steps"]
+    assert (tmp_path / "runs" / "optimizers.png").stat().st_size > 1000
+    out_text = capsys.readouterr().out
+    assert "Table 1" in out_text and "Table 2" in out_text

@@ -16,6 +16,7 @@ import pytest
 from experiments.train import main
 from jaxaccel.config import TrainConfig
 from jaxaccel.loop import train
+from jaxaccel.optim import DEFAULTS
 
 SMALL_MODEL = ["--d-model", "32", "--n-layers", "2", "--n-heads", "4", "--max-seq-len", "32"]
 
@@ -98,6 +99,10 @@ def run_cli(args, capsys):
     (["--batching", "bucket", "--buckets", "0"], "num_buckets must be >= 1"),
     (["--batching", "dynamic", "--pad-multiple", "0"], "pad_multiple must be >= 1"),
     (["--batching", "dynamic", "--tokens-per-batch", "256"], "not --tokens-per-batch"),
+    (["--batch-size", "6", "--accumulate", "4"], "does not split into --accumulate 4"),
+    (["--no-decay", "norm,(oops"], "fix --no-decay"),
+    (["--learning-rate", "-1"], "learning rate must be positive"),
+    (["--accumulate", "0"], "accumulate must be at least 1"),
 ])
 def test_bad_input_is_one_error_line_with_exit_code_2(args, message, corpus_path, tmp_path,
                                                       capsys):
@@ -183,3 +188,27 @@ def test_train_tokens_sets_the_number_of_steps(corpus_path, tmp_path):
                                  train_tokens=4 * 32 * 5, checkpoint_every=0, eval_every=0))
     assert 5 <= summary["steps"] <= 6
     assert summary["real_tokens"] >= 0.9 * 4 * 32 * 5
+
+
+def test_optimizer_flags_reach_the_run(corpus_path, tmp_path):
+    summary = train(small_config(corpus_path, tmp_path, optimizer="lion", batch_size=8,
+                                 lr_scaling="sqrt", base_batch_size=2, accumulate=2,
+                                 optimizer_state_dtype="bfloat16", checkpoint_every=0))
+    lion = DEFAULTS["lion"]
+    assert summary["learning_rate"] == pytest.approx(lion.learning_rate * 2.0)
+    assert summary["weight_decay"] == lion.weight_decay
+    assert summary["optimizer"] == "lion" and summary["accumulate"] == 2
+    # Lion keeps one moment: in bfloat16 it takes half the parameters' float32 bytes.
+    assert summary["optimizer_state_bytes"] == pytest.approx(summary["params"] * 2, rel=0.01)
+    assert np.isfinite(summary["val_bpb"])
+    records = [json.loads(line) for line in open(os.path.join(summary["run_dir"], "metrics.jsonl"))]
+    assert all(r["update_norm"] > 0 for r in records if r["kind"] == "train")
+
+
+def test_accumulation_trains_like_the_whole_batch(corpus_path, tmp_path):
+    """--accumulate 4 runs the same updates as the whole batch: the final losses agree."""
+    common = dict(optimizer="sgd", batching="pack", eval_every=0, checkpoint_every=0)
+    whole = train(small_config(corpus_path, tmp_path, "whole", **common))
+    split = train(small_config(corpus_path, tmp_path, "split", accumulate=4, **common))
+    assert split["val_loss"] == pytest.approx(whole["val_loss"], rel=1e-5)
+    assert split["step_memory_bytes"]["temp"] < whole["step_memory_bytes"]["temp"]

@@ -1,0 +1,208 @@
+import chex
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+from jaxaccel.compiled import CompiledFn, memory_bytes
+from jaxaccel.errors import ConfigError
+from jaxaccel.model import ModelConfig, init_params, make_apply, preset
+from jaxaccel.optim import (DEFAULTS, OPTIMIZERS, decay_mask, make_optimizer, make_schedule,
+                            path_name, scale_learning_rate, state_bytes)
+from jaxaccel.train import (accumulate_gradients, init_state, make_eval_step, make_grad_fn,
+                            make_train_step)
+from tests.test_train import CFG, random_batch
+
+
+def params_and_apply(cfg=CFG, seed=0):
+    return init_params(cfg, jax.random.PRNGKey(seed)), make_apply(cfg)
+
+
+def mean_loss(eval_step, state, batch):
+    sums = eval_step(state, batch)
+    return float(sums["loss_sum"] / sums["weight_sum"])
+
+
+def test_unknown_optimizer_is_a_clear_error_listing_the_valid_ones():
+    with pytest.raises(ConfigError) as e:
+        make_optimizer("adamm", total_steps=10)
+    for name in OPTIMIZERS:
+        assert name in str(e.value)
+    assert "--optimizer" in str(e.value)
+
+
+@pytest.mark.parametrize("name", OPTIMIZERS)
+def test_each_optimizer_lowers_the_loss(name):
+    params, apply_fn = params_and_apply()
+    optimizer, schedule = make_optimizer(name, total_steps=40, warmup_steps=4)
+    state = init_state(params, optimizer, seed=0)
+    step = jax.jit(make_train_step(apply_fn, optimizer, schedule))
+    eval_step = jax.jit(make_eval_step(apply_fn))
+    batch = random_batch(1)
+    before = mean_loss(eval_step, state, batch)
+    for _ in range(40):
+        state, metrics = step(state, batch)
+    after = mean_loss(eval_step, state, batch)
+    assert after < 0.9 * before, (name, before, after)
+    assert float(metrics["update_norm"]) > 0
+
+
+def test_decay_mask_excludes_exactly_norms_biases_and_embeddings():
+    params = {"embed": {"embedding": jnp.ones((8, 4))},
+              "blocks": [{"attn": {"wq": {"kernel": jnp.ones((4, 4)), "bias": jnp.ones(4)}},
+                          "attn_norm": {"scale": jnp.ones(4)},
+                          "mlp_norm": {"scale": jnp.ones((2, 2))}}],
+              "head": {"kernel": jnp.ones((4, 8))}}
+    mask = decay_mask(params)
+    decayed = sorted(path_name(p) for p, m in jax.tree_util.tree_leaves_with_path(mask) if m)
+    assert decayed == ["blocks/0/attn/wq/kernel", "head/kernel"]
+    # Overridable: an empty pattern list decays every matrix; a custom one spares the head.
+    assert sum(jax.tree.leaves(decay_mask(params, exclude=()))) == 4
+    assert not decay_mask(params, exclude=(r"^head/",))["head"]["kernel"]
+    with pytest.raises(ConfigError, match="--no-decay"):
+        decay_mask(params, exclude=("(",))
+
+
+def test_real_model_mask_decays_every_projection_and_nothing_else():
+    params, _ = params_and_apply()
+    mask = decay_mask(params)
+    for path, decays in jax.tree_util.tree_leaves_with_path(mask):
+        name = path_name(path)
+        expected = name.endswith("kernel") and not name.startswith("embed")
+        assert decays == expected, name
+
+
+@pytest.mark.parametrize("name", OPTIMIZERS)
+def test_weight_decay_and_trust_ratio_touch_only_the_masked_leaves(name):
+    """With zero gradients the only change a step makes is weight decay: it must land on the
+    masked leaves alone, and a mask that spares the head must spare it."""
+    params, _ = params_and_apply()
+    sparing_head = lambda p: decay_mask(p, exclude=(r"embed", r"norm", r"^head/"))  # noqa: E731
+    optimizer, _ = make_optimizer(name, learning_rate=1e-2, weight_decay=0.5, total_steps=10,
+                                  clip_norm=None, mask=sparing_head)
+    state = optimizer.init(params)
+    zeros = jax.tree.map(jnp.zeros_like, params)
+    updates, _ = optimizer.update(zeros, state, params)
+    mask = sparing_head(params)
+    moved = jax.tree.map(lambda u: bool(jnp.any(u != 0)), updates)
+    assert moved == mask, name
+    assert not mask["head"]["kernel"] and mask["blocks"][0]["mlp"]["w_in"]["kernel"]
+
+
+def test_schedules_at_chosen_steps():
+    lr = 1.0
+    values = lambda name: [float(make_schedule(name, lr, warmup_steps=10,  # noqa: E731
+                                               total_steps=110)(s)) for s in (0, 5, 10, 60, 110)]
+    np.testing.assert_allclose(values("constant"), [0, 0.5, 1, 1, 1], atol=1e-6)
+    np.testing.assert_allclose(values("cosine"), [0, 0.5, 1, 0.55, 0.1], atol=1e-6)
+    np.testing.assert_allclose(values("linear"), [0, 0.5, 1, 0.55, 0.1], atol=1e-6)
+    np.testing.assert_allclose(values("rsqrt"), [0, 0.5, 1, (10 / 60) ** 0.5, (10 / 110) ** 0.5],
+                               atol=1e-6)
+    no_warmup = make_schedule("cosine", lr, warmup_steps=0, total_steps=100)
+    assert float(no_warmup(0)) == 1.0
+    with pytest.raises(ConfigError, match="--schedule"):
+        make_schedule("step", lr, warmup_steps=0, total_steps=10)
+
+
+def test_learning_rate_scaling_rules():
+    assert scale_learning_rate(1e-3, "linear", 128, 16) == pytest.approx(8e-3)
+    assert scale_learning_rate(1e-3, "sqrt", 128, 32) == pytest.approx(2e-3)
+    assert scale_learning_rate(1e-3, "none", 128, 16) == 1e-3
+    with pytest.raises(ConfigError, match="--lr-scaling"):
+        scale_learning_rate(1e-3, "cubic", 128, 16)
+
+
+def test_lion_defaults_follow_its_authors_advice():
+    adamw, lion = DEFAULTS["adamw"], DEFAULTS["lion"]
+    assert 3 <= adamw.learning_rate / lion.learning_rate <= 10
+    assert 3 <= lion.weight_decay / adamw.weight_decay <= 10
+
+
+def test_state_bytes_lion_half_of_adamw_and_bf16_halves_again():
+    # Wide enough (256) for Adafactor to factor its second moments.
+    params = jax.eval_shape(lambda: init_params(preset("tiny"), jax.random.PRNGKey(0)))
+    sizes = {}
+    for name in ("adamw", "lion", "adafactor"):
+        optimizer, _ = make_optimizer(name, total_steps=10)
+        sizes[name] = state_bytes(jax.eval_shape(optimizer.init, params))
+    param_bytes = state_bytes(params)
+    assert abs(sizes["adamw"] - 2 * param_bytes) < 0.01 * param_bytes
+    assert abs(sizes["lion"] - param_bytes) < 0.01 * param_bytes
+    assert sizes["adafactor"] < 0.5 * param_bytes
+    optimizer, _ = make_optimizer("adamw", total_steps=10, state_dtype=jnp.bfloat16)
+    bf16_state = jax.eval_shape(optimizer.init, params)
+    assert abs(state_bytes(bf16_state) - param_bytes) < 0.01 * param_bytes
+    floats = [x for x in jax.tree.leaves(bf16_state) if jnp.issubdtype(x.dtype, jnp.floating)]
+    assert floats and all(x.dtype == jnp.bfloat16 for x in floats)
+
+
+def test_bf16_optimizer_state_still_trains():
+    params, apply_fn = params_and_apply()
+    optimizer, schedule = make_optimizer("adamw", total_steps=40, warmup_steps=4,
+                                         state_dtype=jnp.bfloat16)
+    state = init_state(params, optimizer, seed=0)
+    step = jax.jit(make_train_step(apply_fn, optimizer, schedule))
+    eval_step = jax.jit(make_eval_step(apply_fn))
+    batch = random_batch(2)
+    before = mean_loss(eval_step, state, batch)
+    for _ in range(40):
+        state, _ = step(state, batch)
+    assert mean_loss(eval_step, state, batch) < 0.8 * before
+    assert all(x.dtype == jnp.float32 for x in jax.tree.leaves(state.params))
+
+
+def relative_error(a, b) -> float:
+    a, b = np.asarray(a, np.float64), np.asarray(b, np.float64)
+    return float(np.linalg.norm(a - b) / np.linalg.norm(b))
+
+
+@pytest.mark.parametrize("microbatches", [2, 4, 8])
+def test_accumulated_gradient_equals_the_full_batch_gradient(microbatches):
+    params, apply_fn = params_and_apply()
+    # Uneven padding so that microbatches carry different token counts.
+    batch = random_batch(3, B=8)
+    rng = np.random.default_rng(4)
+    for row in range(8):
+        cut = int(rng.integers(2, 16))
+        batch["weights"][row, cut:] = 0
+        batch["segment_ids"][row, cut:] = 0
+    grad_fn = make_grad_fn(apply_fn)
+    normalizer = jnp.sum(batch["weights"])
+    key = jax.random.PRNGKey(0)
+    (loss, weight), grads = jax.jit(grad_fn)(params, batch, key, normalizer)
+    (acc_loss, acc_weight), acc_grads = jax.jit(accumulate_gradients(grad_fn, microbatches))(
+        params, batch, key, normalizer)
+    assert float(acc_weight) == float(weight) == float(normalizer)
+    assert abs(float(acc_loss) - float(loss)) <= 1e-6 * abs(float(loss))
+    for leaf_acc, leaf in zip(jax.tree.leaves(acc_grads), jax.tree.leaves(grads)):
+        assert relative_error(leaf_acc, leaf) < 1e-6
+    chex.assert_trees_all_equal_shapes_and_dtypes(acc_grads, params)
+
+
+def test_accumulated_step_equals_full_batch_step_and_uses_less_memory():
+    cfg = ModelConfig(vocab_size=64, d_model=64, n_layers=2, n_heads=4, max_seq_len=128)
+    params, apply_fn = params_and_apply(cfg)
+    # SGD's update is linear in the gradient, so equal gradients give equal parameters (Adam's
+    # first step is about sign(g), which rounding flips on entries near zero).
+    optimizer, schedule = make_optimizer("sgd", total_steps=10, warmup_steps=0)
+    batch = random_batch(5, B=16, T=128)
+    results, temps = [], []
+    for microbatches in (1, 4):
+        state = init_state(params, optimizer, seed=0)
+        step = CompiledFn(make_train_step(apply_fn, optimizer, schedule,
+                                          accumulate=microbatches))
+        new_state, metrics = step(state, batch)
+        results.append((new_state.params, float(metrics["loss"]), float(metrics["grad_norm"])))
+        temps.append(memory_bytes(step.last)["temp"])
+    (full, full_loss, full_norm), (acc, acc_loss, acc_norm) = results
+    assert abs(acc_loss - full_loss) <= 1e-6 * full_loss
+    assert abs(acc_norm - full_norm) <= 1e-5 * full_norm
+    chex.assert_trees_all_close(acc, full, rtol=1e-5, atol=1e-6)
+    assert temps[1] < 0.6 * temps[0], temps
+
+
+def test_accumulate_must_divide_the_batch():
+    params, apply_fn = params_and_apply()
+    grad_fn = accumulate_gradients(make_grad_fn(apply_fn), 3)
+    with pytest.raises(ConfigError, match="--accumulate"):
+        grad_fn(params, random_batch(0, B=4), jax.random.PRNGKey(0), 1.0)
