@@ -25,6 +25,10 @@ def format_summary(s: dict) -> str:
         ("device", f"{s['device']}, jax {s['jax_version']}"),
         ("steps", f"{s['steps']} ({s['steps_this_run']} this run)"),
         ("parameters", f"{s['params']:,}"),
+        ("optimizer", f"{s['optimizer']}, peak lr {s['learning_rate']:.3g}, weight decay "
+                      f"{s['weight_decay']:.3g}, state {s['optimizer_state_bytes']:,} bytes"),
+        ("precision", f"{s['precision']}, loss scale {s['loss_scale']:g}, "
+                      f"{s['skipped_steps']} skipped steps"),
         ("real tokens/s", f"{s['real_tokens_per_s']:,.0f}"),
         ("model FLOP/s", f"{s['achieved_flops_per_s'] / 1e9:,.1f} GFLOP/s (MFU {mfu})"),
         ("padding efficiency", f"{s['padding_efficiency']:.1%}"),

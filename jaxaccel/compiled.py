@@ -44,11 +44,16 @@ class CompiledFn:
 
 
 def memory_bytes(executable) -> dict:
-    """XLA's compiled memory analysis as a dict of byte counts (empty if the backend has none)."""
+    """XLA's compiled memory analysis as a dict of byte counts, with their ``total``; empty if
+    the backend has none."""
     analysis = executable.memory_analysis()
     if analysis is None:
         return {}
     fields = ("argument_size_in_bytes", "output_size_in_bytes", "temp_size_in_bytes",
               "alias_size_in_bytes", "generated_code_size_in_bytes",
               "host_temp_size_in_bytes")
-    return {f.removesuffix("_size_in_bytes"): int(getattr(analysis, f, 0) or 0) for f in fields}
+    sizes = {f.removesuffix("_size_in_bytes"): int(getattr(analysis, f, 0) or 0) for f in fields}
+    # Device memory the step needs at once: inputs, outputs not aliased to (donated) inputs, and
+    # temporaries.
+    sizes["total"] = sizes["argument"] + sizes["output"] - sizes["alias"] + sizes["temp"]
+    return sizes

@@ -15,7 +15,10 @@ from jaxaccel.data import STRATEGIES
 from jaxaccel.errors import ConfigError
 from jaxaccel.model import MLP_KINDS, PRESETS, ModelConfig, preset
 from jaxaccel.optim import (LR_SCALING, NO_DECAY_PATTERNS, OPTIMIZERS, SCHEDULES,
-                             describe_defaults)
+                            describe_defaults)
+from jaxaccel.precision import LOSS_SCALE_KINDS, get_policy, make_loss_scale
+
+MATMUL_PRECISIONS = ("default", "high", "highest")
 
 
 def flag(default, help_text, **extra):
@@ -38,6 +41,22 @@ class TrainConfig:
     tie_embeddings: bool | None = flag(None, "share the input embedding with the output head")
     dropout: float | None = flag(None, "residual dropout rate (0 = off)")
     attention: str = flag("xla", "attention implementation", choices=IMPLEMENTATIONS)
+
+    precision: str = flag("fp32", "dtype policy: fp32, bf16, fp16 (float32 master weights, "
+                                  "compute in the named dtype), or params=<dtype>,compute=<dtype>,"
+                                  "output=<dtype>")
+    loss_scale: str = flag("auto", "loss scaling: auto (dynamic for float16 compute, else none), "
+                                   "dynamic, static or none", choices=LOSS_SCALE_KINDS)
+    loss_scale_init: float = flag(2.0**16, "initial dynamic loss scale (the static scale with "
+                                           "--loss-scale static)")
+    loss_scale_growth_interval: int = flag(2000, "finite steps in a row before the dynamic scale "
+                                                 "grows")
+    loss_scale_growth_factor: float = flag(2.0, "dynamic scale growth factor")
+    loss_scale_backoff: float = flag(0.5, "dynamic scale factor on a non-finite step")
+    loss_scale_min: float = flag(1.0, "the dynamic scale never backs off below this")
+    matmul_precision: str = flag("default", "float32 matmul precision (jax_default_matmul_"
+                                            "precision): default lets GPUs use TF32, highest "
+                                            "forces full float32", choices=MATMUL_PRECISIONS)
 
     data: str = flag("stdlib", "corpus: 'stdlib', a directory of text files or a .jsonl file")
     seq_len: int | None = flag(None, "training sequence length (default: the model context)")
@@ -110,6 +129,17 @@ class TrainConfig:
             options["pack_window"] = self.pack_window
         return options
 
+    def policy(self):
+        return get_policy(self.precision)
+
+    def make_loss_scale(self):
+        """The run's initial loss-scale state from the --loss-scale flags and the policy."""
+        return make_loss_scale(
+            self.loss_scale, self.policy(), initial_scale=self.loss_scale_init,
+            growth_factor=self.loss_scale_growth_factor, backoff_factor=self.loss_scale_backoff,
+            growth_interval=self.loss_scale_growth_interval, min_scale=self.loss_scale_min,
+            static_scale=self.loss_scale_init)
+
     def batch_rows(self, seq_len: int) -> int:
         """Rows per batch: --batch-size, or the rows of seq_len that --tokens-per-batch holds."""
         options = self.batching_options()
@@ -139,6 +169,7 @@ class TrainConfig:
             if getattr(self, name) < 0:
                 raise ConfigError(f"{name} must be >= 0, got {getattr(self, name)}; fix "
                                   f"--{name.replace('_', '-')}")
+        self.make_loss_scale()
         return model_cfg
 
 

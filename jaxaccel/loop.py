@@ -38,7 +38,9 @@ RUNS_ROOT = "runs"
 # the optimizer's trajectory, so changing them would silently break the continuation.
 RESUME_KEYS = ("data", "batching", "optimizer", "learning_rate", "schedule", "warmup_steps",
                "lr_scaling", "base_batch_size", "weight_decay", "no_decay", "clip_norm",
-               "accumulate", "optimizer_state_dtype", "seed")
+               "accumulate", "optimizer_state_dtype", "precision", "loss_scale",
+               "loss_scale_init", "loss_scale_growth_interval", "loss_scale_growth_factor",
+               "loss_scale_backoff", "loss_scale_min", "matmul_precision", "seed")
 
 
 def resolve_run_dir(cfg: TrainConfig) -> str:
@@ -120,6 +122,11 @@ def train(cfg: TrainConfig, *, should_stop=None) -> dict:
     ``should_stop(step)`` is polled after every step; returning True stops the run as a signal
     would (checkpoint saved, ``interrupted`` set). Tests use it to cut a run short.
     """
+    with jax.default_matmul_precision(cfg.matmul_precision):
+        return _train(cfg, should_stop)
+
+
+def _train(cfg: TrainConfig, should_stop) -> dict:
     wall_start = time.perf_counter()
     if jax.process_count() > 1:
         raise ConfigError(
@@ -140,7 +147,9 @@ def train(cfg: TrainConfig, *, should_stop=None) -> dict:
     if cfg.train_tokens is not None:
         total_steps = max(1, math.ceil(cfg.train_tokens / stream.stats["real_tokens_per_batch"]))
     optimizer, schedule, hyperparameters = build_optimizer(cfg, seq_len, total_steps)
-    state = init_state(init_params(model_cfg, jax.random.PRNGKey(cfg.seed)), optimizer, cfg.seed)
+    policy = cfg.policy()
+    state = init_state(init_params(model_cfg, jax.random.PRNGKey(cfg.seed)), optimizer, cfg.seed,
+                       loss_scale=cfg.make_loss_scale())
     resume_config = {**dataclasses.asdict(model_cfg),
                      **{k: getattr(cfg, k) for k in RESUME_KEYS},
                      **cfg.batching_options(), "seq_len": seq_len, "steps": total_steps}
@@ -152,9 +161,9 @@ def train(cfg: TrainConfig, *, should_stop=None) -> dict:
     apply_fn = make_apply(model_cfg)
     train_step = CompiledFn(
         make_train_step(apply_fn, optimizer, schedule, dropout=model_cfg.dropout > 0,
-                        accumulate=cfg.accumulate),
+                        accumulate=cfg.accumulate, policy=policy),
         donate_argnums=0)
-    eval_step = CompiledFn(make_eval_step(apply_fn))
+    eval_step = CompiledFn(make_eval_step(apply_fn, policy))
     eval_batch_size = stream_args["batch_size"] or max(1, stream_args["tokens_per_batch"] // seq_len)
     abstract_state = jax.tree.map(lambda x: jax.ShapeDtypeStruct(x.shape, x.dtype), state)
     for shape in stream.shapes:
@@ -251,6 +260,10 @@ def train(cfg: TrainConfig, *, should_stop=None) -> dict:
         "wall_s": time.perf_counter() - wall_start,
         "train_s": watch.seconds,
         "params": count_params(state.params),
+        "precision": policy.name,
+        "matmul_precision": cfg.matmul_precision,
+        "loss_scale": float(state.loss_scale.loss_scale),
+        "skipped_steps": int(state.loss_scale.skipped_steps),
         "optimizer": cfg.optimizer,
         **hyperparameters,
         "batch_rows": cfg.batch_rows(seq_len),
@@ -310,6 +323,8 @@ def _log_window(writer, step, window, tokens_per_s, progress) -> list[tuple[floa
         "loss": loss, "bpb": loss * BITS_PER_NAT,
         "grad_norm": float(fetched[-1]["grad_norm"]),
         "update_norm": float(fetched[-1]["update_norm"]),
+        "loss_scale": float(fetched[-1]["loss_scale"]),
+        "skipped_steps": int(fetched[-1]["skipped_steps"]),
         "learning_rate": float(fetched[-1]["learning_rate"]),
         "real_tokens": int(tokens.sum()),
         "padding_efficiency": float(tokens.sum() / max(tokens.sum() + padded.sum(), 1.0)),

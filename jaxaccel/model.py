@@ -3,7 +3,9 @@
 Token embedding, rotary position embedding driven by the Batch's ``positions`` (so packed
 documents restart at 0), pre-norm blocks with RMSNorm, grouped-query attention through
 ``jaxaccel.attention.dot_product_attention``, a SwiGLU or GELU MLP and an untied or tied output
-head. Logits come out in float32.
+head. Logits come out in float32. The model computes in the dtype of the parameters it is given:
+the precision policy casts the float32 master parameters to its compute dtype before ``apply``,
+and RMSNorm statistics, rotary angles, the attention softmax and the loss stay in float32.
 
 The module is stateful NNX; training code works on a plain nested dict of parameters
 (``init_params``) and a pure ``apply`` function (``make_apply``), so that every step function is a
@@ -214,14 +216,17 @@ class GPT(nnx.Module):
 
     def __call__(self, inputs_BT, positions_BT, segment_ids_BT, *, dropout_key=None):
         cfg = self.cfg
-        x_BTD = self.embed(inputs_BT)
+        # The table's own dtype (the policy's compute dtype when the caller cast the parameters):
+        # nnx.Embed would promote it to its float32 default and take the whole model with it.
+        table_VD = self.embed.embedding[...]
+        x_BTD = jnp.take(table_VD, inputs_BT, axis=0)
         sin_BTF, cos_BTF = rotary_sin_cos(positions_BT, cfg.head_dim, cfg.rope_base)
         for i, block in enumerate(self.blocks):
             key = None if dropout_key is None else jax.random.fold_in(dropout_key, i)
             x_BTD = block(x_BTD, sin_BTF, cos_BTF, segment_ids_BT, key)
         x_BTD = self.final_norm(x_BTD)
         if cfg.tie_embeddings:
-            logits_BTV = self.embed.attend(x_BTD)
+            logits_BTV = jnp.einsum("btd,vd->btv", x_BTD, table_VD)
         else:
             logits_BTV = self.head(x_BTD)
         return logits_BTV.astype(jnp.float32)

@@ -4,7 +4,7 @@ import json
 
 import pytest
 
-from experiments import optimizers, padding
+from experiments import optimizers, padding, precision
 
 
 def test_padding_experiment_writes_every_row(corpus_path, tmp_path, capsys):
@@ -69,3 +69,35 @@ def test_optimizers_experiment_runs_both_tables(corpus_path, tmp_path, capsys):
     assert (tmp_path / "runs" / "optimizers.png").stat().st_size > 1000
     out_text = capsys.readouterr().out
     assert "Table 1" in out_text and "Table 2" in out_text
+
+
+def test_precision_experiment_runs_every_row_and_the_probe(corpus_path, tmp_path, capsys):
+    out = tmp_path / "precision.json"
+    code = precision.main([
+        "--data", corpus_path, "--d-model", "32", "--n-layers", "1", "--n-heads", "2",
+        "--max-seq-len", "32", "--seq-len", "32", "--batch-size", "2", "--train-tokens", "320",
+        "--probe-batch-size", "4", "--probe-accumulate", "1,1024", "--no-progress", "--run-dir", str(tmp_path / "runs"),
+        "--cache-dir", str(tmp_path / "cache"), "--json", str(out)])
+    assert code == 0
+    result = json.loads(out.read_text())
+    rows = {r["precision"]: r for r in result["rows"]}
+    assert list(rows) == ["fp32", "tf32", "bf16", "fp16", "fp16-noscale"]
+    for row in rows.values():
+        for key in ("step_s", "real_tokens_per_s", "memory_bytes", "val_loss", "skipped_steps",
+                    "speedup_vs_fp32"):
+            assert row[key] is not None, key
+    assert rows["fp32"]["speedup_vs_fp32"] == 1.0
+    assert rows["fp16"]["policy"] == "fp16" and rows["fp16"]["loss_scale"] > 1
+    assert rows["fp16-noscale"]["loss_scale"] == 1 and rows["bf16"]["policy"] == "bf16"
+    assert rows["fp32"]["matmul_precision"] == "highest"
+    probe = {(p["params"], p["accumulate"], p["case"]): p
+             for p in result["meta"]["underflow_probe"]}
+    assert len(probe) == 2 * 2 * 2
+    for params in ("initial", "trained"):
+        big = probe[params, 1024, "no scaling"]
+        scaled = probe[params, 1024, "loss scaling"]
+        assert big["flushed_to_zero"] > 0.2 and scaled["flushed_to_zero"] < 0.01
+        assert scaled["relative_error"] < 0.05 < big["relative_error"]
+        assert scaled["scale"] > 1024
+    assert (tmp_path / "runs" / "precision.png").stat().st_size > 1000
+    assert "Underflow probe" in capsys.readouterr().out

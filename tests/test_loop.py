@@ -103,6 +103,9 @@ def run_cli(args, capsys):
     (["--no-decay", "norm,(oops"], "fix --no-decay"),
     (["--learning-rate", "-1"], "learning rate must be positive"),
     (["--accumulate", "0"], "accumulate must be at least 1"),
+    (["--precision", "fp8"], "unknown precision 'fp8'"),
+    (["--precision", "params=float32,compute=int8,output=float32"], "unknown dtype 'int8'"),
+    (["--loss-scale", "dynamic", "--loss-scale-backoff", "2"], "backoff_factor must be in (0, 1)"),
 ])
 def test_bad_input_is_one_error_line_with_exit_code_2(args, message, corpus_path, tmp_path,
                                                       capsys):
@@ -212,3 +215,21 @@ def test_accumulation_trains_like_the_whole_batch(corpus_path, tmp_path):
     split = train(small_config(corpus_path, tmp_path, "split", accumulate=4, **common))
     assert split["val_loss"] == pytest.approx(whole["val_loss"], rel=1e-5)
     assert split["step_memory_bytes"]["temp"] < whole["step_memory_bytes"]["temp"]
+
+
+def test_fp16_resume_restores_the_loss_scale_bitwise(corpus_path, tmp_path):
+    """The dynamic loss scale is part of the checkpoint: a cut and resumed fp16 run ends equal
+    to an uninterrupted one, scale and growth counter included."""
+    make = lambda name, **kw: small_config(corpus_path, tmp_path, name, precision="fp16",  # noqa: E731
+                                           loss_scale_init=4.0, loss_scale_growth_interval=2,
+                                           eval_every=0,
+                                           checkpoint_every=0, **kw)
+    whole = train(make("whole"))
+    assert whole["precision"] == "fp16" and whole["loss_scale"] == 4.0 * 2**4   # grew 4 times
+    train(make("cut"), should_stop=lambda step: step == 3)
+    cut_state = final_state(str(tmp_path / "cut"), 3)
+    assert int(cut_state["loss_scale"]["growth_tracker"]) == 1
+    resumed = train(make("cut", resume=True))
+    a, b = final_state(whole["run_dir"], 8), final_state(resumed["run_dir"], 8)
+    assert float(a["loss_scale"]["scale"]) == whole["loss_scale"]
+    chex.assert_trees_all_equal(a, b)

@@ -9,6 +9,7 @@ from jaxaccel.errors import ConfigError
 from jaxaccel.model import ModelConfig, init_params, make_apply, preset
 from jaxaccel.optim import (DEFAULTS, OPTIMIZERS, decay_mask, make_optimizer, make_schedule,
                             path_name, scale_learning_rate, state_bytes)
+from jaxaccel.precision import NoLossScale
 from jaxaccel.train import (accumulate_gradients, init_state, make_eval_step, make_grad_fn,
                             make_train_step)
 from tests.test_train import CFG, random_batch
@@ -169,9 +170,10 @@ def test_accumulated_gradient_equals_the_full_batch_gradient(microbatches):
     grad_fn = make_grad_fn(apply_fn)
     normalizer = jnp.sum(batch["weights"])
     key = jax.random.PRNGKey(0)
-    (loss, weight), grads = jax.jit(grad_fn)(params, batch, key, normalizer)
+    no_scale = NoLossScale.create()
+    (loss, weight), grads = jax.jit(grad_fn)(params, batch, key, normalizer, no_scale)
     (acc_loss, acc_weight), acc_grads = jax.jit(accumulate_gradients(grad_fn, microbatches))(
-        params, batch, key, normalizer)
+        params, batch, key, normalizer, no_scale)
     assert float(acc_weight) == float(weight) == float(normalizer)
     assert abs(float(acc_loss) - float(loss)) <= 1e-6 * abs(float(loss))
     for leaf_acc, leaf in zip(jax.tree.leaves(acc_grads), jax.tree.leaves(grads)):
@@ -205,4 +207,4 @@ def test_accumulate_must_divide_the_batch():
     params, apply_fn = params_and_apply()
     grad_fn = accumulate_gradients(make_grad_fn(apply_fn), 3)
     with pytest.raises(ConfigError, match="--accumulate"):
-        grad_fn(params, random_batch(0, B=4), jax.random.PRNGKey(0), 1.0)
+        grad_fn(params, random_batch(0, B=4), jax.random.PRNGKey(0), 1.0, NoLossScale.create())

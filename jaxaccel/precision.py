@@ -1,0 +1,271 @@
+"""Mixed precision: dtype policies and loss scaling.
+
+A ``Policy`` names three dtypes: parameters are stored in ``param_dtype`` (float32 in every named
+policy, so the optimizer updates full-precision weights), the model computes in ``compute_dtype``,
+and outputs such as logits are cast to ``output_dtype`` before the loss, which stays in float32.
+
+float16 has few exponent bits, so small gradients flush to zero in its backward pass. Loss scaling
+multiplies the float32 loss by a large factor before differentiation and divides the gradients by
+it afterwards. ``DynamicLossScale`` follows PyTorch's GradScaler: halve the scale and skip the step
+when a gradient overflows, double it after ``growth_interval`` finite steps in a row.
+``StaticLossScale`` keeps one scale; ``NoLossScale`` is the identity. All three are pytrees with
+the same interface, so they live inside the jitted train state and orbax saves them with it, and
+all three count skipped (non-finite) steps; the caller decides whether to skip, with
+``all_finite`` and ``select_tree``.
+"""
+
+import dataclasses
+import functools
+import math
+from typing import Any, Self
+
+import jax
+import jax.numpy as jnp
+from flax import struct
+
+from jaxaccel.errors import ConfigError
+
+_DTYPES = {
+    "float32": jnp.float32, "f32": jnp.float32, "fp32": jnp.float32,
+    "bfloat16": jnp.bfloat16, "bf16": jnp.bfloat16,
+    "float16": jnp.float16, "f16": jnp.float16, "fp16": jnp.float16,
+}
+_KEYS = ("params", "compute", "output")
+
+
+def _is_floating(x) -> bool:
+    return jnp.issubdtype(jnp.result_type(x), jnp.floating)
+
+
+def _cast_floating(tree, dtype):
+    """Cast the floating-point leaves of ``tree`` to ``dtype``; other leaves pass unchanged."""
+    return jax.tree.map(lambda x: jnp.asarray(x, dtype) if _is_floating(x) else x, tree)
+
+
+@dataclasses.dataclass(frozen=True)
+class Policy:
+    """Which dtype parameters are stored in, the model computes in, and outputs are returned in."""
+
+    param_dtype: Any
+    compute_dtype: Any
+    output_dtype: Any
+
+    def __post_init__(self):
+        for field in dataclasses.fields(self):
+            object.__setattr__(self, field.name, jnp.dtype(getattr(self, field.name)))
+
+    def cast_to_param(self, tree):
+        return _cast_floating(tree, self.param_dtype)
+
+    def cast_to_compute(self, tree):
+        return _cast_floating(tree, self.compute_dtype)
+
+    def cast_to_output(self, tree):
+        return _cast_floating(tree, self.output_dtype)
+
+    @property
+    def needs_loss_scaling(self) -> bool:
+        """float16 compute underflows small gradients unless the loss is scaled."""
+        return self.compute_dtype == jnp.float16
+
+    @property
+    def name(self) -> str:
+        """The POLICIES name if there is one, else ``params=...,compute=...,output=...``."""
+        for name, policy in POLICIES.items():
+            if policy == self:
+                return name
+        dtypes = (self.param_dtype, self.compute_dtype, self.output_dtype)
+        return ",".join(f"{key}={dtype.name}" for key, dtype in zip(_KEYS, dtypes))
+
+    def __str__(self) -> str:
+        return self.name
+
+
+POLICIES = {
+    "fp32": Policy(jnp.float32, jnp.float32, jnp.float32),
+    "bf16": Policy(jnp.float32, jnp.bfloat16, jnp.float32),
+    "fp16": Policy(jnp.float32, jnp.float16, jnp.float32),
+}
+
+
+def get_policy(spec: str) -> Policy:
+    """A policy by name (``bf16``) or as ``params=float32,compute=bfloat16,output=float32``."""
+    spec = spec.strip().lower()
+    if spec in POLICIES:
+        return POLICIES[spec]
+    forms = (f"use one of {', '.join(POLICIES)} or params=<dtype>,compute=<dtype>,output=<dtype> "
+             f"with dtypes {', '.join(_DTYPES)}; fix --precision")
+    if "=" not in spec:
+        raise ConfigError(f"unknown precision {spec!r}: {forms}")
+    dtypes = {}
+    for part in spec.split(","):
+        key, sep, value = (s.strip() for s in part.partition("="))
+        if not sep or key not in _KEYS or key in dtypes:
+            raise ConfigError(f"bad part {part.strip()!r} in precision {spec!r} (keys are "
+                              f"{', '.join(_KEYS)}, each once): {forms}")
+        if value not in _DTYPES:
+            raise ConfigError(f"unknown dtype {value!r} for {key} in precision {spec!r}: {forms}")
+        dtypes[key] = _DTYPES[value]
+    missing = [key for key in _KEYS if key not in dtypes]
+    if missing:
+        raise ConfigError(f"precision {spec!r} lacks {', '.join(missing)}: {forms}")
+    return Policy(*(dtypes[key] for key in _KEYS))
+
+
+def _count_skipped(skipped_steps: jax.Array, grads_finite: jax.Array) -> jax.Array:
+    return skipped_steps + jnp.logical_not(grads_finite).astype(jnp.int32)
+
+
+def _check(ok: bool, message: str):
+    if not ok:
+        raise ConfigError(f"{message}; fix the --loss-scale-* flags")
+
+
+class _Scaled:
+    """``scale_loss`` and ``unscale`` for loss scales with a float32 ``scale`` field."""
+
+    @property
+    def loss_scale(self) -> jax.Array:
+        return self.scale
+
+    def scale_loss(self, loss: jax.Array) -> jax.Array:
+        """The loss times the scale, in float32; compute the loss in float32 before this."""
+        return jnp.asarray(loss, jnp.float32) * self.scale
+
+    def unscale(self, grads):
+        """Divide every floating leaf by the scale, in float32, keeping each leaf's dtype."""
+        def unscale_leaf(g):
+            return (g.astype(jnp.float32) / self.scale).astype(g.dtype) if _is_floating(g) else g
+
+        return jax.tree.map(unscale_leaf, grads)
+
+
+@struct.dataclass
+class DynamicLossScale(_Scaled):
+    """GradScaler-style scale: back off on overflow, grow after ``growth_interval`` finite steps."""
+
+    scale: jax.Array
+    growth_tracker: jax.Array
+    skipped_steps: jax.Array
+    growth_factor: float = struct.field(pytree_node=False, default=2.0)
+    backoff_factor: float = struct.field(pytree_node=False, default=0.5)
+    growth_interval: int = struct.field(pytree_node=False, default=2000)
+    min_scale: float = struct.field(pytree_node=False, default=1.0)
+
+    @classmethod
+    def create(cls, initial_scale: float = 2.0**16, growth_factor: float = 2.0,
+               backoff_factor: float = 0.5, growth_interval: int = 2000,
+               min_scale: float = 1.0) -> Self:
+        """A fresh scale; raises ConfigError on settings that cannot work."""
+        _check(growth_factor > 1, f"loss-scale growth_factor must be > 1, got {growth_factor}")
+        _check(0 < backoff_factor < 1,
+               f"loss-scale backoff_factor must be in (0, 1), got {backoff_factor}")
+        _check(growth_interval >= 1,
+               f"loss-scale growth_interval must be >= 1, got {growth_interval}")
+        _check(min_scale > 0, f"loss-scale min_scale must be > 0, got {min_scale}")
+        _check(min_scale <= initial_scale and math.isfinite(initial_scale),
+               f"initial loss scale must be finite and >= min_scale {min_scale}, "
+               f"got {initial_scale}")
+        return cls(scale=jnp.asarray(initial_scale, jnp.float32),
+                   growth_tracker=jnp.zeros((), jnp.int32), skipped_steps=jnp.zeros((), jnp.int32),
+                   growth_factor=float(growth_factor), backoff_factor=float(backoff_factor),
+                   growth_interval=int(growth_interval), min_scale=float(min_scale))
+
+    def adjust(self, grads_finite: jax.Array) -> Self:
+        """The scale for the next step, given whether this step's gradients were all finite."""
+        tracker = self.growth_tracker + 1
+        grow = tracker >= self.growth_interval
+        grown = self.scale * self.growth_factor
+        finite_scale = jnp.where(grow & jnp.isfinite(grown), grown, self.scale)
+        backed_off = jnp.maximum(self.scale * self.backoff_factor, self.min_scale)
+        return self.replace(
+            scale=jnp.where(grads_finite, finite_scale, backed_off),
+            growth_tracker=jnp.where(grads_finite & ~grow, tracker, 0),
+            skipped_steps=_count_skipped(self.skipped_steps, grads_finite))
+
+
+@struct.dataclass
+class StaticLossScale(_Scaled):
+    """A fixed scale; non-finite steps are still counted (and should still be skipped)."""
+
+    scale: jax.Array
+    skipped_steps: jax.Array
+
+    @classmethod
+    def create(cls, scale: float = 2.0**15) -> Self:
+        _check(0 < scale and math.isfinite(scale),
+               f"static loss scale must be positive and finite, got {scale}")
+        return cls(scale=jnp.asarray(scale, jnp.float32), skipped_steps=jnp.zeros((), jnp.int32))
+
+    def adjust(self, grads_finite: jax.Array) -> Self:
+        return self.replace(skipped_steps=_count_skipped(self.skipped_steps, grads_finite))
+
+
+@struct.dataclass
+class NoLossScale:
+    """Scale 1: the identity, still counting non-finite steps so fp32 and bf16 runs report them."""
+
+    skipped_steps: jax.Array
+
+    @classmethod
+    def create(cls) -> Self:
+        return cls(skipped_steps=jnp.zeros((), jnp.int32))
+
+    @property
+    def loss_scale(self) -> jax.Array:
+        return jnp.ones((), jnp.float32)
+
+    def scale_loss(self, loss: jax.Array) -> jax.Array:
+        return loss
+
+    def unscale(self, grads):
+        return grads
+
+    def adjust(self, grads_finite: jax.Array) -> Self:
+        return self.replace(skipped_steps=_count_skipped(self.skipped_steps, grads_finite))
+
+
+LossScale = DynamicLossScale | StaticLossScale | NoLossScale
+LOSS_SCALE_KINDS = ("auto", "dynamic", "static", "none")
+
+
+def make_loss_scale(kind: str, policy: Policy, *, initial_scale: float = 2.0**16,
+                    growth_factor: float = 2.0, backoff_factor: float = 0.5,
+                    growth_interval: int = 2000, min_scale: float = 1.0,
+                    static_scale: float = 2.0**15) -> LossScale:
+    """The loss scale of ``kind``; ``auto`` is dynamic for float16 compute and none otherwise.
+
+    Each kind reads only its own settings, so a config may pass all of them.
+    """
+    if kind == "auto":
+        kind = "dynamic" if policy.needs_loss_scaling else "none"
+    if kind == "dynamic":
+        return DynamicLossScale.create(initial_scale, growth_factor, backoff_factor,
+                                       growth_interval, min_scale)
+    if kind == "static":
+        return StaticLossScale.create(static_scale)
+    if kind == "none":
+        return NoLossScale.create()
+    raise ConfigError(f"unknown loss scale {kind!r}: use one of {', '.join(LOSS_SCALE_KINDS)}; "
+                      f"fix --loss-scale")
+
+
+def all_finite(tree) -> jax.Array:
+    """True iff every element of every floating leaf is finite (a bool scalar array).
+
+    It reduces whole (global) arrays, so under jit with sharded inputs XLA inserts the
+    cross-device reduction: every device gets the same answer and skips the same steps.
+    """
+    return functools.reduce(
+        jnp.logical_and,
+        (jnp.all(jnp.isfinite(x)) for x in jax.tree.leaves(tree) if _is_floating(x)),
+        jnp.array(True))
+
+
+def select_tree(pred: jax.Array, on_true, on_false):
+    """``on_true`` if the scalar ``pred`` holds, else ``on_false``, leaf by leaf.
+
+    The trees must match in structure, shapes and dtypes; the chosen leaves come back bitwise,
+    so ``select_tree(finite, new_state, old_state)`` skips a step exactly.
+    """
+    return jax.tree.map(lambda a, b: jnp.where(pred, a, b), on_true, on_false)

@@ -1,0 +1,221 @@
+"""The precision policy and loss scaling inside the real train step."""
+
+import os
+import subprocess
+import sys
+import textwrap
+
+import chex
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+from jaxaccel.model import init_params, make_apply
+from jaxaccel.optim import make_optimizer
+from jaxaccel.precision import POLICIES, DynamicLossScale, NoLossScale, StaticLossScale
+from jaxaccel.train import init_state, make_eval_step, make_grad_fn, make_train_step
+from tests.test_train import CFG, random_batch
+
+REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+
+
+@jax.custom_vjp
+def inf_gradient_if(x, flag):
+    """The identity, whose gradient is +inf everywhere when ``flag`` holds."""
+    return x
+
+
+def _forward(x, flag):
+    return x, flag
+
+
+def _backward(flag, g):
+    return jnp.where(flag, jnp.full_like(g, jnp.inf), g), None
+
+
+inf_gradient_if.defvjp(_forward, _backward)
+
+
+def poisoned_apply(cfg=CFG):
+    """The model, with an inf injected into the head kernel's gradient when any row of the batch
+    has ``poison`` set."""
+    apply_fn = make_apply(cfg)
+
+    def apply(params, batch, key=None):
+        flag = jnp.any(batch["poison"] > 0)
+        params = {**params, "head": {"kernel": inf_gradient_if(params["head"]["kernel"], flag)}}
+        return apply_fn(params, batch, key)
+
+    return apply
+
+
+def batch_with_poison(seed, rows=(), B=4):
+    batch = random_batch(seed, B=B)
+    batch["poison"] = np.zeros(B, np.int32)
+    batch["poison"][list(rows)] = 1
+    return batch
+
+
+def fresh_state(loss_scale, optimizer):
+    return init_state(init_params(CFG, jax.random.PRNGKey(0)), optimizer, seed=0,
+                      loss_scale=loss_scale)
+
+
+@pytest.mark.parametrize("accumulate", [1, 2])
+def test_overflow_skips_the_step_bitwise_and_halves_the_scale(accumulate):
+    optimizer, schedule = make_optimizer("adamw", total_steps=10, warmup_steps=0)
+    step = jax.jit(make_train_step(poisoned_apply(), optimizer, schedule, accumulate=accumulate))
+    state = fresh_state(DynamicLossScale.create(initial_scale=2.0**10), optimizer)
+    state, _ = step(state, batch_with_poison(0))            # one normal step first
+    before = jax.tree.map(np.array, state)
+    state, metrics = step(state, batch_with_poison(1, rows=[3]))
+    chex.assert_trees_all_equal(state.params, before.params)
+    chex.assert_trees_all_equal(state.opt_state, before.opt_state)
+    assert float(state.loss_scale.scale) == 2.0**9
+    assert int(state.loss_scale.skipped_steps) == 1 and int(metrics["skipped_steps"]) == 1
+    assert int(state.loss_scale.growth_tracker) == 0
+    assert float(metrics["loss_scale"]) == 2.0**10        # the scale this step ran with
+    state, _ = step(state, batch_with_poison(2))            # and training goes on
+    assert not np.array_equal(np.asarray(state.params["head"]["kernel"]),
+                              before.params["head"]["kernel"])
+    assert int(state.loss_scale.skipped_steps) == 1
+
+
+def test_static_scale_also_skips_and_no_scale_only_counts():
+    optimizer, schedule = make_optimizer("sgd", total_steps=10, warmup_steps=0)
+    step = jax.jit(make_train_step(poisoned_apply(), optimizer, schedule))
+    static = fresh_state(StaticLossScale.create(2.0**8), optimizer)
+    new, _ = step(static, batch_with_poison(0, rows=[0]))
+    chex.assert_trees_all_equal(new.params, static.params)
+    assert float(new.loss_scale.scale) == 2.0**8 and int(new.loss_scale.skipped_steps) == 1
+    unscaled = fresh_state(NoLossScale.create(), optimizer)
+    new, _ = step(unscaled, batch_with_poison(0, rows=[0]))
+    assert not np.all(np.isfinite(np.asarray(new.params["head"]["kernel"])))
+    assert int(new.loss_scale.skipped_steps) == 1
+
+
+def test_scale_grows_after_exactly_growth_interval_finite_steps():
+    optimizer, schedule = make_optimizer("adamw", total_steps=10, warmup_steps=0)
+    step = jax.jit(make_train_step(make_apply(CFG), optimizer, schedule))
+    state = fresh_state(DynamicLossScale.create(initial_scale=4.0, growth_interval=3), optimizer)
+    scales = []
+    for seed in range(4):
+        state, _ = step(state, random_batch(seed))
+        scales.append(float(state.loss_scale.scale))
+    assert scales == [4.0, 4.0, 8.0, 8.0]
+
+
+def test_scaled_and_unscaled_float32_gradients_agree():
+    params = init_params(CFG, jax.random.PRNGKey(0))
+    grad_fn = jax.jit(make_grad_fn(make_apply(CFG)))
+    batch = random_batch(7, pad=2)
+    normalizer = jnp.sum(batch["weights"])
+    key = jax.random.PRNGKey(0)
+    (loss, _), plain = grad_fn(params, batch, key, normalizer, NoLossScale.create())
+    scale = DynamicLossScale.create(2.0**16)
+    (scaled_loss, _), scaled = grad_fn(params, batch, key, normalizer, scale)
+    unscaled = scale.unscale(scaled)
+    assert float(scaled_loss) == float(loss)               # the reported loss is unscaled
+    for a, b in zip(jax.tree.leaves(unscaled), jax.tree.leaves(plain)):
+        a, b = np.asarray(a, np.float64), np.asarray(b, np.float64)
+        assert np.linalg.norm(a - b) <= 1e-6 * np.linalg.norm(b)
+    # The scaled gradients really were scaled.
+    head = np.asarray(scaled["head"]["kernel"]) / np.asarray(plain["head"]["kernel"])
+    assert np.nanmedian(head) == pytest.approx(2.0**16, rel=1e-4)
+
+
+def test_policy_computes_in_half_precision_and_keeps_float32_masters():
+    optimizer, schedule = make_optimizer("adamw", total_steps=10, warmup_steps=0)
+    apply_fn = make_apply(CFG)
+    for name, dtype in (("bf16", "bf16"), ("fp16", "f16")):
+        train_step = make_train_step(apply_fn, optimizer, schedule, policy=POLICIES[name])
+        state = fresh_state(NoLossScale.create(), optimizer)
+        text = str(jax.make_jaxpr(train_step)(state, random_batch(0)))
+        dots = [line for line in text.splitlines() if "dot_general" in line]
+        assert dots and sum(f":{dtype}[" in line.split("=")[0] for line in dots) >= 0.5 * len(dots)
+        new, metrics = jax.jit(train_step)(state, random_batch(0))
+        assert all(x.dtype == jnp.float32 for x in jax.tree.leaves(new.params))
+        assert metrics["loss"].dtype == jnp.float32
+        eval_sums = jax.jit(make_eval_step(apply_fn, POLICIES[name]))(new, random_batch(1))
+        assert eval_sums["loss_sum"].dtype == jnp.float32
+    fp32_text = str(jax.make_jaxpr(make_train_step(apply_fn, optimizer, schedule))(
+        fresh_state(NoLossScale.create(), optimizer), random_batch(0)))
+    assert ":bf16[" not in fp32_text and ":f16[" not in fp32_text
+
+
+def test_bf16_and_fp16_losses_track_float32():
+    optimizer, schedule = make_optimizer("adamw", total_steps=30, warmup_steps=3)
+    apply_fn = make_apply(CFG)
+    losses = {}
+    for name in ("fp32", "bf16", "fp16"):
+        scale = DynamicLossScale.create() if name == "fp16" else NoLossScale.create()
+        state = fresh_state(scale, optimizer)
+        step = jax.jit(make_train_step(apply_fn, optimizer, schedule, policy=POLICIES[name]))
+        for i in range(30):
+            state, metrics = step(state, random_batch(i % 3))
+        losses[name] = float(metrics["loss"])
+        assert int(state.loss_scale.skipped_steps) == 0
+    assert losses["fp32"] < 3.5
+    assert abs(losses["bf16"] - losses["fp32"]) < 0.05 * losses["fp32"]
+    assert abs(losses["fp16"] - losses["fp32"]) < 0.02 * losses["fp32"]
+
+
+def test_fp16_overflow_backs_off_until_steps_are_finite():
+    """A scale far too large for float16 overflows for real; the scale backs off to a working
+    one, and the skipped steps change nothing."""
+    optimizer, schedule = make_optimizer("adamw", total_steps=40, warmup_steps=0)
+    step = jax.jit(make_train_step(make_apply(CFG), optimizer, schedule, policy=POLICIES["fp16"]))
+    state = fresh_state(DynamicLossScale.create(initial_scale=2.0**40), optimizer)
+    initial = jax.tree.map(np.array, state.params)
+    state, _ = step(state, random_batch(0))
+    chex.assert_trees_all_equal(state.params, initial)
+    for i in range(40):
+        state, metrics = step(state, random_batch(i % 3))
+    skipped = int(state.loss_scale.skipped_steps)
+    assert 1 <= skipped < 40
+    assert float(state.loss_scale.scale) == 2.0 ** (40 - skipped)
+    assert np.isfinite(float(metrics["loss"])) and int(state.step) == 41
+
+
+TWO_DEVICE_SCRIPT = textwrap.dedent("""
+    import jax, numpy as np
+    from jax.sharding import Mesh, NamedSharding, PartitionSpec as P
+    from jaxaccel.optim import make_optimizer
+    from jaxaccel.precision import DynamicLossScale
+    from jaxaccel.train import make_train_step
+    from tests.test_mixed_precision_step import batch_with_poison, fresh_state, poisoned_apply
+    mesh = Mesh(np.array(jax.devices()), ("data",))
+    optimizer, schedule = make_optimizer("adamw", total_steps=10, warmup_steps=0)
+    state = fresh_state(DynamicLossScale.create(initial_scale=2.0**10), optimizer)
+    replicated = NamedSharding(mesh, P())
+    state = jax.device_put(state, replicated)
+    batch = batch_with_poison(0, rows=[3], B=4)   # rows 2-3 live on the second device only
+    batch = {k: jax.device_put(v, NamedSharding(mesh, P("data"))) for k, v in batch.items()}
+    assert batch["poison"].addressable_shards[0].data.sum() == 0
+    step = jax.jit(make_train_step(poisoned_apply(), optimizer, schedule),
+                   out_shardings=(replicated, replicated))
+    new, _ = step(state, batch)
+    for shard in new.loss_scale.scale.addressable_shards:
+        print("scale", shard.device.id, float(shard.data))
+    for shard in new.loss_scale.skipped_steps.addressable_shards:
+        print("skipped", shard.device.id, int(shard.data))
+    kernel = new.params["head"]["kernel"]
+    same = [bool(np.array_equal(s.data, np.asarray(state.params["head"]["kernel"])))
+            for s in kernel.addressable_shards]
+    print("unchanged", all(same), len(same))
+""")
+
+
+def test_two_devices_agree_on_skipping_when_only_one_sees_an_inf():
+    env = {**os.environ, "XLA_FLAGS": "--xla_force_host_platform_device_count=2",
+           "PYTHONPATH": REPO, "JAX_PLATFORMS": "cpu"}
+    result = subprocess.run([sys.executable, "-c", TWO_DEVICE_SCRIPT], cwd=REPO, env=env,
+                            capture_output=True, text=True, timeout=300)
+    assert result.returncode == 0, result.stderr[-3000:]
+    lines = result.stdout.split("\n")
+    assert sorted(line for line in lines if line.startswith("scale")) == \
+        ["scale 0 512.0", "scale 1 512.0"]
+    assert sorted(line for line in lines if line.startswith("skipped")) == \
+        ["skipped 0 1", "skipped 1 1"]
+    assert "unchanged True 2" in lines
