@@ -15,17 +15,14 @@ curves against tokens go to ``optimizers.png`` in the run directory.
 """
 
 import dataclasses
-import json
 import os
 import sys
 import time
 
-import jax
-
+from experiments.common import environment, plot_loss_curves, run_config, write_json
 from jaxaccel.config import TrainConfig, flag, parse_config
 from jaxaccel.errors import ConfigError
 from jaxaccel.loop import train
-from jaxaccel.metrics import plot_curves, read_metrics, token_curve
 from jaxaccel.optim import LR_SCALING, OPTIMIZERS
 from jaxaccel.report import format_table
 
@@ -78,11 +75,10 @@ def run_one(cfg: OptimizersConfig, run_root: str, *, optimizer: str, table: str,
     """Train one configuration and reduce its summary to a table row."""
     label = optimizer if lr_scaling == "none" else f"{optimizer}-{lr_scaling}"
     run_dir = os.path.join(run_root, f"{table}-{label}-b{batch_size}")
-    fields = {f.name: getattr(cfg, f.name) for f in dataclasses.fields(TrainConfig)}
-    fields.update(optimizer=optimizer, batch_size=batch_size, lr_scaling=lr_scaling,
-                  base_batch_size=cfg.batch_size, run_dir=run_dir, json=None,
-                  warmup_steps=cfg.warmup_steps if warmup_steps is None else warmup_steps)
-    summary = train(TrainConfig(**fields))
+    summary = train(run_config(
+        cfg, optimizer=optimizer, batch_size=batch_size, lr_scaling=lr_scaling,
+        base_batch_size=cfg.batch_size, run_dir=run_dir,
+        warmup_steps=cfg.warmup_steps if warmup_steps is None else warmup_steps))
     return {
         "table": table,
         "label": f"{label}, batch {batch_size}",
@@ -130,8 +126,7 @@ def main(argv=None) -> int:
     meta = {"model": cfg.model, "data": cfg.data, "batching": cfg.batching,
             "seq_len": cfg.seq_len, "base_batch_size": cfg.batch_size,
             "large_batch_factor": cfg.large_batch_factor, "train_tokens": cfg.train_tokens,
-            "device": jax.devices()[0].device_kind, "jax_version": jax.__version__,
-            "date": time.strftime("%Y-%m-%d"), "run_dir": run_root}
+            **environment(), "run_dir": run_root}
     print(f"\n{cfg.model} model, {cfg.train_tokens:,} real tokens per run, seq_len {cfg.seq_len}, "
           f"{cfg.batching} batching, {meta['device']}, jax {meta['jax_version']}")
     print("\nTable 1: each optimizer with its recommended defaults")
@@ -141,13 +136,10 @@ def main(argv=None) -> int:
         print(f"\nTable 2: {cfg.large_batch_factor}x the batch on the same tokens (table-1 rows "
               f"of the same optimizers first, for reference)")
         print(format_table(reference + [r for r in rows if r["table"] == "large_batch"], COLUMNS))
-    curves = {r["label"]: token_curve(read_metrics(os.path.join(r["run_dir"], "metrics.jsonl")))
-              for r in rows}
-    plot_curves(os.path.join(run_root, "optimizers.png"), curves, xlabel="real tokens",
-                title=f"optimizers, {cfg.model} model, seq_len {cfg.seq_len}")
-    if cfg.json:
-        with open(cfg.json, "w") as f:
-            json.dump({"rows": rows, "meta": meta}, f, indent=2)
+    plot_loss_curves(os.path.join(run_root, "optimizers.png"),
+                     {r["label"]: r["run_dir"] for r in rows},
+                     title=f"optimizers, {cfg.model} model, seq_len {cfg.seq_len}")
+    write_json(cfg.json, rows, meta)
     return 0
 
 

@@ -16,13 +16,11 @@ and only the padding differs. A bar chart goes to the run directory.
 """
 
 import dataclasses
-import json
 import os
 import sys
 import time
 
-import jax
-
+from experiments.common import environment, run_config, write_json
 from jaxaccel.config import TrainConfig, flag, parse_config
 from jaxaccel.corpus import load_corpus
 from jaxaccel.data import STRATEGIES, DataStream, batch_stats, batches
@@ -139,10 +137,8 @@ def _describe_batch(cfg: TrainConfig) -> str:
 def run_strategy(cfg: PaddingConfig, strategy: str, run_root: str) -> dict:
     """Measure the loader, train one strategy, and reduce both to a table row."""
     documents = load_corpus(cfg.data, cache_dir=cfg.cache_dir).train
-    fields = {f.name: getattr(cfg, f.name) for f in dataclasses.fields(TrainConfig)}
-    fields.update(batching=strategy, run_dir=os.path.join(run_root, strategy), json=None,
-                  **matched_batch(documents, cfg, strategy))
-    run_cfg = TrainConfig(**fields)
+    run_cfg = run_config(cfg, batching=strategy, run_dir=os.path.join(run_root, strategy),
+                         **matched_batch(documents, cfg, strategy))
     loader_rate = loader_tokens_per_s(documents, run_cfg)
     summary = train(run_cfg)
     return {
@@ -186,7 +182,7 @@ def main(argv=None) -> int:
     if cfg.plan_only:
         print(f"\nseq_len {cfg.seq_len}, one epoch of {cfg.data} per strategy, loader on one thread")
         print(format_table(rows, PLAN_COLUMNS))
-        _write_json(cfg.json, rows, {"seq_len": cfg.seq_len, "plan_only": True})
+        write_json(cfg.json, rows, {"seq_len": cfg.seq_len, "plan_only": True})
         return 0
     fixed = next((r for r in rows if r["strategy"] == "fixed"), None)
     for row in rows:
@@ -196,8 +192,7 @@ def main(argv=None) -> int:
                                 if fixed else None)
     meta = {"seq_len": cfg.seq_len, "batch_size": cfg.batch_size, "train_tokens": cfg.train_tokens,
             "match_real_tokens": cfg.match_real_tokens,
-            "model": cfg.model, "data": cfg.data, "device": jax.devices()[0].device_kind,
-            "jax_version": jax.__version__, "date": time.strftime("%Y-%m-%d")}
+            "model": cfg.model, "data": cfg.data, **environment()}
     print(f"\nseq_len {cfg.seq_len}, {cfg.train_tokens:,} real tokens per strategy, "
           f"{meta['device']}, jax {meta['jax_version']}")
     print(format_table(rows, COLUMNS))
@@ -206,14 +201,8 @@ def main(argv=None) -> int:
                ("padding efficiency", [r["padding_efficiency"] for r in rows]),
                ("validation loss", [r["val_loss"] for r in rows])],
               title=f"batching strategies, seq_len {cfg.seq_len}")
-    _write_json(cfg.json, rows, meta)
+    write_json(cfg.json, rows, meta)
     return 0
-
-
-def _write_json(path, rows, meta):
-    if path:
-        with open(path, "w") as f:
-            json.dump({"rows": rows, "meta": meta}, f, indent=2)
 
 
 if __name__ == "__main__":

@@ -19,7 +19,6 @@ batch's rows; bigger batches mean smaller per-token gradients and more underflow
 """
 
 import dataclasses
-import json
 import os
 import sys
 import time
@@ -29,14 +28,14 @@ import jax.numpy as jnp
 import numpy as np
 import orbax.checkpoint as ocp
 
+from experiments.common import environment, plot_loss_curves, run_config, write_json
 from jaxaccel.config import TrainConfig, flag, parse_config
 from jaxaccel.corpus import load_corpus
 from jaxaccel.data import DataStream
 from jaxaccel.errors import ConfigError
 from jaxaccel.loop import train
-from jaxaccel.metrics import plot_curves, read_metrics, token_curve
 from jaxaccel.model import init_params, make_apply
-from jaxaccel.precision import DynamicLossScale, NoLossScale, get_policy
+from jaxaccel.precision import DynamicLossScale, NoLossScale, all_finite, get_policy
 from jaxaccel.report import format_table
 from jaxaccel.train import make_grad_fn
 
@@ -55,6 +54,10 @@ class PrecisionConfig(TrainConfig):
     """The training flags (with this experiment's defaults) plus the rows to compare."""
 
     precisions: str = flag(",".join(ROWS), "comma-separated rows: " + ", ".join(ROWS))
+    precision: str = flag("fp32", "not used here: each row sets its own (see --precisions)")
+    loss_scale: str = flag("auto", "not used here: each row sets its own (see --precisions)")
+    matmul_precision: str = flag("default", "not used here: each row sets its own (see "
+                                            "--precisions)")
     probe_batch_size: int = flag(16, "rows of the underflow probe's batch")
     probe_accumulate: str = flag("1,64,1024", "comma-separated K: probe the batch as one of K "
                                               "microbatches of a global batch")
@@ -103,10 +106,8 @@ PROBE_COLUMNS = [
 
 def run_row(cfg: PrecisionConfig, name: str, run_root: str) -> dict:
     precision, loss_scale, matmul = ROWS[name]
-    fields = {f.name: getattr(cfg, f.name) for f in dataclasses.fields(TrainConfig)}
-    fields.update(precision=precision, loss_scale=loss_scale, matmul_precision=matmul,
-                  run_dir=os.path.join(run_root, name), json=None)
-    summary = train(TrainConfig(**fields))
+    summary = train(run_config(cfg, precision=precision, loss_scale=loss_scale,
+                               matmul_precision=matmul, run_dir=os.path.join(run_root, name)))
     memory = summary["step_memory_bytes"]
     return {
         "precision": name,
@@ -132,7 +133,7 @@ def largest_finite_scale(grad_fn, params, batch, key, normalizer, start: float) 
     scale = start
     while scale > 1:
         _, grads = grad_fn(params, batch, key, normalizer, DynamicLossScale.create(scale))
-        if all(bool(jnp.all(jnp.isfinite(g))) for g in jax.tree.leaves(grads)):
+        if bool(all_finite(grads)):
             break
         scale /= 2
     return scale
@@ -221,22 +222,17 @@ def main(argv=None) -> int:
     meta = {"model": cfg.model, "data": cfg.data, "batching": cfg.batching, "seq_len": cfg.seq_len,
             "batch_size": cfg.batch_size, "train_tokens": cfg.train_tokens,
             "probe_batch_size": cfg.probe_batch_size, "underflow_probe": probe,
-            "device": jax.devices()[0].device_kind, "jax_version": jax.__version__,
-            "date": time.strftime("%Y-%m-%d"), "run_dir": run_root}
+            **environment(), "run_dir": run_root}
     print(f"\n{cfg.model} model, {cfg.train_tokens:,} real tokens per row, seq_len {cfg.seq_len}, "
           f"{cfg.batching} batching, {meta['device']}, jax {meta['jax_version']}")
     print(format_table(rows, COLUMNS))
     print(f"\nUnderflow probe: one batch of {cfg.probe_batch_size} rows as one of K microbatches; "
           f"float16 gradients against float32 at the start and end of the fp32 run")
     print(format_table(probe, PROBE_COLUMNS))
-    curves = {r["precision"]: token_curve(read_metrics(os.path.join(r["run_dir"],
-                                                                     "metrics.jsonl")))
-              for r in rows}
-    plot_curves(os.path.join(run_root, "precision.png"), curves, xlabel="real tokens",
-                title=f"precision policies, {cfg.model} model, seq_len {cfg.seq_len}")
-    if cfg.json:
-        with open(cfg.json, "w") as f:
-            json.dump({"rows": rows, "meta": meta}, f, indent=2)
+    plot_loss_curves(os.path.join(run_root, "precision.png"),
+                     {r["precision"]: r["run_dir"] for r in rows},
+                     title=f"precision policies, {cfg.model} model, seq_len {cfg.seq_len}")
+    write_json(cfg.json, rows, meta)
     return 0
 
 
