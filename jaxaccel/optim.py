@@ -15,8 +15,9 @@ rules are optax's own transformations; this module is the glue around them:
   (``state_dtype``) to halve its memory.
 
 Each optimizer's recommended settings live in ``DEFAULTS``; Lion's are AdamW's scaled as its
-authors advise (learning rate 3-10x smaller, weight decay 3-10x larger: here 3x and 3x, so the
-product lr * weight decay, the strength of the decay, stays AdamW's).
+authors advise (learning rate 3-10x smaller, weight decay 3-10x larger: here 10x and 10x, so the
+product lr * weight decay, the strength of the decay, stays AdamW's). The learning rates of LAMB,
+LARS and SGD are the best of a short sweep on the tiny model (BENCHMARKS.md).
 """
 
 import dataclasses
@@ -32,7 +33,7 @@ SCHEDULES = ("constant", "cosine", "linear", "rsqrt")
 LR_SCALING = ("none", "linear", "sqrt")
 
 # Lion takes AdamW's learning rate divided, and weight decay multiplied, by this factor.
-LION_FACTOR = 3.0
+LION_FACTOR = 10.0
 
 
 @dataclasses.dataclass(frozen=True)
@@ -53,11 +54,11 @@ DEFAULTS = {
     "lion": OptimizerDefaults(_ADAMW_LR / LION_FACTOR, _ADAMW_WD * LION_FACTOR, 0.9, 0.99,
                               f"sign of interpolated momentum; lr {LION_FACTOR:g}x smaller and "
                               f"weight decay {LION_FACTOR:g}x larger than AdamW's"),
-    "lamb": OptimizerDefaults(1e-2, 0.1, 0.9, 0.999,
+    "lamb": OptimizerDefaults(3e-2, 0.1, 0.9, 0.999,
                               "Adam update rescaled per layer by ||w|| / ||update||"),
-    "lars": OptimizerDefaults(2.0, 1e-4, 0.9, None,
+    "lars": OptimizerDefaults(10.0, 1e-4, 0.9, None,
                               "momentum SGD rescaled per layer by 0.001 ||w|| / ||g||"),
-    "sgd": OptimizerDefaults(0.3, 0.0, 0.9, None, "SGD with Nesterov momentum"),
+    "sgd": OptimizerDefaults(0.1, 0.0, 0.9, None, "SGD with Nesterov momentum"),
     "adafactor": OptimizerDefaults(_ADAMW_LR, 0.0, None, 0.8,
                                    "factored second moments, no momentum, update clipping"),
 }

@@ -44,7 +44,7 @@ def test_each_optimizer_lowers_the_loss(name):
     for _ in range(40):
         state, metrics = step(state, batch)
     after = mean_loss(eval_step, state, batch)
-    assert after < 0.9 * before, (name, before, after)
+    assert after < 0.93 * before, (name, before, after)
     assert float(metrics["update_norm"]) > 0
 
 
