@@ -28,8 +28,8 @@ from jaxaccel.errors import ConfigError
 from jaxaccel.loader import DevicePrefetcher, abstract_batch, place_batch
 from jaxaccel.metrics import BITS_PER_NAT, MetricsWriter, plot_loss_curve, read_metrics
 from jaxaccel.model import count_params, flops_per_token, init_params, make_apply
-from jaxaccel.optim import (DEFAULTS, decay_mask, make_optimizer, scale_learning_rate,
-                            state_bytes)
+from jaxaccel.optim import (decay_mask, make_optimizer, make_schedule, resolve_defaults,
+                            scale_learning_rate, state_bytes)
 from jaxaccel.train import init_state, make_eval_step, make_train_step
 
 RUNS_ROOT = "runs"
@@ -284,20 +284,19 @@ def _train(cfg: TrainConfig, should_stop) -> dict:
 
 
 def build_optimizer(cfg: TrainConfig, seq_len: int, total_steps: int):
-    """The run's optimizer, its schedule, and its hyperparameters as resolved (the optimizer's
-    defaults filled in, the peak learning rate scaled to the batch size)."""
-    base_lr = (DEFAULTS[cfg.optimizer].learning_rate if cfg.learning_rate is None
-               else cfg.learning_rate)
+    """The run's optimizer, its learning-rate schedule, and its hyperparameters as resolved (the
+    optimizer's defaults filled in, the peak learning rate scaled to the batch size)."""
+    base_lr, weight_decay = resolve_defaults(cfg.optimizer, cfg.learning_rate, cfg.weight_decay)
     learning_rate = scale_learning_rate(base_lr, cfg.lr_scaling, cfg.batch_rows(seq_len),
                                         cfg.base_batch_size)
-    weight_decay = (DEFAULTS[cfg.optimizer].weight_decay if cfg.weight_decay is None
-                    else cfg.weight_decay)
     patterns = cfg.no_decay_patterns()
-    optimizer, schedule = make_optimizer(
+    optimizer = make_optimizer(
         cfg.optimizer, learning_rate=learning_rate, weight_decay=weight_decay,
         schedule=cfg.schedule, warmup_steps=cfg.warmup_steps, total_steps=total_steps,
         clip_norm=cfg.clip_norm, mask=lambda params: decay_mask(params, patterns),
         state_dtype=jnp.dtype(cfg.optimizer_state_dtype))
+    schedule = make_schedule(cfg.schedule, learning_rate, warmup_steps=cfg.warmup_steps,
+                             total_steps=total_steps)
     return optimizer, schedule, {"learning_rate": learning_rate, "weight_decay": weight_decay}
 
 

@@ -1,6 +1,6 @@
 """Optimizers by name, with the defaults that large-batch transformer training needs.
 
-``make_optimizer(name, ...)`` returns ``(optax.GradientTransformation, schedule)`` for ``adamw``,
+``make_optimizer(name, ...)`` returns an ``optax.GradientTransformation`` for ``adamw``,
 ``lion``, ``lamb``, ``lars``, ``sgd`` (momentum, optionally Nesterov) and ``adafactor``. The update
 rules are optax's own transformations; this module is the glue around them:
 
@@ -173,23 +173,32 @@ def _lamb(schedule, b1, b2, weight_decay, mask):
     )
 
 
+def resolve_defaults(name: str, learning_rate: float | None,
+                     weight_decay: float | None) -> tuple[float, float]:
+    """The learning rate and weight decay, ``DEFAULTS[name]``'s where not given."""
+    if name not in DEFAULTS:
+        raise ConfigError(f"unknown optimizer {name!r}; choose --optimizer from "
+                          f"{', '.join(OPTIMIZERS)}")
+    defaults = DEFAULTS[name]
+    return (defaults.learning_rate if learning_rate is None else learning_rate,
+            defaults.weight_decay if weight_decay is None else weight_decay)
+
+
 def make_optimizer(name: str = "adamw", *, learning_rate: float | None = None,
                    weight_decay: float | None = None, schedule: str = "cosine",
                    warmup_steps: int = 0, total_steps: int, clip_norm: float | None = 1.0,
                    b1: float | None = None, b2: float | None = None, nesterov: bool = True,
                    mask=None, state_dtype=None):
-    """Return ``(optimizer, schedule_fn)``; ``schedule_fn(step)`` is the learning rate at a step.
+    """The named optimizer as one ``optax.GradientTransformation`` (clipping included).
 
-    ``learning_rate``, ``weight_decay``, ``b1`` and ``b2`` default to ``DEFAULTS[name]``. ``mask``
+    Its learning rate follows ``make_schedule(schedule, learning_rate, ...)``: call that with the
+    same arguments for the value at a step. ``learning_rate``, ``weight_decay``, ``b1`` and
+    ``b2`` default to ``DEFAULTS[name]``. ``mask``
     (a tree of bools or a function of the params) says where weight decay and trust ratios apply;
     default ``decay_mask``. ``state_dtype`` (e.g. ``jnp.bfloat16``) stores the state in that dtype.
     """
-    if name not in DEFAULTS:
-        raise ConfigError(f"unknown optimizer {name!r}; choose --optimizer from "
-                          f"{', '.join(OPTIMIZERS)}")
+    learning_rate, weight_decay = resolve_defaults(name, learning_rate, weight_decay)
     defaults = DEFAULTS[name]
-    learning_rate = defaults.learning_rate if learning_rate is None else learning_rate
-    weight_decay = defaults.weight_decay if weight_decay is None else weight_decay
     b1 = defaults.b1 if b1 is None else b1
     b2 = defaults.b2 if b2 is None else b2
     if learning_rate <= 0:
@@ -223,4 +232,4 @@ def make_optimizer(name: str = "adamw", *, learning_rate: float | None = None,
     optimizer = optax.chain(*parts, rule)
     if state_dtype is not None and jnp.dtype(state_dtype) != jnp.float32:
         optimizer = with_state_dtype(optimizer, state_dtype)
-    return optimizer, lr
+    return optimizer

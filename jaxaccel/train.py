@@ -121,11 +121,12 @@ def accumulate_gradients(grad_fn, microbatches: int):
     return accumulated
 
 
-def make_train_step(apply_fn, optimizer: optax.GradientTransformation, schedule, *,
+def make_train_step(apply_fn, optimizer: optax.GradientTransformation, schedule=None, *,
                     dropout: bool = False, accumulate: int = 1,
                     policy: Policy = POLICIES["fp32"]):
     """Build the pure ``train_step(state, batch) -> (state, metrics)``.
 
+    ``schedule(step)``, when given, puts the learning rate into the metrics.
     ``accumulate`` > 1 computes the gradient over that many microbatches of the batch. The loss
     scale lives in the state: with a ``NoLossScale`` every step updates (non-finite steps are
     only counted); with a static or dynamic scale a non-finite step changes nothing but the
@@ -154,10 +155,11 @@ def make_train_step(apply_fn, optimizer: optax.GradientTransformation, schedule,
             "padded_tokens": jnp.sum(batch["segment_ids"] == 0),
             "grad_norm": optax.tree.norm(grads),
             "update_norm": optax.tree.norm(updates),
-            "learning_rate": schedule(state.step),
             "loss_scale": state.loss_scale.loss_scale,
             "skipped_steps": loss_scale.skipped_steps,
         }
+        if schedule is not None:
+            metrics["learning_rate"] = schedule(state.step)
         new_state = state.replace(params=params, opt_state=opt_state, step=state.step + 1,
                                   loss_scale=loss_scale)
         return new_state, metrics

@@ -13,7 +13,7 @@ CFG = ModelConfig(vocab_size=64, d_model=32, n_layers=1, n_heads=2, max_seq_len=
 
 
 def make_state(seed):
-    optimizer, _ = make_optimizer(learning_rate=1e-3, total_steps=10)
+    optimizer = make_optimizer(learning_rate=1e-3, total_steps=10)
     return init_state(init_params(CFG, jax.random.PRNGKey(seed)), optimizer, seed)
 
 

@@ -64,8 +64,8 @@ def fresh_state(loss_scale, optimizer):
 
 @pytest.mark.parametrize("accumulate", [1, 2])
 def test_overflow_skips_the_step_bitwise_and_halves_the_scale(accumulate):
-    optimizer, schedule = make_optimizer("adamw", total_steps=10, warmup_steps=0)
-    step = jax.jit(make_train_step(poisoned_apply(), optimizer, schedule, accumulate=accumulate))
+    optimizer = make_optimizer("adamw", total_steps=10, warmup_steps=0)
+    step = jax.jit(make_train_step(poisoned_apply(), optimizer, accumulate=accumulate))
     state = fresh_state(DynamicLossScale.create(initial_scale=2.0**10), optimizer)
     state, _ = step(state, batch_with_poison(0))            # one normal step first
     before = jax.tree.map(np.array, state)
@@ -83,8 +83,8 @@ def test_overflow_skips_the_step_bitwise_and_halves_the_scale(accumulate):
 
 
 def test_static_scale_also_skips_and_no_scale_only_counts():
-    optimizer, schedule = make_optimizer("sgd", total_steps=10, warmup_steps=0)
-    step = jax.jit(make_train_step(poisoned_apply(), optimizer, schedule))
+    optimizer = make_optimizer("sgd", total_steps=10, warmup_steps=0)
+    step = jax.jit(make_train_step(poisoned_apply(), optimizer))
     static = fresh_state(StaticLossScale.create(2.0**8), optimizer)
     new, _ = step(static, batch_with_poison(0, rows=[0]))
     chex.assert_trees_all_equal(new.params, static.params)
@@ -96,8 +96,8 @@ def test_static_scale_also_skips_and_no_scale_only_counts():
 
 
 def test_scale_grows_after_exactly_growth_interval_finite_steps():
-    optimizer, schedule = make_optimizer("adamw", total_steps=10, warmup_steps=0)
-    step = jax.jit(make_train_step(make_apply(CFG), optimizer, schedule))
+    optimizer = make_optimizer("adamw", total_steps=10, warmup_steps=0)
+    step = jax.jit(make_train_step(make_apply(CFG), optimizer))
     state = fresh_state(DynamicLossScale.create(initial_scale=4.0, growth_interval=3), optimizer)
     scales = []
     for seed in range(4):
@@ -126,10 +126,10 @@ def test_scaled_and_unscaled_float32_gradients_agree():
 
 
 def test_policy_computes_in_half_precision_and_keeps_float32_masters():
-    optimizer, schedule = make_optimizer("adamw", total_steps=10, warmup_steps=0)
+    optimizer = make_optimizer("adamw", total_steps=10, warmup_steps=0)
     apply_fn = make_apply(CFG)
     for name, dtype in (("bf16", "bf16"), ("fp16", "f16")):
-        train_step = make_train_step(apply_fn, optimizer, schedule, policy=POLICIES[name])
+        train_step = make_train_step(apply_fn, optimizer, policy=POLICIES[name])
         state = fresh_state(NoLossScale.create(), optimizer)
         text = str(jax.make_jaxpr(train_step)(state, random_batch(0)))
         dots = [line for line in text.splitlines() if "dot_general" in line]
@@ -139,19 +139,19 @@ def test_policy_computes_in_half_precision_and_keeps_float32_masters():
         assert metrics["loss"].dtype == jnp.float32
         eval_sums = jax.jit(make_eval_step(apply_fn, POLICIES[name]))(new, random_batch(1))
         assert eval_sums["loss_sum"].dtype == jnp.float32
-    fp32_text = str(jax.make_jaxpr(make_train_step(apply_fn, optimizer, schedule))(
+    fp32_text = str(jax.make_jaxpr(make_train_step(apply_fn, optimizer))(
         fresh_state(NoLossScale.create(), optimizer), random_batch(0)))
     assert ":bf16[" not in fp32_text and ":f16[" not in fp32_text
 
 
 def test_bf16_and_fp16_losses_track_float32():
-    optimizer, schedule = make_optimizer("adamw", total_steps=30, warmup_steps=3)
+    optimizer = make_optimizer("adamw", total_steps=30, warmup_steps=3)
     apply_fn = make_apply(CFG)
     losses = {}
     for name in ("fp32", "bf16", "fp16"):
         scale = DynamicLossScale.create() if name == "fp16" else NoLossScale.create()
         state = fresh_state(scale, optimizer)
-        step = jax.jit(make_train_step(apply_fn, optimizer, schedule, policy=POLICIES[name]))
+        step = jax.jit(make_train_step(apply_fn, optimizer, policy=POLICIES[name]))
         for i in range(30):
             state, metrics = step(state, random_batch(i % 3))
         losses[name] = float(metrics["loss"])
@@ -164,8 +164,8 @@ def test_bf16_and_fp16_losses_track_float32():
 def test_fp16_overflow_backs_off_until_steps_are_finite():
     """A scale far too large for float16 overflows for real; the scale backs off to a working
     one, and the skipped steps change nothing."""
-    optimizer, schedule = make_optimizer("adamw", total_steps=40, warmup_steps=0)
-    step = jax.jit(make_train_step(make_apply(CFG), optimizer, schedule, policy=POLICIES["fp16"]))
+    optimizer = make_optimizer("adamw", total_steps=40, warmup_steps=0)
+    step = jax.jit(make_train_step(make_apply(CFG), optimizer, policy=POLICIES["fp16"]))
     state = fresh_state(DynamicLossScale.create(initial_scale=2.0**40), optimizer)
     initial = jax.tree.map(np.array, state.params)
     state, _ = step(state, random_batch(0))
@@ -186,14 +186,14 @@ TWO_DEVICE_SCRIPT = textwrap.dedent("""
     from jaxaccel.train import make_train_step
     from tests.test_mixed_precision_step import batch_with_poison, fresh_state, poisoned_apply
     mesh = Mesh(np.array(jax.devices()), ("data",))
-    optimizer, schedule = make_optimizer("adamw", total_steps=10, warmup_steps=0)
+    optimizer = make_optimizer("adamw", total_steps=10, warmup_steps=0)
     state = fresh_state(DynamicLossScale.create(initial_scale=2.0**10), optimizer)
     replicated = NamedSharding(mesh, P())
     state = jax.device_put(state, replicated)
     batch = batch_with_poison(0, rows=[3], B=4)   # rows 2-3 live on the second device only
     batch = {k: jax.device_put(v, NamedSharding(mesh, P("data"))) for k, v in batch.items()}
     assert batch["poison"].addressable_shards[0].data.sum() == 0
-    step = jax.jit(make_train_step(poisoned_apply(), optimizer, schedule),
+    step = jax.jit(make_train_step(poisoned_apply(), optimizer),
                    out_shardings=(replicated, replicated))
     new, _ = step(state, batch)
     for shard in new.loss_scale.scale.addressable_shards:

@@ -35,9 +35,9 @@ def test_unknown_optimizer_is_a_clear_error_listing_the_valid_ones():
 @pytest.mark.parametrize("name", OPTIMIZERS)
 def test_each_optimizer_lowers_the_loss(name):
     params, apply_fn = params_and_apply()
-    optimizer, schedule = make_optimizer(name, total_steps=40, warmup_steps=4)
+    optimizer = make_optimizer(name, total_steps=40, warmup_steps=4)
     state = init_state(params, optimizer, seed=0)
-    step = jax.jit(make_train_step(apply_fn, optimizer, schedule))
+    step = jax.jit(make_train_step(apply_fn, optimizer))
     eval_step = jax.jit(make_eval_step(apply_fn))
     batch = random_batch(1)
     before = mean_loss(eval_step, state, batch)
@@ -79,7 +79,7 @@ def test_weight_decay_and_trust_ratio_touch_only_the_masked_leaves(name):
     masked leaves alone, and a mask that spares the head must spare it."""
     params, _ = params_and_apply()
     sparing_head = lambda p: decay_mask(p, exclude=(r"embed", r"norm", r"^head/"))  # noqa: E731
-    optimizer, _ = make_optimizer(name, learning_rate=1e-2, weight_decay=0.5, total_steps=10,
+    optimizer = make_optimizer(name, learning_rate=1e-2, weight_decay=0.5, total_steps=10,
                                   clip_norm=None, mask=sparing_head)
     state = optimizer.init(params)
     zeros = jax.tree.map(jnp.zeros_like, params)
@@ -124,13 +124,13 @@ def test_state_bytes_lion_half_of_adamw_and_bf16_halves_again():
     params = jax.eval_shape(lambda: init_params(preset("tiny"), jax.random.PRNGKey(0)))
     sizes = {}
     for name in ("adamw", "lion", "adafactor"):
-        optimizer, _ = make_optimizer(name, total_steps=10)
+        optimizer = make_optimizer(name, total_steps=10)
         sizes[name] = state_bytes(jax.eval_shape(optimizer.init, params))
     param_bytes = state_bytes(params)
     assert abs(sizes["adamw"] - 2 * param_bytes) < 0.01 * param_bytes
     assert abs(sizes["lion"] - param_bytes) < 0.01 * param_bytes
     assert sizes["adafactor"] < 0.5 * param_bytes
-    optimizer, _ = make_optimizer("adamw", total_steps=10, state_dtype=jnp.bfloat16)
+    optimizer = make_optimizer("adamw", total_steps=10, state_dtype=jnp.bfloat16)
     bf16_state = jax.eval_shape(optimizer.init, params)
     assert abs(state_bytes(bf16_state) - param_bytes) < 0.01 * param_bytes
     floats = [x for x in jax.tree.leaves(bf16_state) if jnp.issubdtype(x.dtype, jnp.floating)]
@@ -139,10 +139,10 @@ def test_state_bytes_lion_half_of_adamw_and_bf16_halves_again():
 
 def test_bf16_optimizer_state_still_trains():
     params, apply_fn = params_and_apply()
-    optimizer, schedule = make_optimizer("adamw", total_steps=40, warmup_steps=4,
+    optimizer = make_optimizer("adamw", total_steps=40, warmup_steps=4,
                                          state_dtype=jnp.bfloat16)
     state = init_state(params, optimizer, seed=0)
-    step = jax.jit(make_train_step(apply_fn, optimizer, schedule))
+    step = jax.jit(make_train_step(apply_fn, optimizer))
     eval_step = jax.jit(make_eval_step(apply_fn))
     batch = random_batch(2)
     before = mean_loss(eval_step, state, batch)
@@ -186,12 +186,12 @@ def test_accumulated_step_equals_full_batch_step_and_uses_less_memory():
     params, apply_fn = params_and_apply(cfg)
     # SGD's update is linear in the gradient, so equal gradients give equal parameters (Adam's
     # first step is about sign(g), which rounding flips on entries near zero).
-    optimizer, schedule = make_optimizer("sgd", total_steps=10, warmup_steps=0)
+    optimizer = make_optimizer("sgd", total_steps=10, warmup_steps=0)
     batch = random_batch(5, B=16, T=128)
     results, temps = [], []
     for microbatches in (1, 4):
         state = init_state(params, optimizer, seed=0)
-        step = CompiledFn(make_train_step(apply_fn, optimizer, schedule,
+        step = CompiledFn(make_train_step(apply_fn, optimizer,
                                           accumulate=microbatches))
         new_state, metrics = step(state, batch)
         results.append((new_state.params, float(metrics["loss"]), float(metrics["grad_norm"])))
