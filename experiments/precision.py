@@ -213,9 +213,8 @@ def main(argv=None) -> int:
         row["val_loss_vs_fp32"] = (row["val_loss"] / fp32["val_loss"] - 1 if fp32 else None)
     trained = None
     if fp32 is not None:
-        checkpoints = os.path.join(fp32["run_dir"], "checkpoints")
-        state = ocp.StandardCheckpointer().restore(
-            os.path.join(checkpoints, str(fp32["steps"]), "state"))
+        checkpoint = os.path.join(fp32["run_dir"], "checkpoints", str(fp32["steps"]), "state")
+        state = ocp.StandardCheckpointer().restore(os.path.abspath(checkpoint))
         trained = state["params"]
     probe = underflow_probe(cfg, trained)
 

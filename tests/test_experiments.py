@@ -71,12 +71,15 @@ def test_optimizers_experiment_runs_both_tables(corpus_path, tmp_path, capsys):
     assert "Table 1" in out_text and "Table 2" in out_text
 
 
-def test_precision_experiment_runs_every_row_and_the_probe(corpus_path, tmp_path, capsys):
+def test_precision_experiment_runs_every_row_and_the_probe(corpus_path, tmp_path, capsys,
+                                                           monkeypatch):
     out = tmp_path / "precision.json"
+    monkeypatch.chdir(tmp_path)   # a relative --run-dir, as users pass it
     code = precision.main([
         "--data", corpus_path, "--d-model", "32", "--n-layers", "1", "--n-heads", "2",
         "--max-seq-len", "32", "--seq-len", "32", "--batch-size", "2", "--train-tokens", "320",
-        "--probe-batch-size", "4", "--probe-accumulate", "1,1024", "--no-progress", "--run-dir", str(tmp_path / "runs"),
+        "--probe-batch-size", "4", "--probe-accumulate", "1,1024", "--no-progress",
+        "--run-dir", "runs",
         "--cache-dir", str(tmp_path / "cache"), "--json", str(out)])
     assert code == 0
     result = json.loads(out.read_text())
