@@ -56,7 +56,7 @@ def _remat_line(s: dict) -> str:
     if plan:
         figures = "; ".join(
             f"{r['policy']} {r['total_bytes']:,} B{'' if r['fits'] else ' (too big)'}, "
-            f"{r['flops'] or 0:.3g} FLOPs, max batch {r['max_batch']}" for r in plan["rows"])
+            f"{r['flops'] or 0:.3g} FLOPs" for r in plan["rows"])
         line += (f"; chosen by --memory-budget {plan['budget']:,} at batch {plan['batch_size']} "
                  f"(fewest {plan['criterion']} that fit): {figures}")
     return line

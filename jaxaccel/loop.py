@@ -294,7 +294,9 @@ def choose_remat(cfg: TrainConfig, model_cfg, state, optimizer, policy, shapes):
     """The model config with the remat policy that ``--memory-budget`` chooses, and the plan.
 
     Planned at the batch shape with the most tokens (the longest among those); every policy's
-    step is compiled ahead of time, nothing runs.
+    step is compiled once ahead of time, nothing runs. The largest batch per policy is left to
+    ``experiments.remat`` (``plan_remat(search=True)``): its search costs several compiles
+    per policy, too long a start for a training run.
     """
     rows, seq_len = max(shapes, key=lambda shape: (shape[0] * shape[1], shape[1]))
 
@@ -305,7 +307,7 @@ def choose_remat(cfg: TrainConfig, model_cfg, state, optimizer, policy, shapes):
 
     abstract_state = jax.tree.map(lambda x: jax.ShapeDtypeStruct(x.shape, x.dtype), state)
     plan = plan_remat(make_step, abstract_state, seq_len=seq_len, batch_size=rows,
-                      budget=cfg.memory_budget, multiple=cfg.accumulate)
+                      budget=cfg.memory_budget, search=False)
     return dataclasses.replace(model_cfg, remat=plan.policy), plan
 
 

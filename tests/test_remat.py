@@ -183,3 +183,16 @@ def test_remat_and_scan_flags_reach_the_run(corpus_path, tmp_path):
         cache_dir=str(tmp_path / "cache")))
     assert summary["remat"] == "full" and summary["scan_layers"] is True
     assert summary["remat_plan"] is None and np.isfinite(summary["val_loss"])
+
+
+def test_memory_budget_chooses_the_policy_of_the_run(corpus_path, tmp_path):
+    summary = train(TrainConfig(
+        d_model=32, n_layers=2, n_heads=4, max_seq_len=32, remat="full", memory_budget=10**12,
+        data=corpus_path, seq_len=32, batch_size=4, steps=2, warmup_steps=1, eval_every=0,
+        eval_batches=2, checkpoint_every=0, progress=False, run_dir=str(tmp_path / "run"),
+        cache_dir=str(tmp_path / "cache")))
+    plan = summary["remat_plan"]
+    assert [r["policy"] for r in plan["rows"]] == list(REMAT_POLICIES)
+    assert all(r["fits"] for r in plan["rows"]) and plan["criterion"] == "flops"
+    assert plan["policy"] == summary["remat"] == "none"     # fewest FLOPs: no recomputation
+    assert plan["batch_size"] == 4 and np.isfinite(summary["val_loss"])
