@@ -25,8 +25,8 @@ import jax.numpy as jnp
 from flax import nnx
 from jax.ad_checkpoint import checkpoint_name
 
-from jaxaccel.attention import IMPLEMENTATIONS, dot_product_attention
 from jaxaccel import remat as remat_lib
+from jaxaccel.attention import IMPLEMENTATIONS, dot_product_attention
 from jaxaccel.errors import ConfigError
 from jaxaccel.tokenizer import ByteTokenizer
 
