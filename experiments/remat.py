@@ -163,7 +163,8 @@ def main(argv=None) -> int:
                               f"analysis; this experiment needs it")
         budget = cfg.memory_budget or rows[0]["total_bytes"]
         for fields, total_at in measured:
-            fields["max_batch"] = largest_batch(total_at, budget, limit=cfg.max_batch_limit)
+            fields["max_batch"] = largest_batch(total_at, budget, limit=cfg.max_batch_limit,
+                                                hint=cfg.batch_size)
             fields["fits"] = fields["total_bytes"] <= budget
             fields["probed"] = dict(sorted(fields["probed"].items()))
     except ConfigError as e:

@@ -35,15 +35,19 @@ def compile_step(train_step, abstract_state, batch_size: int, seq_len: int):
         abstract_state, abstract_batch((batch_size, seq_len))).compile()
 
 
-def largest_batch(total_at, budget: int, *, limit: int = 4096, rounds: int = 4) -> int:
+def largest_batch(total_at, budget: int, *, limit: int = 4096, hint: int = 2,
+                  rounds: int = 6) -> int:
     """The largest batch b <= limit with ``total_at(b) <= budget``; 0 if not even 1 fits.
 
     Memory grows with the batch, nearly affinely, so secant guesses find the answer in a handful
-    of compiles: extrapolating from batches that fit while no batch is known not to, then
-    interpolating between the largest that fits and the smallest that does not; each guess
-    that fits is followed by a probe of the batch after it. A binary search (doubling while no
-    batch is known not to fit) finishes what ``rounds`` guesses leave. ``total_at`` may be
-    expensive (a compile per call); it is called once per batch.
+    of compiles. The first line runs through the bytes at 1 and at ``hint`` (pass a batch whose
+    bytes are known already, to save a compile); then the guesses extrapolate from batches that
+    fit while no batch is known not to, then interpolate between the largest that fits and the
+    smallest that does not (regula falsi with the Illinois step, so a curved memory profile
+    cannot stall it); each guess that fits is followed by a probe of the batch after it. A
+    binary search (doubling while no batch is known not to fit) finishes what ``rounds``
+    guesses leave. ``total_at`` may be expensive (a compile per call); it is called once per
+    batch.
     """
     known = {}
     lo, hi = 0, limit + 1     # lo fits (0: nothing yet); hi does not fit, or is past the limit
@@ -61,19 +65,24 @@ def largest_batch(total_at, budget: int, *, limit: int = 4096, rounds: int = 4) 
     if lo == 0:
         return 0
     if limit >= 2:
-        probe(2)
+        probe(min(max(hint, 2), limit))
+    stale = 0       # guesses in a row that left hi in place: halve its weight (Illinois)
     for _ in range(rounds):
         if hi - lo <= 1:
             return lo
         if hi <= limit:
-            x0, x1 = lo, hi
+            x0, y0 = lo, known[lo]
+            x1, y1 = hi, budget + (known[hi] - budget) / 2 ** stale
         else:
-            x0, x1 = max(b for b in known if b <= max(lo // 2, 1)), lo
-        slope = max((known[x1] - known[x0]) / (x1 - x0), 1e-9)
-        guess = min(max(x0 + int((budget - known[x0]) // slope), lo + 1), hi - 1)
+            x0 = max(b for b in known if b <= max(lo // 2, 1))
+            x0, y0, x1, y1 = x0, known[x0], lo, known[lo]
+        slope = max((y1 - y0) / (x1 - x0), 1e-9)
+        guess = min(max(x0 + int((budget - y0) // slope), lo + 1), hi - 1)
+        before = hi
         probe(guess)
         if lo == guess and guess + 1 < hi:
             probe(guess + 1)
+        stale = stale + 1 if hi == before <= limit else 0
     while hi - lo > 1:
         mid = (lo + hi) // 2 if hi <= limit else min(2 * lo, limit)
         if mid == lo:
@@ -124,7 +133,8 @@ def plan_remat(make_step, abstract_state, *, seq_len: int, batch_size: int, budg
             "flops": flops(at_batch),
             "step_s": (step_seconds or {}).get(policy),
             "fits": memory["total"] <= budget,
-            "max_batch": (largest_batch(total_at, budget, limit=limit // multiple) * multiple
+            "max_batch": (largest_batch(total_at, budget, limit=limit // multiple,
+                                        hint=batch_size // multiple) * multiple
                           if search else None),
             "compiles": len(executables),
             "probed": {b: memory_bytes(e)["total"] for b, e in sorted(executables.items())},
