@@ -29,6 +29,7 @@ def format_summary(s: dict) -> str:
                       f"{s['weight_decay']:.3g}, state {s['optimizer_state_bytes']:,} bytes"),
         ("precision", f"{s['precision']}, loss scale {s['loss_scale']:g}, "
                       f"{s['skipped_steps']} skipped steps"),
+        ("remat", _remat_line(s)),
         ("real tokens/s", f"{s['real_tokens_per_s']:,.0f}"),
         ("model FLOP/s", f"{s['achieved_flops_per_s'] / 1e9:,.1f} GFLOP/s (MFU {mfu})"),
         ("padding efficiency", f"{s['padding_efficiency']:.1%}"),
@@ -43,6 +44,22 @@ def format_summary(s: dict) -> str:
     ]
     width = max(len(name) for name, _ in rows)
     return "\n".join(f"{name:<{width}}  {value}" for name, value in rows)
+
+
+def _remat_line(s: dict) -> str:
+    """The remat policy and layout, and with --memory-budget each policy's compiled figures."""
+    line = f"{s['remat']}{', scanned layers' if s['scan_layers'] else ''}"
+    step = s["step_memory_bytes"]
+    if step:
+        line += f", step {step['total']:,} bytes ({step['temp']:,} temporary)"
+    plan = s["remat_plan"]
+    if plan:
+        figures = "; ".join(
+            f"{r['policy']} {r['total_bytes']:,} B{'' if r['fits'] else ' (too big)'}, "
+            f"{r['flops'] or 0:.3g} FLOPs" for r in plan["rows"])
+        line += (f"; chosen by --memory-budget {plan['budget']:,} at batch {plan['batch_size']} "
+                 f"(fewest {plan['criterion']} that fit): {figures}")
+    return line
 
 
 def main(argv=None) -> int:

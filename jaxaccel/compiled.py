@@ -44,16 +44,33 @@ class CompiledFn:
 
 
 def memory_bytes(executable) -> dict:
-    """XLA's compiled memory analysis as a dict of byte counts, with their ``total``; empty if
-    the backend has none."""
+    """XLA's compiled memory analysis as a dict of byte counts; empty if the backend has none.
+
+    ``total`` is the device memory the step needs at once: inputs, outputs not aliased to
+    (donated) inputs, and temporaries. ``host_*`` count pinned host memory (where offloading
+    remat policies put saved activations) and ``host_total`` adds them up the same way.
+    """
     analysis = executable.memory_analysis()
     if analysis is None:
         return {}
-    fields = ("argument_size_in_bytes", "output_size_in_bytes", "temp_size_in_bytes",
-              "alias_size_in_bytes", "generated_code_size_in_bytes",
-              "host_temp_size_in_bytes")
-    sizes = {f.removesuffix("_size_in_bytes"): int(getattr(analysis, f, 0) or 0) for f in fields}
-    # Device memory the step needs at once: inputs, outputs not aliased to (donated) inputs, and
-    # temporaries.
+    fields = ("argument", "output", "temp", "alias", "generated_code", "host_argument",
+              "host_output", "host_temp", "host_alias")
+    sizes = {f: int(getattr(analysis, f + "_size_in_bytes", 0) or 0) for f in fields}
     sizes["total"] = sizes["argument"] + sizes["output"] - sizes["alias"] + sizes["temp"]
+    sizes["host_total"] = (sizes["host_argument"] + sizes["host_output"] - sizes["host_alias"]
+                           + sizes["host_temp"])
     return sizes
+
+
+def flops(executable) -> float | None:
+    """FLOPs of one call from XLA's ``cost_analysis()``, None if the backend gives none.
+
+    XLA counts the body of a loop once, whatever its trip count: for a ``lax.scan`` over layers
+    this is the FLOPs outside the loop plus one layer's.
+    """
+    analysis = executable.cost_analysis()
+    if isinstance(analysis, (list, tuple)):   # one dict per device program in older versions
+        analysis = analysis[0] if analysis else None
+    if not analysis or "flops" not in analysis:
+        return None
+    return float(analysis["flops"])

@@ -17,6 +17,7 @@ from jaxaccel.model import MLP_KINDS, PRESETS, ModelConfig, preset
 from jaxaccel.optim import (LR_SCALING, NO_DECAY_PATTERNS, OPTIMIZERS, SCHEDULES,
                             describe_defaults)
 from jaxaccel.precision import LOSS_SCALE_KINDS, get_policy, make_loss_scale
+from jaxaccel.remat import REMAT_POLICIES
 
 MATMUL_PRECISIONS = ("default", "high", "highest")
 
@@ -41,6 +42,15 @@ class TrainConfig:
     tie_embeddings: bool | None = flag(None, "share the input embedding with the output head")
     dropout: float | None = flag(None, "residual dropout rate (0 = off)")
     attention: str = flag("xla", "attention implementation", choices=IMPLEMENTATIONS)
+    remat: str = flag("none", "activations each block keeps for the backward pass: none (all), "
+                              "full (only its input), dots (matmul outputs), attention (q/k/v and "
+                              "attention output), mlp (MLP inner matmuls), offload (attention's, "
+                              "in pinned host memory)", choices=REMAT_POLICIES)
+    scan_layers: bool = flag(False, "stack the blocks' parameters and apply them with one "
+                                    "lax.scan (one block to compile instead of n_layers)")
+    memory_budget: int | None = flag(None, "device bytes the train step may use: compile every "
+                                           "--remat policy and take the fastest (fewest FLOPs) "
+                                           "that fits the batch; overrides --remat")
 
     precision: str = flag("fp32", "dtype policy: fp32, bf16, fp16 (float32 master weights, "
                                   "compute in the named dtype), or params=<dtype>,compute=<dtype>,"
@@ -90,7 +100,7 @@ class TrainConfig:
     weight_decay: float | None = flag(None, "weight decay (default: the optimizer's)")
     no_decay: str = flag(",".join(NO_DECAY_PATTERNS),
                          "comma-separated regexes of parameter paths exempt from weight decay "
-                         "and trust ratios (tensors under 2-D are always exempt)")
+                         "and trust ratios (tensors under 2-D per layer are always exempt)")
     clip_norm: float = flag(1.0, "global gradient-norm clip (0 = off)")
     accumulate: int = flag(1, "split each batch into this many microbatches and sum their "
                               "gradients in one step (same update, less activation memory)")
@@ -153,7 +163,7 @@ class TrainConfig:
         model_cfg = self.model_config()
         seq_len = self.resolved_seq_len(model_cfg)
         for name in ("steps", "seq_len", "batch_size", "tokens_per_batch", "train_tokens",
-                     "prefetch", "accumulate", "base_batch_size"):
+                     "prefetch", "accumulate", "base_batch_size", "memory_budget"):
             value = seq_len if name == "seq_len" else getattr(self, name)
             if value is not None and value < 1:
                 raise ConfigError(f"{name} must be at least 1, got {value}; fix --{name.replace('_', '-')}")

@@ -30,6 +30,7 @@ from jaxaccel.metrics import BITS_PER_NAT, MetricsWriter, plot_loss_curve, read_
 from jaxaccel.model import count_params, flops_per_token, init_params, make_apply
 from jaxaccel.optim import (decay_mask, make_optimizer, make_schedule, resolve_defaults,
                             scale_learning_rate, state_bytes)
+from jaxaccel.planner import plan_remat
 from jaxaccel.train import init_state, make_eval_step, make_train_step
 
 RUNS_ROOT = "runs"
@@ -150,6 +151,9 @@ def _train(cfg: TrainConfig, should_stop) -> dict:
     policy = cfg.policy()
     state = init_state(init_params(model_cfg, jax.random.PRNGKey(cfg.seed)), optimizer, cfg.seed,
                        loss_scale=cfg.make_loss_scale())
+    plan = None
+    if cfg.memory_budget is not None:
+        model_cfg, plan = choose_remat(cfg, model_cfg, state, optimizer, policy, stream.shapes)
     resume_config = {**dataclasses.asdict(model_cfg),
                      **{k: getattr(cfg, k) for k in RESUME_KEYS},
                      **cfg.batching_options(), "seq_len": seq_len, "steps": total_steps}
@@ -272,6 +276,9 @@ def _train(cfg: TrainConfig, should_stop) -> dict:
         "flops_per_token": flops_token,
         "achieved_flops_per_s": tokens_per_s * flops_token,
         "mfu": tokens_per_s * flops_token / peak if peak else None,
+        "remat": model_cfg.remat,
+        "scan_layers": model_cfg.scan_layers,
+        "remat_plan": dataclasses.asdict(plan) if plan else None,
         "step_memory_bytes": memory_bytes(train_step.last),
         "peak_memory_bytes": hardware.peak_memory_bytes(),
         "split_documents": stream.stats["split_documents"],
@@ -281,6 +288,27 @@ def _train(cfg: TrainConfig, should_stop) -> dict:
         "run_dir": run_dir,
         "interrupted": interrupted,
     }
+
+
+def choose_remat(cfg: TrainConfig, model_cfg, state, optimizer, policy, shapes):
+    """The model config with the remat policy that ``--memory-budget`` chooses, and the plan.
+
+    Planned at the batch shape with the most tokens (the longest among those); every policy's
+    step is compiled once ahead of time, nothing runs. The largest batch per policy is left to
+    ``experiments.remat`` (``plan_remat(search=True)``): its search costs several compiles
+    per policy, too long a start for a training run.
+    """
+    rows, seq_len = max(shapes, key=lambda shape: (shape[0] * shape[1], shape[1]))
+
+    def make_step(name):
+        apply_fn = make_apply(dataclasses.replace(model_cfg, remat=name))
+        return make_train_step(apply_fn, optimizer, dropout=model_cfg.dropout > 0,
+                               accumulate=cfg.accumulate, policy=policy)
+
+    abstract_state = jax.tree.map(lambda x: jax.ShapeDtypeStruct(x.shape, x.dtype), state)
+    plan = plan_remat(make_step, abstract_state, seq_len=seq_len, batch_size=rows,
+                      budget=cfg.memory_budget, search=False)
+    return dataclasses.replace(model_cfg, remat=plan.policy), plan
 
 
 def build_optimizer(cfg: TrainConfig, seq_len: int, total_steps: int):

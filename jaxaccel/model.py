@@ -10,6 +10,12 @@ and RMSNorm statistics, rotary angles, the attention softmax and the loss stay i
 The module is stateful NNX; training code works on a plain nested dict of parameters
 (``init_params``) and a pure ``apply`` function (``make_apply``), so that every step function is a
 pure function of pytrees.
+
+Each block runs as a pure function of its parameters, checkpointed under the ``remat`` policy
+(``jaxaccel.remat``); the tensors the policies name are tagged with ``checkpoint_name``. With
+``scan_layers`` the blocks' parameters are stacked on a leading layer axis (``params["blocks"]``
+is one dict of [n_layers, ...] arrays) and one ``lax.scan`` applies them: XLA compiles one block
+instead of n_layers. ``stack_blocks`` and ``unstack_blocks`` convert between the two layouts.
 """
 
 import dataclasses
@@ -17,7 +23,9 @@ import dataclasses
 import jax
 import jax.numpy as jnp
 from flax import nnx
+from jax.ad_checkpoint import checkpoint_name
 
+from jaxaccel import remat as remat_lib
 from jaxaccel.attention import IMPLEMENTATIONS, dot_product_attention
 from jaxaccel.errors import ConfigError
 from jaxaccel.tokenizer import ByteTokenizer
@@ -41,6 +49,8 @@ class ModelConfig:
     rope_base: float = 10_000.0
     dropout: float = 0.0
     attention: str = "xla"
+    remat: str = "none"
+    scan_layers: bool = False
 
     def __post_init__(self):
         if self.n_kv_heads is None:
@@ -78,6 +88,7 @@ class ModelConfig:
             raise ConfigError(
                 f"unknown attention {self.attention!r}; choose --attention from "
                 f"{', '.join(IMPLEMENTATIONS)}")
+        remat_lib.check_policy(self.remat)
         if not 0.0 <= self.dropout < 1.0:
             raise ConfigError(f"dropout must be in [0, 1), got {self.dropout}; fix --dropout")
 
@@ -151,11 +162,13 @@ class Attention(nnx.Module):
         q_BTHD = self.wq(x_BTD).reshape(B, T, cfg.n_heads, cfg.head_dim)
         k_BTKD = self.wk(x_BTD).reshape(B, T, cfg.n_kv_heads, cfg.head_dim)
         v_BTKD = self.wv(x_BTD).reshape(B, T, cfg.n_kv_heads, cfg.head_dim)
-        q_BTHD = apply_rotary(q_BTHD, sin_BTF, cos_BTF)
-        k_BTKD = apply_rotary(k_BTKD, sin_BTF, cos_BTF)
+        q_BTHD = checkpoint_name(apply_rotary(q_BTHD, sin_BTF, cos_BTF), remat_lib.QUERY)
+        k_BTKD = checkpoint_name(apply_rotary(k_BTKD, sin_BTF, cos_BTF), remat_lib.KEY)
+        v_BTKD = checkpoint_name(v_BTKD, remat_lib.VALUE)
         out_BTHD = dot_product_attention(
             q_BTHD, k_BTKD, v_BTKD, segment_ids=segment_ids_BT, causal=True,
             implementation=cfg.attention)
+        out_BTHD = checkpoint_name(out_BTHD, remat_lib.ATTENTION_OUT)
         return self.wo(out_BTHD.reshape(B, T, cfg.n_heads * cfg.head_dim))
 
 
@@ -171,10 +184,12 @@ class MLP(nnx.Module):
         self.w_out = _dense(cfg.d_ff, cfg.d_model, out_std, rngs)
 
     def __call__(self, x_BTD):
+        in_BTF = checkpoint_name(self.w_in(x_BTD), remat_lib.MLP_IN)
         if self.kind == "swiglu":
-            h_BTF = jax.nn.silu(self.w_gate(x_BTD)) * self.w_in(x_BTD)
+            gate_BTF = checkpoint_name(self.w_gate(x_BTD), remat_lib.MLP_GATE)
+            h_BTF = jax.nn.silu(gate_BTF) * in_BTF
         else:
-            h_BTF = jax.nn.gelu(self.w_in(x_BTD))
+            h_BTF = jax.nn.gelu(in_BTF)
         return self.w_out(h_BTF)
 
 
@@ -209,7 +224,10 @@ class GPT(nnx.Module):
         self.cfg = cfg
         self.embed = nnx.Embed(cfg.vocab_size, cfg.d_model,
                                embedding_init=nnx.initializers.normal(stddev=0.02), rngs=rngs)
-        self.blocks = nnx.List([Block(cfg, rngs=rngs) for _ in range(cfg.n_layers)])
+        blocks = [Block(cfg, rngs=rngs) for _ in range(cfg.n_layers)]
+        # Stacked blocks are made as unrolled ones and stacked, so that both layouts start from
+        # the same weights for the same key.
+        self.blocks = _stack_modules(blocks) if cfg.scan_layers else nnx.List(blocks)
         self.final_norm = nnx.RMSNorm(cfg.d_model, rngs=rngs)
         if not cfg.tie_embeddings:
             self.head = _dense(cfg.d_model, cfg.vocab_size, 0.02, rngs)
@@ -221,9 +239,7 @@ class GPT(nnx.Module):
         table_VD = self.embed.embedding[...]
         x_BTD = jnp.take(table_VD, inputs_BT, axis=0)
         sin_BTF, cos_BTF = rotary_sin_cos(positions_BT, cfg.head_dim, cfg.rope_base)
-        for i, block in enumerate(self.blocks):
-            key = None if dropout_key is None else jax.random.fold_in(dropout_key, i)
-            x_BTD = block(x_BTD, sin_BTF, cos_BTF, segment_ids_BT, key)
+        x_BTD = self._blocks(x_BTD, sin_BTF, cos_BTF, segment_ids_BT, dropout_key)
         x_BTD = self.final_norm(x_BTD)
         if cfg.tie_embeddings:
             logits_BTV = jnp.einsum("btd,vd->btv", x_BTD, table_VD)
@@ -231,9 +247,54 @@ class GPT(nnx.Module):
             logits_BTV = self.head(x_BTD)
         return logits_BTV.astype(jnp.float32)
 
+    def _blocks(self, x_BTD, sin_BTF, cos_BTF, segment_ids_BT, dropout_key):
+        """The stack of blocks, each a pure function of (its parameters, x, layer index) under
+        the remat policy; layer i's dropout key is ``fold_in(dropout_key, i)`` in both layouts."""
+        cfg = self.cfg
+        graphdef, _ = nnx.split(self.blocks if cfg.scan_layers else self.blocks[0])
+
+        def block(state, x_BTD, index):
+            key = None if dropout_key is None else jax.random.fold_in(dropout_key, index)
+            return nnx.merge(graphdef, state)(x_BTD, sin_BTF, cos_BTF, segment_ids_BT, key)
+
+        block = remat_lib.remat(block, cfg.remat, prevent_cse=not cfg.scan_layers)
+        if cfg.scan_layers:
+            def body(x_BTD, layer):
+                state, index = layer
+                return block(state, x_BTD, index), None
+
+            stacked = nnx.state(self.blocks)
+            x_BTD, _ = jax.lax.scan(body, x_BTD, (stacked, jnp.arange(cfg.n_layers)))
+            return x_BTD
+        for i, layer in enumerate(self.blocks):
+            x_BTD = block(nnx.state(layer), x_BTD, i)
+        return x_BTD
+
+
+def _stack_modules(modules):
+    """One module of the same kind whose parameters stack the modules' on a leading axis."""
+    graphdef, _ = nnx.split(modules[0])
+    states = [nnx.state(m) for m in modules]
+    return nnx.merge(graphdef, jax.tree.map(lambda *xs: jnp.stack(xs), *states))
+
+
+def stack_blocks(params: dict) -> dict:
+    """Unrolled parameters (``blocks`` = {0: ..., 1: ...}) in the stacked layout of
+    ``scan_layers`` (``blocks`` = one dict of [n_layers, ...] arrays)."""
+    layers = [params["blocks"][i] for i in range(len(params["blocks"]))]
+    return {**params, "blocks": jax.tree.map(lambda *xs: jnp.stack(xs), *layers)}
+
+
+def unstack_blocks(params: dict) -> dict:
+    """The inverse of ``stack_blocks``."""
+    n_layers = jax.tree.leaves(params["blocks"])[0].shape[0]
+    return {**params, "blocks": {i: jax.tree.map(lambda x: x[i], params["blocks"])
+                                 for i in range(n_layers)}}
+
 
 def init_params(cfg: ModelConfig, key) -> dict:
-    """Fresh parameters as a plain nested dict of arrays."""
+    """Fresh parameters as a plain nested dict of arrays (blocks stacked with ``scan_layers``);
+    the same values in both layouts for the same key."""
     model = GPT(cfg, rngs=nnx.Rngs(params=key))
     return nnx.to_pure_dict(nnx.state(model, nnx.Param))
 

@@ -5,8 +5,9 @@
 rules are optax's own transformations; this module is the glue around them:
 
 - weight decay (and the LAMB/LARS trust ratio) applies to the weight matrices only: the default
-  ``decay_mask`` leaves out biases, normalisation scales (every leaf under two dimensions) and
-  the embeddings, judged from the parameter tree's paths; pass ``mask=`` to choose otherwise;
+  ``decay_mask`` leaves out biases, normalisation scales (every leaf under two dimensions within
+  one layer, stacked blocks included) and the embeddings, judged from the parameter tree's
+  paths; pass ``mask=`` to choose otherwise;
 - one schedule family for all: constant, or linear warmup then cosine or linear decay, or
   inverse square root (``make_schedule``);
 - ``scale_learning_rate`` moves a learning rate tuned at one batch size to another (linear or
@@ -124,9 +125,20 @@ def path_name(path) -> str:
     return "/".join(str(getattr(k, "key", getattr(k, "name", getattr(k, "idx", k)))) for k in path)
 
 
+def layer_rank(path, leaf) -> int:
+    """A parameter's rank within one layer: stacked blocks (``blocks/<name>/...`` rather than
+    ``blocks/<index>/...``, the ``scan_layers`` layout) carry a leading layer axis that does not
+    count, so a stacked norm scale [n_layers, d] is still a vector."""
+    keys = [getattr(k, "key", getattr(k, "name", getattr(k, "idx", k))) for k in path]
+    stacked = len(keys) > 1 and keys[0] == "blocks" and not str(keys[1]).isdigit()
+    return leaf.ndim - 1 if stacked else leaf.ndim
+
+
 def decay_mask(params, exclude: tuple[str, ...] = NO_DECAY_PATTERNS):
-    """True on the leaves weight decay applies to: tensors of rank >= 2 whose path matches none
-    of the ``exclude`` regular expressions (by default embeddings, norms and biases)."""
+    """True on the leaves weight decay applies to: tensors of rank >= 2 (per layer, see
+    ``layer_rank``) whose path matches none of the ``exclude`` regular expressions (by default
+    embeddings, norms and biases). The same parameters decay in the unrolled and stacked
+    layouts."""
     try:
         patterns = [re.compile(p) for p in exclude]
     except re.error as e:
@@ -134,7 +146,7 @@ def decay_mask(params, exclude: tuple[str, ...] = NO_DECAY_PATTERNS):
 
     def decays(path, leaf):
         name = path_name(path)
-        return leaf.ndim >= 2 and not any(p.search(name) for p in patterns)
+        return layer_rank(path, leaf) >= 2 and not any(p.search(name) for p in patterns)
 
     return jax.tree_util.tree_map_with_path(decays, params)
 

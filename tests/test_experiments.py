@@ -4,7 +4,7 @@ import json
 
 import pytest
 
-from experiments import optimizers, padding, precision
+from experiments import optimizers, padding, precision, remat
 
 
 def test_padding_experiment_writes_every_row(corpus_path, tmp_path, capsys):
@@ -104,3 +104,28 @@ def test_precision_experiment_runs_every_row_and_the_probe(corpus_path, tmp_path
         assert scaled["scale"] > 1024
     assert (tmp_path / "runs" / "precision.png").stat().st_size > 1000
     assert "Underflow probe" in capsys.readouterr().out
+
+
+def test_remat_experiment_measures_every_row(tmp_path, capsys):
+    out = tmp_path / "remat.json"
+    code = remat.main([
+        "--d-model", "32", "--n-layers", "2", "--n-heads", "4", "--max-seq-len", "32",
+        "--seq-len", "32", "--batch-size", "1", "--timed-steps", "1", "--policies", "none,full",
+        "--max-batch-limit", "1", "--json", str(out)])
+    assert code == 0
+    result = json.loads(out.read_text())
+    rows = result["rows"]
+    assert [(r["policy"], r["scan_layers"]) for r in rows] == [
+        ("none", False), ("full", False), ("none", True), ("full", True)]
+    for row in rows:
+        for key in ("temp_bytes", "total_bytes", "flops", "compile_s", "step_s", "max_batch",
+                    "speedup_vs_none", "temp_vs_none", "first_loss"):
+            assert row[key] is not None, key
+        assert row["max_batch"] == (1 if row["total_bytes"] <= rows[0]["total_bytes"] else 0)
+        assert row["first_loss"] == pytest.approx(rows[0]["first_loss"], rel=1e-6)
+    assert rows[0]["max_batch"] == 1 and rows[0]["temp_vs_none"] == 1.0
+    assert rows[1]["temp_bytes"] < rows[0]["temp_bytes"]
+    assert rows[1]["flops"] > rows[0]["flops"]
+    assert result["meta"]["memory_budget"] == rows[0]["total_bytes"]
+    assert result["meta"]["n_layers"] == 2 and result["meta"]["unrolled_over_scanned_compile_s"]
+    assert "| remat" in capsys.readouterr().out

@@ -1,0 +1,160 @@
+"""Choose a remat policy for a memory budget, from XLA's compiled memory analysis.
+
+For each policy the train step is compiled ahead of time on ShapeDtypeStructs (nothing runs):
+its device bytes at the requested batch (``memory_bytes(...)["total"]``: arguments, outputs not
+aliased to donated inputs, temporaries), its FLOPs from ``cost_analysis()``, and by search the
+largest batch whose step fits the budget. The choice is the fastest policy that fits the
+requested batch: by measured step time when the caller has timings, else by compiled FLOPs (the
+recomputation a policy pays), ties going to the earlier policy in ``REMAT_POLICIES``.
+"""
+
+import dataclasses
+
+import jax
+
+from jaxaccel.compiled import flops, memory_bytes
+from jaxaccel.errors import ConfigError
+from jaxaccel.loader import abstract_batch
+from jaxaccel.remat import REMAT_POLICIES
+
+
+@dataclasses.dataclass
+class Plan:
+    """The chosen policy, how it was chosen, and one row of figures per policy."""
+
+    policy: str
+    criterion: str          # "step_s" (measured) or "flops" (compiled)
+    budget: int
+    batch_size: int
+    rows: list[dict]
+
+
+def compile_step(train_step, abstract_state, batch_size: int, seq_len: int):
+    """The train step compiled (state donated, as the loop runs it) for a batch shape."""
+    return jax.jit(train_step, donate_argnums=0).lower(
+        abstract_state, abstract_batch((batch_size, seq_len))).compile()
+
+
+def largest_batch(total_at, budget: int, *, limit: int = 4096, hint: int = 2,
+                  rounds: int = 6) -> int:
+    """The largest batch b <= limit with ``total_at(b) <= budget``; 0 if not even 1 fits.
+
+    Memory grows with the batch, nearly affinely, so secant guesses find the answer in a handful
+    of compiles. The first line runs through the bytes at 1 and at ``hint`` (pass a batch whose
+    bytes are known already, to save a compile); then the guesses extrapolate from batches that
+    fit while no batch is known not to, then interpolate between the largest that fits and the
+    smallest that does not (regula falsi with the Illinois step, so a curved memory profile
+    cannot stall it); each guess that fits is followed by a probe of the batch after it. A
+    binary search (doubling while no batch is known not to fit) finishes what ``rounds``
+    guesses leave. ``total_at`` may be expensive (a compile per call); it is called once per
+    batch.
+    """
+    known = {}
+    lo, hi = 0, limit + 1     # lo fits (0: nothing yet); hi does not fit, or is past the limit
+
+    def probe(b):
+        nonlocal lo, hi
+        if b not in known:
+            known[b] = total_at(b)
+        if known[b] <= budget:
+            lo = max(lo, b)
+        else:
+            hi = min(hi, b)
+
+    probe(1)
+    if lo == 0:
+        return 0
+    if limit >= 2:
+        probe(min(max(hint, 2), limit))
+    stale = 0       # guesses in a row that left hi in place: halve its weight (Illinois)
+    for _ in range(rounds):
+        if hi - lo <= 1:
+            return lo
+        if hi <= limit:
+            x0, y0 = lo, known[lo]
+            x1, y1 = hi, budget + (known[hi] - budget) / 2 ** stale
+        else:
+            x0 = max(b for b in known if b <= max(lo // 2, 1))
+            x0, y0, x1, y1 = x0, known[x0], lo, known[lo]
+        slope = max((y1 - y0) / (x1 - x0), 1e-9)
+        guess = min(max(x0 + int((budget - y0) // slope), lo + 1), hi - 1)
+        before = hi
+        probe(guess)
+        if lo == guess and guess + 1 < hi:
+            probe(guess + 1)
+        stale = stale + 1 if hi == before <= limit else 0
+    while hi - lo > 1:
+        mid = (lo + hi) // 2 if hi <= limit else min(2 * lo, limit)
+        if mid == lo:
+            break
+        probe(mid)
+    return lo
+
+
+def plan_remat(make_step, abstract_state, *, seq_len: int, batch_size: int, budget: int,
+               policies=REMAT_POLICIES, step_seconds: dict | None = None,
+               search: bool = True, multiple: int = 1, limit: int = 4096) -> Plan:
+    """Compile ``make_step(policy)`` for each policy and choose one that fits ``budget`` bytes.
+
+    ``abstract_state`` is the TrainState's ShapeDtypeStructs (the policies share its layout).
+    ``step_seconds`` maps policies to measured step times; without it FLOPs decide. With
+    ``search`` each row also gets ``max_batch``, the largest batch within the budget among the
+    multiples of ``multiple`` (the microbatch count under gradient accumulation), and ``probed``,
+    the total bytes at each batch the search compiled.
+    Raises ConfigError when no policy fits the requested batch.
+    """
+    if budget < 1:
+        raise ConfigError(f"memory budget must be a positive number of bytes, got {budget}; "
+                          f"fix --memory-budget")
+    rows = []
+    for policy in policies:
+        step = make_step(policy)
+        executables = {}
+
+        def compiled(b, step=step, executables=executables):
+            if b not in executables:
+                executables[b] = compile_step(step, abstract_state, b, seq_len)
+            return executables[b]
+
+        def total_at(units, compiled=compiled):
+            return memory_bytes(compiled(units * multiple))["total"]
+
+        at_batch = compiled(batch_size)
+        memory = memory_bytes(at_batch)
+        if not memory:
+            raise ConfigError(f"the {jax.default_backend()} backend gives no compiled memory "
+                              f"analysis to plan with; drop --memory-budget and choose --remat")
+        rows.append({
+            "policy": policy,
+            "batch_size": batch_size,
+            "temp_bytes": memory["temp"],
+            "total_bytes": memory["total"],
+            "host_bytes": memory["host_total"],
+            "flops": flops(at_batch),
+            "step_s": (step_seconds or {}).get(policy),
+            "fits": memory["total"] <= budget,
+            "max_batch": (largest_batch(total_at, budget, limit=limit // multiple,
+                                        hint=batch_size // multiple) * multiple
+                          if search else None),
+            "compiles": len(executables),
+            "probed": {b: memory_bytes(e)["total"] for b, e in sorted(executables.items())},
+        })
+    policy, criterion = choose_policy(rows, budget, batch_size)
+    return Plan(policy=policy, criterion=criterion, budget=budget, batch_size=batch_size,
+                rows=rows)
+
+
+def choose_policy(rows: list[dict], budget: int, batch_size: int) -> tuple[str, str]:
+    """The fastest of the rows that fit, and the criterion: ``step_s`` when every fitting row
+    has a timing, else ``flops``; ties go to the earlier row."""
+    fitting = [r for r in rows if r["fits"]]
+    if not fitting:
+        least = min(rows, key=lambda r: r["total_bytes"])
+        raise ConfigError(
+            f"no remat policy fits batch {batch_size} in {budget:,} bytes (the leanest, "
+            f"{least['policy']!r}, needs {least['total_bytes']:,}); lower --batch-size or raise "
+            f"--memory-budget")
+    timed = all(r.get("step_s") is not None for r in fitting)
+    criterion = "step_s" if timed else "flops"
+    best = min(fitting, key=lambda r: (r[criterion] is None, r[criterion] or 0.0))
+    return best["policy"], criterion
