@@ -8,6 +8,7 @@ import time
 import jax
 
 from jaxaccel.config import TrainConfig
+from jaxaccel.errors import ConfigError
 from jaxaccel.metrics import plot_curves, read_metrics, token_curve
 
 
@@ -16,6 +17,16 @@ def run_config(cfg: TrainConfig, **overrides) -> TrainConfig:
     fields = {f.name: getattr(cfg, f.name) for f in dataclasses.fields(TrainConfig)}
     fields.update(json=None, **overrides)
     return TrainConfig(**fields)
+
+
+def parse_names(text: str, valid, flag_name: str) -> list[str]:
+    """The comma-separated names of ``--flag_name``; ConfigError if one is not in ``valid``."""
+    names = [n.strip() for n in text.split(",") if n.strip()]
+    unknown = [n for n in names if n not in valid]
+    if unknown or not names:
+        raise ConfigError(f"unknown {flag_name} {unknown}; choose --{flag_name} from "
+                          f"{', '.join(valid)}")
+    return names
 
 
 def environment() -> dict:

@@ -19,7 +19,8 @@ import os
 import sys
 import time
 
-from experiments.common import environment, plot_loss_curves, run_config, write_json
+from experiments.common import (environment, parse_names, plot_loss_curves, run_config,
+                                write_json)
 from jaxaccel.config import TrainConfig, flag, parse_config
 from jaxaccel.errors import ConfigError
 from jaxaccel.loop import train
@@ -61,15 +62,6 @@ COLUMNS = [
 ]
 
 
-def _names(text: str, valid, flag_name: str) -> list[str]:
-    names = [n.strip() for n in text.split(",") if n.strip()]
-    unknown = [n for n in names if n not in valid]
-    if unknown or not names:
-        raise ConfigError(f"unknown {flag_name} {unknown}; choose --{flag_name} from "
-                          f"{', '.join(valid)}")
-    return names
-
-
 def run_one(cfg: OptimizersConfig, run_root: str, *, optimizer: str, table: str,
             batch_size: int, lr_scaling: str = "none", warmup_steps: int | None = None) -> dict:
     """Train one configuration and reduce its summary to a table row."""
@@ -104,9 +96,9 @@ def main(argv=None) -> int:
     try:
         cfg = parse_config(argv, OptimizersConfig, description=__doc__.split("\n\n")[0])
         cfg.validate()
-        optimizers = _names(cfg.optimizers, OPTIMIZERS, "optimizers")
-        large = _names(cfg.large_batch_optimizers, OPTIMIZERS, "large-batch-optimizers")
-        scalings = _names(cfg.scalings, LR_SCALING, "scalings")
+        optimizers = parse_names(cfg.optimizers, OPTIMIZERS, "optimizers")
+        large = parse_names(cfg.large_batch_optimizers, OPTIMIZERS, "large-batch-optimizers")
+        scalings = parse_names(cfg.scalings, LR_SCALING, "scalings")
         if cfg.batch_size is None or cfg.large_batch_factor < 1:
             raise ConfigError("this experiment needs --batch-size and a --large-batch-factor "
                               ">= 1; pass them")

@@ -20,7 +20,7 @@ import os
 import sys
 import time
 
-from experiments.common import environment, run_config, write_json
+from experiments.common import environment, parse_names, run_config, write_json
 from jaxaccel.config import TrainConfig, flag, parse_config
 from jaxaccel.corpus import load_corpus
 from jaxaccel.data import STRATEGIES, DataStream, batch_stats, batches
@@ -165,11 +165,7 @@ def run_strategy(cfg: PaddingConfig, strategy: str, run_root: str) -> dict:
 def main(argv=None) -> int:
     try:
         cfg = parse_config(argv, PaddingConfig, description=__doc__.split("\n\n")[0])
-        strategies = [s.strip() for s in cfg.strategies.split(",") if s.strip()]
-        unknown = [s for s in strategies if s not in STRATEGIES]
-        if unknown or not strategies:
-            raise ConfigError(f"unknown strategies {unknown}; choose --strategies from "
-                              f"{', '.join(STRATEGIES)}")
+        strategies = parse_names(cfg.strategies, STRATEGIES, "strategies")
         if cfg.plan_only:
             rows = [plan_strategy(cfg, s) for s in strategies]
         else:

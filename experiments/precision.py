@@ -28,7 +28,8 @@ import jax.numpy as jnp
 import numpy as np
 import orbax.checkpoint as ocp
 
-from experiments.common import environment, plot_loss_curves, run_config, write_json
+from experiments.common import (environment, parse_names, plot_loss_curves, run_config,
+                                write_json)
 from jaxaccel.config import TrainConfig, flag, parse_config
 from jaxaccel.corpus import load_corpus
 from jaxaccel.data import DataStream
@@ -192,11 +193,7 @@ def main(argv=None) -> int:
     try:
         cfg = parse_config(argv, PrecisionConfig, description=__doc__.split("\n\n")[0])
         cfg.validate()
-        names = [n.strip() for n in cfg.precisions.split(",") if n.strip()]
-        unknown = [n for n in names if n not in ROWS]
-        if unknown or not names:
-            raise ConfigError(f"unknown precisions {unknown}; choose --precisions from "
-                              f"{', '.join(ROWS)}")
+        names = parse_names(cfg.precisions, ROWS, "precisions")
         if cfg.probe_batch_size < 1:
             raise ConfigError("probe_batch_size must be >= 1; fix --probe-batch-size")
         cfg.probe_accumulations()

@@ -29,9 +29,9 @@ import time
 import jax
 import numpy as np
 
-from experiments.common import environment, write_json
+from experiments.common import environment, parse_names, write_json
 from jaxaccel import hardware
-from jaxaccel.compiled import flops, memory_bytes
+from jaxaccel.compiled import abstract, flops, memory_bytes
 from jaxaccel.config import TrainConfig, flag, parse_config
 from jaxaccel.errors import ConfigError
 from jaxaccel.loop import build_optimizer
@@ -74,15 +74,6 @@ COLUMNS = [
 ]
 
 
-def policy_names(text: str) -> list[str]:
-    names = [n.strip() for n in text.split(",") if n.strip()]
-    unknown = [n for n in names if n not in REMAT_POLICIES]
-    if unknown or not names:
-        raise ConfigError(f"unknown remat policies {unknown}; choose --policies from "
-                          f"{', '.join(REMAT_POLICIES)}")
-    return names
-
-
 def random_batch(batch_size: int, seq_len: int, vocab_size: int, seed: int) -> dict:
     """One packed-style batch of random tokens: every position real, one document per row."""
     rng = np.random.default_rng(seed)
@@ -99,7 +90,7 @@ def measure(cfg: RematConfig, policy: str, scan: bool, optimizer, batch):
     model_cfg = dataclasses.replace(cfg.model_config(), remat=policy, scan_layers=scan)
     step = make_train_step(make_apply(model_cfg), optimizer, dropout=model_cfg.dropout > 0)
     state = init_state(init_params(model_cfg, jax.random.PRNGKey(cfg.seed)), optimizer, cfg.seed)
-    abstract_state = jax.tree.map(lambda x: jax.ShapeDtypeStruct(x.shape, x.dtype), state)
+    abstract_state = abstract(state)
     start = time.perf_counter()
     executable = compile_step(step, abstract_state, cfg.batch_size, cfg.seq_len)
     compile_s = time.perf_counter() - start
@@ -149,7 +140,7 @@ def main(argv=None) -> int:
     try:
         cfg = parse_config(argv, RematConfig, description=__doc__.split("\n\n")[0])
         model_cfg = cfg.validate()
-        policies = policy_names(cfg.policies)
+        policies = parse_names(cfg.policies, REMAT_POLICIES, "policies")
         if cfg.timed_steps < 1 or cfg.max_batch_limit < 1:
             raise ConfigError("--timed-steps and --max-batch-limit must be at least 1; fix them")
         optimizer, _, _ = build_optimizer(cfg, cfg.seq_len, cfg.steps)

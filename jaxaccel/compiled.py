@@ -43,6 +43,11 @@ class CompiledFn:
         return self.compile(*args)(*args)
 
 
+def abstract(tree):
+    """``tree`` as ShapeDtypeStructs, to compile for its shapes without its values."""
+    return jax.tree.map(lambda x: jax.ShapeDtypeStruct(x.shape, x.dtype), tree)
+
+
 def memory_bytes(executable) -> dict:
     """XLA's compiled memory analysis as a dict of byte counts; empty if the backend has none.
 

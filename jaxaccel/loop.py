@@ -20,7 +20,7 @@ import numpy as np
 
 from jaxaccel import hardware
 from jaxaccel.checkpoint import Checkpointer
-from jaxaccel.compiled import CompiledFn, memory_bytes
+from jaxaccel.compiled import CompiledFn, abstract, memory_bytes
 from jaxaccel.config import TrainConfig
 from jaxaccel.corpus import load_corpus
 from jaxaccel.data import DataStream, batches
@@ -169,7 +169,7 @@ def _train(cfg: TrainConfig, should_stop) -> dict:
         donate_argnums=0)
     eval_step = CompiledFn(make_eval_step(apply_fn, policy))
     eval_batch_size = stream_args["batch_size"] or max(1, stream_args["tokens_per_batch"] // seq_len)
-    abstract_state = jax.tree.map(lambda x: jax.ShapeDtypeStruct(x.shape, x.dtype), state)
+    abstract_state = abstract(state)
     for shape in stream.shapes:
         train_step.compile(abstract_state, abstract_batch(shape))
     eval_step.compile(abstract_state, abstract_batch((eval_batch_size, seq_len)))
@@ -305,7 +305,7 @@ def choose_remat(cfg: TrainConfig, model_cfg, state, optimizer, policy, shapes):
         return make_train_step(apply_fn, optimizer, dropout=model_cfg.dropout > 0,
                                accumulate=cfg.accumulate, policy=policy)
 
-    abstract_state = jax.tree.map(lambda x: jax.ShapeDtypeStruct(x.shape, x.dtype), state)
+    abstract_state = abstract(state)
     plan = plan_remat(make_step, abstract_state, seq_len=seq_len, batch_size=rows,
                       budget=cfg.memory_budget, search=False)
     return dataclasses.replace(model_cfg, remat=plan.policy), plan

@@ -9,7 +9,7 @@ import numpy as np
 import optax
 import pytest
 
-from jaxaccel.compiled import memory_bytes
+from jaxaccel.compiled import abstract, memory_bytes
 from jaxaccel.config import TrainConfig, parse_config
 from jaxaccel.errors import ConfigError
 from jaxaccel.loader import abstract_batch
@@ -134,7 +134,7 @@ def test_planner_choice_fits_its_budget():
     cfg = ModelConfig(vocab_size=64, d_model=32, n_layers=2, n_heads=4, max_seq_len=64)
     optimizer = optax.sgd(0.1)
     state = init_state(init_params(cfg, jax.random.PRNGKey(0)), optimizer, seed=0)
-    abstract_state = jax.tree.map(lambda x: jax.ShapeDtypeStruct(x.shape, x.dtype), state)
+    abstract_state = abstract(state)
 
     def make_step(policy):
         return make_train_step(make_apply(dataclasses.replace(cfg, remat=policy)), optimizer)
