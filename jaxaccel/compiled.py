@@ -44,8 +44,11 @@ class CompiledFn:
 
 
 def abstract(tree):
-    """``tree`` as ShapeDtypeStructs, to compile for its shapes without its values."""
-    return jax.tree.map(lambda x: jax.ShapeDtypeStruct(x.shape, x.dtype), tree)
+    """``tree`` as ShapeDtypeStructs, to compile for its shapes (and shardings) without its
+    values."""
+    return jax.tree.map(
+        lambda x: jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=getattr(x, "sharding", None)),
+        tree)
 
 
 def memory_bytes(executable) -> dict:

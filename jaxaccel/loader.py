@@ -86,6 +86,6 @@ class DevicePrefetcher:
         self._thread.join()
 
 
-def abstract_batch(shape: tuple[int, int]) -> dict:
+def abstract_batch(shape: tuple[int, int], sharding=None) -> dict:
     """ShapeDtypeStructs of a Batch of ``shape`` = (batch size, length), for compiling ahead."""
-    return {k: jax.ShapeDtypeStruct(shape, d) for k, d in BATCH_DTYPES.items()}
+    return {k: jax.ShapeDtypeStruct(shape, d, sharding=sharding) for k, d in BATCH_DTYPES.items()}

@@ -16,6 +16,11 @@ Each block runs as a pure function of its parameters, checkpointed under the ``r
 ``scan_layers`` the blocks' parameters are stacked on a leading layer axis (``params["blocks"]``
 is one dict of [n_layers, ...] arrays) and one ``lax.scan`` applies them: XLA compiles one block
 instead of n_layers. ``stack_blocks`` and ``unstack_blocks`` convert between the two layouts.
+
+Every weight's dimensions have logical names (``PARAM_AXES``, ``param_axes``) and the main
+activations are constrained to theirs, so the same model runs data parallel, FSDP or tensor
+parallel depending only on the mesh in context (``jaxaccel.sharding``); without a mesh the
+constraints do nothing.
 """
 
 import dataclasses
@@ -28,6 +33,7 @@ from jax.ad_checkpoint import checkpoint_name
 from jaxaccel import remat as remat_lib
 from jaxaccel.attention import IMPLEMENTATIONS, dot_product_attention
 from jaxaccel.errors import ConfigError
+from jaxaccel.sharding import constrain, matmul, take_rows
 from jaxaccel.tokenizer import ByteTokenizer
 
 MLP_KINDS = ("swiglu", "gelu")
@@ -139,9 +145,33 @@ def apply_rotary(x_BTHD, sin_BTF, cos_BTF):
     return rotated.astype(x_BTHD.dtype)
 
 
-def _dense(d_in, d_out, std, rngs):
-    return nnx.Linear(d_in, d_out, use_bias=False,
-                      kernel_init=nnx.initializers.normal(stddev=std), rngs=rngs)
+# Logical names of each weight's dimensions, by the name of the layer that holds it; the
+# sharding rules map them to mesh axes (``jaxaccel.sharding``).
+PARAM_AXES = {
+    "embed": ("vocab", "embed"), "head": ("embed", "vocab"),
+    "wq": ("embed", "heads"), "wk": ("embed", "kv_heads"), "wv": ("embed", "kv_heads"),
+    "wo": ("heads", "embed"), "w_in": ("embed", "mlp"), "w_gate": ("embed", "mlp"),
+    "w_out": ("mlp", "embed"), "attn_norm": ("norm",), "mlp_norm": ("norm",),
+    "final_norm": ("norm",),
+}
+# Logical names of the main activations.
+ACTIVATION_AXES = ("batch", "seq", "embed")
+Q_AXES = ("batch", "seq", "heads", "head_dim")
+KV_AXES = ("batch", "seq", "kv_heads", "head_dim")
+
+
+class Dense(nnx.Module):
+    """``x @ kernel`` without bias. Under a mesh the kernel is gathered to its compute layout
+    where it is used (FSDP's all-gather, one layer at a time) and the output's features take the
+    kernel's output axis (split over ``tensor`` for heads and the MLP's inner dimension)."""
+
+    def __init__(self, d_in, d_out, std, rngs, name):
+        self.kernel = nnx.Param(nnx.initializers.normal(stddev=std)(rngs.params(), (d_in, d_out)))
+        self.axes = PARAM_AXES[name]
+
+    def __call__(self, x):
+        kernel = constrain(self.kernel[...], self.axes)
+        return matmul(x, kernel, ("batch", "seq", self.axes[1]))
 
 
 class Attention(nnx.Module):
@@ -151,17 +181,17 @@ class Attention(nnx.Module):
         self.cfg = cfg
         d, hd = cfg.d_model, cfg.head_dim
         out_std = 0.02 / (2 * cfg.n_layers) ** 0.5
-        self.wq = _dense(d, cfg.n_heads * hd, 0.02, rngs)
-        self.wk = _dense(d, cfg.n_kv_heads * hd, 0.02, rngs)
-        self.wv = _dense(d, cfg.n_kv_heads * hd, 0.02, rngs)
-        self.wo = _dense(cfg.n_heads * hd, d, out_std, rngs)
+        self.wq = Dense(d, cfg.n_heads * hd, 0.02, rngs, "wq")
+        self.wk = Dense(d, cfg.n_kv_heads * hd, 0.02, rngs, "wk")
+        self.wv = Dense(d, cfg.n_kv_heads * hd, 0.02, rngs, "wv")
+        self.wo = Dense(cfg.n_heads * hd, d, out_std, rngs, "wo")
 
     def __call__(self, x_BTD, sin_BTF, cos_BTF, segment_ids_BT):
         cfg = self.cfg
         B, T, _ = x_BTD.shape
-        q_BTHD = self.wq(x_BTD).reshape(B, T, cfg.n_heads, cfg.head_dim)
-        k_BTKD = self.wk(x_BTD).reshape(B, T, cfg.n_kv_heads, cfg.head_dim)
-        v_BTKD = self.wv(x_BTD).reshape(B, T, cfg.n_kv_heads, cfg.head_dim)
+        q_BTHD = constrain(self.wq(x_BTD).reshape(B, T, cfg.n_heads, cfg.head_dim), Q_AXES)
+        k_BTKD = constrain(self.wk(x_BTD).reshape(B, T, cfg.n_kv_heads, cfg.head_dim), KV_AXES)
+        v_BTKD = constrain(self.wv(x_BTD).reshape(B, T, cfg.n_kv_heads, cfg.head_dim), KV_AXES)
         q_BTHD = checkpoint_name(apply_rotary(q_BTHD, sin_BTF, cos_BTF), remat_lib.QUERY)
         k_BTKD = checkpoint_name(apply_rotary(k_BTKD, sin_BTF, cos_BTF), remat_lib.KEY)
         v_BTKD = checkpoint_name(v_BTKD, remat_lib.VALUE)
@@ -178,10 +208,10 @@ class MLP(nnx.Module):
     def __init__(self, cfg: ModelConfig, *, rngs: nnx.Rngs):
         self.kind = cfg.mlp
         out_std = 0.02 / (2 * cfg.n_layers) ** 0.5
-        self.w_in = _dense(cfg.d_model, cfg.d_ff, 0.02, rngs)
+        self.w_in = Dense(cfg.d_model, cfg.d_ff, 0.02, rngs, "w_in")
         if cfg.mlp == "swiglu":
-            self.w_gate = _dense(cfg.d_model, cfg.d_ff, 0.02, rngs)
-        self.w_out = _dense(cfg.d_ff, cfg.d_model, out_std, rngs)
+            self.w_gate = Dense(cfg.d_model, cfg.d_ff, 0.02, rngs, "w_gate")
+        self.w_out = Dense(cfg.d_ff, cfg.d_model, out_std, rngs, "w_out")
 
     def __call__(self, x_BTD):
         in_BTF = checkpoint_name(self.w_in(x_BTD), remat_lib.MLP_IN)
@@ -230,14 +260,14 @@ class GPT(nnx.Module):
         self.blocks = _stack_modules(blocks) if cfg.scan_layers else nnx.List(blocks)
         self.final_norm = nnx.RMSNorm(cfg.d_model, rngs=rngs)
         if not cfg.tie_embeddings:
-            self.head = _dense(cfg.d_model, cfg.vocab_size, 0.02, rngs)
+            self.head = Dense(cfg.d_model, cfg.vocab_size, 0.02, rngs, "head")
 
     def __call__(self, inputs_BT, positions_BT, segment_ids_BT, *, dropout_key=None):
         cfg = self.cfg
         # The table's own dtype (the policy's compute dtype when the caller cast the parameters):
         # nnx.Embed would promote it to its float32 default and take the whole model with it.
-        table_VD = self.embed.embedding[...]
-        x_BTD = jnp.take(table_VD, inputs_BT, axis=0)
+        table_VD = constrain(self.embed.embedding[...], PARAM_AXES["embed"])
+        x_BTD = take_rows(table_VD, inputs_BT, ACTIVATION_AXES)
         sin_BTF, cos_BTF = rotary_sin_cos(positions_BT, cfg.head_dim, cfg.rope_base)
         x_BTD = self._blocks(x_BTD, sin_BTF, cos_BTF, segment_ids_BT, dropout_key)
         x_BTD = self.final_norm(x_BTD)
@@ -290,6 +320,21 @@ def unstack_blocks(params: dict) -> dict:
     n_layers = jax.tree.leaves(params["blocks"])[0].shape[0]
     return {**params, "blocks": {i: jax.tree.map(lambda x: x[i], params["blocks"])
                                  for i in range(n_layers)}}
+
+
+def param_axes(params: dict) -> dict:
+    """The logical axis names of every parameter (a tree of tuples shaped like ``params``);
+    stacked blocks have a leading ``layers`` axis."""
+
+    def axes(path, leaf):
+        layer = str(getattr(path[-2], "key", path[-2]))
+        names = PARAM_AXES.get(layer)
+        if names is None:
+            raise ValueError(f"parameter {jax.tree_util.keystr(path)} has no logical axes; add "
+                             f"its layer to model.PARAM_AXES")
+        return ("layers", *names) if leaf.ndim == len(names) + 1 else names
+
+    return jax.tree_util.tree_map_with_path(axes, params)
 
 
 def init_params(cfg: ModelConfig, key) -> dict:

@@ -29,10 +29,12 @@ class Plan:
     rows: list[dict]
 
 
-def compile_step(train_step, abstract_state, batch_size: int, seq_len: int):
-    """The train step compiled (state donated, as the loop runs it) for a batch shape."""
+def compile_step(train_step, abstract_state, batch_size: int, seq_len: int,
+                 batch_sharding=None):
+    """The train step compiled (state donated, as the loop runs it) for a batch shape; sharded
+    as the ShapeDtypeStructs of the state and ``batch_sharding`` say, when they say."""
     return jax.jit(train_step, donate_argnums=0).lower(
-        abstract_state, abstract_batch((batch_size, seq_len))).compile()
+        abstract_state, abstract_batch((batch_size, seq_len), batch_sharding)).compile()
 
 
 def largest_batch(total_at, budget: int, *, limit: int = 4096, hint: int = 2,
@@ -93,14 +95,16 @@ def largest_batch(total_at, budget: int, *, limit: int = 4096, hint: int = 2,
 
 def plan_remat(make_step, abstract_state, *, seq_len: int, batch_size: int, budget: int,
                policies=REMAT_POLICIES, step_seconds: dict | None = None,
-               search: bool = True, multiple: int = 1, limit: int = 4096) -> Plan:
+               search: bool = True, multiple: int = 1, limit: int = 4096,
+               batch_sharding=None) -> Plan:
     """Compile ``make_step(policy)`` for each policy and choose one that fits ``budget`` bytes.
 
     ``abstract_state`` is the TrainState's ShapeDtypeStructs (the policies share its layout).
     ``step_seconds`` maps policies to measured step times; without it FLOPs decide. With
     ``search`` each row also gets ``max_batch``, the largest batch within the budget among the
     multiples of ``multiple`` (the microbatch count under gradient accumulation), and ``probed``,
-    the total bytes at each batch the search compiled.
+    the total bytes at each batch the search compiled. Under a mesh, the bytes are per device:
+    pass ``abstract_state`` with shardings and the ``batch_sharding``.
     Raises ConfigError when no policy fits the requested batch.
     """
     if budget < 1:
@@ -113,7 +117,7 @@ def plan_remat(make_step, abstract_state, *, seq_len: int, batch_size: int, budg
 
         def compiled(b, step=step, executables=executables):
             if b not in executables:
-                executables[b] = compile_step(step, abstract_state, b, seq_len)
+                executables[b] = compile_step(step, abstract_state, b, seq_len, batch_sharding)
             return executables[b]
 
         def total_at(units, compiled=compiled):

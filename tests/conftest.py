@@ -1,6 +1,7 @@
 """Fixtures shared by the tests that train."""
 
 import json
+import os
 
 import numpy as np
 import pytest
@@ -17,3 +18,9 @@ def corpus_path(tmp_path_factory):
             n = int(rng.integers(3, 40))
             f.write(json.dumps({"text": " ".join(rng.choice(words, n))}) + "\n")
     return str(path)
+
+
+# tests/multidevice needs 8 simulated devices, set before JAX starts: tests/test_sharding.py runs
+# it in a subprocess that sets JAXACCEL_MULTIDEVICE=1 and XLA_FLAGS.
+if os.environ.get("JAXACCEL_MULTIDEVICE") != "1":
+    collect_ignore = ["multidevice"]

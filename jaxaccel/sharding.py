@@ -1,0 +1,333 @@
+"""Sharding the pure step over a device mesh: data parallel, FSDP (ZeRO-3) and tensor parallel.
+
+The mesh always has the three named axes ``data``, ``fsdp`` and ``tensor`` (unused ones have
+size 1), so one set of rules serves every strategy and only the mesh's shape changes:
+
+- every parameter dimension has a logical name (``embed``, ``heads``, ``mlp``, ...; see
+  ``jaxaccel.model.param_axes``). ``PARAM_RULES`` map them to mesh axes for storage: parameters,
+  gradients and optimizer state are split over ``fsdp`` along ``embed`` (ZeRO-3) and over
+  ``tensor`` along attention heads and the MLP's inner dimension (Megatron).
+- ``COMPUTE_RULES`` say how tensors are laid out while the model computes: the batch over
+  ``data`` x ``fsdp``, heads and MLP features over ``tensor``, and weights gathered over
+  ``fsdp`` one layer at a time where they are used (``constrain``).
+
+A strategy (``--sharding``) names the mesh axes it uses; ``mesh_shape`` fills in their sizes.
+Mesh axes are Auto (XLA's propagation completes the shardings from the constraints) or Explicit
+(shardings are part of every array's type and each op's output sharding must be unambiguous);
+the model runs under both.
+"""
+
+import math
+import socket
+import time
+
+import jax
+import jax.numpy as jnp
+from jax.sharding import AxisType, NamedSharding, PartitionSpec
+
+from jaxaccel.errors import ConfigError
+
+MESH_AXES = ("data", "fsdp", "tensor")
+BATCH_AXES = ("data", "fsdp")
+AXIS_TYPES = {"auto": AxisType.Auto, "explicit": AxisType.Explicit}
+
+# Which mesh axes each strategy spreads the work over.
+STRATEGIES = {
+    "dp": ("data",),
+    "fsdp": ("fsdp",),
+    "tp": ("tensor",),
+    "fsdp+tp": ("fsdp", "tensor"),
+    "dp+fsdp": ("data", "fsdp"),
+}
+
+# Logical axis -> mesh axis (or None: replicated) for parameters and optimizer state at rest.
+PARAM_RULES = {
+    "layers": None, "vocab": None, "embed": "fsdp", "heads": "tensor", "kv_heads": "tensor",
+    "mlp": "tensor", "norm": None,
+}
+# ... and for tensors while the model computes: weights are gathered over fsdp, the batch is
+# split over data x fsdp.
+COMPUTE_RULES = {
+    "batch": BATCH_AXES, "seq": None, "embed": None, "heads": "tensor", "kv_heads": "tensor",
+    "head_dim": None, "mlp": "tensor", "vocab": None, "layers": None, "norm": None,
+}
+
+
+def parse_mesh(text: str | None) -> dict[str, int]:
+    """``"data=2,fsdp=4"`` -> {"data": 2, "fsdp": 4}; ``None`` or ``""`` -> {}."""
+    sizes = {}
+    for item in (text or "").split(","):
+        if not item.strip():
+            continue
+        name, _, value = item.partition("=")
+        name = name.strip()
+        try:
+            size = int(value)
+        except ValueError:
+            size = 0
+        if name not in MESH_AXES or size == 0 or size < -1:
+            raise ConfigError(
+                f"bad mesh item {item.strip()!r}; write --mesh as axis=size pairs, e.g. "
+                f"data=2,fsdp=4, with axes from {', '.join(MESH_AXES)} and sizes >= 1 (or -1 "
+                f"for the remaining devices)")
+        sizes[name] = size
+    return sizes
+
+
+def mesh_shape(strategy: str, device_count: int, sizes: dict[str, int] | None = None,
+               process_count: int = 1) -> dict[str, int]:
+    """The size of every mesh axis for ``strategy`` on ``device_count`` devices.
+
+    ``sizes`` (from ``--mesh``) fix some axes; one axis may be -1 (the remaining devices).
+    Unset axes the strategy uses get defaults: a lone axis takes every device; ``fsdp+tp`` puts
+    2 devices on ``tensor``; ``dp+fsdp`` replicates across hosts (``data`` = the process count,
+    or 2 on one host) and shards within them. Axes the strategy does not use must be 1.
+    """
+    if strategy not in STRATEGIES:
+        raise ConfigError(f"unknown sharding strategy {strategy!r}; choose --sharding from "
+                          f"{', '.join(STRATEGIES)}")
+    used = STRATEGIES[strategy]
+    sizes = dict(sizes or {})
+    for axis, size in sizes.items():
+        if axis not in used and size != 1:
+            raise ConfigError(
+                f"--sharding {strategy} does not use the {axis} axis but --mesh sets {axis}={size}; "
+                f"set it to 1 or choose a strategy that uses it ({', '.join(STRATEGIES)})")
+    if len(used) == 2 and not any(a in sizes for a in used):
+        first = used[0]
+        if strategy == "fsdp+tp":
+            sizes["tensor"] = 2 if device_count % 2 == 0 else 1
+        else:
+            sizes[first] = process_count if process_count > 1 else (
+                2 if device_count % 2 == 0 else 1)
+    for axis in used:
+        sizes.setdefault(axis, -1)
+    free = [a for a in MESH_AXES if sizes.get(a) == -1]
+    if len(free) > 1:
+        raise ConfigError(f"--mesh leaves {' and '.join(free)} both at -1; give all but one a size")
+    fixed = math.prod(s for a, s in sizes.items() if s != -1)
+    if free:
+        if device_count % fixed:
+            raise ConfigError(
+                f"mesh {format_mesh(sizes)} needs a multiple of {fixed} devices but there are "
+                f"{device_count}; change --mesh")
+        sizes[free[0]] = device_count // fixed
+    shape = {a: sizes.get(a, 1) for a in MESH_AXES}
+    if math.prod(shape.values()) != device_count:
+        raise ConfigError(
+            f"mesh {format_mesh(shape)} has {math.prod(shape.values())} devices but "
+            f"{device_count} are available; make the --mesh sizes multiply to {device_count}")
+    return shape
+
+
+def format_mesh(shape: dict[str, int]) -> str:
+    return ",".join(f"{a}={shape[a]}" for a in MESH_AXES if a in shape)
+
+
+def build_mesh(strategy: str, mesh: str | None = None, axis_types: str = "auto", model_cfg=None):
+    """The run's mesh and its axis sizes from the ``--sharding``, ``--mesh`` and
+    ``--mesh-axis-types`` flags over all devices of all processes, checked against the model."""
+    shape = mesh_shape(strategy, jax.device_count(), parse_mesh(mesh), jax.process_count())
+    if model_cfg is not None:
+        check_model(shape, model_cfg)
+    if batch_shards(shape) % jax.process_count():
+        raise ConfigError(
+            f"mesh {format_mesh(shape)} splits the batch into {batch_shards(shape)} parts, fewer "
+            f"than (or not a multiple of) the {jax.process_count()} processes that each load "
+            f"their own rows; keep the tensor axis within a host")
+    return make_mesh(shape, axis_types), shape
+
+
+def make_mesh(shape: dict[str, int], axis_types: str = "auto", devices=None):
+    """A ``jax.sharding.Mesh`` with axes data, fsdp, tensor of these sizes, all of one type."""
+    if axis_types not in AXIS_TYPES:
+        raise ConfigError(f"unknown mesh axis type {axis_types!r}; choose --mesh-axis-types from "
+                          f"{', '.join(AXIS_TYPES)}")
+    devices = jax.devices() if devices is None else devices
+    sizes = tuple(shape.get(a, 1) for a in MESH_AXES)
+    if math.prod(sizes) != len(devices):
+        raise ConfigError(
+            f"mesh {format_mesh(shape)} has {math.prod(sizes)} devices but {len(devices)} are "
+            f"available; make the --mesh sizes multiply to {len(devices)}")
+    return jax.make_mesh(sizes, MESH_AXES, axis_types=(AXIS_TYPES[axis_types],) * 3,
+                         devices=devices)
+
+
+def logical_spec(axes, rules: dict) -> PartitionSpec:
+    """The PartitionSpec of a tensor whose dimensions have these logical names.
+
+    A mesh axis is used once per tensor: a later dimension that maps to an axis already taken
+    stays unsplit.
+    """
+    taken, spec = set(), []
+    for name in axes:
+        mesh_axes = rules[name] if name is not None else None
+        mesh_axes = (mesh_axes,) if isinstance(mesh_axes, str) else tuple(mesh_axes or ())
+        mesh_axes = tuple(a for a in mesh_axes if a not in taken)
+        taken.update(mesh_axes)
+        spec.append(mesh_axes[0] if len(mesh_axes) == 1 else (mesh_axes or None))
+    return PartitionSpec(*spec)
+
+
+def _explicit(mesh) -> bool:
+    return bool(mesh.axis_names) and all(t == AxisType.Explicit for t in mesh.axis_types)
+
+
+def constrain(x, axes):
+    """``x`` laid out for computing as its logical ``axes`` say, on the mesh in context
+    (``jax.set_mesh``); unchanged when no mesh is set. On a weight stored split over ``fsdp`` this
+    is the all-gather of FSDP, done where the weight is used."""
+    mesh = jax.sharding.get_abstract_mesh()
+    if mesh.empty:
+        return x
+    spec = logical_spec(axes, COMPUTE_RULES)
+    if _explicit(mesh):
+        return jax.sharding.reshard(x, spec)
+    return jax.lax.with_sharding_constraint(x, spec)
+
+
+def matmul(x, w, out_axes):
+    """``x @ w`` with the result laid out as ``out_axes``. Under Explicit axes the output sharding
+    is given to the matmul itself: contracting a dimension split on both sides (the second
+    matmul of a Megatron pair) is otherwise ambiguous, and this makes it a reduce over ``tensor``."""
+    mesh = jax.sharding.get_abstract_mesh()
+    if mesh.empty:
+        return x @ w
+    spec = logical_spec(out_axes, COMPUTE_RULES)
+    if _explicit(mesh):
+        return jnp.matmul(x, w, out_sharding=spec)
+    return jax.lax.with_sharding_constraint(x @ w, spec)
+
+
+def take_rows(table, ids, out_axes):
+    """``table[ids]`` (an embedding lookup) laid out as ``out_axes``; under Explicit axes the
+    gather is told its output sharding, which it cannot infer from a batch-split ``ids``."""
+    mesh = jax.sharding.get_abstract_mesh()
+    if mesh.empty:
+        return jnp.take(table, ids, axis=0)
+    spec = logical_spec(out_axes, COMPUTE_RULES)
+    if _explicit(mesh):
+        return table.at[ids].get(out_sharding=spec)
+    return jax.lax.with_sharding_constraint(jnp.take(table, ids, axis=0), spec)
+
+
+def param_shardings(mesh, axes_tree):
+    """NamedShardings for a tree of logical-axes tuples (one per parameter)."""
+    return jax.tree.map(lambda axes: NamedSharding(mesh, logical_spec(axes, PARAM_RULES)),
+                        axes_tree, is_leaf=lambda x: isinstance(x, tuple))
+
+
+def state_shardings(mesh, abstract_state, params_sharding):
+    """Shardings for a whole TrainState: ``params`` as given; each optimizer-state leaf that has
+    the shape of the parameter whose path it ends with (Adam's moments, momenta) like that
+    parameter; everything else (step counts, factored statistics, the loss scale, the rng)
+    replicated."""
+    whole = replicated(mesh)
+    by_path = {tuple(path): (leaf, sharding) for path, leaf, sharding in zip(
+        _paths(abstract_state.params), jax.tree.leaves(abstract_state.params),
+        jax.tree.leaves(params_sharding))}
+
+    def for_leaf(path, leaf):
+        for start in range(len(path)):
+            match = by_path.get(tuple(path[start:]))
+            if match is not None and match[0].shape == leaf.shape:
+                return match[1]
+        return whole
+
+    opt_sharding = jax.tree_util.tree_map_with_path(for_leaf, abstract_state.opt_state)
+    return abstract_state.replace(
+        params=params_sharding, opt_state=opt_sharding,
+        step=whole, rng=whole, loss_scale=jax.tree.map(lambda _: whole, abstract_state.loss_scale))
+
+
+def _paths(tree):
+    return [path for path, _ in jax.tree_util.tree_flatten_with_path(tree)[0]]
+
+
+def batch_sharding(mesh):
+    """Batch rows split over data x fsdp, the sequence whole."""
+    return NamedSharding(mesh, PartitionSpec(BATCH_AXES, None))
+
+
+def replicated(mesh):
+    """A whole copy on every device (scalars, metrics)."""
+    return NamedSharding(mesh, PartitionSpec())
+
+
+def batch_shards(shape: dict[str, int]) -> int:
+    """How many parts the batch's rows are split into."""
+    return shape["data"] * shape["fsdp"]
+
+
+def check_model(shape: dict[str, int], cfg) -> None:
+    """One clear line if the model's shape cannot be split over this mesh."""
+    tensor, fsdp = shape["tensor"], shape["fsdp"]
+    for name, value, axis, size in (("n_heads", cfg.n_heads, "tensor", tensor),
+                                    ("n_kv_heads", cfg.n_kv_heads, "tensor", tensor),
+                                    ("d_ff", cfg.d_ff, "tensor", tensor),
+                                    ("d_model", cfg.d_model, "fsdp", fsdp)):
+        if value % size:
+            raise ConfigError(
+                f"{name}={value} is not divisible by the {axis} axis ({size} devices); choose "
+                f"--{name.replace('_', '-')} divisible by {size} or a smaller {axis} in --mesh")
+
+
+def bytes_per_device(tree) -> int:
+    """Bytes of a tree of sharded arrays (or ShapeDtypeStructs with shardings) on the device that
+    holds the most of them."""
+    per_device = {}
+    for leaf in jax.tree.leaves(tree):
+        shard_shape = leaf.sharding.shard_shape(leaf.shape)
+        size = math.prod(shard_shape) * jnp.dtype(leaf.dtype).itemsize
+        for device in leaf.sharding.device_set:
+            per_device[device] = per_device.get(device, 0) + size
+    return max(per_device.values(), default=0)
+
+
+def initialize_distributed(coordinator: str | None, num_processes: int | None,
+                           process_id: int | None, *, auto: bool = False,
+                           timeout_s: int = 300) -> None:
+    """Start JAX's multi-controller runtime: from explicit settings, or (``auto``) from what
+    ``jax.distributed.initialize`` detects in the cluster's environment (SLURM, Open MPI, ...).
+
+    On the CPU the cross-process collectives go through gloo. A process other than 0 first waits
+    up to ``timeout_s`` seconds for the coordinator's port to accept connections and ends in one
+    ConfigError line if it never does: the runtime itself would abort the process with a stack
+    trace instead.
+    """
+    if coordinator is None and not auto:
+        if num_processes not in (None, 1) or process_id not in (None, 0):
+            raise ConfigError("--num-processes and --process-id need --coordinator HOST:PORT "
+                              "(or --distributed to detect the cluster)")
+        return
+    if coordinator is not None:
+        if num_processes is None or process_id is None:
+            raise ConfigError("--coordinator needs --num-processes N and --process-id I as well")
+        if not 0 <= process_id < num_processes:
+            raise ConfigError(f"--process-id {process_id} is not in [0, --num-processes "
+                              f"{num_processes}); number the processes 0 .. N-1")
+        host, _, port = coordinator.rpartition(":")
+        if not host or not port.isdigit():
+            raise ConfigError(f"--coordinator {coordinator!r} is not HOST:PORT; pass e.g. "
+                              f"10.0.0.1:1234 (the address of process 0)")
+        if process_id != 0:
+            wait_for_port(host, int(port), timeout_s)
+    jax.config.update("jax_cpu_collectives_implementation", "gloo")
+    jax.distributed.initialize(coordinator, num_processes, process_id,
+                               initialization_timeout=timeout_s)
+
+
+def wait_for_port(host: str, port: int, timeout_s: float) -> None:
+    """Return once ``host:port`` accepts a TCP connection; ConfigError after ``timeout_s``."""
+    deadline = time.monotonic() + timeout_s
+    while True:
+        try:
+            with socket.create_connection((host, port), timeout=1.0):
+                return
+        except OSError as error:
+            if time.monotonic() >= deadline:
+                raise ConfigError(
+                    f"coordinator {host}:{port} did not answer within {timeout_s:g} s "
+                    f"({error.strerror or error}); start process 0 first, check --coordinator "
+                    f"and the network, or raise --distributed-timeout") from None
+            time.sleep(0.5)

@@ -1,0 +1,156 @@
+"""Sharded training on 8 simulated CPU devices. ``tests/test_sharding.py`` runs this file in a
+subprocess with ``--xla_force_host_platform_device_count=8``; it fails (not skips) elsewhere."""
+
+import dataclasses
+
+import jax
+import numpy as np
+import pytest
+
+from experiments.sharding import mlp_temp_bytes
+from jaxaccel.checkpoint import Checkpointer
+from jaxaccel.compiled import CompiledFn, abstract
+from jaxaccel.config import TrainConfig
+from jaxaccel.errors import ConfigError
+from jaxaccel.loader import abstract_batch, place_batch
+from jaxaccel.loop import init_sharded_state, train
+from jaxaccel.model import ModelConfig, make_apply
+from jaxaccel.optim import make_optimizer
+from jaxaccel.sharding import (STRATEGIES, batch_sharding, bytes_per_device, make_mesh,
+                               mesh_shape, replicated)
+from jaxaccel.train import make_train_step
+
+assert jax.device_count() == 8, "run with XLA_FLAGS=--xla_force_host_platform_device_count=8"
+
+CFG = ModelConfig(vocab_size=128, d_model=64, n_layers=2, n_heads=8, max_seq_len=32)
+OPTIMIZER = make_optimizer("adamw", learning_rate=1e-2, weight_decay=0.1, warmup_steps=0,
+                           total_steps=10)
+
+
+def batch(seed, B=8, T=32, vocab=128):
+    """Random tokens in two documents per row, some padding at the end of each row."""
+    rng = np.random.default_rng(seed)
+    split, end = int(rng.integers(4, 20)), int(rng.integers(24, T + 1))
+    segment_ids = np.zeros((B, T), np.int32)
+    segment_ids[:, :split], segment_ids[:, split:end] = 1, 2
+    positions = np.where(np.arange(T) < split, np.arange(T), np.arange(T) - split)
+    return {"inputs": rng.integers(0, vocab, (B, T)).astype(np.int32),
+            "targets": rng.integers(0, vocab, (B, T)).astype(np.int32),
+            "weights": (segment_ids > 0).astype(np.float32), "segment_ids": segment_ids,
+            "positions": np.tile(positions.astype(np.int32), (B, 1)) * (segment_ids > 0)}
+
+
+def losses_on(mesh, cfg=CFG, steps=5):
+    """The loss of each of ``steps`` steps, trained with the state and batch sharded on mesh."""
+    with jax.set_mesh(mesh):
+        state, shardings = init_sharded_state(cfg, OPTIMIZER, 0, None, mesh)
+        layout = batch_sharding(mesh)
+        step = CompiledFn(make_train_step(make_apply(cfg), OPTIMIZER),
+                          in_shardings=(shardings, layout),
+                          out_shardings=(shardings, replicated(mesh)), donate_argnums=0)
+        losses = []
+        for i in range(steps):
+            state, metrics = step(state, place_batch(batch(i), layout))
+            losses.append(float(metrics["loss"]))
+    return np.array(losses), state
+
+
+def single_device_mesh():
+    return make_mesh({"data": 1, "fsdp": 1, "tensor": 1}, devices=jax.devices()[:1])
+
+
+@pytest.fixture(scope="module")
+def single_losses():
+    return losses_on(single_device_mesh())[0]
+
+
+# Every strategy with Auto axes; with Explicit ones, the strategies that use each mesh axis.
+@pytest.mark.parametrize("strategy, axis_types", [
+    *((strategy, "auto") for strategy in STRATEGIES),
+    ("tp", "explicit"), ("fsdp+tp", "explicit"), ("dp+fsdp", "explicit")])
+def test_every_strategy_trains_like_one_device(strategy, axis_types, single_losses):
+    mesh = make_mesh(mesh_shape(strategy, 8), axis_types)
+    losses, state = losses_on(mesh)
+    np.testing.assert_allclose(losses, single_losses, rtol=1e-5)
+    assert state.params["blocks"][0]["mlp"]["w_in"]["kernel"].sharding.mesh.shape == mesh.shape
+
+
+def test_scanned_layers_and_grouped_query_heads_under_tp_with_explicit_axes():
+    cfg = dataclasses.replace(CFG, n_kv_heads=4, scan_layers=True)
+    reference = losses_on(single_device_mesh(), cfg, steps=3)[0]
+    mesh = make_mesh({"data": 2, "fsdp": 1, "tensor": 4}, "explicit")
+    np.testing.assert_allclose(losses_on(mesh, cfg, steps=3)[0], reference, rtol=1e-5)
+
+
+def test_fsdp_stores_an_eighth_of_parameters_and_optimizer_state_per_device():
+    cfg = dataclasses.replace(CFG, d_model=128, n_heads=4, n_kv_heads=4)
+    states = {}
+    for strategy in ("dp", "fsdp"):
+        mesh = make_mesh(mesh_shape(strategy, 8))
+        with jax.set_mesh(mesh):
+            state, _ = init_sharded_state(cfg, OPTIMIZER, 0, None, mesh)
+        states[strategy] = bytes_per_device((state.params, state.opt_state))
+    assert states["fsdp"] <= states["dp"] / 8 * 1.05, states
+
+
+def test_tp_over_four_devices_keeps_a_quarter_of_the_mlp_activations():
+    cfg = dataclasses.replace(CFG, d_model=128, n_heads=4, n_kv_heads=4, d_ff=1024)
+    one = mlp_temp_bytes(single_device_mesh(), cfg, (8, 32))
+    four = mlp_temp_bytes(make_mesh({"data": 1, "fsdp": 1, "tensor": 4}, devices=jax.devices()[:4]),
+                          cfg, (8, 32))
+    assert 0.2 <= four / one <= 0.3, (one, four)
+
+
+def test_checkpoint_restores_across_meshes(tmp_path):
+    saved_mesh = make_mesh({"data": 2, "fsdp": 4, "tensor": 1})
+    _, state = losses_on(saved_mesh, steps=2)
+    expected = jax.device_get(state)
+    checkpointer = Checkpointer(str(tmp_path / "ckpt"))
+    checkpointer.save(2, state, loader_position={"epoch": 0, "batch": 2}, config={})
+    for shape, devices in (({"data": 4, "fsdp": 2, "tensor": 1}, None),
+                           ({"data": 1, "fsdp": 2, "tensor": 4}, None),
+                           ({"data": 1, "fsdp": 1, "tensor": 1}, jax.devices()[:1])):
+        mesh = make_mesh(shape, devices=devices)
+        with jax.set_mesh(mesh):
+            target, shardings = init_sharded_state(CFG, OPTIMIZER, 1, None, mesh)
+        restored, _, step = checkpointer.restore(target, config={})
+        assert step == 2
+        jax.tree.map(np.testing.assert_array_equal, jax.device_get(restored), expected)
+        kernel = restored.params["blocks"][1]["attn"]["wq"]["kernel"]
+        assert kernel.sharding == shardings.params["blocks"][1]["attn"]["wq"]["kernel"]
+    checkpointer.close()
+
+
+def loop_config(corpus_path, run_dir, **overrides):
+    return TrainConfig(**{**dict(
+        data=corpus_path, d_model=64, n_layers=2, n_heads=8, max_seq_len=32, batch_size=8,
+        steps=4, log_every=1, eval_every=0, checkpoint_every=0, eval_batches=2,
+        progress=False, run_dir=str(run_dir), cache_dir=str(run_dir) + "-cache"), **overrides})
+
+
+def train_losses(summary):
+    import json
+    import os
+    with open(os.path.join(summary["run_dir"], "metrics.jsonl")) as f:
+        records = [json.loads(line) for line in f]
+    return np.array([r["loss"] for r in records if r["kind"] == "train"])
+
+
+def test_training_loop_resumes_on_another_mesh(corpus_path, tmp_path):
+    whole = train(loop_config(corpus_path, tmp_path / "whole", sharding="dp+fsdp",
+                              mesh="data=2,fsdp=4"))
+    assert whole["mesh"] == {"data": 2, "fsdp": 4, "tensor": 1}
+    assert whole["compiles"] == 1
+    first = train(loop_config(corpus_path, tmp_path / "split", sharding="dp+fsdp",
+                              mesh="data=2,fsdp=4"), should_stop=lambda step: step == 2)
+    assert first["interrupted"] == "requested"
+    second = train(loop_config(corpus_path, tmp_path / "split", sharding="fsdp+tp",
+                               mesh="fsdp=4,tensor=2", mesh_axis_types="explicit", resume=True))
+    assert second["steps"] == 4
+    np.testing.assert_allclose(train_losses(second), train_losses(whole), rtol=1e-5)
+    assert second["val_loss"] == pytest.approx(whole["val_loss"], rel=1e-5)
+
+
+def test_loop_rejects_a_batch_the_data_axes_do_not_divide(corpus_path, tmp_path):
+    with pytest.raises(ConfigError, match="batch_size=12 does not split over the mesh"):
+        train(loop_config(corpus_path, tmp_path / "run", batch_size=12, sharding="fsdp"))

@@ -1,0 +1,198 @@
+"""Meshes, logical axis rules and strategies; the 8-device suite and two-process training run in
+subprocesses (the device count and jax.distributed are fixed when JAX starts)."""
+
+import json
+import os
+import socket
+import subprocess
+import sys
+
+import jax
+import numpy as np
+import pytest
+from jax.sharding import PartitionSpec
+
+from jaxaccel.errors import ConfigError
+from jaxaccel.model import PARAM_AXES, ModelConfig, init_params, param_axes, stack_blocks
+from jaxaccel.optim import make_optimizer
+from jaxaccel.sharding import (COMPUTE_RULES, PARAM_RULES, check_model, initialize_distributed,
+                               logical_spec, make_mesh, mesh_shape, param_shardings, parse_mesh,
+                               state_shardings, wait_for_port)
+from jaxaccel.train import init_state
+
+REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+
+
+def test_strategies_fill_the_mesh_with_their_own_axes():
+    assert mesh_shape("dp", 8) == {"data": 8, "fsdp": 1, "tensor": 1}
+    assert mesh_shape("fsdp", 8) == {"data": 1, "fsdp": 8, "tensor": 1}
+    assert mesh_shape("tp", 4) == {"data": 1, "fsdp": 1, "tensor": 4}
+    assert mesh_shape("fsdp+tp", 8) == {"data": 1, "fsdp": 4, "tensor": 2}
+    assert mesh_shape("dp+fsdp", 8) == {"data": 2, "fsdp": 4, "tensor": 1}
+    assert mesh_shape("dp+fsdp", 16, process_count=2) == {"data": 2, "fsdp": 8, "tensor": 1}
+    assert mesh_shape("fsdp+tp", 8, parse_mesh("tensor=4,fsdp=-1")) == {
+        "data": 1, "fsdp": 2, "tensor": 4}
+    assert mesh_shape("dp", 1) == {"data": 1, "fsdp": 1, "tensor": 1}
+
+
+@pytest.mark.parametrize("strategy, mesh, message", [
+    ("dp", "data=3", "has 3 devices but 8 are available"),
+    ("fsdp+tp", "fsdp=3,tensor=-1", "needs a multiple of 3 devices"),
+    ("dp", "fsdp=2", "does not use the fsdp axis"),
+    ("fsdp+tp", "fsdp=-1,tensor=-1", "both at -1"),
+    ("zero", None, "unknown sharding strategy 'zero'"),
+])
+def test_a_mesh_that_does_not_fit_is_one_clear_error(strategy, mesh, message):
+    with pytest.raises(ConfigError, match=message):
+        mesh_shape(strategy, 8, parse_mesh(mesh))
+
+
+@pytest.mark.parametrize("text", ["data", "data=0", "pipeline=2", "data=x"])
+def test_bad_mesh_text_is_rejected(text):
+    with pytest.raises(ConfigError, match="write --mesh as axis=size pairs"):
+        parse_mesh(text)
+
+
+def test_make_mesh_checks_the_device_count():
+    with pytest.raises(ConfigError, match="has 2 devices but 1 are available"):
+        make_mesh({"data": 2, "fsdp": 1, "tensor": 1})
+    mesh = make_mesh({"data": 1, "fsdp": 1, "tensor": 1}, "explicit")
+    assert mesh.axis_names == ("data", "fsdp", "tensor")
+    assert all(t == jax.sharding.AxisType.Explicit for t in mesh.axis_types)
+
+
+def test_heads_the_tensor_axis_does_not_divide_are_rejected():
+    cfg = ModelConfig(d_model=96, n_heads=6, n_kv_heads=2)
+    with pytest.raises(ConfigError, match="n_heads=6 is not divisible by the tensor axis"):
+        check_model({"data": 1, "fsdp": 1, "tensor": 4}, cfg)
+    with pytest.raises(ConfigError, match="n_kv_heads=2 is not divisible by the tensor axis"):
+        check_model({"data": 1, "fsdp": 1, "tensor": 3}, cfg)
+    check_model({"data": 2, "fsdp": 1, "tensor": 2}, cfg)
+
+
+def test_logical_specs_use_each_mesh_axis_once():
+    assert logical_spec(("embed", "heads"), PARAM_RULES) == PartitionSpec("fsdp", "tensor")
+    assert logical_spec(("embed", "heads"), COMPUTE_RULES) == PartitionSpec(None, "tensor")
+    assert logical_spec(("batch", "seq", "embed"), COMPUTE_RULES) == PartitionSpec(
+        ("data", "fsdp"), None, None)
+    assert logical_spec(("mlp", "heads"), PARAM_RULES) == PartitionSpec("tensor", None)
+
+
+@pytest.mark.parametrize("cfg", [ModelConfig(n_layers=2), ModelConfig(n_layers=2, mlp="gelu",
+                                                                     tie_embeddings=True)])
+def test_every_parameter_has_logical_axes_in_both_layouts(cfg):
+    params = jax.eval_shape(lambda: init_params(cfg, jax.random.PRNGKey(0)))
+    for layout in (params, jax.eval_shape(stack_blocks, params)):
+        axes = param_axes(layout)
+        for leaf, names in zip(jax.tree.leaves(layout),
+                               jax.tree.leaves(axes, is_leaf=lambda x: isinstance(x, tuple))):
+            assert len(names) == leaf.ndim
+            assert set(names) <= set(PARAM_RULES)
+    stacked = param_axes(jax.eval_shape(stack_blocks, params))
+    assert stacked["blocks"]["attn"]["wq"]["kernel"] == ("layers", *PARAM_AXES["wq"])
+
+
+def test_optimizer_moments_take_their_parameters_sharding():
+    cfg = ModelConfig(n_layers=1)
+    mesh = make_mesh({"data": 1, "fsdp": 1, "tensor": 1})
+    optimizer = make_optimizer("adamw", learning_rate=1e-3, weight_decay=0.1, warmup_steps=0,
+                               total_steps=10)
+    state = jax.eval_shape(lambda: init_state(init_params(cfg, jax.random.PRNGKey(0)),
+                                              optimizer, 0))
+    params = param_shardings(mesh, param_axes(state.params))
+    shardings = state_shardings(mesh, state, params)
+    adam = [s for s in jax.tree.leaves(
+        shardings.opt_state, is_leaf=lambda x: hasattr(x, "mu") and hasattr(x, "nu"))
+        if hasattr(s, "mu")]
+    assert len(adam) == 1
+    assert adam[0].mu == params and adam[0].nu == params
+    assert adam[0].count.spec == PartitionSpec()
+    assert shardings.step.spec == PartitionSpec()
+    assert params["blocks"][0]["attn"]["wo"]["kernel"].spec == PartitionSpec("tensor", "fsdp")
+
+
+def test_distributed_flags_are_checked():
+    initialize_distributed(None, None, None)          # one process: nothing to start
+    with pytest.raises(ConfigError, match="need --coordinator"):
+        initialize_distributed(None, 2, 1)
+    with pytest.raises(ConfigError, match="needs --num-processes"):
+        initialize_distributed("127.0.0.1:1234", None, 0)
+    with pytest.raises(ConfigError, match="not in \\[0, --num-processes 2\\)"):
+        initialize_distributed("127.0.0.1:1234", 2, 2)
+    with pytest.raises(ConfigError, match="is not HOST:PORT"):
+        initialize_distributed("localhost", 2, 1)
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def test_an_unreachable_coordinator_times_out_with_one_line():
+    with pytest.raises(ConfigError, match="did not answer within 1 s"):
+        wait_for_port("127.0.0.1", free_port(), 1)
+    result = subprocess.run(
+        [sys.executable, "-m", "experiments.train", "--coordinator", f"127.0.0.1:{free_port()}",
+         "--num-processes", "2", "--process-id", "1", "--distributed-timeout", "2"],
+        cwd=REPO, capture_output=True, text=True, timeout=120)
+    assert result.returncode == 2
+    assert result.stderr.strip().count("\n") == 0
+    assert result.stderr.startswith("error: coordinator 127.0.0.1:")
+
+
+def test_eight_device_suite():
+    """Every strategy against one device, the memory targets and checkpoints across meshes
+    (tests/multidevice), on 8 simulated CPU devices."""
+    env = {**os.environ, "JAXACCEL_MULTIDEVICE": "1", "JAX_PLATFORMS": "cpu",
+           "XLA_FLAGS": "--xla_force_host_platform_device_count=8"}
+    result = subprocess.run([sys.executable, "-m", "pytest", "-x", "-q", "-o", "addopts=",
+                             "-p", "no:cacheprovider", "tests/multidevice"], cwd=REPO, env=env, capture_output=True,
+                            text=True, timeout=900)
+    assert result.returncode == 0, result.stdout[-6000:] + result.stderr[-3000:]
+    assert " passed" in result.stdout and "skipped" not in result.stdout
+
+
+def test_two_processes_train_together_like_one(corpus_path, tmp_path):
+    """Two processes under jax.distributed (gloo), each with one CPU device and its own half of
+    every batch, train FSDP over both and report the losses of one process on one device."""
+    common = ["--data", corpus_path, "--d-model", "64", "--n-layers", "2", "--n-heads", "4",
+              "--max-seq-len", "32", "--steps", "4", "--batch-size", "4", "--log-every", "1",
+              "--eval-every", "0", "--checkpoint-every", "2", "--no-progress", "--sharding",
+              "fsdp", "--cache-dir", str(tmp_path / "cache")]
+    env = {**os.environ, "JAX_PLATFORMS": "cpu", "XLA_FLAGS": ""}
+    port = free_port()
+    procs = [subprocess.Popen(
+        [sys.executable, "-m", "experiments.train", *common, "--coordinator", f"127.0.0.1:{port}",
+         "--num-processes", "2", "--process-id", str(i), "--distributed-timeout", "60",
+         "--run-dir", str(tmp_path / "two"), "--json", str(tmp_path / f"{i}.json")],
+        cwd=REPO, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+        for i in range(2)]
+    try:
+        for proc in procs:
+            out, _ = proc.communicate(timeout=240)
+            assert proc.returncode == 0, out[-4000:]
+    finally:
+        for proc in procs:
+            proc.kill()
+    single = subprocess.run(
+        [sys.executable, "-m", "experiments.train", *common, "--run-dir", str(tmp_path / "one"),
+         "--json", str(tmp_path / "one.json")], cwd=REPO, env=env, capture_output=True,
+        text=True, timeout=240)
+    assert single.returncode == 0, single.stderr[-4000:]
+
+    def losses(name):
+        with open(tmp_path / name) as f:
+            return [json.loads(line)["loss"] for line in f if '"train"' in line]
+
+    summaries = [json.load(open(tmp_path / f"{i}.json")) for i in range(2)]
+    assert [s["process_count"] for s in summaries] == [2, 2]
+    assert summaries[0]["mesh"] == {"data": 1, "fsdp": 2, "tensor": 1}
+    assert summaries[0]["compiles"] == 1
+    assert sorted(os.listdir(tmp_path / "two" / "checkpoints")) == ["2", "4"]
+    two = losses("two/metrics.jsonl")
+    assert len(two) == 4 and two == losses("two/metrics.process1.jsonl")
+    np.testing.assert_allclose(two, losses("one/metrics.jsonl"), rtol=1e-5)
+    assert summaries[0]["val_loss"] == summaries[1]["val_loss"]
+    assert summaries[0]["val_loss"] == pytest.approx(json.load(open(tmp_path / "one.json"))[
+        "val_loss"], rel=1e-5)
