@@ -18,6 +18,7 @@ from jaxaccel.optim import (LR_SCALING, NO_DECAY_PATTERNS, OPTIMIZERS, SCHEDULES
                             describe_defaults)
 from jaxaccel.precision import LOSS_SCALE_KINDS, get_policy, make_loss_scale
 from jaxaccel.remat import REMAT_POLICIES
+from jaxaccel.sharding import AXIS_TYPES, STRATEGIES as SHARDING_STRATEGIES
 
 MATMUL_PRECISIONS = ("default", "high", "highest")
 
@@ -51,6 +52,26 @@ class TrainConfig:
     memory_budget: int | None = flag(None, "device bytes the train step may use: compile every "
                                            "--remat policy and take the fastest (fewest FLOPs) "
                                            "that fits the batch; overrides --remat")
+
+    sharding: str = flag("dp", "how the step is split over the mesh: dp (parameters replicated, "
+                               "batch split), fsdp (parameters, gradients and optimizer state "
+                               "split too: ZeRO-3), tp (attention heads and MLP split, "
+                               "Megatron-style), fsdp+tp, dp+fsdp",
+                         choices=tuple(SHARDING_STRATEGIES))
+    mesh: str | None = flag(None, "mesh axis sizes as axis=size pairs, e.g. fsdp=4,tensor=2 (-1: "
+                                  "the remaining devices); default: the strategy's axes share all "
+                                  "devices (fsdp+tp: tensor=2; dp+fsdp: data = hosts, or 2)")
+    mesh_axis_types: str = flag("auto", "mesh axis types: auto (XLA completes the shardings) or "
+                                        "explicit (shardings are part of every array's type)",
+                                choices=tuple(AXIS_TYPES))
+    coordinator: str | None = flag(None, "HOST:PORT of process 0: train over several processes "
+                                         "(hosts) with jax.distributed")
+    num_processes: int | None = flag(None, "number of processes (with --coordinator)")
+    process_id: int | None = flag(None, "this process's index, 0 .. N-1 (with --coordinator)")
+    distributed: bool = flag(False, "start jax.distributed from the cluster's environment "
+                                    "(SLURM, Open MPI, ...) instead of --coordinator")
+    distributed_timeout: int = flag(300, "seconds to wait for all processes to reach the "
+                                         "coordinator")
 
     precision: str = flag("fp32", "dtype policy: fp32, bf16, fp16 (float32 master weights, "
                                   "compute in the named dtype), or params=<dtype>,compute=<dtype>,"
@@ -163,7 +184,8 @@ class TrainConfig:
         model_cfg = self.model_config()
         seq_len = self.resolved_seq_len(model_cfg)
         for name in ("steps", "seq_len", "batch_size", "tokens_per_batch", "train_tokens",
-                     "prefetch", "accumulate", "base_batch_size", "memory_budget"):
+                     "prefetch", "accumulate", "base_batch_size", "memory_budget",
+                     "distributed_timeout"):
             value = seq_len if name == "seq_len" else getattr(self, name)
             if value is not None and value < 1:
                 raise ConfigError(f"{name} must be at least 1, got {value}; fix --{name.replace('_', '-')}")

@@ -468,6 +468,11 @@ class DataStream:
         return sorted((b // self._process_count, t) for b, t in self._batcher.shapes())
 
     @property
+    def global_shapes(self) -> list[tuple[int, int]]:
+        """Every (global batch size, T): the shapes the step is compiled for."""
+        return sorted(self._batcher.shapes())
+
+    @property
     def batches_per_epoch(self) -> int:
         """Batches in the current epoch (pack re-packs, so its count may differ by epoch)."""
         return self._epoch_plan(self._epoch).num_batches

@@ -26,8 +26,9 @@ def describe(device=None) -> str:
 
 
 def peak_memory_bytes(device=None) -> int | None:
-    """Peak bytes in use on the device since start, where the backend reports it (GPUs do)."""
-    device = device or jax.devices()[0]
+    """Peak bytes in use on the device since start, where the backend reports it (GPUs do);
+    by default on this process's first device."""
+    device = device or jax.local_devices()[0]
     stats = device.memory_stats() if hasattr(device, "memory_stats") else None
     if not stats:
         return None

@@ -27,10 +27,13 @@ from jaxaccel.data import DataStream, batches
 from jaxaccel.errors import ConfigError
 from jaxaccel.loader import DevicePrefetcher, abstract_batch, place_batch
 from jaxaccel.metrics import BITS_PER_NAT, MetricsWriter, plot_loss_curve, read_metrics
-from jaxaccel.model import count_params, flops_per_token, init_params, make_apply
+from jaxaccel.model import count_params, flops_per_token, init_params, make_apply, param_axes
 from jaxaccel.optim import (decay_mask, make_optimizer, make_schedule, resolve_defaults,
                             scale_learning_rate, state_bytes)
 from jaxaccel.planner import plan_remat
+from jaxaccel.sharding import (batch_shards, batch_sharding, build_mesh, bytes_per_device,
+                               format_mesh, initialize_distributed, param_shardings,
+                               replicated, state_shardings)
 from jaxaccel.train import init_state, make_eval_step, make_train_step
 
 RUNS_ROOT = "runs"
@@ -85,14 +88,19 @@ def stop_on_signals():
 
 
 def evaluate(eval_step, state, documents, *, seq_len: int, batch_size: int,
-             max_batches: int | None = None) -> tuple[float, int]:
-    """Mean loss in nats per target token over the documents (in order), and the token count."""
+             max_batches: int | None = None, sharding=None) -> tuple[float, int]:
+    """Mean loss in nats per target token over the documents (in order), and the token count.
+
+    Each process makes its own rows of every batch; ``sharding`` lays the global batch out.
+    """
     loss_sum, weight_sum = 0.0, 0.0
     for i, batch in enumerate(batches(documents, strategy="fixed", seq_len=seq_len,
-                                      batch_size=batch_size, shuffle=False)):
+                                      batch_size=batch_size, shuffle=False,
+                                      process_index=jax.process_index(),
+                                      process_count=jax.process_count())):
         if max_batches and i >= max_batches:
             break
-        sums = eval_step(state, place_batch(batch))
+        sums = eval_step(state, place_batch(batch, sharding))
         loss_sum, weight_sum = loss_sum + sums["loss_sum"], weight_sum + sums["weight_sum"]
     loss_sum, weight_sum = jax.device_get((loss_sum, weight_sum))
     return float(loss_sum) / max(float(weight_sum), 1.0), int(weight_sum)
@@ -122,26 +130,35 @@ def train(cfg: TrainConfig, *, should_stop=None) -> dict:
 
     ``should_stop(step)`` is polled after every step; returning True stops the run as a signal
     would (checkpoint saved, ``interrupted`` set). Tests use it to cut a run short.
+
+    With ``--coordinator`` (or ``--distributed``) this process first joins the others through
+    ``jax.distributed``; then every process runs this same function on its share of the data.
     """
-    with jax.default_matmul_precision(cfg.matmul_precision):
-        return _train(cfg, should_stop)
-
-
-def _train(cfg: TrainConfig, should_stop) -> dict:
     wall_start = time.perf_counter()
-    if jax.process_count() > 1:
-        raise ConfigError(
-            "training across several processes is not supported yet: the train step is compiled "
-            "for one process's devices; run a single process")
+    if not jax.distributed.is_initialized():
+        initialize_distributed(cfg.coordinator, cfg.num_processes, cfg.process_id,
+                               auto=cfg.distributed, timeout_s=cfg.distributed_timeout)
     model_cfg = cfg.validate()
+    mesh, mesh_shape = build_mesh(cfg.sharding, cfg.mesh, cfg.mesh_axis_types, model_cfg)
+    with jax.default_matmul_precision(cfg.matmul_precision), jax.set_mesh(mesh):
+        return _train(cfg, model_cfg, mesh, mesh_shape, should_stop, wall_start)
+
+
+def _train(cfg: TrainConfig, model_cfg, mesh, mesh_shape, should_stop, wall_start) -> dict:
     seq_len = cfg.resolved_seq_len(model_cfg)
+    multiple = batch_shards(mesh_shape) * cfg.accumulate
+    if cfg.batch_size is not None and cfg.batch_size % multiple:
+        raise ConfigError(
+            f"batch_size={cfg.batch_size} does not split over the mesh's data x fsdp axes "
+            f"({batch_shards(mesh_shape)} parts, {format_mesh(mesh_shape)}) times --accumulate "
+            f"{cfg.accumulate}; pass a --batch-size that is a multiple of {multiple}")
     run_dir = resolve_run_dir(cfg)
     corpus = load_corpus(cfg.data, cache_dir=cfg.cache_dir)
     os.makedirs(run_dir, exist_ok=True)
 
     stream_args = dict(strategy=cfg.batching, seq_len=seq_len, seed=cfg.seed,
                        process_index=jax.process_index(), process_count=jax.process_count(),
-                       data_parallel=jax.device_count() * cfg.accumulate,
+                       data_parallel=multiple,
                        **cfg.batching_options())
     stream = DataStream(corpus.train, **stream_args)
     total_steps = cfg.steps
@@ -149,14 +166,19 @@ def _train(cfg: TrainConfig, should_stop) -> dict:
         total_steps = max(1, math.ceil(cfg.train_tokens / stream.stats["real_tokens_per_batch"]))
     optimizer, schedule, hyperparameters = build_optimizer(cfg, seq_len, total_steps)
     policy = cfg.policy()
-    state = init_state(init_params(model_cfg, jax.random.PRNGKey(cfg.seed)), optimizer, cfg.seed,
-                       loss_scale=cfg.make_loss_scale())
+    state, shardings = init_sharded_state(model_cfg, optimizer, cfg.seed, cfg.make_loss_scale(),
+                                          mesh)
+    batch_layout = batch_sharding(mesh)
+    whole = replicated(mesh)
     plan = None
     if cfg.memory_budget is not None:
-        model_cfg, plan = choose_remat(cfg, model_cfg, state, optimizer, policy, stream.shapes)
+        model_cfg, plan = choose_remat(cfg, model_cfg, state, optimizer, policy,
+                                       stream.global_shapes, batch_layout)
     resume_config = {**dataclasses.asdict(model_cfg),
                      **{k: getattr(cfg, k) for k in RESUME_KEYS},
                      **cfg.batching_options(), "seq_len": seq_len, "steps": total_steps}
+    if cfg.tokens_per_batch is not None:   # token budgets round batches to this multiple
+        resume_config["batch_multiple"] = math.lcm(multiple, jax.process_count())
     checkpointer = Checkpointer(os.path.join(run_dir, "checkpoints"))
     if cfg.resume:
         state, position, _ = checkpointer.restore(state, config=resume_config)
@@ -166,29 +188,34 @@ def _train(cfg: TrainConfig, should_stop) -> dict:
     train_step = CompiledFn(
         make_train_step(apply_fn, optimizer, schedule, dropout=model_cfg.dropout > 0,
                         accumulate=cfg.accumulate, policy=policy),
+        in_shardings=(shardings, batch_layout), out_shardings=(shardings, whole),
         donate_argnums=0)
-    eval_step = CompiledFn(make_eval_step(apply_fn, policy))
+    eval_step = CompiledFn(make_eval_step(apply_fn, policy),
+                           in_shardings=(shardings, batch_layout), out_shardings=whole)
+    eval_multiple = math.lcm(batch_shards(mesh_shape), jax.process_count())
     eval_batch_size = stream_args["batch_size"] or max(1, stream_args["tokens_per_batch"] // seq_len)
+    eval_batch_size = -(-eval_batch_size // eval_multiple) * eval_multiple
     abstract_state = abstract(state)
-    for shape in stream.shapes:
+    for shape in stream.global_shapes:
         train_step.compile(abstract_state, abstract_batch(shape))
     eval_step.compile(abstract_state, abstract_batch((eval_batch_size, seq_len)))
     warm_compiles = train_step.compiles
 
-    writer = MetricsWriter(run_dir)
+    writer = MetricsWriter(run_dir, jax.process_index())
     first_step = int(state.step)
     watch = Stopwatch()
     window, history = [], []
     totals = {"real": 0, "positions": 0}
     interrupted = None
-    feed = DevicePrefetcher(stream, depth=cfg.prefetch)
+    feed = DevicePrefetcher(stream, sharding=batch_layout, depth=cfg.prefetch)
 
     def save(step):
         checkpointer.save(step, state, loader_position=feed.position, config=resume_config)
 
     def run_eval(step, max_batches):
         loss, tokens = evaluate(eval_step, state, corpus.val, seq_len=seq_len,
-                                batch_size=eval_batch_size, max_batches=max_batches)
+                                batch_size=eval_batch_size, max_batches=max_batches,
+                                sharding=batch_layout)
         writer.write(step, "eval", {"loss": loss, "bpb": loss * BITS_PER_NAT, "tokens": tokens})
         return loss, tokens
 
@@ -196,16 +223,13 @@ def _train(cfg: TrainConfig, should_stop) -> dict:
     watch.start()
     with stop_on_signals() as received:
         for step in range(first_step, total_steps):
-            batch, counts = next(feed)
+            batch, _ = next(feed)
             state, metrics = train_step(state, batch)
-            totals["real"] += counts["real_tokens"]
-            totals["positions"] += counts["real_tokens"] + counts["padded_tokens"]
             window.append(metrics)
             done = step + 1
             if done % max(cfg.log_every, 1) == 0 or done == total_steps:
                 jax.block_until_ready(window[-1])
-                rate = totals["real"] / max(watch.elapsed(), 1e-9)
-                history += _log_window(writer, done, window, rate, progress)
+                history += _log_window(writer, done, window, totals, watch.elapsed(), progress)
                 window = []
             if cfg.eval_every and done % cfg.eval_every == 0 and done < total_steps:
                 watch.pause(state)
@@ -221,8 +245,8 @@ def _train(cfg: TrainConfig, should_stop) -> dict:
                 break
         watch.pause(state)
         if window:
-            rate = totals["real"] / max(watch.seconds, 1e-9)
-            history += _log_window(writer, int(state.step), window, rate, progress)
+            history += _log_window(writer, int(state.step), window, totals, watch.seconds,
+                                   progress)
         final_step = int(state.step)
         save(final_step)
     feed.close()
@@ -236,8 +260,10 @@ def _train(cfg: TrainConfig, should_stop) -> dict:
     writer.close()
     checkpointer.close()
     unigram_bpb = corpus.unigram_bits_per_token()
-    plot_loss_curve(read_metrics(writer.path), os.path.join(run_dir, "loss.png"),
-                    unigram_bpb=unigram_bpb, title=f"{cfg.model} on {cfg.data}, {cfg.batching}")
+    if jax.process_index() == 0:
+        plot_loss_curve(read_metrics(writer.path), os.path.join(run_dir, "loss.png"),
+                        unigram_bpb=unigram_bpb,
+                        title=f"{cfg.model} on {cfg.data}, {cfg.batching}")
 
     flops_token = flops_per_token(model_cfg, seq_len)
     tokens_per_s = totals["real"] / watch.seconds if watch.seconds > 0 else float("nan")
@@ -250,7 +276,7 @@ def _train(cfg: TrainConfig, should_stop) -> dict:
         "real_tokens_per_s": tokens_per_s,
         "padding_efficiency": totals["real"] / max(totals["positions"], 1),
         "epoch_padding_efficiency": stream.stats["padding_efficiency"],
-        "shapes": [list(shape) for shape in stream.shapes],
+        "shapes": [list(shape) for shape in stream.global_shapes],
         "train_bpb": _recent_bpb(history),
         "val_loss": val_loss,
         "val_bpb": val_loss * BITS_PER_NAT,
@@ -273,6 +299,11 @@ def _train(cfg: TrainConfig, should_stop) -> dict:
         "batch_rows": cfg.batch_rows(seq_len),
         "accumulate": cfg.accumulate,
         "optimizer_state_bytes": state_bytes(state.opt_state),
+        "sharding": cfg.sharding,
+        "mesh": mesh_shape,
+        "mesh_axis_types": cfg.mesh_axis_types,
+        "process_count": jax.process_count(),
+        "param_opt_bytes_per_device": bytes_per_device((state.params, state.opt_state)),
         "flops_per_token": flops_token,
         "achieved_flops_per_s": tokens_per_s * flops_token,
         "mfu": tokens_per_s * flops_token / peak if peak else None,
@@ -290,7 +321,22 @@ def _train(cfg: TrainConfig, should_stop) -> dict:
     }
 
 
-def choose_remat(cfg: TrainConfig, model_cfg, state, optimizer, policy, shapes):
+def init_sharded_state(model_cfg, optimizer, seed: int, loss_scale, mesh):
+    """The initial TrainState, created already sharded over ``mesh`` (the initialisation is
+    jitted with the state's shardings as its outputs, so no device holds more than its shard),
+    and those shardings."""
+
+    def make_state():
+        return init_state(init_params(model_cfg, jax.random.PRNGKey(seed)), optimizer, seed,
+                          loss_scale=loss_scale)
+
+    abstract_state = jax.eval_shape(make_state)
+    shardings = state_shardings(mesh, abstract_state,
+                                param_shardings(mesh, param_axes(abstract_state.params)))
+    return jax.jit(make_state, out_shardings=shardings)(), shardings
+
+
+def choose_remat(cfg: TrainConfig, model_cfg, state, optimizer, policy, shapes, batch_layout):
     """The model config with the remat policy that ``--memory-budget`` chooses, and the plan.
 
     Planned at the batch shape with the most tokens (the longest among those); every policy's
@@ -307,7 +353,7 @@ def choose_remat(cfg: TrainConfig, model_cfg, state, optimizer, policy, shapes):
 
     abstract_state = abstract(state)
     plan = plan_remat(make_step, abstract_state, seq_len=seq_len, batch_size=rows,
-                      budget=cfg.memory_budget, search=False)
+                      budget=cfg.memory_budget, search=False, batch_sharding=batch_layout)
     return dataclasses.replace(model_cfg, remat=plan.policy), plan
 
 
@@ -336,15 +382,19 @@ def _progress_bar(total_steps: int, first_step: int, enabled: bool):
                 dynamic_ncols=True)
 
 
-def _log_window(writer, step, window, tokens_per_s, progress) -> list[tuple[float, float]]:
+def _log_window(writer, step, window, totals, seconds, progress) -> list[tuple[float, float]]:
     """Write the mean metrics of the last steps; return their (loss, tokens) per step.
 
-    ``tokens_per_s`` is the run's mean real tokens per second of training so far.
+    ``totals`` counts the run's real tokens and token positions so far (of the global batches,
+    as the step's metrics count them); ``seconds`` is the training time so far.
     """
     fetched = jax.device_get(window)
     losses = np.array([m["loss"] for m in fetched], dtype=np.float64)
     tokens = np.array([m["real_tokens"] for m in fetched], dtype=np.float64)
     padded = np.array([m["padded_tokens"] for m in fetched], dtype=np.float64)
+    totals["real"] += int(tokens.sum())
+    totals["positions"] += int(tokens.sum() + padded.sum())
+    tokens_per_s = totals["real"] / max(seconds, 1e-9)
     loss = float(np.sum(losses * tokens) / max(tokens.sum(), 1.0))
     record = {
         "loss": loss, "bpb": loss * BITS_PER_NAT,

@@ -13,14 +13,19 @@ class MetricsWriter:
     """Appends one JSON object per record to ``metrics.jsonl``; mirrors scalars to TensorBoard
     event files when ``tensorboardX`` is importable (optional, never required)."""
 
-    def __init__(self, run_dir: str):
-        self.path = os.path.join(run_dir, "metrics.jsonl")
+    def __init__(self, run_dir: str, process_index: int = 0):
+        # Every process of a multi-process run sees the same global metrics; process 0 writes
+        # metrics.jsonl and the others their own file beside it, so none overwrites another's.
+        name = "metrics.jsonl" if process_index == 0 else f"metrics.process{process_index}.jsonl"
+        self.path = os.path.join(run_dir, name)
         self._file = open(self.path, "a")
-        try:
-            from tensorboardX import SummaryWriter
-            self._tb = SummaryWriter(os.path.join(run_dir, "tensorboard"))
-        except ImportError:
-            self._tb = None
+        self._tb = None
+        if process_index == 0:
+            try:
+                from tensorboardX import SummaryWriter
+                self._tb = SummaryWriter(os.path.join(run_dir, "tensorboard"))
+            except ImportError:
+                pass
 
     def write(self, step: int, kind: str, values: dict):
         record = {"step": int(step), "kind": kind, **{k: _plain(v) for k, v in values.items()}}

@@ -1,0 +1,212 @@
+"""Every sharding strategy on the same model and batches: memory per device, step time, and
+the loss against one device.
+
+    python -m experiments.sharding                     # on a CPU: 8 simulated devices, ~2 min
+    python -m experiments.sharding --mesh-axis-types explicit --json sharding.json
+    python -m experiments.sharding --model small --seq-len 1024 --batch-size 32   # 8 GPUs
+
+Each row trains the same model from the same initial parameters on the same ``--steps`` batches
+of the corpus, with one strategy on its default mesh over all devices (``jaxaccel.sharding``),
+then computes the loss of one validation batch. The first row runs on one device: the others'
+loss differences are relative to it. Per device, it reports the bytes of parameters plus
+optimizer state (from the arrays' shards), the compiled temporaries of the train step and of
+one MLP's forward and backward pass (XLA's memory analysis), and the median step time after the
+first step. On a CPU the devices are simulated (``--cpu-devices``) and share its cores: the
+step times show the cost of the collectives, not a speedup.
+"""
+
+import dataclasses
+import statistics
+import sys
+import time
+
+import jax
+import jax.numpy as jnp
+from flax import nnx
+from jax.sharding import NamedSharding
+
+from experiments.common import environment, parse_names, write_json
+from jaxaccel.compiled import CompiledFn, abstract, memory_bytes
+from jaxaccel.config import TrainConfig, flag, parse_config
+from jaxaccel.corpus import load_corpus
+from jaxaccel.data import batches
+from jaxaccel.errors import ConfigError
+from jaxaccel.loader import abstract_batch, place_batch
+from jaxaccel.loop import build_optimizer, init_sharded_state
+from jaxaccel.model import ACTIVATION_AXES, MLP, make_apply, param_axes
+from jaxaccel.report import format_table
+from jaxaccel.sharding import (COMPUTE_RULES, STRATEGIES, batch_sharding, bytes_per_device,
+                               check_model, format_mesh, logical_spec, make_mesh, mesh_shape,
+                               param_shardings, replicated)
+from jaxaccel.train import make_eval_step, make_train_step
+
+
+@dataclasses.dataclass
+class ShardingConfig(TrainConfig):
+    """The model and optimizer flags (with this experiment's defaults) plus the rows."""
+
+    strategies: str = flag(",".join(STRATEGIES), "comma-separated strategies, each on its "
+                                                 "default mesh over all devices")
+    cpu_devices: int = flag(8, "on a CPU, simulate this many devices")
+    sharding: str = flag("dp", "not used here: see --strategies")
+    mesh: str | None = flag(None, "not used here: each strategy takes its default mesh")
+    n_heads: int | None = flag(8, "attention heads (tp splits them over all devices)")
+    steps: int = flag(5, "train steps per strategy")
+    seq_len: int | None = flag(128, "sequence length")
+    batch_size: int | None = flag(16, "rows per global batch")
+    warmup_steps: int = flag(0, "linear warmup steps")
+
+
+COLUMNS = [
+    ("strategy", "strategy", ""),
+    ("mesh", "mesh (data,fsdp,tensor)", ""),
+    ("param_opt_bytes_per_device", "params+opt B/device", ",d"),
+    ("param_opt_fraction", "of one device's", ".3f"),
+    ("temp_bytes_per_device", "step temp B/device", ",d"),
+    ("mlp_temp_bytes_per_device", "MLP temp B/device", ",d"),
+    ("mlp_temp_fraction", "of one device's", ".3f"),
+    ("step_s", "step s (median)", ".3f"),
+    ("loss", "loss", ".6f"),
+    ("loss_diff_vs_single", "rel. diff vs 1 device", ".1e"),
+]
+
+
+def corpus_batches(cfg: ShardingConfig, seq_len: int):
+    """The first ``--steps`` training batches and the first validation batch, on the host."""
+    corpus = load_corpus(cfg.data, cache_dir=cfg.cache_dir)
+    stream = batches(corpus.train, strategy="fixed", seq_len=seq_len, batch_size=cfg.batch_size,
+                     seed=cfg.seed)
+    train = [next(stream) for _ in range(cfg.steps)]
+    val = next(batches(corpus.val, strategy="fixed", seq_len=seq_len, batch_size=cfg.batch_size,
+                       shuffle=False))
+    return train, val
+
+
+def mlp_temp_bytes(mesh, model_cfg, batch_shape) -> int:
+    """Compiled temporary bytes per device of one MLP's forward and backward pass on ``mesh``,
+    its weights sharded as in training and its input split over the batch axes."""
+    graphdef, state = nnx.split(nnx.eval_shape(lambda: MLP(model_cfg, rngs=nnx.Rngs(0))))
+    params = nnx.to_pure_dict(state)      # ShapeDtypeStructs: nothing is allocated
+
+    def loss(params, x_BTD):
+        return jnp.sum(nnx.merge(graphdef, params)(x_BTD) ** 2)
+
+    with jax.set_mesh(mesh):
+        shardings = param_shardings(mesh, param_axes(params))
+        x_sharding = NamedSharding(mesh, logical_spec(ACTIVATION_AXES, COMPUTE_RULES))
+        x = jax.ShapeDtypeStruct((*batch_shape, model_cfg.d_model), jnp.float32)
+        executable = jax.jit(jax.grad(loss, argnums=(0, 1)),
+                             in_shardings=(shardings, x_sharding)).lower(params, x).compile()
+    return memory_bytes(executable)["temp"]
+
+
+def run_strategy(name: str, shape: dict, cfg: ShardingConfig, model_cfg, optimizer, train, val,
+                 devices) -> dict:
+    """One row: the strategy's mesh, its memory per device, its step time and its loss."""
+    mesh = make_mesh(shape, cfg.mesh_axis_types, devices)
+    policy = cfg.policy()
+    apply_fn = make_apply(model_cfg)
+    with jax.set_mesh(mesh):
+        state, shardings = init_sharded_state(model_cfg, optimizer, cfg.seed,
+                                              cfg.make_loss_scale(), mesh)
+        layout, whole = batch_sharding(mesh), replicated(mesh)
+        step = CompiledFn(make_train_step(apply_fn, optimizer, accumulate=cfg.accumulate,
+                                          policy=policy),
+                          in_shardings=(shardings, layout), out_shardings=(shardings, whole),
+                          donate_argnums=0)
+        evaluate = CompiledFn(make_eval_step(apply_fn, policy),
+                              in_shardings=(shardings, layout), out_shardings=whole)
+        step.compile(abstract(state), abstract_batch(train[0]["inputs"].shape))
+        memory = memory_bytes(step.last)
+        param_opt = bytes_per_device((state.params, state.opt_state))
+        seconds = []
+        for batch in train:
+            start = time.perf_counter()
+            state, metrics = step(state, place_batch(batch, layout))
+            jax.block_until_ready((state, metrics))
+            seconds.append(time.perf_counter() - start)
+        sums = jax.device_get(evaluate(state, place_batch(val, layout)))
+    return {
+        "strategy": name,
+        "mesh": ",".join(str(shape[a]) for a in ("data", "fsdp", "tensor")),
+        "mesh_axes": format_mesh(shape),
+        "devices": len(mesh.devices.flat),
+        "param_opt_bytes_per_device": param_opt,
+        "temp_bytes_per_device": memory.get("temp"),
+        "mlp_temp_bytes_per_device": mlp_temp_bytes(mesh, model_cfg, train[0]["inputs"].shape),
+        "step_s": statistics.median(seconds[1:]) if len(seconds) > 1 else seconds[0],
+        "compile_s": step.compile_seconds,
+        "loss": float(sums["loss_sum"] / max(sums["weight_sum"], 1.0)),
+    }
+
+
+def compare_with_single(rows: list[dict]):
+    single = rows[0]
+    for row in rows:
+        row["loss_diff_vs_single"] = abs(row["loss"] - single["loss"]) / abs(single["loss"])
+        row["param_opt_fraction"] = (row["param_opt_bytes_per_device"]
+                                     / single["param_opt_bytes_per_device"])
+        row["mlp_temp_fraction"] = (row["mlp_temp_bytes_per_device"]
+                                    / single["mlp_temp_bytes_per_device"])
+
+
+def simulate_cpu_devices(count: int) -> str | None:
+    """Ask for ``count`` CPU devices; a note if JAX had already started with other settings."""
+    try:
+        jax.config.update("jax_num_cpu_devices", count)
+    except RuntimeError:
+        return (f"JAX had started before --cpu-devices took effect; the rows use the "
+                f"{jax.device_count()} devices it has")
+    return None
+
+
+def main(argv=None) -> int:
+    try:
+        cfg = parse_config(argv, ShardingConfig, description=__doc__.split("\n\n")[0])
+        note = simulate_cpu_devices(cfg.cpu_devices)
+        model_cfg = cfg.validate()
+        strategies = parse_names(cfg.strategies, STRATEGIES, "strategies")
+        if cfg.batch_size is None or cfg.tokens_per_batch is not None:
+            raise ConfigError("this experiment takes --batch-size, not --tokens-per-batch")
+        seq_len = cfg.resolved_seq_len(model_cfg)
+        devices = jax.devices()
+        shapes = {"single": {"data": 1, "fsdp": 1, "tensor": 1}}
+        for name in strategies:
+            shapes[name] = mesh_shape(name, len(devices))
+            check_model(shapes[name], model_cfg)
+            if cfg.batch_size % (shapes[name]["data"] * shapes[name]["fsdp"] * cfg.accumulate):
+                raise ConfigError(
+                    f"--batch-size {cfg.batch_size} does not split over {name}'s mesh "
+                    f"{format_mesh(shapes[name])} (data x fsdp) times --accumulate; pass a "
+                    f"multiple of {shapes[name]['data'] * shapes[name]['fsdp'] * cfg.accumulate}")
+        optimizer, _, _ = build_optimizer(cfg, seq_len, cfg.steps)
+        train, val = corpus_batches(cfg, seq_len)
+        rows = [run_strategy(name, shape, cfg, model_cfg, optimizer, train, val,
+                             devices[:1] if name == "single" else devices)
+                for name, shape in shapes.items()]
+    except ConfigError as e:
+        print(f"error: {e}", file=sys.stderr)
+        return 2
+    compare_with_single(rows)
+    meta = {"model": cfg.model, "d_model": model_cfg.d_model, "n_layers": model_cfg.n_layers,
+            "n_heads": model_cfg.n_heads, "n_kv_heads": model_cfg.n_kv_heads,
+            "seq_len": seq_len, "batch_size": cfg.batch_size, "steps": cfg.steps,
+            "optimizer": cfg.optimizer, "precision": cfg.precision,
+            "mesh_axis_types": cfg.mesh_axis_types, "device_count": len(devices),
+            "backend": jax.default_backend(), "note": note, **environment()}
+    print(f"\n{cfg.model} ({model_cfg.d_model} wide, {model_cfg.n_layers} layers), seq_len "
+          f"{seq_len}, batch {cfg.batch_size}, {cfg.steps} steps of {cfg.optimizer}, "
+          f"{cfg.precision}, {cfg.mesh_axis_types} axes; {len(devices)} x {meta['device']} "
+          f"({meta['backend']}), jax {meta['jax_version']}")
+    print(format_table(rows, COLUMNS))
+    if note:
+        print(note)
+    if jax.default_backend() == "cpu":
+        print("simulated CPU devices share the machine's cores: step times show the cost of the "
+              "collectives, not a speedup")
+    write_json(cfg.json, rows, meta)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
