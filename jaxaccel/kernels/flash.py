@@ -44,7 +44,6 @@ class _Plan:
 
     seq_len: int
     seq_pad: int
-    head_dim: int
     head_dim_pad: int
     groups: int
     causal: bool
@@ -80,8 +79,8 @@ def flash_attention(q, k, v, *, causal=False, segment_ids=None, sm_scale=None, b
     params = tuning.flash_params(D, T, interpret=interpret, block_q=block_q, block_k=block_k)
     tile = max(max(s.block_q, s.block_k) for s in params.stages())
     plan = _Plan(
-        seq_len=T, seq_pad=-(-T // tile) * tile, head_dim=D,
-        head_dim_pad=max(tuning.MIN_BLOCK, tuning._next_power_of_2(D)), groups=H // k.shape[2],
+        seq_len=T, seq_pad=-(-T // tile) * tile,
+        head_dim_pad=max(tuning.MIN_BLOCK, pl.next_power_of_2(D)), groups=H // k.shape[2],
         causal=causal, segments=segment_ids is not None,
         scale=D ** -0.5 if sm_scale is None else float(sm_scale), params=params,
         interpret=bool(interpret))

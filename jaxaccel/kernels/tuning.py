@@ -13,6 +13,7 @@ by us: ``python -m experiments.attention`` on a GPU is how to tune them.
 
 import dataclasses
 
+from jax.experimental import pallas as pl
 from jax.experimental.pallas import triton as pl_triton
 
 
@@ -55,10 +56,6 @@ INTERPRET = FlashParams(forward=Stage(32, 32), dkv=Stage(32, 32), dq=Stage(32, 3
 MIN_BLOCK = 16   # Triton's dot needs every dimension of a tile product >= 16
 
 
-def _next_power_of_2(n: int) -> int:
-    return 1 << max(0, n - 1).bit_length()
-
-
 def flash_params(head_dim: int, seq_len: int, *, interpret: bool, block_q: int | None = None,
                  block_k: int | None = None) -> FlashParams:
     """The table's parameters for this head dim; ``block_q``/``block_k`` override every pass.
@@ -68,7 +65,7 @@ def flash_params(head_dim: int, seq_len: int, *, interpret: bool, block_q: int |
     """
     params = INTERPRET if interpret else next(
         p for d, p in sorted(TRITON.items()) if head_dim <= d)
-    cap = max(MIN_BLOCK, _next_power_of_2(seq_len))
+    cap = max(MIN_BLOCK, pl.next_power_of_2(seq_len))
 
     def fit(stage: Stage) -> Stage:
         return dataclasses.replace(stage, block_q=min(block_q or stage.block_q, cap),
