@@ -4,14 +4,18 @@ Layout everywhere: q is [B, T, H, D]; k and v are [B, S, K, D] with K dividing H
 attention; K == 1 is multi-query). A query token attends to a key token only if both carry the
 same segment id and, when ``causal``, the key is not later than the query. Padding carries segment
 id 0 and so attends only to other padding: no row is ever fully masked, so no NaNs appear.
+
+``pallas`` is the flash attention kernel of ``jaxaccel.kernels`` (interpreted off the GPU, slowly);
+``auto`` is pallas on the GPU and xla elsewhere.
 """
 
 import jax
 import jax.numpy as jnp
 
 from jaxaccel.errors import ConfigError
+from jaxaccel.kernels import flash_attention
 
-IMPLEMENTATIONS = ("xla", "cudnn")
+IMPLEMENTATIONS = ("xla", "cudnn", "pallas", "auto")
 
 
 def attention_mask(T: int, S: int, *, causal: bool, segment_ids_q=None, segment_ids_kv=None):
@@ -87,6 +91,22 @@ def cudnn_attention(q_BTHD, k_BSKD, v_BSKD, *, segment_ids=None, causal=True, sm
     return out_BTHD.astype(out_dtype)
 
 
+def pallas_attention(q_BTHD, k_BSKD, v_BSKD, *, segment_ids=None, causal=True, sm_scale=None):
+    """Flash attention in Pallas (``jaxaccel.kernels``): Triton on the GPU, interpreted elsewhere.
+
+    Queries and keys must be equally long (self-attention).
+    """
+    return flash_attention(q_BTHD, k_BSKD, v_BSKD, causal=causal, segment_ids=segment_ids,
+                           sm_scale=sm_scale)
+
+
+def resolve_implementation(implementation: str) -> str:
+    """``auto`` -> pallas on the GPU, xla elsewhere; other names unchanged."""
+    if implementation == "auto":
+        return "pallas" if jax.default_backend() == "gpu" else "xla"
+    return implementation
+
+
 def dot_product_attention(q, k, v, *, segment_ids=None, causal=True, implementation="xla",
                           sm_scale=None):
     """Attention over [B, T, H, D] queries and [B, S, K, D] keys/values, K dividing H.
@@ -100,10 +120,13 @@ def dot_product_attention(q, k, v, *, segment_ids=None, causal=True, implementat
       [B, T, H, D] in q's dtype.
     """
     _check_shapes(q, k, v)
+    implementation = resolve_implementation(implementation)
     if implementation == "xla":
         return xla_attention(q, k, v, segment_ids=segment_ids, causal=causal, sm_scale=sm_scale)
     if implementation == "cudnn":
         return cudnn_attention(q, k, v, segment_ids=segment_ids, causal=causal, sm_scale=sm_scale)
+    if implementation == "pallas":
+        return pallas_attention(q, k, v, segment_ids=segment_ids, causal=causal, sm_scale=sm_scale)
     raise ConfigError(
         f"unknown attention implementation {implementation!r}; choose one of "
         f"{', '.join(IMPLEMENTATIONS)}")

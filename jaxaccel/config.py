@@ -42,7 +42,9 @@ class TrainConfig:
     mlp: str | None = flag(None, "MLP kind", choices=MLP_KINDS)
     tie_embeddings: bool | None = flag(None, "share the input embedding with the output head")
     dropout: float | None = flag(None, "residual dropout rate (0 = off)")
-    attention: str = flag("xla", "attention implementation", choices=IMPLEMENTATIONS)
+    attention: str = flag("xla", "attention implementation: xla, cudnn (NVIDIA GPUs), pallas "
+                                 "(our flash attention kernel; interpreted, slowly, off the GPU) "
+                                 "or auto (pallas on a GPU, else xla)", choices=IMPLEMENTATIONS)
     remat: str = flag("none", "activations each block keeps for the backward pass: none (all), "
                               "full (only its input), dots (matmul outputs), attention (q/k/v and "
                               "attention output), mlp (MLP inner matmuls), offload (attention's, "

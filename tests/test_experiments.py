@@ -2,9 +2,10 @@
 
 import json
 
+import jax
 import pytest
 
-from experiments import optimizers, padding, precision, remat
+from experiments import attention, optimizers, padding, precision, remat
 
 
 def test_padding_experiment_writes_every_row(corpus_path, tmp_path, capsys):
@@ -129,3 +130,28 @@ def test_remat_experiment_measures_every_row(tmp_path, capsys):
     assert result["meta"]["memory_budget"] == rows[0]["total_bytes"]
     assert result["meta"]["n_layers"] == 2 and result["meta"]["unrolled_over_scanned_compile_s"]
     assert "| remat" in capsys.readouterr().out
+
+
+def test_attention_experiment_times_rows_and_reports_skips(tmp_path, capsys):
+    out = tmp_path / "attention.json"
+    code = attention.main([
+        "--seq-lens", "24,32", "--head-dims", "32", "--heads", "2", "--kv-heads", "1",
+        "--batch", "1", "--impls", "xla,cudnn,jax_reference,pallas", "--causal", "both",
+        "--warmup", "1", "--iters", "1", "--max-t-limit", "64", "--json", str(out)])
+    assert code == 0
+    result = json.loads(out.read_text())
+    rows = {(r["impl"], r["T"], r["causal"]): r for r in result["rows"]}
+    assert len(rows) == 16
+    for (impl, T, causal), row in rows.items():
+        assert set(row) >= {"impl", "T", "D", "causal", "fwd_tflops", "fwdbwd_tflops", "max_T"}
+        if impl in ("xla", "pallas"):
+            assert row["status"] == "ok" and row["fwd_tflops"] > 0 and row["fwdbwd_tflops"] > 0
+            assert row["max_T"] == 64
+        elif impl == "jax_reference":
+            assert row["status"] == "skipped: the reference kernel has no grouped-query attention"
+        elif jax.default_backend() != "gpu":
+            assert row["status"].startswith("skipped: cuDNN needs an NVIDIA GPU")
+    assert all(v["stopped"] == "limit" for v in result["meta"]["max_t_search"].values())
+    assert result["meta"]["interpret"] == (jax.default_backend() != "gpu")
+    assert "| impl" in capsys.readouterr().out
+    assert attention.main(["--seq-lens", "0"]) == 2

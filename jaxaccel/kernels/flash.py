@@ -1,0 +1,434 @@
+"""Flash attention in Pallas: forward and backward, causal, grouped-query, packed segments.
+
+The same function as ``jaxaccel.attention.xla_attention`` without the [T, T] score matrix: each
+program holds one tile of query rows and walks the key tiles with an online softmax in base 2
+(``exp2``, the scale folded with log2(e)), accumulating in float32. The backward recomputes the
+probabilities from the saved log-sum-exp in two Pallas passes: one program per key tile sums dK
+and dV over every query head of its group and every query tile (no atomics, so the result is
+deterministic), and one program per query tile sums dQ over the key tiles.
+
+Tiles that are wholly masked out are never visited. ``tile_schedule`` decides which (query tile,
+key tile) pairs are visited: above the causal diagonal, beyond the sequence end, or between tiles
+whose segment-id ranges [min, max] do not overlap are skipped. Each program loops over one
+contiguous run of key (or query) tiles, from the first visited to the last, so skipping is exact
+when segment ids never decrease along a row (packed batches) and merely conservative otherwise;
+any layout stays correct because every visited tile applies the full mask. Tiles that need no
+mask (wholly below the diagonal, wholly real, no segments) run a mask-free loop.
+
+Any length: the sequence is padded to whole tiles and the head dim to a power of two inside;
+padded keys are masked, padded queries are dropped. Backend parameters (Triton's warps and
+stages, the block sizes per head dim) live in ``jaxaccel.kernels.tuning``.
+"""
+
+import dataclasses
+import functools
+import math
+
+import jax
+import jax.numpy as jnp
+from jax import lax
+from jax.experimental import pallas as pl
+
+from jaxaccel.errors import ConfigError
+from jaxaccel.kernels import tuning
+
+DTYPES = (jnp.float32, jnp.bfloat16, jnp.float16)
+MAX_HEAD_DIM = 256
+_START_MAX = -1e30    # running-max start: finite, so a row that sees no key keeps p = 0, not NaN
+_EMPTY_LSE = 1e30     # log-sum-exp of such a row: exp2(score - it) is 0 in the backward
+
+
+@dataclasses.dataclass(frozen=True)
+class _Plan:
+    """Everything static about one call: shapes, padding, options, backend parameters."""
+
+    seq_len: int
+    seq_pad: int
+    head_dim_pad: int
+    groups: int
+    causal: bool
+    segments: bool
+    scale: float
+    params: tuning.FlashParams
+    interpret: bool
+
+    @property
+    def scale_log2(self) -> float:
+        return self.scale * math.log2(math.e)
+
+
+def flash_attention(q, k, v, *, causal=False, segment_ids=None, sm_scale=None, block_q=None,
+                    block_k=None, interpret=None):
+    """Attention of [B, T, H, D] queries over [B, T, K, D] keys/values (K divides H), in Pallas.
+
+    Args:
+      causal: a token attends only to itself and earlier tokens.
+      segment_ids: int32 [B, T] or None; a token attends only within its own segment (padding,
+        segment 0, attends to padding, as in ``jaxaccel.attention``).
+      sm_scale: softmax scale, default 1/sqrt(D).
+      block_q, block_k: tile rows (powers of two >= 16) for every pass; default per head dim
+        from ``jaxaccel.kernels.tuning``.
+      interpret: run the kernels in the Pallas interpreter; None: on every backend but the GPU.
+    Returns:
+      [B, T, H, D] in q's dtype. Differentiable in q, k and v.
+    """
+    _check_inputs(q, k, v, segment_ids, block_q, block_k)
+    if interpret is None:
+        interpret = jax.default_backend() != "gpu"
+    _, T, H, D = q.shape
+    params = tuning.flash_params(D, T, interpret=interpret, block_q=block_q, block_k=block_k)
+    tile = max(max(s.block_q, s.block_k) for s in params.stages())
+    plan = _Plan(
+        seq_len=T, seq_pad=-(-T // tile) * tile,
+        head_dim_pad=max(tuning.MIN_BLOCK, pl.next_power_of_2(D)), groups=H // k.shape[2],
+        causal=causal, segments=segment_ids is not None,
+        scale=D ** -0.5 if sm_scale is None else float(sm_scale), params=params,
+        interpret=bool(interpret))
+    if segment_ids is not None:
+        segment_ids = jnp.asarray(segment_ids, jnp.int32)
+    return _flash(q, k, v, segment_ids, plan)
+
+
+def _check_inputs(q, k, v, segment_ids, block_q, block_k):
+    """ConfigError, one line, for inputs the kernel does not take."""
+    if q.ndim != 4 or k.ndim != 4 or v.ndim != 4:
+        raise ConfigError(
+            f"flash_attention expects [batch, seq, heads, head_dim] arrays, got q{q.shape} "
+            f"k{k.shape} v{v.shape}; reshape to that layout")
+    if k.shape != v.shape or q.shape[:2] != k.shape[:2] or q.shape[3] != k.shape[3]:
+        raise ConfigError(
+            f"flash_attention shapes disagree: q{q.shape} k{k.shape} v{v.shape}; k and v must "
+            "match each other and q in batch, sequence length and head_dim")
+    if q.shape[2] % k.shape[2]:
+        raise ConfigError(
+            f"{k.shape[2]} key/value heads do not divide {q.shape[2]} query heads; choose "
+            "n_kv_heads dividing n_heads")
+    if not 1 <= q.shape[3] <= MAX_HEAD_DIM:
+        raise ConfigError(
+            f"flash_attention takes head_dim up to {MAX_HEAD_DIM}, got {q.shape[3]}; use "
+            "implementation='xla' or fewer, wider heads")
+    dtypes = {jnp.dtype(x.dtype) for x in (q, k, v)}
+    if len(dtypes) != 1 or jnp.dtype(q.dtype) not in [jnp.dtype(d) for d in DTYPES]:
+        raise ConfigError(
+            f"flash_attention takes q, k and v of one dtype among float32, bfloat16 and "
+            f"float16, got {q.dtype}, {k.dtype}, {v.dtype}; cast them to one")
+    if segment_ids is not None and (
+            segment_ids.shape != q.shape[:2] or not jnp.issubdtype(segment_ids.dtype, jnp.integer)):
+        raise ConfigError(
+            f"segment_ids must be integers of shape [batch, seq] = {q.shape[:2]}, got "
+            f"{segment_ids.dtype}{tuple(segment_ids.shape)}; pass the Batch's int32 segment_ids")
+    for name, block in (("block_q", block_q), ("block_k", block_k)):
+        if block is not None and (block < tuning.MIN_BLOCK or block & (block - 1)):
+            raise ConfigError(
+                f"{name}={block} is not a power of two >= {tuning.MIN_BLOCK}; pass one such as "
+                "32, 64 or 128 (or None for the tuned default)")
+
+
+# ---- which tiles to visit ----------------------------------------------------------------------
+
+def _tile_min_max(segment_ids_BT, T: int, block: int):
+    """Smallest and largest segment id of each tile of ``block`` real positions: [B, n] each."""
+    n = -(-T // block)
+    ids_BN = jnp.pad(segment_ids_BT, ((0, 0), (0, n * block - T)), mode="edge")
+    ids_BNb = ids_BN.reshape(ids_BN.shape[0], n, block)
+    return ids_BNb.min(-1), ids_BNb.max(-1)
+
+
+def tile_schedule(T: int, block_q: int, block_k: int, *, causal: bool, segment_ids=None):
+    """Boolean [B or 1, ceil(T/block_q), ceil(T/block_k)]: query tile i meets key tile j.
+
+    False only where no (query, key) pair of the two tiles may attend: the key tile starts after
+    the query tile's last query (causal), or the tiles' segment-id ranges do not overlap. The
+    range test is right for any layout and exact for segment ids non-decreasing along each row.
+    """
+    q_last = jnp.minimum((jnp.arange(-(-T // block_q)) + 1) * block_q, T) - 1
+    k_first = jnp.arange(-(-T // block_k)) * block_k
+    meets_BQK = jnp.ones((1, q_last.size, k_first.size), bool)
+    if causal:
+        meets_BQK &= k_first[None, None, :] <= q_last[None, :, None]
+    if segment_ids is not None:
+        q_min, q_max = _tile_min_max(segment_ids, T, block_q)
+        k_min, k_max = _tile_min_max(segment_ids, T, block_k)
+        meets_BQK = meets_BQK & ((q_min[:, :, None] <= k_max[:, None, :])
+                                 & (k_min[:, None, :] <= q_max[:, :, None]))
+    return meets_BQK
+
+
+def _mask_free(plan: _Plan, block_q: int, block_k: int, *, tail: bool):
+    """Boolean [1, nQ, nK]: the tile pair needs no mask (below the diagonal, all keys real
+    when ``tail``, no segments)."""
+    n_q, n_k = -(-plan.seq_len // block_q), -(-plan.seq_len // block_k)
+    q_first = jnp.arange(n_q)[:, None] * block_q
+    k_end = (jnp.arange(n_k)[None, :] + 1) * block_k
+    free_QK = jnp.full((n_q, n_k), not plan.segments)
+    if plan.causal:
+        free_QK &= k_end - 1 <= q_first
+    if tail:
+        free_QK &= k_end <= plan.seq_len
+    return free_QK[None]
+
+
+def _runs(meets, free, *, free_first: bool, n_pad: int, batch: int):
+    """For each row of ``meets`` [B, n, m]: int32 [B, n_pad] first, split and end of the run of
+    tiles to visit, the mask-free tiles forming [first, split) when ``free_first`` else
+    [split, end). Rows past n (padding tiles) visit nothing."""
+    meets = jnp.broadcast_to(meets, (batch,) + meets.shape[1:])
+    m = meets.shape[-1]
+    any_ = meets.any(-1)
+    first = jnp.where(any_, jnp.argmax(meets, -1), 0)
+    end = jnp.where(any_, m - jnp.argmax(meets[..., ::-1], -1), 0)
+    n_free = (meets & free).sum(-1)
+    split = first + n_free if free_first else end - n_free
+    pad = ((0, 0), (0, n_pad - meets.shape[1]))
+    return tuple(jnp.pad(x.astype(jnp.int32), pad) for x in (first, split, end))
+
+
+def _query_runs(segment_ids, plan: _Plan, stage: tuning.Stage, batch: int):
+    """Per query tile, the key tiles to visit (forward and dQ): mask-free ones first."""
+    bq, bk = stage.block_q, stage.block_k
+    meets = tile_schedule(plan.seq_len, bq, bk, causal=plan.causal, segment_ids=segment_ids)
+    return _runs(meets, _mask_free(plan, bq, bk, tail=True), free_first=True,
+                 n_pad=plan.seq_pad // bq, batch=batch)
+
+
+def _key_runs(segment_ids, plan: _Plan, stage: tuning.Stage, batch: int):
+    """Per key tile, the query tiles to visit (dK/dV): mask-free ones last. Keys past the end
+    need no mask here: their rows of dK and dV are dropped."""
+    bq, bk = stage.block_q, stage.block_k
+    meets = tile_schedule(plan.seq_len, bq, bk, causal=plan.causal, segment_ids=segment_ids)
+    free = _mask_free(plan, bq, bk, tail=False)
+    return _runs(jnp.swapaxes(meets, 1, 2), jnp.swapaxes(free, 1, 2), free_first=False,
+                 n_pad=plan.seq_pad // bk, batch=batch)
+
+
+# ---- the kernels -------------------------------------------------------------------------------
+
+def _dot(a, b, *, trans_b=False):
+    """a @ b (or a @ b.T) accumulated in float32; exact float32 products for float32 inputs."""
+    dims = (((1,), (1 if trans_b else 0,)), ((), ()))
+    precision = lax.Precision.HIGHEST if a.dtype == jnp.float32 else None
+    return lax.dot_general(a, b, dims, precision=precision, preferred_element_type=jnp.float32)
+
+
+def _masked(s, q_pos, k_pos, seg_q, seg_k, plan: _Plan, *, tail: bool):
+    """Scores with -inf where a query may not attend to a key; q and k broadcast against each
+    other in either orientation. ``tail``: keys past the sequence end are masked too."""
+    conditions = []
+    if plan.causal:
+        conditions.append(q_pos >= k_pos)
+    if tail and plan.seq_pad > plan.seq_len:
+        conditions.append(k_pos < plan.seq_len)
+    if plan.segments:
+        conditions.append(seg_q == seg_k)
+    if not conditions:
+        return s
+    return jnp.where(functools.reduce(jnp.logical_and, conditions), s, -jnp.inf)
+
+
+def _forward_kernel(first_ref, split_ref, end_ref, q_ref, k_ref, v_ref, *refs, plan, stage):
+    """One query tile of one head: online softmax over its run of key tiles."""
+    seg_q_ref, seg_k_ref, o_ref, lse_ref = refs if plan.segments else (None, None, *refs)
+    bq, bk = stage.block_q, stage.block_k
+    q = q_ref[...]
+    q_pos = pl.program_id(2) * bq + jnp.arange(bq)
+    seg_q = seg_q_ref[...] if plan.segments else None
+
+    def visit(j, carry, masked):
+        max_prev, sum_prev, acc_prev = carry
+        keys = pl.ds(j * bk, bk)
+        k, v = k_ref[keys, :], v_ref[keys, :]
+        s = _dot(q, k, trans_b=True) * plan.scale_log2
+        if masked:
+            seg_k = seg_k_ref[keys] if plan.segments else None
+            s = _masked(s, q_pos[:, None], (j * bk + jnp.arange(bk))[None, :],
+                        None if seg_q is None else seg_q[:, None],
+                        None if seg_k is None else seg_k[None, :], plan, tail=True)
+        max_new = jnp.maximum(max_prev, s.max(axis=1))
+        rescale = jnp.exp2(max_prev - max_new)
+        p = jnp.exp2(s - max_new[:, None])
+        acc_new = rescale[:, None] * acc_prev + _dot(p.astype(v.dtype), v)
+        return max_new, rescale * sum_prev + p.sum(axis=1), acc_new
+
+    carry = (jnp.full((bq,), _START_MAX, jnp.float32), jnp.zeros((bq,), jnp.float32),
+             jnp.zeros((bq, plan.head_dim_pad), jnp.float32))
+    first, split, end = first_ref[...], split_ref[...], end_ref[...]
+    carry = lax.fori_loop(first, split, functools.partial(visit, masked=False), carry)
+    row_max, row_sum, acc = lax.fori_loop(split, end, functools.partial(visit, masked=True), carry)
+    seen = row_sum > 0
+    safe_sum = jnp.where(seen, row_sum, 1.0)
+    o_ref[...] = jnp.where(seen[:, None], acc / safe_sum[:, None], 0.0).astype(o_ref.dtype)
+    lse_ref[...] = jnp.where(seen, row_max + jnp.log2(safe_sum), _EMPTY_LSE)
+
+
+def _dq_kernel(first_ref, split_ref, end_ref, q_ref, k_ref, v_ref, do_ref, lse_ref, delta_ref,
+               *refs, plan, stage):
+    """dQ of one query tile of one head, summed over its run of key tiles."""
+    seg_q_ref, seg_k_ref, dq_ref = refs if plan.segments else (None, None, *refs)
+    bq, bk = stage.block_q, stage.block_k
+    q, do = q_ref[...], do_ref[...]
+    lse, delta = lse_ref[...], delta_ref[...]
+    q_pos = pl.program_id(2) * bq + jnp.arange(bq)
+    seg_q = seg_q_ref[...] if plan.segments else None
+
+    def visit(j, dq, masked):
+        keys = pl.ds(j * bk, bk)
+        k, v = k_ref[keys, :], v_ref[keys, :]
+        s = _dot(q, k, trans_b=True) * plan.scale_log2
+        if masked:
+            seg_k = seg_k_ref[keys] if plan.segments else None
+            s = _masked(s, q_pos[:, None], (j * bk + jnp.arange(bk))[None, :],
+                        None if seg_q is None else seg_q[:, None],
+                        None if seg_k is None else seg_k[None, :], plan, tail=True)
+        p = jnp.exp2(s - lse[:, None])
+        ds = p * (_dot(do, v, trans_b=True) - delta[:, None])
+        return dq + _dot(ds.astype(k.dtype), k)
+
+    dq = jnp.zeros((bq, plan.head_dim_pad), jnp.float32)
+    first, split, end = first_ref[...], split_ref[...], end_ref[...]
+    dq = lax.fori_loop(first, split, functools.partial(visit, masked=False), dq)
+    dq = lax.fori_loop(split, end, functools.partial(visit, masked=True), dq)
+    dq_ref[...] = (dq * plan.scale).astype(dq_ref.dtype)
+
+
+def _dkv_kernel(first_ref, split_ref, end_ref, q_ref, k_ref, v_ref, do_ref, lse_ref, delta_ref,
+                *refs, plan, stage):
+    """dK and dV of one key tile of one key/value head, summed over the query heads of its
+    group and their run of query tiles, in a fixed order."""
+    seg_q_ref, seg_k_ref, dk_ref, dv_ref = refs if plan.segments else (None, None, *refs)
+    bq, bk = stage.block_q, stage.block_k
+    k, v = k_ref[...], v_ref[...]
+    k_pos = pl.program_id(2) * bk + jnp.arange(bk)
+    seg_k = seg_k_ref[...] if plan.segments else None
+    first, split, end = first_ref[...], split_ref[...], end_ref[...]
+
+    def head(g, carry):
+        def visit(i, carry, masked):
+            dk, dv = carry
+            rows = pl.ds(i * bq, bq)
+            q, do = q_ref[rows, g, :], do_ref[rows, g, :]
+            lse, delta = lse_ref[g, rows], delta_ref[g, rows]
+            s_T = _dot(k, q, trans_b=True) * plan.scale_log2
+            if masked:
+                seg_q = seg_q_ref[rows] if plan.segments else None
+                s_T = _masked(s_T, (i * bq + jnp.arange(bq))[None, :], k_pos[:, None],
+                              None if seg_q is None else seg_q[None, :],
+                              None if seg_k is None else seg_k[:, None], plan, tail=False)
+            p_T = jnp.exp2(s_T - lse[None, :])
+            dv = dv + _dot(p_T.astype(do.dtype), do)
+            ds_T = p_T * (_dot(v, do, trans_b=True) - delta[None, :])
+            return dk + _dot(ds_T.astype(q.dtype), q), dv
+
+        carry = lax.fori_loop(first, split, functools.partial(visit, masked=True), carry)
+        return lax.fori_loop(split, end, functools.partial(visit, masked=False), carry)
+
+    zeros = jnp.zeros((bk, plan.head_dim_pad), jnp.float32)
+    dk, dv = lax.fori_loop(0, plan.groups, head, (zeros, zeros))
+    dk_ref[...] = (dk * plan.scale).astype(dk_ref.dtype)
+    dv_ref[...] = dv.astype(dv_ref.dtype)
+
+
+# ---- pallas_call wiring ------------------------------------------------------------------------
+
+def _pad(x_BTHD, plan: _Plan):
+    """Zeros after the sequence and after the head dim: whole tiles, power-of-two features."""
+    return jnp.pad(x_BTHD, ((0, 0), (0, plan.seq_pad - x_BTHD.shape[1]), (0, 0),
+                            (0, plan.head_dim_pad - x_BTHD.shape[3])))
+
+
+def _pad_seq(x_BXT, plan: _Plan):
+    pad = [(0, 0)] * (x_BXT.ndim - 1) + [(0, plan.seq_pad - x_BXT.shape[-1])]
+    return jnp.pad(x_BXT, pad)
+
+
+def _call(kernel, plan, stage, grid, in_specs, out_specs, out_shape, name):
+    return pl.pallas_call(
+        functools.partial(kernel, plan=plan, stage=stage), grid=grid, in_specs=in_specs,
+        out_specs=out_specs, out_shape=out_shape, interpret=plan.interpret,
+        compiler_params=tuning.compiler_params(stage, interpret=plan.interpret), name=name)
+
+
+def _segment_args(segment_ids, plan, block, *, tile_of_queries: bool):
+    """Segment-id operands and BlockSpecs, queries' then keys': the program's own tile of
+    ``block`` positions on one side, the whole row on the other."""
+    if not plan.segments:
+        return [], []
+    seg_BT = _pad_seq(segment_ids, plan)
+    tile_spec = pl.BlockSpec((None, block), lambda b, h, i: (b, i))
+    row_spec = pl.BlockSpec((None, plan.seq_pad), lambda b, h, i: (b, 0))
+    return [seg_BT, seg_BT], [tile_spec, row_spec] if tile_of_queries else [row_spec, tile_spec]
+
+
+def _forward(q, k, v, segment_ids, plan: _Plan):
+    """Output [B, T, H, D] and the base-2 log-sum-exp [B, H, T_pad] (float32)."""
+    B, T, H, D = q.shape
+    stage = plan.params.forward
+    bq, G, Dp = stage.block_q, plan.groups, plan.head_dim_pad
+    runs = _query_runs(segment_ids, plan, stage, B)
+    q_spec = pl.BlockSpec((None, bq, None, Dp), lambda b, h, i: (b, i, h, 0))
+    kv_spec = pl.BlockSpec((None, plan.seq_pad, None, Dp), lambda b, h, i: (b, 0, h // G, 0))
+    run_spec = pl.BlockSpec((None, None), lambda b, h, i: (b, i))
+    seg_args, seg_specs = _segment_args(segment_ids, plan, bq, tile_of_queries=True)
+    out, lse = _call(
+        _forward_kernel, plan, stage, (B, H, plan.seq_pad // bq),
+        [run_spec] * 3 + [q_spec, kv_spec, kv_spec] + seg_specs,
+        [q_spec, pl.BlockSpec((None, None, bq), lambda b, h, i: (b, h, i))],
+        [jax.ShapeDtypeStruct((B, plan.seq_pad, H, Dp), q.dtype),
+         jax.ShapeDtypeStruct((B, H, plan.seq_pad), jnp.float32)],
+        "flash_attention_forward",
+    )(*runs, _pad(q, plan), _pad(k, plan), _pad(v, plan), *seg_args)
+    return out[:, :T, :, :D], lse
+
+
+def _backward(q, k, v, segment_ids, out, lse, d_out, plan: _Plan):
+    """dq, dk, dv from the saved output and log-sum-exp."""
+    B, T, H, D = q.shape
+    K, G, Dp = k.shape[2], plan.groups, plan.head_dim_pad
+    delta_BHT = _pad_seq(jnp.einsum("bthd,bthd->bht", out.astype(jnp.float32),
+                                    d_out.astype(jnp.float32)), plan)
+    qp, kp, vp, dop = (_pad(x, plan) for x in (q, k, v, d_out))
+
+    stage = plan.params.dq
+    bq = stage.block_q
+    q_spec = pl.BlockSpec((None, bq, None, Dp), lambda b, h, i: (b, i, h, 0))
+    kv_spec = pl.BlockSpec((None, plan.seq_pad, None, Dp), lambda b, h, i: (b, 0, h // G, 0))
+    row_spec = pl.BlockSpec((None, None, bq), lambda b, h, i: (b, h, i))
+    run_spec = pl.BlockSpec((None, None), lambda b, h, i: (b, i))
+    seg_args, seg_specs = _segment_args(segment_ids, plan, bq, tile_of_queries=True)
+    dq = _call(
+        _dq_kernel, plan, stage, (B, H, plan.seq_pad // bq),
+        [run_spec] * 3 + [q_spec, kv_spec, kv_spec, q_spec, row_spec, row_spec] + seg_specs,
+        q_spec, jax.ShapeDtypeStruct(qp.shape, q.dtype), "flash_attention_dq",
+    )(*_query_runs(segment_ids, plan, stage, B), qp, kp, vp, dop, lse, delta_BHT, *seg_args)
+
+    stage = plan.params.dkv
+    bk = stage.block_k
+    group_spec = pl.BlockSpec((None, plan.seq_pad, G, Dp), lambda b, h, j: (b, 0, h, 0))
+    kv_spec = pl.BlockSpec((None, bk, None, Dp), lambda b, h, j: (b, j, h, 0))
+    group_row_spec = pl.BlockSpec((None, G, plan.seq_pad), lambda b, h, j: (b, h, 0))
+    seg_args, seg_specs = _segment_args(segment_ids, plan, bk, tile_of_queries=False)
+    dk, dv = _call(
+        _dkv_kernel, plan, stage, (B, K, plan.seq_pad // bk),
+        [run_spec] * 3 + [group_spec, kv_spec, kv_spec, group_spec, group_row_spec,
+                          group_row_spec] + seg_specs,
+        [kv_spec, kv_spec], [jax.ShapeDtypeStruct(kp.shape, k.dtype)] * 2,
+        "flash_attention_dkv",
+    )(*_key_runs(segment_ids, plan, stage, B), qp, kp, vp, dop, lse, delta_BHT, *seg_args)
+    return dq[:, :T, :, :D], dk[:, :T, :, :D], dv[:, :T, :, :D]
+
+
+@functools.partial(jax.custom_vjp, nondiff_argnums=(4,))
+def _flash(q, k, v, segment_ids, plan):
+    return _forward(q, k, v, segment_ids, plan)[0]
+
+
+def _flash_fwd(q, k, v, segment_ids, plan):
+    out, lse = _forward(q, k, v, segment_ids, plan)
+    return out, (q, k, v, segment_ids, out, lse)
+
+
+def _flash_bwd(plan, residuals, d_out):
+    q, k, v, segment_ids, out, lse = residuals
+    return (*_backward(q, k, v, segment_ids, out, lse, d_out, plan), None)
+
+
+_flash.defvjp(_flash_fwd, _flash_bwd)
