@@ -30,6 +30,9 @@ def format_summary(s: dict) -> str:
         ("precision", f"{s['precision']}, loss scale {s['loss_scale']:g}, "
                       f"{s['skipped_steps']} skipped steps"),
         ("remat", _remat_line(s)),
+        ("sharding", f"{s['sharding']} over mesh {_mesh(s['mesh'])} ({s['mesh_axis_types']} axes), "
+                     f"{s['process_count']} process(es); parameters + optimizer state "
+                     f"{s['param_opt_bytes_per_device']:,} bytes per device"),
         ("real tokens/s", f"{s['real_tokens_per_s']:,.0f}"),
         ("model FLOP/s", f"{s['achieved_flops_per_s'] / 1e9:,.1f} GFLOP/s (MFU {mfu})"),
         ("padding efficiency", f"{s['padding_efficiency']:.1%}"),
@@ -44,6 +47,10 @@ def format_summary(s: dict) -> str:
     ]
     width = max(len(name) for name, _ in rows)
     return "\n".join(f"{name:<{width}}  {value}" for name, value in rows)
+
+
+def _mesh(shape: dict) -> str:
+    return ",".join(f"{axis}={size}" for axis, size in shape.items())
 
 
 def _remat_line(s: dict) -> str:

@@ -14,6 +14,7 @@ import jax.numpy as jnp
 
 from jaxaccel.errors import ConfigError
 from jaxaccel.kernels import flash_attention
+from jaxaccel.sharding import per_shard
 
 IMPLEMENTATIONS = ("xla", "cudnn", "pallas", "auto")
 
@@ -94,10 +95,17 @@ def cudnn_attention(q_BTHD, k_BSKD, v_BSKD, *, segment_ids=None, causal=True, sm
 def pallas_attention(q_BTHD, k_BSKD, v_BSKD, *, segment_ids=None, causal=True, sm_scale=None):
     """Flash attention in Pallas (``jaxaccel.kernels``): Triton on the GPU, interpreted elsewhere.
 
-    Queries and keys must be equally long (self-attention).
+    Queries and keys must be equally long (self-attention). Under a mesh each device runs the
+    kernel on its own rows and heads (``jaxaccel.sharding.per_shard``).
     """
-    return flash_attention(q_BTHD, k_BSKD, v_BSKD, causal=causal, segment_ids=segment_ids,
-                           sm_scale=sm_scale)
+    def kernel(q_BTHD, k_BSKD, v_BSKD, segment_ids):
+        return flash_attention(q_BTHD, k_BSKD, v_BSKD, causal=causal, segment_ids=segment_ids,
+                               sm_scale=sm_scale)
+
+    q_axes, kv_axes = ("batch", "seq", "heads", "head_dim"), ("batch", "seq", "kv_heads", "head_dim")
+    segment_axes = None if segment_ids is None else ("batch", "seq")
+    return per_shard(kernel, (q_axes, kv_axes, kv_axes, segment_axes), q_axes)(
+        q_BTHD, k_BSKD, v_BSKD, segment_ids)
 
 
 def resolve_implementation(implementation: str) -> str:

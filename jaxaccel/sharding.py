@@ -211,6 +211,20 @@ def take_rows(table, ids, out_axes):
     return jax.lax.with_sharding_constraint(jnp.take(table, ids, axis=0), spec)
 
 
+def per_shard(fn, in_axes, out_axes):
+    """``fn`` applied to each device's shard (``jax.shard_map``) on the mesh in context, its
+    arguments and result laid out by logical axes (None for an argument that is None); ``fn``
+    itself when no mesh is set. For kernels XLA cannot split, such as Pallas calls: each device
+    runs the kernel on its rows and heads, with no communication."""
+    mesh = jax.sharding.get_abstract_mesh()
+    if mesh.empty:
+        return fn
+    in_specs = tuple(PartitionSpec() if axes is None else logical_spec(axes, COMPUTE_RULES)
+                     for axes in in_axes)
+    return jax.shard_map(fn, in_specs=in_specs, out_specs=logical_spec(out_axes, COMPUTE_RULES),
+                         check_vma=False)
+
+
 def param_shardings(mesh, axes_tree):
     """NamedShardings for a tree of logical-axes tuples (one per parameter)."""
     return jax.tree.map(lambda axes: NamedSharding(mesh, logical_spec(axes, PARAM_RULES)),

@@ -154,3 +154,13 @@ def test_training_loop_resumes_on_another_mesh(corpus_path, tmp_path):
 def test_loop_rejects_a_batch_the_data_axes_do_not_divide(corpus_path, tmp_path):
     with pytest.raises(ConfigError, match="batch_size=12 does not split over the mesh"):
         train(loop_config(corpus_path, tmp_path / "run", batch_size=12, sharding="fsdp"))
+
+
+def test_pallas_attention_runs_per_shard_under_fsdp_and_tp():
+    """The Pallas kernel, which XLA cannot split, runs through shard_map on each device's rows
+    and heads, and trains as the XLA attention does on one device."""
+    pallas = dataclasses.replace(CFG, attention="pallas", n_kv_heads=4)
+    reference = losses_on(single_device_mesh(), dataclasses.replace(pallas, attention="xla"),
+                          steps=2)[0]
+    mesh = make_mesh({"data": 1, "fsdp": 4, "tensor": 2}, "explicit")
+    np.testing.assert_allclose(losses_on(mesh, pallas, steps=2)[0], reference, rtol=1e-5)
