@@ -4,6 +4,10 @@
 resumed from a checkpoint continues with the same state, the same batches and the same keys, so
 on the CPU it ends bitwise identical to an uninterrupted run. SIGINT and SIGTERM finish the step
 in flight, save a checkpoint and return with ``summary["interrupted"]`` set.
+
+The run happens on a device mesh (``jaxaccel.sharding``; one device is a mesh of one): the state
+is created sharded, the steps are jitted with the state's and the batch's shardings, and with
+several processes each loads and places only its own rows of every batch.
 """
 
 import contextlib

@@ -225,6 +225,20 @@ def _masked(s, q_pos, k_pos, seg_q, seg_k, plan: _Plan, *, tail: bool):
     return jnp.where(functools.reduce(jnp.logical_and, conditions), s, -jnp.inf)
 
 
+def _key_tile_scores(q, q_pos, seg_q, k_ref, v_ref, seg_k_ref, j, bk, plan: _Plan, masked):
+    """A query tile's base-2 scores against key tile ``j`` (masked when the tile needs it), and
+    that tile's keys and values: the shared first step of the forward and the dQ pass."""
+    keys = pl.ds(j * bk, bk)
+    k, v = k_ref[keys, :], v_ref[keys, :]
+    s = _dot(q, k, trans_b=True) * plan.scale_log2
+    if masked:
+        seg_k = seg_k_ref[keys] if plan.segments else None
+        s = _masked(s, q_pos[:, None], (j * bk + jnp.arange(bk))[None, :],
+                    None if seg_q is None else seg_q[:, None],
+                    None if seg_k is None else seg_k[None, :], plan, tail=True)
+    return s, k, v
+
+
 def _forward_kernel(first_ref, split_ref, end_ref, q_ref, k_ref, v_ref, *refs, plan, stage):
     """One query tile of one head: online softmax over its run of key tiles."""
     seg_q_ref, seg_k_ref, o_ref, lse_ref = refs if plan.segments else (None, None, *refs)
@@ -235,14 +249,7 @@ def _forward_kernel(first_ref, split_ref, end_ref, q_ref, k_ref, v_ref, *refs, p
 
     def visit(j, carry, masked):
         max_prev, sum_prev, acc_prev = carry
-        keys = pl.ds(j * bk, bk)
-        k, v = k_ref[keys, :], v_ref[keys, :]
-        s = _dot(q, k, trans_b=True) * plan.scale_log2
-        if masked:
-            seg_k = seg_k_ref[keys] if plan.segments else None
-            s = _masked(s, q_pos[:, None], (j * bk + jnp.arange(bk))[None, :],
-                        None if seg_q is None else seg_q[:, None],
-                        None if seg_k is None else seg_k[None, :], plan, tail=True)
+        s, _, v = _key_tile_scores(q, q_pos, seg_q, k_ref, v_ref, seg_k_ref, j, bk, plan, masked)
         max_new = jnp.maximum(max_prev, s.max(axis=1))
         rescale = jnp.exp2(max_prev - max_new)
         p = jnp.exp2(s - max_new[:, None])
@@ -271,14 +278,7 @@ def _dq_kernel(first_ref, split_ref, end_ref, q_ref, k_ref, v_ref, do_ref, lse_r
     seg_q = seg_q_ref[...] if plan.segments else None
 
     def visit(j, dq, masked):
-        keys = pl.ds(j * bk, bk)
-        k, v = k_ref[keys, :], v_ref[keys, :]
-        s = _dot(q, k, trans_b=True) * plan.scale_log2
-        if masked:
-            seg_k = seg_k_ref[keys] if plan.segments else None
-            s = _masked(s, q_pos[:, None], (j * bk + jnp.arange(bk))[None, :],
-                        None if seg_q is None else seg_q[:, None],
-                        None if seg_k is None else seg_k[None, :], plan, tail=True)
+        s, k, v = _key_tile_scores(q, q_pos, seg_q, k_ref, v_ref, seg_k_ref, j, bk, plan, masked)
         p = jnp.exp2(s - lse[:, None])
         ds = p * (_dot(do, v, trans_b=True) - delta[:, None])
         return dq + _dot(ds.astype(k.dtype), k)
