@@ -35,9 +35,9 @@ from jaxaccel.loader import abstract_batch, place_batch
 from jaxaccel.loop import build_optimizer, init_sharded_state
 from jaxaccel.model import ACTIVATION_AXES, MLP, make_apply, param_axes
 from jaxaccel.report import format_table
-from jaxaccel.sharding import (COMPUTE_RULES, STRATEGIES, batch_sharding, bytes_per_device,
-                               check_model, format_mesh, logical_spec, make_mesh, mesh_shape,
-                               param_shardings, replicated)
+from jaxaccel.sharding import (COMPUTE_RULES, STRATEGIES, batch_shards, batch_sharding,
+                               bytes_per_device, check_model, format_mesh, logical_spec,
+                               make_mesh, mesh_shape, param_shardings, replicated)
 from jaxaccel.train import make_eval_step, make_train_step
 
 
@@ -174,11 +174,12 @@ def main(argv=None) -> int:
         for name in strategies:
             shapes[name] = mesh_shape(name, len(devices))
             check_model(shapes[name], model_cfg)
-            if cfg.batch_size % (shapes[name]["data"] * shapes[name]["fsdp"] * cfg.accumulate):
+            multiple = batch_shards(shapes[name]) * cfg.accumulate
+            if cfg.batch_size % multiple:
                 raise ConfigError(
                     f"--batch-size {cfg.batch_size} does not split over {name}'s mesh "
                     f"{format_mesh(shapes[name])} (data x fsdp) times --accumulate; pass a "
-                    f"multiple of {shapes[name]['data'] * shapes[name]['fsdp'] * cfg.accumulate}")
+                    f"multiple of {multiple}")
         optimizer, _, _ = build_optimizer(cfg, seq_len, cfg.steps)
         train, val = corpus_batches(cfg, seq_len)
         rows = [run_strategy(name, shape, cfg, model_cfg, optimizer, train, val,

@@ -2,6 +2,8 @@
 subprocess with ``--xla_force_host_platform_device_count=8``; it fails (not skips) elsewhere."""
 
 import dataclasses
+import json
+import os
 
 import jax
 import numpy as np
@@ -129,8 +131,6 @@ def loop_config(corpus_path, run_dir, **overrides):
 
 
 def train_losses(summary):
-    import json
-    import os
     with open(os.path.join(summary["run_dir"], "metrics.jsonl")) as f:
         records = [json.loads(line) for line in f]
     return np.array([r["loss"] for r in records if r["kind"] == "train"])
@@ -164,3 +164,19 @@ def test_pallas_attention_runs_per_shard_under_fsdp_and_tp():
                           steps=2)[0]
     mesh = make_mesh({"data": 1, "fsdp": 4, "tensor": 2}, "explicit")
     np.testing.assert_allclose(losses_on(mesh, pallas, steps=2)[0], reference, rtol=1e-5)
+
+
+def test_sharding_experiment_writes_every_row(corpus_path, tmp_path):
+    from experiments import sharding
+    out = tmp_path / "sharding.json"
+    code = sharding.main(["--data", corpus_path, "--d-model", "64", "--n-layers", "1",
+                          "--max-seq-len", "32", "--seq-len", "32", "--batch-size", "8",
+                          "--steps", "2", "--strategies", "fsdp,tp", "--cache-dir",
+                          str(tmp_path / "cache"), "--json", str(out)])
+    assert code == 0
+    rows = {row["strategy"]: row for row in json.loads(out.read_text())["rows"]}
+    assert list(rows) == ["single", "fsdp", "tp"]
+    assert rows["fsdp"]["mesh"] == "1,8,1" and rows["tp"]["mesh"] == "1,1,8"
+    single_bytes = rows["single"]["param_opt_bytes_per_device"]
+    assert rows["fsdp"]["param_opt_bytes_per_device"] < single_bytes / 7
+    assert all(row["loss_diff_vs_single"] < 1e-5 for row in rows.values())
