@@ -16,7 +16,7 @@ $(STAMP): pyproject.toml constraints.txt
 	touch $(STAMP)
 
 run: setup
-	$(VENV)/bin/python -m experiments.train $(ARGS)
+	$(VENV)/bin/python -m experiments.speedup $(ARGS)
 
 test: setup
 	$(VENV)/bin/python -m pytest $(ARGS)

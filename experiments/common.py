@@ -8,6 +8,7 @@ import time
 import jax
 
 from jaxaccel.config import TrainConfig
+from jaxaccel.data import DataStream
 from jaxaccel.errors import ConfigError
 from jaxaccel.metrics import plot_curves, read_metrics, token_curve
 
@@ -47,3 +48,29 @@ def plot_loss_curves(path: str, run_dirs: dict[str, str], title: str):
     curves = {label: token_curve(read_metrics(os.path.join(run_dir, "metrics.jsonl")))
               for label, run_dir in run_dirs.items()}
     plot_curves(path, curves, xlabel="real tokens", title=title)
+
+
+def matched_batch(documents, cfg: TrainConfig, strategy: str, match: bool = True) -> dict:
+    """Batch settings for ``strategy`` whose batches hold about as many real tokens as fixed
+    padding's ``cfg.batch_size`` rows of ``cfg.seq_len`` do, so all take the same optimizer steps.
+
+    Without matching, the strategies that cut padding would also take fewer, larger steps for
+    the same tokens, and a short run's loss would measure the step count, not the padding.
+    """
+    def real_per_batch(**batching):
+        stream = DataStream(documents, strategy=batching.pop("strategy"), seq_len=cfg.seq_len,
+                            pad_multiple=cfg.pad_multiple, num_buckets=cfg.buckets, **batching)
+        return stream.stats["real_tokens_per_batch"]
+
+    target = real_per_batch(strategy="fixed", batch_size=cfg.batch_size)
+    if strategy == "bucket":
+        budget = cfg.batch_size * cfg.seq_len
+        for _ in range(2 if match else 0):  # batch sizes per bucket round down
+            budget = round(budget * target / real_per_batch(strategy="bucket",
+                                                            tokens_per_batch=budget))
+        return {"batch_size": None, "tokens_per_batch": budget}
+    batch_size = cfg.batch_size
+    if match:
+        ratio = target / real_per_batch(strategy=strategy, batch_size=cfg.batch_size)
+        batch_size = max(1, round(cfg.batch_size * ratio))
+    return {"batch_size": batch_size, "tokens_per_batch": None}

@@ -20,7 +20,8 @@ import os
 import sys
 import time
 
-from experiments.common import environment, parse_names, run_config, write_json
+from experiments.common import (environment, matched_batch, parse_names, run_config,
+                                write_json)
 from jaxaccel.config import TrainConfig, flag, parse_config
 from jaxaccel.corpus import load_corpus
 from jaxaccel.data import STRATEGIES, DataStream, batch_stats, batches
@@ -77,32 +78,6 @@ def loader_tokens_per_s(documents, cfg: TrainConfig) -> float:
     return real / (time.perf_counter() - start)
 
 
-def matched_batch(documents, cfg: "PaddingConfig", strategy: str) -> dict:
-    """Batch settings for ``strategy`` whose batches hold about as many real tokens as fixed
-    padding's ``batch_size`` rows do, so every strategy takes the same optimizer steps.
-
-    Without matching, the strategies that cut padding would also take fewer, larger steps for
-    the same tokens, and a short run's loss would measure the step count, not the padding.
-    """
-    def real_per_batch(**batching):
-        stream = DataStream(documents, strategy=batching.pop("strategy"), seq_len=cfg.seq_len,
-                            pad_multiple=cfg.pad_multiple, num_buckets=cfg.buckets, **batching)
-        return stream.stats["real_tokens_per_batch"]
-
-    target = real_per_batch(strategy="fixed", batch_size=cfg.batch_size)
-    if strategy == "bucket":
-        budget = cfg.batch_size * cfg.seq_len
-        for _ in range(2 if cfg.match_real_tokens else 0):  # batch sizes per bucket round down
-            budget = round(budget * target / real_per_batch(strategy="bucket",
-                                                            tokens_per_batch=budget))
-        return {"batch_size": None, "tokens_per_batch": budget}
-    batch_size = cfg.batch_size
-    if cfg.match_real_tokens:
-        ratio = target / real_per_batch(strategy=strategy, batch_size=cfg.batch_size)
-        batch_size = max(1, round(cfg.batch_size * ratio))
-    return {"batch_size": batch_size, "tokens_per_batch": None}
-
-
 PLAN_COLUMNS = [
     ("strategy", "strategy", ""),
     ("batch", "batch", ""),
@@ -116,7 +91,7 @@ PLAN_COLUMNS = [
 def plan_strategy(cfg: PaddingConfig, strategy: str) -> dict:
     """Plan epoch 0 of ``strategy`` with the experiment's batch settings, and time the loader."""
     documents = load_corpus(cfg.data, cache_dir=cfg.cache_dir).train
-    batching = matched_batch(documents, cfg, strategy)
+    batching = matched_batch(documents, cfg, strategy, match=cfg.match_real_tokens)
     stream = DataStream(documents, strategy=strategy, seq_len=cfg.seq_len, seed=cfg.seed,
                         pad_multiple=cfg.pad_multiple, num_buckets=cfg.buckets, **batching)
     run_cfg = dataclasses.replace(cfg, batching=strategy, **batching)
@@ -138,7 +113,7 @@ def run_strategy(cfg: PaddingConfig, strategy: str, run_root: str) -> dict:
     """Measure the loader, train one strategy, and reduce both to a table row."""
     documents = load_corpus(cfg.data, cache_dir=cfg.cache_dir).train
     run_cfg = run_config(cfg, batching=strategy, run_dir=os.path.join(run_root, strategy),
-                         **matched_batch(documents, cfg, strategy))
+                         **matched_batch(documents, cfg, strategy, match=cfg.match_real_tokens))
     loader_rate = loader_tokens_per_s(documents, run_cfg)
     summary = train(run_cfg)
     return {

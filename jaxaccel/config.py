@@ -63,6 +63,8 @@ class TrainConfig:
     mesh: str | None = flag(None, "mesh axis sizes as axis=size pairs, e.g. fsdp=4,tensor=2 (-1: "
                                   "the remaining devices); default: the strategy's axes share all "
                                   "devices (fsdp+tp: tensor=2; dp+fsdp: data = hosts, or 2)")
+    num_devices: int | None = flag(None, "train on the first N devices of this process "
+                                         "(default: all devices of all processes)")
     mesh_axis_types: str = flag("auto", "mesh axis types: auto (XLA completes the shardings) or "
                                         "explicit (shardings are part of every array's type)",
                                 choices=tuple(AXIS_TYPES))
@@ -137,6 +139,8 @@ class TrainConfig:
     eval_every: int = flag(100, "evaluate on --eval-batches validation batches every N steps")
     eval_batches: int = flag(20, "validation batches in periodic evaluations (the final one "
                                    "uses the whole split)")
+    final_eval_batches: int | None = flag(None, "validation batches of the final evaluation "
+                                                "(default: the whole split)")
     log_every: int = flag(10, "write metrics every N steps")
     resume: bool = flag(False, "continue the run in --run-dir from its latest checkpoint")
     progress: bool = flag(True, "show a progress bar")
@@ -187,7 +191,7 @@ class TrainConfig:
         seq_len = self.resolved_seq_len(model_cfg)
         for name in ("steps", "seq_len", "batch_size", "tokens_per_batch", "train_tokens",
                      "prefetch", "accumulate", "base_batch_size", "memory_budget",
-                     "distributed_timeout"):
+                     "distributed_timeout", "final_eval_batches", "num_devices"):
             value = seq_len if name == "seq_len" else getattr(self, name)
             if value is not None and value < 1:
                 raise ConfigError(f"{name} must be at least 1, got {value}; fix --{name.replace('_', '-')}")

@@ -95,15 +95,23 @@ def evaluate(eval_step, state, documents, *, seq_len: int, batch_size: int,
              max_batches: int | None = None, sharding=None) -> tuple[float, int]:
     """Mean loss in nats per target token over the documents (in order), and the token count.
 
+    With ``max_batches`` only that many batches count, spread evenly over the split (the same
+    ones every time), so a partial evaluation samples all of it rather than its first files.
     Each process makes its own rows of every batch; ``sharding`` lays the global batch out.
     """
+    def fixed_batches():
+        return batches(documents, strategy="fixed", seq_len=seq_len, batch_size=batch_size,
+                       shuffle=False, process_index=jax.process_index(),
+                       process_count=jax.process_count())
+
+    chosen = None
+    if max_batches:
+        count = sum(1 for _ in fixed_batches())
+        chosen = set(np.linspace(0, count - 1, min(max_batches, count)).round().astype(int))
     loss_sum, weight_sum = 0.0, 0.0
-    for i, batch in enumerate(batches(documents, strategy="fixed", seq_len=seq_len,
-                                      batch_size=batch_size, shuffle=False,
-                                      process_index=jax.process_index(),
-                                      process_count=jax.process_count())):
-        if max_batches and i >= max_batches:
-            break
+    for i, batch in enumerate(fixed_batches()):
+        if chosen is not None and i not in chosen:
+            continue
         sums = eval_step(state, place_batch(batch, sharding))
         loss_sum, weight_sum = loss_sum + sums["loss_sum"], weight_sum + sums["weight_sum"]
     loss_sum, weight_sum = jax.device_get((loss_sum, weight_sum))
@@ -143,7 +151,8 @@ def train(cfg: TrainConfig, *, should_stop=None) -> dict:
         initialize_distributed(cfg.coordinator, cfg.num_processes, cfg.process_id,
                                auto=cfg.distributed, timeout_s=cfg.distributed_timeout)
     model_cfg = cfg.validate()
-    mesh, mesh_shape = build_mesh(cfg.sharding, cfg.mesh, cfg.mesh_axis_types, model_cfg)
+    mesh, mesh_shape = build_mesh(cfg.sharding, cfg.mesh, cfg.mesh_axis_types, model_cfg,
+                                  cfg.num_devices)
     with jax.default_matmul_precision(cfg.matmul_precision), jax.set_mesh(mesh):
         return _train(cfg, model_cfg, mesh, mesh_shape, should_stop, wall_start)
 
@@ -260,7 +269,7 @@ def _train(cfg: TrainConfig, model_cfg, mesh, mesh_shape, should_stop, wall_star
     if interrupted:
         val_loss, val_tokens = float("nan"), 0
     else:
-        val_loss, val_tokens = run_eval(final_step, None)
+        val_loss, val_tokens = run_eval(final_step, cfg.final_eval_batches)
     writer.close()
     checkpointer.close()
     unigram_bpb = corpus.unigram_bits_per_token()
@@ -311,6 +320,7 @@ def _train(cfg: TrainConfig, model_cfg, mesh, mesh_shape, should_stop, wall_star
         "flops_per_token": flops_token,
         "achieved_flops_per_s": tokens_per_s * flops_token,
         "mfu": tokens_per_s * flops_token / peak if peak else None,
+        "attention": model_cfg.attention,
         "remat": model_cfg.remat,
         "scan_layers": model_cfg.scan_layers,
         "remat_plan": dataclasses.asdict(plan) if plan else None,

@@ -26,12 +26,20 @@ def bar_chart(path: str, labels: list[str], panels: list[tuple[str, list[float]]
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
-    fig, axes = plt.subplots(1, len(panels), figsize=(4.2 * len(panels), 3.8))
+    many = len(labels) > 6   # long label lists get wider panels and slanted labels
+    width = max(4.2, 0.45 * len(labels)) if many else 4.2
+    fig, axes = plt.subplots(1, len(panels), figsize=(width * len(panels), 4.6 if many else 3.8))
     for ax, (ylabel, values) in zip(axes if len(panels) > 1 else [axes], panels):
         bars = ax.bar(labels, values, color="#4c72b0")
-        ax.bar_label(bars, fmt="%.4g", fontsize=8)
+        ax.bar_label(bars, fmt="%.4g", fontsize=7 if many else 8,
+                     rotation=90 if many else 0, padding=2)
         ax.set_ylabel(ylabel)
         ax.grid(axis="y", alpha=0.3)
+        if many:
+            ax.tick_params(axis="x", labelrotation=60)
+            for label in ax.get_xticklabels():
+                label.set_horizontalalignment("right")
+            ax.margins(y=0.18)
     fig.suptitle(title)
     fig.tight_layout()
     os.makedirs(os.path.dirname(path) or ".", exist_ok=True)

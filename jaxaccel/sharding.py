@@ -124,10 +124,20 @@ def format_mesh(shape: dict[str, int]) -> str:
     return ",".join(f"{a}={shape[a]}" for a in MESH_AXES if a in shape)
 
 
-def build_mesh(strategy: str, mesh: str | None = None, axis_types: str = "auto", model_cfg=None):
+def build_mesh(strategy: str, mesh: str | None = None, axis_types: str = "auto", model_cfg=None,
+               num_devices: int | None = None):
     """The run's mesh and its axis sizes from the ``--sharding``, ``--mesh`` and
-    ``--mesh-axis-types`` flags over all devices of all processes, checked against the model."""
-    shape = mesh_shape(strategy, jax.device_count(), parse_mesh(mesh), jax.process_count())
+    ``--mesh-axis-types`` flags over all devices of all processes (or the first ``num_devices``
+    of a single process), checked against the model."""
+    devices = jax.devices()
+    if num_devices is not None and num_devices != len(devices):
+        if jax.process_count() > 1 or not 1 <= num_devices <= len(devices):
+            raise ConfigError(
+                f"--num-devices {num_devices} is not available: {len(devices)} devices in "
+                f"{jax.process_count()} process(es), and a subset is only possible in one process; "
+                f"pass a number from 1 to {len(devices)} or leave --num-devices unset")
+        devices = devices[:num_devices]
+    shape = mesh_shape(strategy, len(devices), parse_mesh(mesh), jax.process_count())
     if model_cfg is not None:
         check_model(shape, model_cfg)
     if batch_shards(shape) % jax.process_count():
@@ -135,7 +145,7 @@ def build_mesh(strategy: str, mesh: str | None = None, axis_types: str = "auto",
             f"mesh {format_mesh(shape)} splits the batch into {batch_shards(shape)} parts, fewer "
             f"than (or not a multiple of) the {jax.process_count()} processes that each load "
             f"their own rows; keep the tensor axis within a host")
-    return make_mesh(shape, axis_types), shape
+    return make_mesh(shape, axis_types, devices), shape
 
 
 def make_mesh(shape: dict[str, int], axis_types: str = "auto", devices=None):

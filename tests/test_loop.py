@@ -103,6 +103,8 @@ def run_cli(args, capsys):
     (["--no-decay", "norm,(oops"], "fix --no-decay"),
     (["--learning-rate", "-1"], "learning rate must be positive"),
     (["--accumulate", "0"], "accumulate must be at least 1"),
+    (["--num-devices", "3"], "--num-devices 3 is not available"),
+    (["--final-eval-batches", "0"], "final_eval_batches must be at least 1"),
     (["--precision", "fp8"], "unknown precision 'fp8'"),
     (["--precision", "params=float32,compute=int8,output=float32"], "unknown dtype 'int8'"),
     (["--loss-scale", "dynamic", "--loss-scale-backoff", "2"], "backoff_factor must be in (0, 1)"),
@@ -233,3 +235,21 @@ def test_fp16_resume_restores_the_loss_scale_bitwise(corpus_path, tmp_path):
     a, b = final_state(whole["run_dir"], 8), final_state(resumed["run_dir"], 8)
     assert float(a["loss_scale"]["scale"]) == whole["loss_scale"]
     chex.assert_trees_all_equal(a, b)
+
+
+def test_partial_evaluation_spreads_its_batches_over_the_split():
+    """``max_batches`` takes batches from the whole split (first and last included), not its
+    first files; without it every batch counts."""
+    from jaxaccel.loop import evaluate
+    documents = [np.full(10, i + 1, dtype=np.int32) for i in range(20)]   # 20 one-row batches
+    seen = []
+
+    def eval_step(state, batch):
+        seen.append(int(np.asarray(batch["inputs"])[0, 0]))
+        return {"loss_sum": 0.0, "weight_sum": 1.0}
+
+    evaluate(eval_step, None, documents, seq_len=16, batch_size=1, max_batches=3)
+    assert seen[0] == 1 and seen[-1] == 20 and len(seen) == 3
+    seen.clear()
+    evaluate(eval_step, None, documents, seq_len=16, batch_size=1)
+    assert sorted(seen) == list(range(1, 21))

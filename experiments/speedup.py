@@ -1,0 +1,574 @@
+"""The headline experiment: what each technique buys alone, and all of them together, here.
+
+    python -m experiments.speedup                    # the preset of this device (CPU: < 10 min)
+    python -m experiments.speedup --scale gpu        # GPT-2 small shape, seq_len 1024
+    python -m experiments.speedup --rows baseline,pack,bf16,best --json speedup.json
+
+Every row trains the same model from the same seed on the same number of real tokens of the
+corpus. The baseline is the naive run: fixed padding, float32, no remat, xla attention, AdamW,
+one device. Each technique row switches one thing on (dynamic padding, length buckets,
+packing, bf16, fp16 with dynamic loss scaling, each remat policy, our Pallas flash attention
+where a GPU is present, Lion, LAMB, gradient accumulation, dp and fsdp sharding over all
+devices), and the ``best`` row combines what the measurements recommend (``--best`` names the
+rows to combine instead):
+
+- padding, precision, remat, attention, sharding: the fastest row of the group that beats the
+  baseline's real tokens/s by ``--speed-margin`` and ends within ``--quality-tolerance`` of its
+  validation bits per byte;
+- optimizer: the row with the lowest validation loss, if it is below the baseline's and at
+  most ``--optimizer-slowdown`` slower;
+- accumulation is a speed group too: it computes the same update from smaller microbatches,
+  which some devices (CPU caches) run faster.
+
+The padding rows size their batches to hold as many real tokens as the baseline's
+``--batch-size`` rows (``bucket`` through a token budget), so every row takes the same number
+of optimizer steps and the validation losses compare the techniques, not step counts.
+
+Each row runs ``python -m experiments.train`` in its own process (its command is in the
+report), so the device's peak memory, the compile counts and a failure belong to that row
+alone. On a CPU every process sees ``--cpu-devices`` devices (default: one per core) so that
+the sharding rows have devices to split over; the other rows use the first one.
+
+The run directory gets ``report.md`` (the table, one line per technique on its measured
+effect, the combination and the targets), ``tokens_per_s.png``, ``memory.png``,
+``loss_curves.png`` and one directory per row.
+"""
+
+import argparse
+import dataclasses
+import json
+import math
+import os
+import shlex
+import subprocess
+import sys
+import time
+
+from experiments.common import matched_batch, parse_names, plot_loss_curves, write_json
+from jaxaccel.config import TrainConfig, build_parser, flag
+from jaxaccel.corpus import load_corpus
+from jaxaccel.errors import ConfigError
+from jaxaccel.report import bar_chart, format_table
+
+SCALES = ("auto", "cpu", "gpu")
+
+# Each preset's training settings (defaults of the flags; a flag given on the command line wins).
+PRESETS = {
+    "cpu": dict(model="tiny", d_model=128, n_layers=2, max_seq_len=1024, seq_len=1024,
+                batch_size=8, train_tokens=160_000, warmup_steps=5, final_eval_batches=8,
+                log_every=4, row_accumulate=2),
+    "gpu": dict(model="small", seq_len=1024, batch_size=16, train_tokens=4_000_000,
+                warmup_steps=20, final_eval_batches=16, log_every=10, row_accumulate=4),
+}
+
+# What the baseline fixes; a technique row changes one of these.
+BASELINE = dict(batching="fixed", precision="fp32", loss_scale="auto", remat="none",
+                attention="xla", optimizer="adamw", accumulate=1, sharding="dp", num_devices=1,
+                memory_budget=None, scan_layers=False)
+
+
+@dataclasses.dataclass(frozen=True)
+class Technique:
+    name: str
+    group: str
+    description: str
+    settings: dict
+    needs: str | None = None   # "gpu" or "devices" (more than one)
+
+
+TECHNIQUES = [
+    Technique("baseline", "baseline", "fixed padding, fp32, no remat, xla attention, AdamW, "
+              "one device", {}),
+    Technique("dynamic", "padding", "dynamic padding (each batch padded to its longest row)",
+              {"batching": "dynamic"}),
+    Technique("bucket", "padding", "length buckets with a token budget per batch",
+              {"batching": "bucket"}),
+    Technique("pack", "padding", "sequence packing with segment ids", {"batching": "pack"}),
+    Technique("bf16", "precision", "bfloat16 compute, float32 master weights",
+              {"precision": "bf16"}),
+    Technique("fp16", "precision", "float16 compute with dynamic loss scaling",
+              {"precision": "fp16", "loss_scale": "dynamic"}),
+    *[Technique(f"remat-{policy}", "remat", f"remat policy {policy}", {"remat": policy})
+      for policy in ("full", "dots", "attention", "mlp", "offload")],
+    Technique("flash", "attention", "our Pallas flash attention kernel",
+              {"attention": "pallas"}, needs="gpu"),
+    Technique("lion", "optimizer", "Lion at its defaults", {"optimizer": "lion"}),
+    Technique("lamb", "optimizer", "LAMB at its defaults", {"optimizer": "lamb"}),
+    Technique("accumulate", "accumulation", "gradient accumulation over microbatches", {}),
+    Technique("dp", "sharding", "data parallel over all devices",
+              {"sharding": "dp", "num_devices": None}, needs="devices"),
+    Technique("fsdp", "sharding", "FSDP (ZeRO-3) over all devices",
+              {"sharding": "fsdp", "num_devices": None}, needs="devices"),
+    Technique("best", "combination", "the best combination", {}),
+]
+BY_NAME = {t.name: t for t in TECHNIQUES}
+SPEED_GROUPS = ("padding", "precision", "remat", "attention", "accumulation", "sharding")
+
+# Settings each row chooses itself: the flags only explain that.
+_ROW_SET = "not used here: each row sets its own (see the module's --help text)"
+
+
+@dataclasses.dataclass
+class SpeedupConfig(TrainConfig):
+    """The training flags (defaults from the --scale preset) plus the rows and the combination."""
+
+    scale: str = flag("auto", "preset: cpu (a 2-layer, 128-wide model at seq_len 1024, batch "
+                              "8, 160k real tokens per row: under 10 minutes on 2 cores) or gpu "
+                              "(GPT-2 small shape, seq_len 1024, batch 16, 4M real tokens per "
+                              "row); auto: gpu when a GPU is visible", choices=SCALES)
+    rows: str = flag(",".join(t.name for t in TECHNIQUES),
+                     "comma-separated rows (the baseline always runs): "
+                     + ", ".join(t.name for t in TECHNIQUES))
+    best: str | None = flag(None, "comma-separated rows whose settings the best row combines "
+                                  "(default: chosen from the measurements)")
+    speed_margin: float = flag(0.03, "a technique joins the combination only if it is at least "
+                                     "this much faster than the baseline")
+    quality_tolerance: float = flag(0.02, "... and its validation bits per byte are at most this "
+                                          "much (relative) above the baseline's")
+    optimizer_slowdown: float = flag(0.10, "an optimizer with a lower validation loss joins if "
+                                           "it is at most this much slower than the baseline")
+    row_accumulate: int = flag(2, "microbatches of the accumulate row")
+    cpu_devices: int | None = flag(None, "on a CPU, devices each row's process sees (default: "
+                                         "one per core); the sharding rows use them all")
+    batching: str = flag("fixed", _ROW_SET)
+    precision: str = flag("fp32", _ROW_SET)
+    remat: str = flag("none", _ROW_SET)
+    attention: str = flag("xla", _ROW_SET)
+    optimizer: str = flag("adamw", _ROW_SET)
+    accumulate: int = flag(1, _ROW_SET)
+    sharding: str = flag("dp", _ROW_SET)
+    eval_every: int = flag(0, "evaluate every N steps (0: only at the end)")
+    checkpoint_every: int = flag(0, "save a checkpoint every N steps (0: only at the end)")
+    final_eval_batches: int | None = flag(8, "validation batches of every row's final "
+                                             "evaluation (the same batches for all rows)")
+    progress: bool = flag(False, "show each row's progress bar")
+
+
+def probe_devices(cpu_devices: int) -> dict:
+    """The platform, kind and count of the devices a row's process sees, asked in a process of
+    its own so that this one never holds a device (a GPU's memory stays the rows')."""
+    code = ("import json, jax; d = jax.devices(); print(json.dumps({'platform': d[0].platform, "
+            "'device_kind': d[0].device_kind, 'device_count': len(d), "
+            "'jax_version': jax.__version__}))")
+    done = subprocess.run([sys.executable, "-c", code], env=row_environment(cpu_devices),
+                          capture_output=True, text=True)
+    if done.returncode:
+        raise ConfigError(f"jax could not start: {_last_line(done.stderr)}; check the jax "
+                          f"installation (make setup)")
+    return json.loads(done.stdout.strip().splitlines()[-1])
+
+
+def row_environment(cpu_devices: int) -> dict:
+    return {**os.environ, "JAX_NUM_CPU_DEVICES": str(cpu_devices)}
+
+
+def parse_config(argv=None) -> tuple[SpeedupConfig, dict]:
+    """The flags over the preset of ``--scale`` (auto: gpu when the probe sees a GPU)."""
+    early = argparse.ArgumentParser(add_help=False)
+    early.add_argument("--scale", choices=SCALES, default="auto")
+    early.add_argument("--cpu-devices", type=int, default=None)
+    known, _ = early.parse_known_args(argv)
+    cpu_devices = known.cpu_devices or os.cpu_count() or 1
+    if cpu_devices < 1:
+        raise ConfigError(f"cpu_devices must be at least 1, got {cpu_devices}; fix --cpu-devices")
+    devices = probe_devices(cpu_devices)
+    scale = known.scale
+    if scale == "auto":
+        scale = "gpu" if devices["platform"] == "gpu" else "cpu"
+    parser = build_parser(SpeedupConfig, description=__doc__.split("\n\n")[0])
+    parser.set_defaults(**PRESETS[scale])
+    cfg = SpeedupConfig(**vars(parser.parse_args(argv)))
+    cfg = dataclasses.replace(cfg, scale=scale, cpu_devices=cpu_devices)
+    return cfg, devices
+
+
+def to_argv(cfg: TrainConfig) -> list[str]:
+    """The ``experiments.train`` flags that reproduce ``cfg`` (those that differ from default)."""
+    argv = []
+    for f in dataclasses.fields(TrainConfig):
+        value = getattr(cfg, f.name)
+        if value == f.default:
+            continue
+        name = f.name.replace("_", "-")
+        if isinstance(value, bool):
+            argv.append(f"--{name}" if value else f"--no-{name}")
+        elif value is None:
+            raise ConfigError(f"--{name} cannot be unset on the command line; leave it at its "
+                              f"default")
+        else:
+            argv += [f"--{name}", str(value)]
+    return argv
+
+
+def train_config(cfg: SpeedupConfig, settings: dict, run_dir: str) -> TrainConfig:
+    """A plain TrainConfig: the experiment's training flags, the baseline, then ``settings``."""
+    fields = {f.name: getattr(cfg, f.name) for f in dataclasses.fields(TrainConfig)}
+    fields.update(BASELINE, json=None, resume=False, run_dir=run_dir)
+    fields.update(settings)
+    return TrainConfig(**fields)
+
+
+def row_settings(cfg: SpeedupConfig, technique: Technique, documents) -> dict:
+    """The settings a row changes from the baseline (batch sizes matched for padding rows)."""
+    settings = dict(technique.settings)
+    if technique.group == "padding":
+        settings.update(matched_batch(documents, cfg, settings["batching"]))
+    if technique.name == "accumulate":
+        settings["accumulate"] = cfg.row_accumulate
+    return settings
+
+
+def skip_reason(technique: Technique, devices: dict) -> str | None:
+    if technique.needs == "gpu" and devices["platform"] != "gpu":
+        return "needs a GPU"
+    if technique.needs == "devices" and devices["device_count"] < 2:
+        return "needs more than one device"
+    return None
+
+
+def choose_best(rows: dict[str, dict], margin: float, tolerance: float,
+                slowdown: float) -> list[tuple[str, str]]:
+    """(row, why) for each technique the measurements recommend combining (module docstring)."""
+    ran = [r for r in rows.values() if r["status"] == "ran" and r["name"] != "baseline"]
+    picks = []
+    for group in SPEED_GROUPS:
+        good = [r for r in ran if r["group"] == group and r["speedup"] >= 1 + margin
+                and r["quality_diff"] <= tolerance]
+        if good:
+            row = max(good, key=lambda r: r["speedup"])
+            picks.append((row["name"], f"fastest {group} row within the quality tolerance: "
+                                       f"{row['speedup']:.2f}x, val {row['quality_diff']:+.1%}"))
+    better = [r for r in ran if r["group"] == "optimizer" and r["quality_diff"] < 0
+              and r["speedup"] >= 1 - slowdown]
+    if better:
+        row = min(better, key=lambda r: r["val_bpb"])
+        picks.append((row["name"], f"lowest validation loss: val {row['quality_diff']:+.1%} at "
+                                   f"{row['speedup']:.2f}x"))
+    return picks
+
+
+def combine(settings_of: dict[str, dict], names: list[str], device_count: int) -> dict:
+    """The settings of the named rows together; the batch rounded up to split over the devices
+    (when a sharding row is among them) times the microbatches."""
+    groups = {}
+    for name in names:
+        group = BY_NAME[name].group
+        if group in ("baseline", "combination"):
+            raise ConfigError(f"--best cannot combine {name!r}; name technique rows")
+        if group in groups:
+            raise ConfigError(f"--best names two {group} rows ({groups[group]} and {name}); "
+                              f"keep one")
+        groups[group] = name
+    settings = {}
+    for name in names:
+        settings.update(settings_of[name])
+    multiple = (device_count if "sharding" in groups else 1) * settings.get("accumulate", 1)
+    if settings.get("batch_size"):
+        settings["batch_size"] = -(-settings["batch_size"] // multiple) * multiple
+    return settings
+
+
+def run_row(cfg: SpeedupConfig, technique: Technique, settings: dict, run_root: str) -> dict:
+    """Train one row in its own process and reduce its summary to a table row."""
+    run_dir = os.path.join(run_root, technique.name)
+    train_cfg = train_config(cfg, settings, run_dir)
+    train_cfg.validate()
+    os.makedirs(run_dir, exist_ok=True)
+    summary_path = os.path.join(run_dir, "summary.json")
+    argv = [*to_argv(train_cfg), "--json", summary_path]
+    row = {"name": technique.name, "group": technique.group,
+           "description": technique.description, "settings": settings,
+           "command": "python -m experiments.train " + shlex.join(argv), "run_dir": run_dir}
+    start = time.perf_counter()
+    with open(os.path.join(run_dir, "log.txt"), "w") as log:
+        done = subprocess.run([sys.executable, "-m", "experiments.train", *argv],
+                              env=row_environment(cfg.cpu_devices), stdout=log,
+                              stderr=subprocess.PIPE, text=True)
+        log.write(done.stderr)
+    row["process_s"] = time.perf_counter() - start
+    if done.returncode:
+        row["status"] = f"failed: {_last_line(done.stderr)}"
+        return row
+    with open(summary_path) as f:
+        s = json.load(f)
+    memory = s["step_memory_bytes"] or {}
+    row.update(
+        status="ran", real_tokens_per_s=s["real_tokens_per_s"],
+        padding_efficiency=s["padding_efficiency"], shapes=len(s["shapes"]),
+        memory_bytes=memory.get("total"), temp_bytes=memory.get("temp"),
+        peak_memory_bytes=s["peak_memory_bytes"], compiles=s["compiles"],
+        compile_s=s["compile_s"], mfu=s["mfu"], val_bpb=s["val_bpb"], val_loss=s["val_loss"],
+        val_tokens=s["val_tokens"], steps=s["steps"], real_tokens=s["real_tokens"],
+        train_s=s["train_s"], batching=s["batching"], batch_rows=s["batch_rows"],
+        precision=s["precision"], loss_scale=s["loss_scale"], skipped_steps=s["skipped_steps"],
+        remat=s["remat"], attention=s["attention"], optimizer=s["optimizer"],
+        optimizer_state_bytes=s["optimizer_state_bytes"], accumulate=s["accumulate"],
+        sharding=s["sharding"], mesh=s["mesh"],
+        param_opt_bytes_per_device=s["param_opt_bytes_per_device"], device=s["device"],
+        jax_version=s["jax_version"])
+    return row
+
+
+def _last_line(text: str) -> str:
+    lines = [line.strip() for line in (text or "").splitlines() if line.strip()]
+    return lines[-1] if lines else "no error output"
+
+
+def compare(row: dict, baseline: dict):
+    """Speedup and relative validation difference against the baseline, in place."""
+    if row["status"] != "ran" or baseline["status"] != "ran":
+        row.setdefault("speedup", None)
+        row.setdefault("quality_diff", None)
+        return
+    row["speedup"] = row["real_tokens_per_s"] / baseline["real_tokens_per_s"]
+    row["quality_diff"] = row["val_bpb"] / baseline["val_bpb"] - 1
+
+
+def _mb(value) -> str:
+    return "n/a" if value is None else f"{value / 2**20:,.0f} MB"
+
+
+def _change(value, reference) -> str:
+    if value is None or not reference:
+        return "n/a"
+    return f"{value / reference - 1:+.0%}"
+
+
+def explain(row: dict, base: dict) -> str:
+    """One line on what the row's technique did, from its measurements."""
+    if row["status"] != "ran":
+        return f"**{row['name']}** ({row['description']}): not run, {row['status']}."
+    speed = f"{row['speedup']:.2f}x the baseline's real tokens/s"
+    quality = f"validation {row['val_bpb']:.3f} bits/byte ({row['quality_diff']:+.1%})"
+    memory = f"compiled step memory {_mb(row['memory_bytes'])} " \
+             f"({_change(row['memory_bytes'], base['memory_bytes'])})"
+    group = row["group"]
+    if group == "baseline":
+        detail = (f"{row['real_tokens_per_s']:,.0f} real tokens/s at padding efficiency "
+                  f"{row['padding_efficiency']:.1%}, {memory.replace(' (n/a)', '')}, "
+                  f"validation {row['val_bpb']:.3f} bits/byte")
+        return f"**baseline** ({row['description']}): {detail}."
+    if group == "padding":
+        detail = (f"padding efficiency {row['padding_efficiency']:.1%} (baseline "
+                  f"{base['padding_efficiency']:.1%}) with {row['shapes']} batch shape(s), "
+                  f"{row['compiles']} compiles ({row['compile_s']:.1f} s); {speed}; {quality}")
+    elif group == "precision":
+        detail = (f"{memory}; {speed}; {quality}; final loss scale {row['loss_scale']:g}, "
+                  f"{row['skipped_steps']} skipped steps")
+    elif group == "accumulation":
+        detail = f"{row['accumulate']} microbatches per step: {memory}; {speed}; {quality}"
+    elif group == "optimizer":
+        detail = (f"optimizer state {row['optimizer_state_bytes']:,} bytes (baseline "
+                  f"{base['optimizer_state_bytes']:,}); {quality}; {speed}")
+    elif group == "sharding":
+        devices = math.prod(row["mesh"].values())
+        detail = (f"{devices} devices, parameters + optimizer state "
+                  f"{row['param_opt_bytes_per_device']:,} bytes per device (baseline "
+                  f"{base['param_opt_bytes_per_device']:,}), {memory} per device; {speed}; "
+                  f"{quality}")
+    elif group == "combination":
+        detail = f"{speed}; {quality}; {memory}"
+    else:
+        detail = f"{memory}; {speed}; {quality}"
+    return f"**{row['name']}** ({row['description']}): {detail}."
+
+
+COLUMNS = [
+    ("name", "row", ""),
+    ("real_tokens_per_s", "real tok/s", ",.0f"),
+    ("speedup", "speedup", ".2f"),
+    ("padding_efficiency", "padding eff.", ".1%"),
+    ("shapes", "shapes", "d"),
+    ("compiles", "compiles", "d"),
+    ("compile_s", "compile s", ".1f"),
+    ("memory_mb", "step MB", ",.0f"),
+    ("peak_mb", "peak MB", ",.0f"),
+    ("mfu", "MFU", ".1%"),
+    ("val_bpb", "val bpb", ".3f"),
+    ("quality_diff", "vs baseline", "+.1%"),
+    ("note", "note", ""),
+]
+
+
+def table(rows: list[dict]) -> str:
+    shown = []
+    for r in rows:
+        shown.append({**r, "memory_mb": _scaled(r.get("memory_bytes")),
+                      "peak_mb": _scaled(r.get("peak_memory_bytes")),
+                      "note": "" if r["status"] == "ran" else r["status"]})
+    return format_table(shown, COLUMNS)
+
+
+def _scaled(value):
+    return None if value is None else value / 2**20
+
+
+def targets(best: dict | None, base: dict, scale: str, devices: dict) -> list[str]:
+    """The issue's targets, checked against the measured best row."""
+    if best is None or best["status"] != "ran":
+        return ["no best combination ran: the targets are unmeasured"]
+    lines = []
+    quality_ok = best["val_bpb"] <= base["val_bpb"]
+    if scale == "cpu":
+        ok = best["speedup"] >= 2 and quality_ok
+        lines.append(f"CPU target (best >= 2x the baseline's real tokens/s at equal or better "
+                     f"validation loss): {'met' if ok else 'not met'}, {best['speedup']:.2f}x at "
+                     f"{best['quality_diff']:+.2%}")
+    else:
+        mfu = best["mfu"]
+        ok = mfu is not None and mfu >= 0.45 and best["speedup"] >= 4
+        mfu_text = "unknown (no peak for this device)" if mfu is None else f"{mfu:.1%}"
+        lines.append(f"GPU target (best >= 45 % MFU and >= 4x the baseline's real tokens/s; "
+                     f"stated for an H100): {'met' if ok else 'not met'}, MFU {mfu_text}, "
+                     f"{best['speedup']:.2f}x, validation {best['quality_diff']:+.2%} on "
+                     f"{devices['device_kind']}")
+    return lines
+
+
+def write_report(path: str, rows: list[dict], meta: dict, picks: list[tuple[str, str]],
+                 target_lines: list[str]):
+    base = rows[0]
+    lines = [
+        f"# experiments.speedup, {meta['scale']} preset",
+        "",
+        f"Command: `{meta['command']}`  ",
+        f"Device: {meta['device_count']} x {meta['device']}, jax {meta['jax_version']}, "
+        f"{meta['date']}  ",
+        f"Model: {meta['model']} ({meta['params']:,} parameters), seq_len {meta['seq_len']}, "
+        f"baseline batch {meta['batch_size']} rows, {meta['train_tokens']:,} real tokens per "
+        f"row, final validation on {meta['val_tokens']:,} tokens",
+        "",
+        table(rows),
+        "",
+        "## What each technique did",
+        "",
+        *[f"- {explain(r, base)}" for r in rows],
+        "",
+        "## The combination",
+        "",
+        f"Rows combined ({meta['best_source']}): "
+        + ("; ".join(f"{n} ({why})" for n, why in picks) if picks else "none"),
+        "",
+        *[f"- {line}" for line in target_lines],
+        "",
+        "Each row's command is in the JSON (`--json`) and in its directory's log.txt.",
+    ]
+    with open(path, "w") as f:
+        f.write("\n".join(lines) + "\n")
+
+
+def plot(run_root: str, rows: list[dict], title: str):
+    ran = [r for r in rows if r["status"] == "ran"]
+    if not ran:
+        return
+    labels = [r["name"] for r in ran]
+    bar_chart(os.path.join(run_root, "tokens_per_s.png"), labels,
+              [("real tokens/s", [r["real_tokens_per_s"] for r in ran])], title=title)
+    panels = [("compiled step memory (MB)", [(r["memory_bytes"] or 0) / 2**20 for r in ran])]
+    if any(r["peak_memory_bytes"] for r in ran):
+        panels.append(("peak device memory (MB)",
+                       [(r["peak_memory_bytes"] or 0) / 2**20 for r in ran]))
+    bar_chart(os.path.join(run_root, "memory.png"), labels, panels, title=title)
+    plot_loss_curves(os.path.join(run_root, "loss_curves.png"),
+                     {r["name"]: r["run_dir"] for r in ran}, title=title)
+
+
+def main(argv=None) -> int:
+    argv = sys.argv[1:] if argv is None else list(argv)
+    try:
+        cfg, devices = parse_config(argv)
+        names = parse_names(cfg.rows, BY_NAME, "rows")
+        if cfg.resume:
+            raise ConfigError("--resume is not supported here: every row starts fresh; drop it")
+        if cfg.tokens_per_batch is not None:
+            raise ConfigError("the baseline's batch is --batch-size rows; drop --tokens-per-batch")
+        if cfg.row_accumulate < 1 or (cfg.batch_size or 0) % cfg.row_accumulate:
+            raise ConfigError(f"--row-accumulate {cfg.row_accumulate} must be >= 1 and divide "
+                              f"--batch-size {cfg.batch_size}")
+        best_names = parse_names(cfg.best, BY_NAME, "best") if cfg.best else None
+        techniques = [t for t in TECHNIQUES if t.name == "baseline" or t.name in names]
+        run_root = cfg.run_dir or os.path.join("runs", time.strftime("speedup-%Y%m%d-%H%M%S"))
+        if os.path.exists(os.path.join(run_root, "report.md")):
+            raise ConfigError(f"{run_root} already holds a speedup report; choose another "
+                              f"--run-dir")
+        documents = load_corpus(cfg.data, cache_dir=cfg.cache_dir).train
+        print(f"experiments.speedup: {cfg.scale} preset on {devices['device_count']} x "
+              f"{devices['device_kind']}; {len(techniques)} rows into {run_root}", flush=True)
+
+        rows, picks = {}, []
+        for technique in techniques:
+            reason = skip_reason(technique, devices)
+            if technique.name == "best":
+                if best_names:
+                    picks = [(n, "named by --best") for n in best_names]
+                else:
+                    picks = choose_best(rows, cfg.speed_margin, cfg.quality_tolerance,
+                                        cfg.optimizer_slowdown)
+                chosen = [n for n, _ in picks]
+                settings = combine({n: rows[n]["settings"] if n in rows else
+                                    row_settings(cfg, BY_NAME[n], documents) for n in chosen},
+                                   chosen, devices["device_count"])
+                technique = dataclasses.replace(
+                    technique, description="the best combination: "
+                    + (" + ".join(n for n, _ in picks) or "nothing beat the baseline"))
+            else:
+                settings = row_settings(cfg, technique, documents)
+            if reason:
+                row = {"name": technique.name, "group": technique.group,
+                       "description": technique.description, "settings": settings,
+                       "status": f"skipped: {reason}"}
+            else:
+                row = run_row(cfg, technique, settings, run_root)
+            compare(row, rows.get("baseline", row))
+            rows[technique.name] = row
+            _progress_line(row)
+    except ConfigError as e:
+        print(f"error: {e}", file=sys.stderr)
+        return 2
+
+    ordered = list(rows.values())
+    base = rows["baseline"]
+    if base["status"] != "ran":
+        print(f"error: the baseline did not run ({base['status']}); see "
+              f"{base['run_dir']}/log.txt", file=sys.stderr)
+        return 1
+    best = rows.get("best")
+    target_lines = targets(best, base, cfg.scale, devices)
+    meta = {"scale": cfg.scale, "command": "python -m experiments.speedup " + shlex.join(argv),
+            "device": devices["device_kind"], "platform": devices["platform"],
+            "device_count": devices["device_count"], "jax_version": devices["jax_version"],
+            "date": time.strftime("%Y-%m-%d"), "model": cfg.model, "params": None,
+            "seq_len": cfg.seq_len, "batch_size": cfg.batch_size,
+            "train_tokens": cfg.train_tokens, "val_tokens": base["val_tokens"],
+            "best": [n for n, _ in picks], "best_source": "--best" if best_names else
+            "chosen from the measurements", "targets": target_lines, "run_dir": run_root}
+    with open(os.path.join(base["run_dir"], "summary.json")) as f:
+        meta["params"] = json.load(f)["params"]
+    report = os.path.join(run_root, "report.md")
+    write_report(report, ordered, meta, picks, target_lines)
+    title = f"{cfg.model} model, seq_len {cfg.seq_len}, {devices['device_kind']}"
+    plot(run_root, ordered, title)
+    write_json(cfg.json, ordered, meta)
+    print(f"\n{meta['model']} model ({meta['params']:,} parameters), seq_len {cfg.seq_len}, "
+          f"{cfg.train_tokens:,} real tokens per row, {devices['device_count']} x "
+          f"{devices['device_kind']}, jax {devices['jax_version']}")
+    print(table(ordered))
+    print(f"\nbest = {' + '.join(meta['best']) or 'the baseline (nothing qualified)'} "
+          f"({meta['best_source']})")
+    for line in target_lines:
+        print(line)
+    print(f"report, plots and one directory per row: {run_root}")
+    return 0
+
+
+def _progress_line(row: dict):
+    if row["status"] == "ran":
+        speed = f"{row['speedup']:.2f}x" if row.get("speedup") is not None else ""
+        print(f"  {row['name']:<16} {row['real_tokens_per_s']:>12,.0f} real tok/s {speed:>7}  "
+              f"val {row['val_bpb']:.3f} bpb  ({row['process_s']:.0f} s)", flush=True)
+    else:
+        print(f"  {row['name']:<16} {row['status']}", flush=True)
+
+
+if __name__ == "__main__":
+    sys.exit(main())

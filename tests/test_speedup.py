@@ -1,0 +1,126 @@
+"""experiments.speedup: the choice of the best combination, and a minute-scale run of every row."""
+
+import json
+
+import pytest
+
+from experiments import speedup
+from jaxaccel.config import TrainConfig, parse_config
+from jaxaccel.errors import ConfigError
+
+
+def _row(name, speedup_, quality, val_bpb=None):
+    return {"name": name, "group": speedup.BY_NAME[name].group, "status": "ran",
+            "speedup": speedup_, "quality_diff": quality, "val_bpb": val_bpb or 3 * (1 + quality)}
+
+
+def test_best_takes_the_fastest_row_per_group_within_tolerance():
+    rows = {r["name"]: r for r in [
+        _row("baseline", 1.0, 0.0),
+        _row("dynamic", 1.10, 0.0), _row("bucket", 1.40, 0.05), _row("pack", 1.30, 0.01),
+        _row("bf16", 1.02, 0.0), _row("fp16", 0.90, -0.01),
+        _row("remat-full", 0.80, 0.0), _row("remat-dots", 1.05, 0.0),
+        _row("lion", 1.02, 0.05), _row("lamb", 0.95, -0.03), _row("accumulate", 1.2, 0.0),
+        _row("fsdp", 1.2, 0.0), _row("dp", 1.3, 0.0),
+    ]}
+    rows["dp"]["status"] = "failed: out of memory"
+    picks = speedup.choose_best(rows, margin=0.03, tolerance=0.02, slowdown=0.10)
+    # bucket is fastest but 5 % worse; bf16 is under the margin; dp failed; lamb buys quality.
+    assert [name for name, _ in picks] == ["pack", "remat-dots", "accumulate", "fsdp", "lamb"]
+    assert speedup.choose_best(rows, 0.03, 0.02, slowdown=0.01)[-1][0] == "fsdp"
+
+
+def test_combine_merges_settings_and_rounds_the_batch_for_sharding():
+    settings = {"pack": {"batching": "pack", "batch_size": 3, "tokens_per_batch": None},
+                "fsdp": {"sharding": "fsdp", "num_devices": None}, "fp16": {"precision": "fp16"}}
+    combined = speedup.combine(settings, ["pack", "fp16", "fsdp"], device_count=2)
+    assert combined == {"batching": "pack", "batch_size": 4, "tokens_per_batch": None,
+                        "precision": "fp16", "sharding": "fsdp", "num_devices": None}
+    settings.update(pack={"batching": "pack", "batch_size": 5}, accumulate={"accumulate": 2})
+    assert speedup.combine(settings, ["pack", "fsdp"], 2)["batch_size"] == 6
+    assert speedup.combine(settings, ["pack", "accumulate", "fsdp"], 2)["batch_size"] == 8
+    assert speedup.combine(settings, ["pack", "accumulate"], 2)["batch_size"] == 6
+    with pytest.raises(ConfigError, match="two padding rows"):
+        speedup.combine({"pack": {}, "bucket": {}}, ["pack", "bucket"], 1)
+    with pytest.raises(ConfigError, match="cannot combine 'baseline'"):
+        speedup.combine({"baseline": {}}, ["baseline"], 1)
+
+
+def test_a_row_command_reproduces_its_config():
+    cfg = speedup.train_config(
+        speedup.SpeedupConfig(d_model=64, seq_len=128, batch_size=None, progress=False),
+        {"batching": "bucket", "tokens_per_batch": 1000, "precision": "fp16",
+         "loss_scale": "dynamic", "num_devices": None}, run_dir="runs/x")
+    assert parse_config(speedup.to_argv(cfg), TrainConfig) == cfg
+
+
+def test_bad_rows_and_best_are_one_line_errors(tmp_path, capsys):
+    assert speedup.main(["--rows", "baseline,warp", "--run-dir", str(tmp_path)]) == 2
+    assert "unknown rows ['warp']" in capsys.readouterr().err
+    assert speedup.main(["--batch-size", "6", "--row-accumulate", "4",
+                         "--run-dir", str(tmp_path)]) == 2
+    assert "--row-accumulate 4" in capsys.readouterr().err
+
+
+def test_every_row_runs_with_its_technique_on(corpus_path, tmp_path, capsys):
+    """The whole experiment at a minute scale, two simulated CPU devices for the sharding rows."""
+    out, run_dir = tmp_path / "speedup.json", tmp_path / "runs"
+    code = speedup.main([
+        "--scale", "cpu", "--cpu-devices", "2", "--data", corpus_path, "--d-model", "32",
+        "--n-layers", "1", "--n-heads", "2", "--max-seq-len", "128", "--seq-len", "128",
+        "--batch-size", "4", "--pad-multiple", "32", "--buckets", "3", "--train-tokens", "1500",
+        "--warmup-steps", "2", "--log-every", "2", "--final-eval-batches", "2",
+        "--cache-dir", str(tmp_path / "cache"), "--run-dir", str(run_dir), "--json", str(out)])
+    assert code == 0
+    result = json.loads(out.read_text())
+    rows = {r["name"]: r for r in result["rows"]}
+    assert list(rows) == [t.name for t in speedup.TECHNIQUES]
+    assert rows["flash"]["status"] == "skipped: needs a GPU"
+    ran = {name: r for name, r in rows.items() if name != "flash"}
+    for name, r in ran.items():
+        assert r["status"] == "ran", (name, r["status"])
+        for key in ("name", "real_tokens_per_s", "speedup", "padding_efficiency", "memory_bytes",
+                    "compiles", "compile_s", "val_bpb", "quality_diff"):
+            assert r[key] is not None, (name, key)
+        assert "mfu" in r and r["real_tokens"] > 1000
+    base = rows["baseline"]
+    assert base["speedup"] == 1 and base["quality_diff"] == 0 and base["batching"] == "fixed"
+    assert base["mesh"] == {"data": 1, "fsdp": 1, "tensor": 1} and base["precision"] == "fp32"
+    # Padding: each strategy's shapes and efficiency.
+    assert rows["dynamic"]["batching"] == "dynamic" and rows["dynamic"]["shapes"] > 1
+    assert 1 < rows["bucket"]["shapes"] <= 3
+    assert rows["pack"]["shapes"] == 1
+    for name in ("bucket", "pack"):
+        assert rows[name]["padding_efficiency"] > base["padding_efficiency"], name
+    # Precision: the compute dtype, and fp16's dynamic loss scale at work.
+    assert rows["bf16"]["precision"] == "bf16" and rows["bf16"]["temp_bytes"] < base["temp_bytes"]
+    assert rows["fp16"]["precision"] == "fp16" and rows["fp16"]["loss_scale"] > 1
+    # Remat: every policy keeps fewer temporaries than none.
+    for policy in ("full", "dots", "attention", "mlp", "offload"):
+        row = rows[f"remat-{policy}"]
+        assert row["remat"] == policy and row["temp_bytes"] < base["temp_bytes"], policy
+    # Optimizers, accumulation, sharding.
+    assert rows["lion"]["optimizer_state_bytes"] / base["optimizer_state_bytes"] == \
+        pytest.approx(0.5, abs=1e-3)   # one moment instead of two (and a few counters)
+    assert rows["lamb"]["optimizer"] == "lamb" and rows["lamb"]["val_bpb"] != base["val_bpb"]
+    assert rows["accumulate"]["accumulate"] == 2
+    assert rows["accumulate"]["temp_bytes"] < base["temp_bytes"]
+    assert rows["dp"]["mesh"]["data"] == 2 and rows["fsdp"]["mesh"]["fsdp"] == 2
+    assert rows["fsdp"]["param_opt_bytes_per_device"] < base["param_opt_bytes_per_device"]
+    # The best row ran with the settings of the rows it names.
+    best = rows["best"]
+    assert best["settings"] == speedup.combine(
+        {n: rows[n]["settings"] for n in result["meta"]["best"]}, result["meta"]["best"], 2)
+    for name in result["meta"]["best"]:
+        for key, value in rows[name]["settings"].items():
+            if key in ("batching", "precision", "remat", "optimizer", "sharding"):
+                assert best[key] == value, (name, key)
+    assert result["meta"]["scale"] == "cpu" and result["meta"]["device_count"] == 2
+    assert result["meta"]["targets"][0].startswith("CPU target")
+    report = (run_dir / "report.md").read_text()
+    assert "| row" in report and report.count("\n- **") == len(rows)
+    for plot in ("tokens_per_s.png", "memory.png", "loss_curves.png"):
+        assert (run_dir / plot).stat().st_size > 1000, plot
+    assert "python -m experiments.train" in rows["pack"]["command"]
+    printed = capsys.readouterr().out
+    assert "| row" in printed and "best = " in printed
