@@ -39,6 +39,11 @@ class CompiledFn:
         self.last = executable
         return executable
 
+    @property
+    def executables(self) -> list:
+        """Every executable compiled so far, one per input shape."""
+        return list(self._executables.values())
+
     def __call__(self, *args):
         return self.compile(*args)(*args)
 
@@ -82,3 +87,10 @@ def flops(executable) -> float | None:
     if not analysis or "flops" not in analysis:
         return None
     return float(analysis["flops"])
+
+
+def largest_memory_bytes(compiled_fn: CompiledFn) -> dict | None:
+    """``memory_bytes`` of the executable of ``compiled_fn`` with the most device bytes: what a
+    run that compiled several batch shapes needs the device to hold."""
+    found = [m for m in (memory_bytes(e) for e in compiled_fn.executables) if m]
+    return max(found, key=lambda m: m["total"]) if found else None

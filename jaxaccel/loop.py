@@ -24,7 +24,7 @@ import numpy as np
 
 from jaxaccel import hardware
 from jaxaccel.checkpoint import Checkpointer
-from jaxaccel.compiled import CompiledFn, abstract, memory_bytes
+from jaxaccel.compiled import CompiledFn, abstract, largest_memory_bytes
 from jaxaccel.config import TrainConfig
 from jaxaccel.corpus import load_corpus
 from jaxaccel.data import DataStream, batches
@@ -324,7 +324,7 @@ def _train(cfg: TrainConfig, model_cfg, mesh, mesh_shape, should_stop, wall_star
         "remat": model_cfg.remat,
         "scan_layers": model_cfg.scan_layers,
         "remat_plan": dataclasses.asdict(plan) if plan else None,
-        "step_memory_bytes": memory_bytes(train_step.last),
+        "step_memory_bytes": largest_memory_bytes(train_step),
         "peak_memory_bytes": hardware.peak_memory_bytes(),
         "split_documents": stream.stats["split_documents"],
         "empty_documents_skipped": corpus.stats["empty_documents_skipped"],

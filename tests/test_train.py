@@ -87,3 +87,16 @@ def test_compiles_are_counted_once_per_shape_and_match_xla():
     state, _ = step(state, random_batch(9, T=8))
     assert step.compiles == 2 and step.compile_seconds > 0
     assert memory_bytes(step.last)["temp"] > 0
+
+
+def test_largest_memory_bytes_is_the_biggest_shape_not_the_last():
+    from jaxaccel.compiled import largest_memory_bytes
+    fn = CompiledFn(lambda x: jnp.tanh(x @ x.T).sum())
+    big, small = jnp.ones((256, 64)), jnp.ones((8, 64))
+    fn(big)
+    fn(small)
+    assert fn.compiles == 2
+    assert memory_bytes(fn.last) == memory_bytes(fn.compile(small))
+    largest = largest_memory_bytes(fn)
+    assert largest == memory_bytes(fn.compile(big))
+    assert largest["total"] > memory_bytes(fn.compile(small))["total"]
