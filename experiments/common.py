@@ -50,16 +50,20 @@ def plot_loss_curves(path: str, run_dirs: dict[str, str], title: str):
     plot_curves(path, curves, xlabel="real tokens", title=title)
 
 
-def matched_batch(documents, cfg: TrainConfig, strategy: str, match: bool = True) -> dict:
+def matched_batch(documents, cfg: TrainConfig, strategy: str, match: bool = True,
+                  multiple: int = 1) -> dict:
     """Batch settings for ``strategy`` whose batches hold about as many real tokens as fixed
     padding's ``cfg.batch_size`` rows of ``cfg.seq_len`` do, so all take the same optimizer steps.
 
     Without matching, the strategies that cut padding would also take fewer, larger steps for
     the same tokens, and a short run's loss would measure the step count, not the padding.
+    Batches whose rows must be a ``multiple`` (devices x microbatches) get the nearest one.
     """
     def real_per_batch(**batching):
-        stream = DataStream(documents, strategy=batching.pop("strategy"), seq_len=cfg.seq_len,
-                            pad_multiple=cfg.pad_multiple, num_buckets=cfg.buckets, **batching)
+        strategy = batching.pop("strategy")
+        stream = DataStream(documents, strategy=strategy, seq_len=cfg.seq_len,
+                            pad_multiple=cfg.pad_multiple, num_buckets=cfg.buckets,
+                            data_parallel=multiple if strategy == "bucket" else 1, **batching)
         return stream.stats["real_tokens_per_batch"]
 
     target = real_per_batch(strategy="fixed", batch_size=cfg.batch_size)
@@ -73,4 +77,5 @@ def matched_batch(documents, cfg: TrainConfig, strategy: str, match: bool = True
     if match:
         ratio = target / real_per_batch(strategy=strategy, batch_size=cfg.batch_size)
         batch_size = max(1, round(cfg.batch_size * ratio))
+    batch_size = max(multiple, round(batch_size / multiple) * multiple)
     return {"batch_size": batch_size, "tokens_per_batch": None}

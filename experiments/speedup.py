@@ -22,7 +22,9 @@ rows to combine instead):
 
 The padding rows size their batches to hold as many real tokens as the baseline's
 ``--batch-size`` rows (``bucket`` through a token budget), so every row takes the same number
-of optimizer steps and the validation losses compare the techniques, not step counts.
+of optimizer steps and the validation losses compare the techniques, not step counts; the
+combination re-matches its padding row's batch after rounding the rows to the devices x
+microbatches. Every row validates on the same batches of the validation split.
 
 Each row runs ``python -m experiments.train`` in its own process (its command is in the
 report), so the device's peak memory, the compile counts and a failure belong to that row
@@ -203,7 +205,8 @@ def to_argv(cfg: TrainConfig) -> list[str]:
 def train_config(cfg: SpeedupConfig, settings: dict, run_dir: str) -> TrainConfig:
     """A plain TrainConfig: the experiment's training flags, the baseline, then ``settings``."""
     fields = {f.name: getattr(cfg, f.name) for f in dataclasses.fields(TrainConfig)}
-    fields.update(BASELINE, json=None, resume=False, run_dir=run_dir)
+    fields.update(BASELINE, json=None, resume=False, run_dir=run_dir,
+                  eval_batch_size=cfg.batch_size)   # the same validation batches for every row
     fields.update(settings)
     return TrainConfig(**fields)
 
@@ -262,10 +265,16 @@ def combine(settings_of: dict[str, dict], names: list[str], device_count: int) -
     settings = {}
     for name in names:
         settings.update(settings_of[name])
-    multiple = (device_count if "sharding" in groups else 1) * settings.get("accumulate", 1)
+    multiple = batch_multiple(settings, groups, device_count)
     if settings.get("batch_size"):
         settings["batch_size"] = -(-settings["batch_size"] // multiple) * multiple
     return settings
+
+
+def batch_multiple(settings: dict, groups, device_count: int) -> int:
+    """Rows of every batch must be a multiple of this: the devices (with a sharding row) times
+    the microbatches."""
+    return (device_count if "sharding" in groups else 1) * settings.get("accumulate", 1)
 
 
 def run_row(cfg: SpeedupConfig, technique: Technique, settings: dict, run_root: str) -> dict:
@@ -508,6 +517,13 @@ def main(argv=None) -> int:
                 settings = combine({n: rows[n]["settings"] if n in rows else
                                     row_settings(cfg, BY_NAME[n], documents) for n in chosen},
                                    chosen, devices["device_count"])
+                multiple = batch_multiple(settings, {BY_NAME[n].group for n in chosen},
+                                          devices["device_count"])
+                if multiple > 1 and settings.get("batching", "fixed") != "fixed":
+                    # re-match the padding row's batch to the baseline's real tokens per step
+                    # under the rounding, so the combination takes the same number of steps
+                    settings.update(matched_batch(documents, cfg, settings["batching"],
+                                                  multiple=multiple))
                 technique = dataclasses.replace(
                     technique, description="the best combination: "
                     + (" + ".join(n for n, _ in picks) or "nothing beat the baseline"))

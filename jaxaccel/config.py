@@ -139,6 +139,8 @@ class TrainConfig:
     eval_every: int = flag(100, "evaluate on --eval-batches validation batches every N steps")
     eval_batches: int = flag(20, "validation batches in periodic evaluations (the final one "
                                    "uses the whole split)")
+    eval_batch_size: int | None = flag(None, "rows per validation batch (default: the training "
+                                             "batch's rows)")
     final_eval_batches: int | None = flag(None, "validation batches of the final evaluation "
                                                 "(default: the whole split)")
     log_every: int = flag(10, "write metrics every N steps")
@@ -191,7 +193,8 @@ class TrainConfig:
         seq_len = self.resolved_seq_len(model_cfg)
         for name in ("steps", "seq_len", "batch_size", "tokens_per_batch", "train_tokens",
                      "prefetch", "accumulate", "base_batch_size", "memory_budget",
-                     "distributed_timeout", "final_eval_batches", "num_devices"):
+                     "distributed_timeout", "final_eval_batches", "num_devices",
+                     "eval_batch_size"):
             value = seq_len if name == "seq_len" else getattr(self, name)
             if value is not None and value < 1:
                 raise ConfigError(f"{name} must be at least 1, got {value}; fix --{name.replace('_', '-')}")

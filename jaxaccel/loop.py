@@ -206,7 +206,8 @@ def _train(cfg: TrainConfig, model_cfg, mesh, mesh_shape, should_stop, wall_star
     eval_step = CompiledFn(make_eval_step(apply_fn, policy),
                            in_shardings=(shardings, batch_layout), out_shardings=whole)
     eval_multiple = math.lcm(batch_shards(mesh_shape), jax.process_count())
-    eval_batch_size = stream_args["batch_size"] or max(1, stream_args["tokens_per_batch"] // seq_len)
+    eval_batch_size = (cfg.eval_batch_size or stream_args["batch_size"]
+                       or max(1, stream_args["tokens_per_batch"] // seq_len))
     eval_batch_size = -(-eval_batch_size // eval_multiple) * eval_multiple
     abstract_state = abstract(state)
     for shape in stream.global_shapes:
