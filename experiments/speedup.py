@@ -308,7 +308,8 @@ def run_row(cfg: SpeedupConfig, technique: Technique, settings: dict, run_root: 
         peak_memory_bytes=s["peak_memory_bytes"], compiles=s["compiles"],
         compile_s=s["compile_s"], mfu=s["mfu"], val_bpb=s["val_bpb"], val_loss=s["val_loss"],
         val_tokens=s["val_tokens"], steps=s["steps"], real_tokens=s["real_tokens"],
-        train_s=s["train_s"], batching=s["batching"], batch_rows=s["batch_rows"],
+        train_s=s["train_s"], params=s["params"], batching=s["batching"],
+        batch_rows=s["batch_rows"],
         precision=s["precision"], loss_scale=s["loss_scale"], skipped_steps=s["skipped_steps"],
         remat=s["remat"], attention=s["attention"], optimizer=s["optimizer"],
         optimizer_state_bytes=s["optimizer_state_bytes"], accumulate=s["accumulate"],
@@ -354,7 +355,8 @@ def explain(row: dict, base: dict) -> str:
     group = row["group"]
     if group == "baseline":
         detail = (f"{row['real_tokens_per_s']:,.0f} real tokens/s at padding efficiency "
-                  f"{row['padding_efficiency']:.1%}, {memory.replace(' (n/a)', '')}, "
+                  f"{row['padding_efficiency']:.1%}, compiled step memory "
+                  f"{_mb(row['memory_bytes'])}, "
                   f"validation {row['val_bpb']:.3f} bits/byte")
         return f"**baseline** ({row['description']}): {detail}."
     if group == "padding":
@@ -553,13 +555,11 @@ def main(argv=None) -> int:
     meta = {"scale": cfg.scale, "command": "python -m experiments.speedup " + shlex.join(argv),
             "device": devices["device_kind"], "platform": devices["platform"],
             "device_count": devices["device_count"], "jax_version": devices["jax_version"],
-            "date": time.strftime("%Y-%m-%d"), "model": cfg.model, "params": None,
+            "date": time.strftime("%Y-%m-%d"), "model": cfg.model, "params": base["params"],
             "seq_len": cfg.seq_len, "batch_size": cfg.batch_size,
             "train_tokens": cfg.train_tokens, "val_tokens": base["val_tokens"],
             "best": [n for n, _ in picks], "best_source": "--best" if best_names else
             "chosen from the measurements", "targets": target_lines, "run_dir": run_root}
-    with open(os.path.join(base["run_dir"], "summary.json")) as f:
-        meta["params"] = json.load(f)["params"]
     report = os.path.join(run_root, "report.md")
     write_report(report, ordered, meta, picks, target_lines)
     title = f"{cfg.model} model, seq_len {cfg.seq_len}, {devices['device_kind']}"

@@ -137,8 +137,8 @@ class TrainConfig:
         None, "run directory (default: a new runs/train-<time>; with --resume, the latest one)")
     checkpoint_every: int = flag(100, "save an orbax checkpoint every N steps (and at the end)")
     eval_every: int = flag(100, "evaluate on --eval-batches validation batches every N steps")
-    eval_batches: int = flag(20, "validation batches in periodic evaluations (the final one "
-                                   "uses the whole split)")
+    eval_batches: int = flag(20, "validation batches in periodic evaluations, spread over the "
+                                   "split (the final one: --final-eval-batches)")
     eval_batch_size: int | None = flag(None, "rows per validation batch (default: the training "
                                              "batch's rows)")
     final_eval_batches: int | None = flag(None, "validation batches of the final evaluation "
