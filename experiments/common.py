@@ -1,33 +1,57 @@
-"""What the experiment modules share: one training run per row, JSON output, loss curves."""
+"""What the experiment modules share: the command-line wrapper, list flags, JSON, loss curves,
+and batch sizes matched across batching strategies."""
 
-import dataclasses
+import functools
 import json
 import os
+import sys
 import time
 
 import jax
 
-from jaxaccel.config import TrainConfig
+from jaxaccel.config import TrainConfig, describe_error
 from jaxaccel.data import DataStream
 from jaxaccel.errors import ConfigError
 from jaxaccel.metrics import plot_curves, read_metrics, token_curve
 
 
-def run_config(cfg: TrainConfig, **overrides) -> TrainConfig:
-    """A plain TrainConfig with the experiment's training settings and one row's overrides."""
-    fields = {f.name: getattr(cfg, f.name) for f in dataclasses.fields(TrainConfig)}
-    fields.update(json=None, **overrides)
-    return TrainConfig(**fields)
+def command(config_cls=TrainConfig):
+    """Wrap an experiment's ``main(argv) -> exit code``: a ConfigError becomes one line
+    ``error: <message> [<flag> / <field>]`` on stderr and exit code 2."""
+
+    def wrap(main):
+        @functools.wraps(main)
+        def run(argv=None) -> int:
+            try:
+                return main(argv)
+            except ConfigError as e:
+                print(describe_error(e, config_cls), file=sys.stderr)
+                return 2
+
+        return run
+
+    return wrap
 
 
-def parse_names(text: str, valid, flag_name: str) -> list[str]:
-    """The comma-separated names of ``--flag_name``; ConfigError if one is not in ``valid``."""
-    names = [n.strip() for n in text.split(",") if n.strip()]
-    unknown = [n for n in names if n not in valid]
-    if unknown or not names:
-        raise ConfigError(f"unknown {flag_name} {unknown}; choose --{flag_name} from "
-                          f"{', '.join(valid)}")
-    return names
+def parse_list(text: str, field: str, *, valid=None, kind=str) -> list:
+    """The comma-separated items of the setting ``field``: names from ``valid``, or (``kind=int``)
+    positive integers; ConfigError naming the field otherwise."""
+    items = [item.strip() for item in (text or "").split(",") if item.strip()]
+    name = field.rpartition(".")[2]
+    if kind is int:
+        try:
+            values = [int(item) for item in items]
+        except ValueError:
+            values = []
+        if not values or min(values) < 1:
+            raise ConfigError(f"{name}={text!r} is not a comma-separated list of positive "
+                              f"integers; write e.g. 1024,2048", field=field)
+        return values
+    unknown = [item for item in items if valid is not None and item not in valid]
+    if unknown or not items:
+        raise ConfigError(f"unknown {name} {unknown}; choose from {', '.join(valid)}",
+                          field=field)
+    return items
 
 
 def environment() -> dict:
@@ -53,29 +77,32 @@ def plot_loss_curves(path: str, run_dirs: dict[str, str], title: str):
 def matched_batch(documents, cfg: TrainConfig, strategy: str, match: bool = True,
                   multiple: int = 1) -> dict:
     """Batch settings for ``strategy`` whose batches hold about as many real tokens as fixed
-    padding's ``cfg.batch_size`` rows of ``cfg.seq_len`` do, so all take the same optimizer steps.
+    padding's ``data.batch_size`` rows of ``data.seq_len`` do, so all take the same optimizer
+    steps, as ``{"data.batch_size": ..., "data.tokens_per_batch": ...}``.
 
     Without matching, the strategies that cut padding would also take fewer, larger steps for
     the same tokens, and a short run's loss would measure the step count, not the padding.
     Batches whose rows must be a ``multiple`` (devices x microbatches) get the nearest one.
     """
+    data = cfg.data
+
     def real_per_batch(**batching):
         strategy = batching.pop("strategy")
         stream = DataStream(documents, strategy=strategy, seq_len=cfg.seq_len,
-                            pad_multiple=cfg.pad_multiple, num_buckets=cfg.buckets,
+                            pad_multiple=data.pad_multiple, num_buckets=data.buckets,
                             data_parallel=multiple if strategy == "bucket" else 1, **batching)
         return stream.stats["real_tokens_per_batch"]
 
-    target = real_per_batch(strategy="fixed", batch_size=cfg.batch_size)
+    target = real_per_batch(strategy="fixed", batch_size=data.batch_size)
     if strategy == "bucket":
-        budget = cfg.batch_size * cfg.seq_len
+        budget = data.batch_size * cfg.seq_len
         for _ in range(2 if match else 0):  # batch sizes per bucket round down
             budget = round(budget * target / real_per_batch(strategy="bucket",
                                                             tokens_per_batch=budget))
-        return {"batch_size": None, "tokens_per_batch": budget}
-    batch_size = cfg.batch_size
+        return {"data.batch_size": None, "data.tokens_per_batch": budget}
+    batch_size = data.batch_size
     if match:
-        ratio = target / real_per_batch(strategy=strategy, batch_size=cfg.batch_size)
-        batch_size = max(1, round(cfg.batch_size * ratio))
+        ratio = target / real_per_batch(strategy=strategy, batch_size=data.batch_size)
+        batch_size = max(1, round(data.batch_size * ratio))
     batch_size = max(multiple, round(batch_size / multiple) * multiple)
-    return {"batch_size": batch_size, "tokens_per_batch": None}
+    return {"data.batch_size": batch_size, "data.tokens_per_batch": None}

@@ -5,8 +5,9 @@ batch each policy fits in a memory budget, with the blocks unrolled and scanned.
     python -m experiments.remat --policies none,attention,full --no-scan-rows
     python -m experiments.remat --memory-budget 3000000000 --json remat.json
 
-Every row compiles the same AdamW train step (the tiny preset's width, ``--n-layers`` 12) with
-one ``--remat`` policy, ahead of time, and reads XLA's compiled memory analysis (temporaries:
+Every row compiles the run's train step (the tiny preset's width, ``--n-layers`` 12, the
+optimizer and ``--precision`` as given, ``jaxaccel.train.build_train_step``) with one remat
+policy, ahead of time, and reads XLA's compiled memory analysis (temporaries:
 mostly the activations kept for the backward pass; total: arguments + outputs not aliased to
 the donated state + temporaries) and ``cost_analysis()`` FLOPs (remat's recomputation shows
 here). It then runs one warm-up step and ``--timed-steps`` timed ones on a fixed batch of random
@@ -29,34 +30,42 @@ import time
 import jax
 import numpy as np
 
-from experiments.common import environment, parse_names, write_json
+from experiments.common import command, environment, parse_list, write_json
 from jaxaccel import hardware
 from jaxaccel.compiled import abstract, flops, memory_bytes
-from jaxaccel.config import TrainConfig, flag, parse_config
+from jaxaccel.config import TrainConfig, parse, setting
 from jaxaccel.errors import ConfigError
-from jaxaccel.loop import build_optimizer
-from jaxaccel.model import init_params, make_apply
+from jaxaccel.loop import train_step_of
+from jaxaccel.model import describe_model, init_params
+from jaxaccel.optim import build_optimizer
 from jaxaccel.planner import choose_policy, compile_step, largest_batch
 from jaxaccel.remat import REMAT_POLICIES
 from jaxaccel.report import format_table
-from jaxaccel.train import init_state, make_train_step
+from jaxaccel.state import init_state
+
+
+@dataclasses.dataclass
+class RematSettings:
+    policies: str = setting(",".join(REMAT_POLICIES), "comma-separated remat policies")
+    scan_rows: bool = setting(True, "also measure every policy with the blocks scanned")
+    timed_steps: int = setting(3, "timed steps per row (median), after one warm-up step")
+    memory_budget: int | None = setting(None, "device bytes for the largest-batch column "
+                                              "(default: the first row's total bytes at "
+                                              "--batch-size)")
+    max_batch_limit: int = setting(1024, "largest batch the search considers")
 
 
 @dataclasses.dataclass
 class RematConfig(TrainConfig):
-    """The model and optimizer flags (with this experiment's defaults) plus the rows."""
+    """The training config (the model, optimizer and precision every row shares) and the rows."""
 
-    policies: str = flag(",".join(REMAT_POLICIES), "comma-separated remat policies")
-    scan_rows: bool = flag(True, "also measure every policy with the blocks scanned")
-    remat: str = flag("none", "not used here: each row sets its own (see --policies)")
-    scan_layers: bool = flag(False, "not used here: see --scan-rows")
-    n_layers: int | None = flag(12, "number of transformer blocks")
-    seq_len: int | None = flag(256, "sequence length")
-    batch_size: int | None = flag(4, "rows per batch for the timings and the planner's choice")
-    timed_steps: int = flag(3, "timed steps per row (median), after one warm-up step")
-    memory_budget: int | None = flag(None, "device bytes for the largest-batch column (default: "
-                                           "the first row's total bytes at --batch-size)")
-    max_batch_limit: int = flag(1024, "largest batch the search considers")
+    experiment: RematSettings = dataclasses.field(default_factory=RematSettings)
+
+
+# This experiment's defaults; each row sets model.remat and model.scan_layers itself, and the
+# experiment's own memory budget (the largest-batch column) replaces the run's.
+DEFAULTS = {"model.n_layers": 12, "data.seq_len": 256, "data.batch_size": 4}
+FIXED = ("model.remat", "model.scan_layers", "run.memory_budget")
 
 
 COLUMNS = [
@@ -87,27 +96,29 @@ def random_batch(batch_size: int, seq_len: int, vocab_size: int, seed: int) -> d
 def measure(cfg: RematConfig, policy: str, scan: bool, optimizer, batch):
     """One row: the step compiled at --batch-size, its figures and timings; and ``total_at``,
     its compiled total bytes at any batch size (compiling on first sight)."""
-    model_cfg = dataclasses.replace(cfg.model_config(), remat=policy, scan_layers=scan)
-    step = make_train_step(make_apply(model_cfg), optimizer, dropout=model_cfg.dropout > 0)
-    state = init_state(init_params(model_cfg, jax.random.PRNGKey(cfg.seed)), optimizer, cfg.seed)
+    model_cfg = dataclasses.replace(cfg.model, remat=policy, scan_layers=scan)
+    step = train_step_of(cfg, model_cfg, optimizer)
+    state = init_state(init_params(model_cfg, jax.random.PRNGKey(cfg.run.seed)), optimizer,
+                       cfg.run.seed, cfg.make_loss_scale(), cfg.policy())
     abstract_state = abstract(state)
+    rows, seq_len = cfg.data.batch_size, cfg.seq_len
     start = time.perf_counter()
-    executable = compile_step(step, abstract_state, cfg.batch_size, cfg.seq_len)
+    executable = compile_step(step, abstract_state, rows, seq_len)
     compile_s = time.perf_counter() - start
     memory = memory_bytes(executable)
     seconds, losses = [], []
-    for _ in range(1 + cfg.timed_steps):
+    for _ in range(1 + cfg.experiment.timed_steps):
         start = time.perf_counter()
         state, metrics = executable(state, batch)
         jax.block_until_ready((state, metrics))
         seconds.append(time.perf_counter() - start)
         losses.append(metrics["loss"])
-    totals = {cfg.batch_size: memory.get("total")}
+    totals = {rows: memory.get("total")}
 
     def total_at(batch_size: int) -> int:
         if batch_size not in totals:
             totals[batch_size] = memory_bytes(
-                compile_step(step, abstract_state, batch_size, cfg.seq_len))["total"]
+                compile_step(step, abstract_state, batch_size, seq_len))["total"]
         return totals[batch_size]
 
     fields = {
@@ -136,31 +147,34 @@ def compare_with_none(rows: list[dict]):
         row["speedup_vs_none"] = none["step_s"] / row["step_s"] if none else None
 
 
+@command(RematConfig)
 def main(argv=None) -> int:
-    try:
-        cfg = parse_config(argv, RematConfig, description=__doc__.split("\n\n")[0])
-        model_cfg = cfg.validate()
-        policies = parse_names(cfg.policies, REMAT_POLICIES, "policies")
-        if cfg.timed_steps < 1 or cfg.max_batch_limit < 1:
-            raise ConfigError("--timed-steps and --max-batch-limit must be at least 1; fix them")
-        optimizer, _, _ = build_optimizer(cfg, cfg.seq_len, cfg.steps)
-        batch = random_batch(cfg.batch_size, cfg.seq_len, model_cfg.vocab_size, cfg.seed)
-        measured = [measure(cfg, policy, scan, optimizer, batch)
-                    for scan in ((False, True) if cfg.scan_rows else (False,))
-                    for policy in policies]
-        rows = [fields for fields, _ in measured]
-        if rows[0]["total_bytes"] is None:
-            raise ConfigError(f"the {jax.default_backend()} backend gives no compiled memory "
-                              f"analysis; this experiment needs it")
-        budget = cfg.memory_budget or rows[0]["total_bytes"]
-        for fields, total_at in measured:
-            fields["max_batch"] = largest_batch(total_at, budget, limit=cfg.max_batch_limit,
-                                                hint=cfg.batch_size)
-            fields["fits"] = fields["total_bytes"] <= budget
-            fields["probed"] = dict(sorted(fields["probed"].items()))
-    except ConfigError as e:
-        print(f"error: {e}", file=sys.stderr)
-        return 2
+    cfg = parse(argv, RematConfig, defaults=DEFAULTS, fixed=FIXED,
+                description=__doc__.split("\n\n")[0])
+    cfg.validate()
+    exp, model_cfg, batch_size = cfg.experiment, cfg.model, cfg.data.batch_size
+    policies = parse_list(exp.policies, "experiment.policies", valid=REMAT_POLICIES)
+    for field in ("timed_steps", "max_batch_limit"):
+        if getattr(exp, field) < 1:
+            raise ConfigError(f"{field} must be at least 1", field=f"experiment.{field}")
+    if batch_size is None:
+        raise ConfigError("this experiment takes a batch size in rows", field="data.batch_size")
+    optimizer, _, _ = build_optimizer(cfg.optimizer, batch_rows=batch_size,
+                                      total_steps=cfg.run.steps)
+    batch = random_batch(batch_size, cfg.seq_len, model_cfg.vocab_size, cfg.run.seed)
+    measured = [measure(cfg, policy, scan, optimizer, batch)
+                for scan in ((False, True) if exp.scan_rows else (False,))
+                for policy in policies]
+    rows = [fields for fields, _ in measured]
+    if rows[0]["total_bytes"] is None:
+        raise ConfigError(f"the {jax.default_backend()} backend gives no compiled memory "
+                          f"analysis; this experiment needs it")
+    budget = exp.memory_budget or rows[0]["total_bytes"]
+    for fields, total_at in measured:
+        fields["max_batch"] = largest_batch(total_at, budget, limit=exp.max_batch_limit,
+                                            hint=batch_size)
+        fields["fits"] = fields["total_bytes"] <= budget
+        fields["probed"] = dict(sorted(fields["probed"].items()))
 
     compare_with_none(rows)
     choices = {}
@@ -169,32 +183,33 @@ def main(argv=None) -> int:
         for criterion, hide in (("step_s", None), ("flops", "step_s")):
             try:
                 picked, _ = choose_policy([{**r, hide: None} if hide else r for r in candidates],
-                                          budget, cfg.batch_size)
+                                          budget, batch_size)
             except ConfigError:
                 picked = None
             choices[f"{layout}, by {criterion}"] = picked
     compile_ratio = _compile_ratio(rows)
-    meta = {"model": cfg.model, "d_model": model_cfg.d_model, "n_layers": model_cfg.n_layers,
-            "n_heads": model_cfg.n_heads, "mlp": model_cfg.mlp, "seq_len": cfg.seq_len,
-            "batch_size": cfg.batch_size, "optimizer": cfg.optimizer,
-            "precision": cfg.precision, "timed_steps": cfg.timed_steps, "memory_budget": budget,
+    meta = {"model": describe_model(model_cfg), "d_model": model_cfg.d_model,
+            "n_layers": model_cfg.n_layers, "n_heads": model_cfg.n_heads, "mlp": model_cfg.mlp,
+            "seq_len": cfg.seq_len, "batch_size": batch_size, "optimizer": cfg.optimizer.name,
+            "precision": cfg.policy().name, "timed_steps": exp.timed_steps,
+            "memory_budget": budget,
             "planner_choice": choices, "unrolled_over_scanned_compile_s": compile_ratio,
             "peak_memory_bytes": hardware.peak_memory_bytes(),
             "offload_note": _offload_note() if "offload" in policies else None,
             **environment()}
-    print(f"\n{cfg.model} width, {model_cfg.n_layers} layers, seq_len {cfg.seq_len}, batch "
-          f"{cfg.batch_size}, {cfg.optimizer}, {cfg.precision}; {meta['device']}, "
+    print(f"\n{model_cfg.d_model} wide, {model_cfg.n_layers} layers, seq_len {cfg.seq_len}, "
+          f"batch {batch_size}, {meta['optimizer']}, {meta['precision']}; {meta['device']}, "
           f"jax {meta['jax_version']}")
     print(format_table(rows, COLUMNS))
     print(f"\nmax batch: the largest batch whose compiled step fits {budget:,} bytes. Scanned "
           f"rows' FLOPs count one layer (XLA counts a loop body once).")
     if compile_ratio:
         print(f"compile time, unrolled / scanned (none): {compile_ratio:.1f}x")
-    print(f"planner's choice for batch {cfg.batch_size} within the budget: "
+    print(f"planner's choice for batch {batch_size} within the budget: "
           + "; ".join(f"{k}: {v or 'nothing fits'}" for k, v in choices.items()))
     if meta["offload_note"]:
         print(meta["offload_note"])
-    write_json(cfg.json, rows, meta)
+    write_json(cfg.run.json, rows, meta)
     return 0
 
 

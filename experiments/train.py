@@ -2,48 +2,51 @@
 
     python -m experiments.train                 # tiny model, stdlib corpus, a few CPU minutes
     python -m experiments.train --resume        # continue the latest run from its checkpoint
-    python -m experiments.train --help          # every flag
+    python -m experiments.train --config run.yaml optimizer.name=lion   # a file, an override
+    python -m experiments.train --help          # every setting, by section
 
-Writes metrics.jsonl, checkpoints/ and loss.png into the run directory. Bits per byte count
-every target token: each byte, and the end-of-document token once per document.
+Writes config.yaml (the resolved settings: ``--config`` repeats the run), command.txt,
+metrics.jsonl, checkpoints/ and loss.png into the run directory. Bits per byte count every
+target token: each byte, and the end-of-document token once per document.
 """
 
+import dataclasses
 import json
 import signal
 import sys
 
-from jaxaccel.config import parse_config
-from jaxaccel.errors import ConfigError
-from jaxaccel.loop import train
+from experiments.common import command
+from jaxaccel.config import parse
+from jaxaccel.loop import RunSummary, train
 
 
-def format_summary(s: dict) -> str:
+def format_summary(s: RunSummary) -> str:
     """The run's summary as aligned lines for the terminal."""
-    mfu = f"{s['mfu']:.1%}" if s["mfu"] is not None else "n/a (device peak unknown)"
+    mfu = f"{s.mfu:.1%}" if s.mfu is not None else "n/a (device peak unknown)"
     rows = [
-        ("run dir", s["run_dir"]),
-        ("device", f"{s['device']}, jax {s['jax_version']}"),
-        ("steps", f"{s['steps']} ({s['steps_this_run']} this run)"),
-        ("parameters", f"{s['params']:,}"),
-        ("optimizer", f"{s['optimizer']}, peak lr {s['learning_rate']:.3g}, weight decay "
-                      f"{s['weight_decay']:.3g}, state {s['optimizer_state_bytes']:,} bytes"),
-        ("precision", f"{s['precision']}, loss scale {s['loss_scale']:g}, "
-                      f"{s['skipped_steps']} skipped steps"),
+        ("run dir", s.run_dir),
+        ("device", f"{s.device}, jax {s.jax_version}"),
+        ("steps", f"{s.steps} ({s.steps_this_run} this run)"),
+        ("model", f"{s.model}, {s.params:,} parameters"),
+        ("optimizer", f"{s.optimizer}, peak lr {s.learning_rate:.3g}, weight decay "
+                      f"{s.weight_decay:.3g}, state {s.optimizer_state_bytes:,} bytes"),
+        ("precision", f"{s.precision}, loss scale {s.loss_scale:g}, "
+                      f"{s.skipped_steps} skipped steps"),
         ("remat", _remat_line(s)),
-        ("sharding", f"{s['sharding']} over mesh {_mesh(s['mesh'])} ({s['mesh_axis_types']} axes), "
-                     f"{s['process_count']} process(es); parameters + optimizer state "
-                     f"{s['param_opt_bytes_per_device']:,} bytes per device"),
-        ("real tokens/s", f"{s['real_tokens_per_s']:,.0f}"),
-        ("model FLOP/s", f"{s['achieved_flops_per_s'] / 1e9:,.1f} GFLOP/s (MFU {mfu})"),
-        ("padding efficiency", f"{s['padding_efficiency']:.1%}"),
-        ("train bits/byte", f"{s['train_bpb']:.3f} (last tenth of the steps)"),
-        ("val bits/byte", f"{s['val_bpb']:.3f} over {s['val_tokens']:,} tokens"),
-        ("unigram bits/byte", f"{s['unigram_bpb']:.3f} (entropy of the corpus's byte frequencies)"),
-        ("compiles", f"{s['compiles']} train step ({s['compile_s']:.1f} s), "
-                     f"{s['eval_compiles']} eval step"),
-        ("documents", f"{s['split_documents']:,} split into chunks, "
-                      f"{s['empty_documents_skipped']:,} empty skipped"),
-        ("wall time", f"{s['wall_s']:.1f} s ({s['train_s']:.1f} s training)"),
+        ("sharding", f"{s.sharding} over mesh {_mesh(s.mesh)} ({s.mesh_axis_types} axes), "
+                     f"{s.process_count} process(es); parameters + optimizer state "
+                     f"{s.param_opt_bytes_per_device:,} bytes per device"),
+        ("real tokens/s", f"{s.real_tokens_per_s:,.0f}"),
+        ("model FLOP/s", f"{s.achieved_flops_per_s / 1e9:,.1f} GFLOP/s (MFU {mfu})"),
+        ("padding efficiency", f"{s.padding_efficiency:.1%}"),
+        ("train bits/byte", f"{s.train_bpb:.3f} (last tenth of the steps)"),
+        ("val bits/byte", f"{s.val_bpb:.3f} over {s.val_tokens:,} tokens"),
+        ("unigram bits/byte", f"{s.unigram_bpb:.3f} (entropy of the corpus's byte frequencies)"),
+        ("compiles", f"{s.compiles} train step ({s.compile_s:.1f} s), "
+                     f"{s.eval_compiles} eval step"),
+        ("documents", f"{s.split_documents:,} split into chunks, "
+                      f"{s.empty_documents_skipped:,} empty skipped"),
+        ("wall time", f"{s.wall_s:.1f} s ({s.train_s:.1f} s training)"),
     ]
     width = max(len(name) for name, _ in rows)
     return "\n".join(f"{name:<{width}}  {value}" for name, value in rows)
@@ -53,13 +56,13 @@ def _mesh(shape: dict) -> str:
     return ",".join(f"{axis}={size}" for axis, size in shape.items())
 
 
-def _remat_line(s: dict) -> str:
-    """The remat policy and layout, and with --memory-budget each policy's compiled figures."""
-    line = f"{s['remat']}{', scanned layers' if s['scan_layers'] else ''}"
-    step = s["step_memory_bytes"]
+def _remat_line(s: RunSummary) -> str:
+    """The remat policy and layout, and with a memory budget each policy's compiled figures."""
+    line = f"{s.remat}{', scanned layers' if s.scan_layers else ''}"
+    step = s.step_memory_bytes
     if step:
         line += f", step {step['total']:,} bytes ({step['temp']:,} temporary)"
-    plan = s["remat_plan"]
+    plan = s.remat_plan
     if plan:
         figures = "; ".join(
             f"{r['policy']} {r['total_bytes']:,} B{'' if r['fits'] else ' (too big)'}, "
@@ -69,23 +72,20 @@ def _remat_line(s: dict) -> str:
     return line
 
 
+@command()
 def main(argv=None) -> int:
-    try:
-        cfg = parse_config(argv, description=__doc__.split("\n\n")[0])
-        summary = train(cfg)
-    except ConfigError as e:
-        print(f"error: {e}", file=sys.stderr)
-        return 2
-    if summary["interrupted"]:
-        print(f"stopped by {summary['interrupted']} at step {summary['steps']}; checkpoint saved; "
-              f"continue with: python -m experiments.train --resume --run-dir {summary['run_dir']}",
-              file=sys.stderr)
-        signum = getattr(signal.Signals, summary["interrupted"], None)
+    cfg = parse(argv, description=__doc__.split("\n\n")[0])
+    summary = train(cfg)
+    if summary.interrupted:
+        print(f"stopped by {summary.interrupted} at step {summary.steps}; checkpoint saved; "
+              f"continue with: python -m experiments.train --config {summary.run_dir}/config.yaml"
+              f" --resume --run-dir {summary.run_dir}", file=sys.stderr)
+        signum = getattr(signal.Signals, summary.interrupted, None)
         return 128 + signum if signum else 1
     print(format_summary(summary))
-    if cfg.json:
-        with open(cfg.json, "w") as f:
-            json.dump(summary, f, indent=2)
+    if cfg.run.json:
+        with open(cfg.run.json, "w") as f:
+            json.dump(dataclasses.asdict(summary), f, indent=2)
     return 0
 
 

@@ -46,14 +46,14 @@ class Checkpointer:
         step = self.latest_step()
         if step is None:
             raise ConfigError(
-                f"no checkpoint in {self.directory}; start without --resume or pass the --run-dir "
-                f"of an earlier run")
+                f"no checkpoint in {self.directory}; start without resume or pass the run_dir of "
+                f"an earlier run", field="run.run_dir")
         where = os.path.join(self.directory, str(step))
         try:
             meta = self._manager.restore(step, args=ocp.args.Composite(
                 meta=ocp.args.JsonRestore()))["meta"]
         except Exception as e:
-            raise ConfigError(_unreadable(where, e)) from None
+            raise ConfigError(_unreadable(where, e), field="run.run_dir") from None
         mismatched = [
             f"{key}={meta['config'].get(key)!r} (now {value!r})"
             for key, value in config.items() if meta.get("config", {}).get(key) != value
@@ -61,13 +61,13 @@ class Checkpointer:
         if mismatched:
             raise ConfigError(
                 f"checkpoint {where} was written with other settings: {', '.join(mismatched)}; "
-                f"resume with the same flags or start a new --run-dir")
+                f"resume with the same settings or start a new run_dir", field="run.run_dir")
         abstract = jax.tree.map(ocp.utils.to_shape_dtype_struct, target_state)
         try:
             state = self._manager.restore(step, args=ocp.args.Composite(
                 state=ocp.args.StandardRestore(abstract)))["state"]
         except Exception as e:
-            raise ConfigError(_unreadable(where, e)) from None
+            raise ConfigError(_unreadable(where, e), field="run.run_dir") from None
         return state, meta["loader_position"], step
 
     def close(self):
@@ -77,4 +77,4 @@ class Checkpointer:
 def _unreadable(where: str, error: Exception) -> str:
     reason = str(error).strip().splitlines()[0][:200] if str(error).strip() else ""
     return (f"checkpoint {where} is unreadable ({type(error).__name__}: {reason}); delete that "
-            f"step's directory to fall back to an earlier one, or start a new --run-dir")
+            f"step's directory to fall back to an earlier one, or start a new run_dir")

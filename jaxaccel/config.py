@@ -1,217 +1,307 @@
-"""Run configuration: a dataclass whose fields are also the command-line flags.
+"""Run configuration: nested dataclass sections, a YAML file, overrides and flags.
 
-``TrainConfig`` holds every setting of a training run; ``parse_config`` builds an argparse parser
-from its fields (help text from each field's metadata), so ``--help`` always lists them all and
-a new field is a new flag.
+A ``TrainConfig`` has six sections: ``model`` (a ``jaxaccel.model.ModelConfig``), ``data``,
+``optimizer``, ``precision``, ``mesh`` and ``run``. An experiment's config is a ``TrainConfig``
+with one more section, ``experiment``, for its own settings.
+
+``parse(argv, cls)`` is the one place where fields meet the command line. Every field is a flag
+(``--seq-len`` sets ``data.seq_len``; a field may name another flag, as ``mesh.strategy`` is
+``--sharding``), ``--help`` groups them by section, and the values come from, lowest first:
+
+1. the field's default (the model section: the ``--model`` preset, ``tiny`` by default);
+2. the experiment's own defaults (``parse(..., defaults={"data.seq_len": 256})``);
+3. ``--config FILE.yaml``, a nested mapping of sections to fields;
+4. ``section.field=value`` overrides and flags.
+
+Library code raises ``ConfigError`` naming the field (``field="model.n_heads"``);
+``describe_error`` adds the flag that sets it. ``to_dict`` and ``write_config`` give the resolved
+config back as the same nested mapping, which ``--config`` reads again.
 """
 
 import argparse
 import dataclasses
+import os
 import types
 import typing
+
+import yaml
 
 from jaxaccel.attention import IMPLEMENTATIONS
 from jaxaccel.data import STRATEGIES
 from jaxaccel.errors import ConfigError
 from jaxaccel.model import MLP_KINDS, PRESETS, ModelConfig, preset
-from jaxaccel.optim import (LR_SCALING, NO_DECAY_PATTERNS, OPTIMIZERS, SCHEDULES,
-                            describe_defaults)
-from jaxaccel.precision import LOSS_SCALE_KINDS, get_policy, make_loss_scale
+from jaxaccel.optim import LR_SCALING, NO_DECAY_PATTERNS, OPTIMIZERS, SCHEDULES, describe_defaults
+from jaxaccel.precision import LOSS_SCALE_KINDS, NoLossScale, get_policy, make_loss_scale
 from jaxaccel.remat import REMAT_POLICIES
 from jaxaccel.sharding import AXIS_TYPES, STRATEGIES as SHARDING_STRATEGIES
 
 MATMUL_PRECISIONS = ("default", "high", "highest")
 
 
-def flag(default, help_text, **extra):
-    """A dataclass field that is also a command-line flag with this help text."""
-    return dataclasses.field(default=default, metadata={"help": help_text, **extra})
+def setting(default, help_text: str, *, flag: str | None = None, choices=None):
+    """A config field with its help text; ``flag`` when its flag is not ``--<field name>``."""
+    metadata = {"help": help_text, "flag": flag, "choices": choices}
+    return dataclasses.field(default=default, metadata=metadata)
+
+
+# The model section is jaxaccel.model.ModelConfig; its help lives here with the other flags.
+MODEL_HELP = {
+    "preset": ("model preset the other model fields start from", "model", tuple(PRESETS)),
+    "d_model": ("model width",),
+    "n_layers": ("number of transformer blocks",),
+    "n_heads": ("attention heads; must divide d_model",),
+    "n_kv_heads": ("key/value heads (grouped-query; default n_heads); must divide n_heads",),
+    "d_ff": ("MLP inner width (default 4*d for gelu, ~8/3*d for swiglu)",),
+    "max_seq_len": ("model context length",),
+    "mlp": ("MLP kind", None, MLP_KINDS),
+    "tie_embeddings": ("share the input embedding with the output head",),
+    "rope_base": ("rotary embedding base",),
+    "dropout": ("residual dropout rate (0 = off)",),
+    "attention": ("attention implementation: xla, cudnn (NVIDIA GPUs), pallas (our flash "
+                  "attention kernel; interpreted, slowly, off the GPU) or auto (pallas on a GPU, "
+                  "else xla)", None, IMPLEMENTATIONS),
+    "remat": ("activations each block keeps for the backward pass: none (all), full (only its "
+              "input), dots (matmul outputs), attention (q/k/v and attention output), mlp (MLP "
+              "inner matmuls), offload (attention's, in pinned host memory)", None,
+              REMAT_POLICIES),
+    "scan_layers": ("stack the blocks' parameters and apply them with one lax.scan (one block "
+                    "to compile instead of n_layers)",),
+}
+MODEL_FIXED = ("vocab_size",)   # set by the tokenizer: a config file may hold it, no flag
+
+
+@dataclasses.dataclass
+class DataConfig:
+    path: str = setting("stdlib", "corpus: 'stdlib', a directory of text files or a .jsonl file",
+                        flag="data")
+    seq_len: int | None = setting(None, "training sequence length (default: the model context)")
+    batching: str = setting("fixed", "batching strategy: fixed padding, dynamic padding, length "
+                                     "buckets or sequence packing", choices=tuple(STRATEGIES))
+    batch_size: int | None = setting(None, "sequences per batch (default 16 unless "
+                                           "tokens_per_batch is given)")
+    tokens_per_batch: int | None = setting(None, "token budget per batch instead of batch_size "
+                                                 "(bucket: a batch size per bucket)")
+    buckets: int = setting(8, "number of length buckets (bucket batching)")
+    pad_multiple: int = setting(64, "row lengths are padded to a multiple of this (dynamic, "
+                                    "bucket)")
+    pack_window: int | None = setting(None, "documents packed together per window (pack "
+                                            "batching; default: the data module's)")
+    prefetch: int = setting(2, "batches the loader thread keeps ready on the devices")
+    cache_dir: str | None = setting(None, "tokenized corpus cache (default $JAXACCEL_CACHE_DIR "
+                                          "or ~/.cache/jaxaccel)")
+
+
+@dataclasses.dataclass
+class OptimizerConfig:
+    name: str = setting("adamw", "optimizer; its defaults: " + describe_defaults(),
+                        flag="optimizer", choices=OPTIMIZERS)
+    learning_rate: float | None = setting(None, "peak learning rate at base_batch_size "
+                                                "(default: the optimizer's)")
+    schedule: str = setting("cosine", "learning-rate shape after the linear warmup: constant, "
+                                      "cosine or linear decay to 10%%, inverse square root",
+                            choices=SCHEDULES)
+    warmup_steps: int = setting(50, "linear warmup steps")
+    lr_scaling: str = setting("none", "scale the learning rate from base_batch_size to the batch "
+                                      "size: linear (SGD-style) or sqrt (Adam/LAMB-style)",
+                              choices=LR_SCALING)
+    base_batch_size: int = setting(16, "batch size (rows) at which learning_rate is given")
+    weight_decay: float | None = setting(None, "weight decay (default: the optimizer's)")
+    no_decay: str = setting(",".join(NO_DECAY_PATTERNS),
+                            "comma-separated regexes of parameter paths exempt from weight decay "
+                            "and trust ratios (tensors under 2-D per layer are always exempt)")
+    clip_norm: float = setting(1.0, "global gradient-norm clip (0 = off)")
+    accumulate: int = setting(1, "split each batch into this many microbatches and average "
+                                 "their gradients in one step (same update, less activation "
+                                 "memory)")
+    state_dtype: str = setting("float32", "dtype of the optimizer's moments",
+                               flag="optimizer_state_dtype", choices=("float32", "bfloat16"))
+
+
+@dataclasses.dataclass
+class PrecisionConfig:
+    policy: str = setting("fp32", "dtype policy: fp32, bf16, fp16 (float32 master weights, "
+                                  "compute in the named dtype), or params=<dtype>,compute="
+                                  "<dtype>,output=<dtype>", flag="precision")
+    loss_scale: str = setting("auto", "loss scaling: auto (dynamic for float16 compute, else "
+                                      "none), dynamic, static or none", choices=LOSS_SCALE_KINDS)
+    init_scale: float = setting(2.0**16, "initial dynamic loss scale (the static scale with "
+                                         "loss_scale static)", flag="loss_scale_init")
+    growth_interval: int = setting(2000, "finite steps in a row before the dynamic scale grows",
+                                   flag="loss_scale_growth_interval")
+    growth_factor: float = setting(2.0, "dynamic scale growth factor",
+                                   flag="loss_scale_growth_factor")
+    backoff: float = setting(0.5, "dynamic scale factor on a non-finite step",
+                             flag="loss_scale_backoff")
+    min_scale: float = setting(1.0, "the dynamic scale never backs off below this",
+                               flag="loss_scale_min")
+    matmul: str = setting("default", "float32 matmul precision (jax_default_matmul_precision): "
+                                     "default lets GPUs use TF32, highest forces full float32",
+                          flag="matmul_precision", choices=MATMUL_PRECISIONS)
+
+
+@dataclasses.dataclass
+class MeshConfig:
+    strategy: str = setting("dp", "how the step is split over the mesh: dp (parameters "
+                                  "replicated, batch split), fsdp (parameters, gradients and "
+                                  "optimizer state split too: ZeRO-3), tp (attention heads and "
+                                  "MLP split, Megatron-style), fsdp+tp, dp+fsdp",
+                            flag="sharding", choices=tuple(SHARDING_STRATEGIES))
+    shape: str | None = setting(None, "mesh axis sizes as axis=size pairs, e.g. fsdp=4,tensor=2 "
+                                      "(-1: the remaining devices); default: the strategy's axes "
+                                      "share all devices (fsdp+tp: tensor=2; dp+fsdp: data = "
+                                      "hosts, or 2)", flag="mesh")
+    num_devices: int | None = setting(None, "train on the first N devices of this process "
+                                            "(default: all devices of all processes)")
+    axis_types: str = setting("auto", "mesh axis types: auto (XLA completes the shardings) or "
+                                      "explicit (shardings are part of every array's type)",
+                              flag="mesh_axis_types", choices=tuple(AXIS_TYPES))
+    coordinator: str | None = setting(None, "HOST:PORT of process 0: train over several "
+                                            "processes (hosts) with jax.distributed")
+    num_processes: int | None = setting(None, "number of processes (with coordinator)")
+    process_id: int | None = setting(None, "this process's index, 0 .. N-1 (with coordinator)")
+    distributed: bool = setting(False, "start jax.distributed from the cluster's environment "
+                                       "(SLURM, Open MPI, ...) instead of coordinator")
+    distributed_timeout: int = setting(300, "seconds to wait for all processes to reach the "
+                                            "coordinator")
+
+
+@dataclasses.dataclass
+class RunConfig:
+    steps: int = setting(300, "optimizer steps in the whole run")
+    train_tokens: int | None = setting(None, "train on about this many real tokens instead of "
+                                             "steps (steps = tokens / mean real tokens per batch)")
+    seed: int = setting(0, "seed of parameters, data order and dropout")
+    memory_budget: int | None = setting(None, "device bytes the train step may use: compile "
+                                              "every remat policy and take the fastest (fewest "
+                                              "FLOPs) that fits the batch; overrides model.remat")
+    run_dir: str | None = setting(None, "run directory (default: a new runs/train-<time>; with "
+                                        "resume, the latest one)")
+    resume: bool = setting(False, "continue the run in run_dir from its latest checkpoint")
+    checkpoint_every: int = setting(100, "save an orbax checkpoint every N steps (and at the end)")
+    eval_every: int = setting(100, "evaluate on eval_batches validation batches every N steps")
+    eval_batches: int = setting(20, "validation batches in periodic evaluations, spread over the "
+                                    "split (the final one: final_eval_batches)")
+    eval_batch_size: int | None = setting(None, "rows per validation batch (default: the "
+                                                "training batch's rows)")
+    final_eval_batches: int | None = setting(None, "validation batches of the final evaluation "
+                                                   "(default: the whole split)")
+    log_every: int = setting(10, "write metrics every N steps")
+    progress: bool = setting(True, "show a progress bar")
+    json: str | None = setting(None, "also write the summary as JSON to this path")
+
+
+def _section(cls):
+    return dataclasses.field(default_factory=cls)
 
 
 @dataclasses.dataclass
 class TrainConfig:
-    """Every setting of ``experiments.train``; the model fields default to the preset's values."""
+    """Every setting of a training run, by section."""
 
-    model: str = flag("tiny", "model preset", choices=tuple(PRESETS))
-    d_model: int | None = flag(None, "model width (overrides the preset)")
-    n_layers: int | None = flag(None, "number of transformer blocks")
-    n_heads: int | None = flag(None, "attention heads; must divide --d-model")
-    n_kv_heads: int | None = flag(None, "key/value heads (grouped-query); must divide --n-heads")
-    d_ff: int | None = flag(None, "MLP inner width (default 4*d for gelu, ~8/3*d for swiglu)")
-    max_seq_len: int | None = flag(None, "model context length")
-    mlp: str | None = flag(None, "MLP kind", choices=MLP_KINDS)
-    tie_embeddings: bool | None = flag(None, "share the input embedding with the output head")
-    dropout: float | None = flag(None, "residual dropout rate (0 = off)")
-    attention: str = flag("xla", "attention implementation: xla, cudnn (NVIDIA GPUs), pallas "
-                                 "(our flash attention kernel; interpreted, slowly, off the GPU) "
-                                 "or auto (pallas on a GPU, else xla)", choices=IMPLEMENTATIONS)
-    remat: str = flag("none", "activations each block keeps for the backward pass: none (all), "
-                              "full (only its input), dots (matmul outputs), attention (q/k/v and "
-                              "attention output), mlp (MLP inner matmuls), offload (attention's, "
-                              "in pinned host memory)", choices=REMAT_POLICIES)
-    scan_layers: bool = flag(False, "stack the blocks' parameters and apply them with one "
-                                    "lax.scan (one block to compile instead of n_layers)")
-    memory_budget: int | None = flag(None, "device bytes the train step may use: compile every "
-                                           "--remat policy and take the fastest (fewest FLOPs) "
-                                           "that fits the batch; overrides --remat")
+    model: ModelConfig = dataclasses.field(default_factory=lambda: PRESETS["tiny"])
+    data: DataConfig = _section(DataConfig)
+    optimizer: OptimizerConfig = _section(OptimizerConfig)
+    precision: PrecisionConfig = _section(PrecisionConfig)
+    mesh: MeshConfig = _section(MeshConfig)
+    run: RunConfig = _section(RunConfig)
 
-    sharding: str = flag("dp", "how the step is split over the mesh: dp (parameters replicated, "
-                               "batch split), fsdp (parameters, gradients and optimizer state "
-                               "split too: ZeRO-3), tp (attention heads and MLP split, "
-                               "Megatron-style), fsdp+tp, dp+fsdp",
-                         choices=tuple(SHARDING_STRATEGIES))
-    mesh: str | None = flag(None, "mesh axis sizes as axis=size pairs, e.g. fsdp=4,tensor=2 (-1: "
-                                  "the remaining devices); default: the strategy's axes share all "
-                                  "devices (fsdp+tp: tensor=2; dp+fsdp: data = hosts, or 2)")
-    num_devices: int | None = flag(None, "train on the first N devices of this process "
-                                         "(default: all devices of all processes)")
-    mesh_axis_types: str = flag("auto", "mesh axis types: auto (XLA completes the shardings) or "
-                                        "explicit (shardings are part of every array's type)",
-                                choices=tuple(AXIS_TYPES))
-    coordinator: str | None = flag(None, "HOST:PORT of process 0: train over several processes "
-                                         "(hosts) with jax.distributed")
-    num_processes: int | None = flag(None, "number of processes (with --coordinator)")
-    process_id: int | None = flag(None, "this process's index, 0 .. N-1 (with --coordinator)")
-    distributed: bool = flag(False, "start jax.distributed from the cluster's environment "
-                                    "(SLURM, Open MPI, ...) instead of --coordinator")
-    distributed_timeout: int = flag(300, "seconds to wait for all processes to reach the "
-                                         "coordinator")
-
-    precision: str = flag("fp32", "dtype policy: fp32, bf16, fp16 (float32 master weights, "
-                                  "compute in the named dtype), or params=<dtype>,compute=<dtype>,"
-                                  "output=<dtype>")
-    loss_scale: str = flag("auto", "loss scaling: auto (dynamic for float16 compute, else none), "
-                                   "dynamic, static or none", choices=LOSS_SCALE_KINDS)
-    loss_scale_init: float = flag(2.0**16, "initial dynamic loss scale (the static scale with "
-                                           "--loss-scale static)")
-    loss_scale_growth_interval: int = flag(2000, "finite steps in a row before the dynamic scale "
-                                                 "grows")
-    loss_scale_growth_factor: float = flag(2.0, "dynamic scale growth factor")
-    loss_scale_backoff: float = flag(0.5, "dynamic scale factor on a non-finite step")
-    loss_scale_min: float = flag(1.0, "the dynamic scale never backs off below this")
-    matmul_precision: str = flag("default", "float32 matmul precision (jax_default_matmul_"
-                                            "precision): default lets GPUs use TF32, highest "
-                                            "forces full float32", choices=MATMUL_PRECISIONS)
-
-    data: str = flag("stdlib", "corpus: 'stdlib', a directory of text files or a .jsonl file")
-    seq_len: int | None = flag(None, "training sequence length (default: the model context)")
-    batching: str = flag("fixed", "batching strategy: fixed padding, dynamic padding, length "
-                                    "buckets or sequence packing", choices=tuple(STRATEGIES))
-    batch_size: int | None = flag(None, "sequences per batch (default 16 unless "
-                                          "--tokens-per-batch is given)")
-    tokens_per_batch: int | None = flag(None, "token budget per batch instead of --batch-size "
-                                                "(bucket: a batch size per bucket)")
-    buckets: int = flag(8, "number of length buckets (--batching bucket)")
-    pad_multiple: int = flag(64, "row lengths are padded to a multiple of this "
-                                   "(dynamic, bucket)")
-    pack_window: int | None = flag(None, "documents packed together per window "
-                                           "(--batching pack; default: the data module's)")
-    prefetch: int = flag(2, "batches the loader thread keeps ready on the devices")
-    steps: int = flag(300, "optimizer steps in the whole run")
-    train_tokens: int | None = flag(None, "train on about this many real tokens instead of "
-                                            "--steps (steps = tokens / mean real tokens per batch)")
-    optimizer: str = flag("adamw", "optimizer; its defaults: " + describe_defaults(),
-                          choices=OPTIMIZERS)
-    learning_rate: float | None = flag(None, "peak learning rate at --base-batch-size (default: "
-                                              "the optimizer's)")
-    schedule: str = flag("cosine", "learning-rate shape after the linear warmup: constant, "
-                                   "cosine or linear decay to 10%%, inverse square root",
-                         choices=SCHEDULES)
-    warmup_steps: int = flag(50, "linear warmup steps")
-    lr_scaling: str = flag("none", "scale the learning rate from --base-batch-size to the batch "
-                                   "size: linear (SGD-style) or sqrt (Adam/LAMB-style)",
-                           choices=LR_SCALING)
-    base_batch_size: int = flag(16, "batch size (rows) at which --learning-rate is given")
-    weight_decay: float | None = flag(None, "weight decay (default: the optimizer's)")
-    no_decay: str = flag(",".join(NO_DECAY_PATTERNS),
-                         "comma-separated regexes of parameter paths exempt from weight decay "
-                         "and trust ratios (tensors under 2-D per layer are always exempt)")
-    clip_norm: float = flag(1.0, "global gradient-norm clip (0 = off)")
-    accumulate: int = flag(1, "split each batch into this many microbatches and sum their "
-                              "gradients in one step (same update, less activation memory)")
-    optimizer_state_dtype: str = flag("float32", "dtype of the optimizer's moments",
-                                      choices=("float32", "bfloat16"))
-    seed: int = flag(0, "seed of parameters, data order and dropout")
-
-    run_dir: str | None = flag(
-        None, "run directory (default: a new runs/train-<time>; with --resume, the latest one)")
-    checkpoint_every: int = flag(100, "save an orbax checkpoint every N steps (and at the end)")
-    eval_every: int = flag(100, "evaluate on --eval-batches validation batches every N steps")
-    eval_batches: int = flag(20, "validation batches in periodic evaluations, spread over the "
-                                   "split (the final one: --final-eval-batches)")
-    eval_batch_size: int | None = flag(None, "rows per validation batch (default: the training "
-                                             "batch's rows)")
-    final_eval_batches: int | None = flag(None, "validation batches of the final evaluation "
-                                                "(default: the whole split)")
-    log_every: int = flag(10, "write metrics every N steps")
-    resume: bool = flag(False, "continue the run in --run-dir from its latest checkpoint")
-    progress: bool = flag(True, "show a progress bar")
-    cache_dir: str | None = flag(None, "tokenized corpus cache (default $JAXACCEL_CACHE_DIR "
-                                         "or ~/.cache/jaxaccel)")
-    json: str | None = flag(None, "also write the summary as JSON to this path")
-
-    def model_config(self) -> ModelConfig:
-        names = {f.name for f in dataclasses.fields(ModelConfig)}
-        return preset(self.model, **{k: v for k, v in vars(self).items() if k in names})
-
-    def resolved_seq_len(self, model_cfg: ModelConfig) -> int:
-        return model_cfg.max_seq_len if self.seq_len is None else self.seq_len
+    @property
+    def seq_len(self) -> int:
+        return self.model.max_seq_len if self.data.seq_len is None else self.data.seq_len
 
     def batching_options(self) -> dict:
         """Keyword arguments of ``jaxaccel.data.DataStream`` for the batch size and strategy."""
-        batch_size = self.batch_size
-        if batch_size is None and self.tokens_per_batch is None:
+        data = self.data
+        batch_size = data.batch_size
+        if batch_size is None and data.tokens_per_batch is None:
             batch_size = 16
-        options = {"batch_size": batch_size, "tokens_per_batch": self.tokens_per_batch,
-                   "pad_multiple": self.pad_multiple, "num_buckets": self.buckets}
-        if self.pack_window is not None:
-            options["pack_window"] = self.pack_window
+        options = {"batch_size": batch_size, "tokens_per_batch": data.tokens_per_batch,
+                   "pad_multiple": data.pad_multiple, "num_buckets": data.buckets}
+        if data.pack_window is not None:
+            options["pack_window"] = data.pack_window
         return options
 
+    def batch_rows(self) -> int:
+        """Rows per batch: batch_size, or the rows of seq_len that tokens_per_batch holds."""
+        options = self.batching_options()
+        return options["batch_size"] or max(1, options["tokens_per_batch"] // self.seq_len)
+
     def policy(self):
-        return get_policy(self.precision)
+        return get_policy(self.precision.policy)
 
     def make_loss_scale(self):
-        """The run's initial loss-scale state from the --loss-scale flags and the policy."""
+        """The run's initial loss-scale state from the precision section."""
+        p = self.precision
         return make_loss_scale(
-            self.loss_scale, self.policy(), initial_scale=self.loss_scale_init,
-            growth_factor=self.loss_scale_growth_factor, backoff_factor=self.loss_scale_backoff,
-            growth_interval=self.loss_scale_growth_interval, min_scale=self.loss_scale_min,
-            static_scale=self.loss_scale_init)
+            p.loss_scale, self.policy(), initial_scale=p.init_scale,
+            growth_factor=p.growth_factor, backoff_factor=p.backoff,
+            growth_interval=p.growth_interval, min_scale=p.min_scale, static_scale=p.init_scale)
 
-    def batch_rows(self, seq_len: int) -> int:
-        """Rows per batch: --batch-size, or the rows of seq_len that --tokens-per-batch holds."""
-        options = self.batching_options()
-        return options["batch_size"] or max(1, options["tokens_per_batch"] // seq_len)
+    def skips_nonfinite(self) -> bool:
+        """Whether a step with non-finite gradients is skipped: with any loss scale but none."""
+        return not isinstance(self.make_loss_scale(), NoLossScale)
 
-    def no_decay_patterns(self) -> tuple[str, ...]:
-        return tuple(p.strip() for p in self.no_decay.split(",") if p.strip())
-
-    def validate(self) -> ModelConfig:
-        """Check the settings together; return the model config they describe."""
-        model_cfg = self.model_config()
-        seq_len = self.resolved_seq_len(model_cfg)
-        for name in ("steps", "seq_len", "batch_size", "tokens_per_batch", "train_tokens",
-                     "prefetch", "accumulate", "base_batch_size", "memory_budget",
-                     "distributed_timeout", "final_eval_batches", "num_devices",
-                     "eval_batch_size"):
-            value = seq_len if name == "seq_len" else getattr(self, name)
+    def validate(self):
+        """Check the settings together (ConfigError naming the field otherwise)."""
+        positive = {"run.steps": self.run.steps, "data.seq_len": self.seq_len,
+                    "data.batch_size": self.data.batch_size,
+                    "data.tokens_per_batch": self.data.tokens_per_batch,
+                    "run.train_tokens": self.run.train_tokens, "data.prefetch": self.data.prefetch,
+                    "optimizer.accumulate": self.optimizer.accumulate,
+                    "optimizer.base_batch_size": self.optimizer.base_batch_size,
+                    "run.memory_budget": self.run.memory_budget,
+                    "mesh.distributed_timeout": self.mesh.distributed_timeout,
+                    "run.final_eval_batches": self.run.final_eval_batches,
+                    "mesh.num_devices": self.mesh.num_devices,
+                    "run.eval_batch_size": self.run.eval_batch_size}
+        for field, value in positive.items():
             if value is not None and value < 1:
-                raise ConfigError(f"{name} must be at least 1, got {value}; fix --{name.replace('_', '-')}")
-        if self.batch_size is not None and self.batch_size % self.accumulate:
-            raise ConfigError(
-                f"batch_size={self.batch_size} does not split into --accumulate "
-                f"{self.accumulate} microbatches; pass a batch size that is a multiple of it")
-        if seq_len > model_cfg.max_seq_len:
-            raise ConfigError(
-                f"seq_len={seq_len} exceeds the model context max_seq_len={model_cfg.max_seq_len}; "
-                f"lower --seq-len or raise --max-seq-len")
-        for name in ("checkpoint_every", "eval_every", "eval_batches", "log_every", "warmup_steps"):
-            if getattr(self, name) < 0:
-                raise ConfigError(f"{name} must be >= 0, got {getattr(self, name)}; fix "
-                                  f"--{name.replace('_', '-')}")
+                raise ConfigError(f"{field.split('.')[1]} must be at least 1, got {value}",
+                                  field=field)
+        accumulate = self.optimizer.accumulate
+        if self.data.batch_size is not None and self.data.batch_size % accumulate:
+            raise ConfigError(f"batch_size={self.data.batch_size} does not split into "
+                              f"accumulate={accumulate} microbatches; pass a batch size that is "
+                              f"a multiple of it", field="data.batch_size")
+        if self.seq_len > self.model.max_seq_len:
+            raise ConfigError(f"seq_len={self.seq_len} exceeds the model context max_seq_len="
+                              f"{self.model.max_seq_len}; lower seq_len or raise max_seq_len",
+                              field="data.seq_len")
+        for field in ("run.checkpoint_every", "run.eval_every", "run.eval_batches",
+                      "run.log_every", "optimizer.warmup_steps"):
+            value = _get(self, field)
+            if value < 0:
+                raise ConfigError(f"{field.split('.')[1]} must be >= 0, got {value}", field=field)
         self.make_loss_scale()
-        return model_cfg
+
+
+# ---------------------------------------------------------------------------------------------
+# Field paths, overrides and files.
+
+def _get(cfg, path: str):
+    section, _, name = path.partition(".")
+    return getattr(getattr(cfg, section), name)
+
+
+def _sections(cls) -> dict[str, type]:
+    return {f.name: f.type for f in dataclasses.fields(cls)}
+
+
+def _fields(section_cls):
+    """(name, type, help, flag name, choices) of a section's settable fields."""
+    if section_cls is ModelConfig:
+        name, _, choices = MODEL_HELP["preset"]
+        yield "preset", str, name, "model", choices
+        for f in dataclasses.fields(ModelConfig):
+            if f.name in MODEL_FIXED:
+                yield f.name, f.type, "", None, None
+                continue
+            help_text, flag, choices = (*MODEL_HELP[f.name], None, None)[:3]
+            yield f.name, f.type, help_text, flag or f.name, choices
+        return
+    for f in dataclasses.fields(section_cls):
+        yield f.name, f.type, f.metadata["help"], f.metadata["flag"] or f.name, \
+            f.metadata["choices"]
 
 
 def _scalar_type(annotation):
@@ -221,25 +311,209 @@ def _scalar_type(annotation):
     return annotation
 
 
-def build_parser(config_cls=TrainConfig, description: str = "") -> argparse.ArgumentParser:
-    """An argparse parser with one flag per dataclass field, defaults shown in --help."""
-    parser = argparse.ArgumentParser(
-        description=description, formatter_class=argparse.ArgumentDefaultsHelpFormatter)
-    for f in dataclasses.fields(config_cls):
-        flag = "--" + f.name.replace("_", "-")
-        kind = _scalar_type(f.type)
-        kwargs = {"default": f.default, "help": f.metadata.get("help", "")}
-        if kind is bool:
+def _optional(annotation) -> bool:
+    return type(None) in typing.get_args(annotation)
+
+
+def _coerce(path: str, value, annotation, choices):
+    """``value`` (from YAML or an override's text) as the field's type; ConfigError if it is not."""
+    kind = _scalar_type(annotation)
+    if isinstance(value, str) and kind is not str:
+        text = value.strip().lower()
+        if text in ("none", "null", "~", ""):
+            value = None
+        elif kind is bool:
+            truth = {"true": True, "yes": True, "1": True, "false": False, "no": False, "0": False}
+            if text not in truth:
+                raise ConfigError(f"{path}={value!r} is not a boolean; write true or false",
+                                  field=path)
+            value = truth[text]
+        else:
+            try:
+                value = kind(float(value)) if kind is int and "e" in text else kind(value)
+            except ValueError:
+                raise ConfigError(f"{path}={value!r} is not of type {kind.__name__}",
+                                  field=path) from None
+    if value is None:
+        if not _optional(annotation):
+            raise ConfigError(f"{path} cannot be empty; give it a {kind.__name__}", field=path)
+        return None
+    if kind is float and isinstance(value, int) and not isinstance(value, bool):
+        value = float(value)
+    if kind is int and isinstance(value, float) and value.is_integer():
+        value = int(value)
+    if not isinstance(value, kind) or (kind is not bool and isinstance(value, bool)):
+        raise ConfigError(f"{path}={value!r} is not of type {kind.__name__}", field=path)
+    if choices and value not in choices:
+        raise ConfigError(f"{path}={value!r} is not one of {', '.join(map(str, choices))}",
+                          field=path)
+    return value
+
+
+def _field_table(cls) -> dict[str, tuple]:
+    """Every settable field of ``cls`` by path: (type, help, flag, choices)."""
+    table = {}
+    for section, section_cls in _sections(cls).items():
+        for name, kind, help_text, flag, choices in _fields(section_cls):
+            table[f"{section}.{name}"] = (kind, help_text, flag, choices)
+    return table
+
+
+def build(cls=None, values: dict | None = None):
+    """A ``cls`` (default TrainConfig) from ``{"section.field": value}``; the model section
+    starts from ``model.preset`` (default tiny) and applies the model fields given, re-deriving
+    n_kv_heads and d_ff unless they are given (``jaxaccel.model.preset``)."""
+    cls = cls or TrainConfig
+    table = _field_table(cls)
+    by_section = {section: {} for section in _sections(cls)}
+    for path, value in (values or {}).items():
+        if path not in table:
+            sections = sorted({p.partition(".")[0] for p in table})
+            raise ConfigError(f"unknown config field {path!r}; write section.field with a section "
+                              f"of {', '.join(sections)} and a field --help lists")
+        kind, _, _, choices = table[path]
+        section, _, name = path.partition(".")
+        by_section[section][name] = _coerce(path, value, kind, choices)
+    sections = {}
+    for section, section_cls in _sections(cls).items():
+        given = by_section[section]
+        if section_cls is ModelConfig:
+            sections[section] = preset(given.pop("preset", None) or "tiny", **given)
+        else:
+            sections[section] = section_cls(**given)
+    return cls(**sections)
+
+
+def override(cfg, values: dict):
+    """``cfg`` with some fields replaced: ``override(cfg, {"data.seq_len": 64})``. Model fields
+    replace the resolved model's (n_kv_heads and d_ff re-derived from what changed)."""
+    return build(type(cfg), {**flatten(to_dict(cfg)), **values})
+
+
+def to_dict(cfg) -> dict:
+    """The config as a nested mapping of sections to fields (what ``--config`` reads)."""
+    return {f.name: dataclasses.asdict(getattr(cfg, f.name)) for f in dataclasses.fields(cfg)}
+
+
+def flatten(nested: dict) -> dict:
+    """``{"data": {"seq_len": 64}}`` -> ``{"data.seq_len": 64}``."""
+    flat = {}
+    for section, fields in nested.items():
+        if not isinstance(fields, dict):
+            raise ConfigError(f"config section {section!r} must be a mapping of fields, got "
+                              f"{fields!r}")
+        flat.update({f"{section}.{name}": value for name, value in fields.items()})
+    return flat
+
+
+def read_config_file(path: str) -> dict:
+    """The flat ``{"section.field": value}`` of a YAML config file."""
+    try:
+        with open(path) as f:
+            nested = yaml.safe_load(f) or {}
+    except OSError as e:
+        raise ConfigError(f"cannot read config file {path}: {e.strerror}; check the path",
+                          field="config") from None
+    except yaml.YAMLError as e:
+        raise ConfigError(f"config file {path} is not valid YAML: {str(e).splitlines()[0]}",
+                          field="config") from None
+    if not isinstance(nested, dict):
+        raise ConfigError(f"config file {path} must hold a mapping of sections", field="config")
+    return flatten(nested)
+
+
+def write_config(cfg, run_dir: str, command: str | None = None):
+    """The resolved config (``config.yaml``) and the command line (``command.txt``) into
+    ``run_dir``, so that ``--config run_dir/config.yaml`` repeats the run."""
+    with open(os.path.join(run_dir, "config.yaml"), "w") as f:
+        yaml.safe_dump(to_dict(cfg), f, sort_keys=False)
+    if command is not None:
+        with open(os.path.join(run_dir, "command.txt"), "w") as f:
+            f.write(command + "\n")
+
+
+# ---------------------------------------------------------------------------------------------
+# The command line.
+
+def build_parser(cls=None, *, defaults: dict | None = None, fixed: tuple = (),
+                 description: str = "") -> argparse.ArgumentParser:
+    """One flag per field of ``cls``, grouped by section; ``fixed`` fields get no flag (the
+    experiment sets them). Defaults shown are ``defaults`` over the fields' own."""
+    cls = cls or TrainConfig
+    shown = to_dict(build(cls, {k: v for k, v in (defaults or {}).items()}))
+    parser = argparse.ArgumentParser(description=description,
+                                     formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--config", metavar="FILE.yaml", help="read settings from this YAML "
+                        "file (sections of fields; flags and overrides win)")
+    parser.add_argument("overrides", nargs="*", metavar="section.field=value",
+                        help="set any field, e.g. data.seq_len=512 optimizer.name=lion")
+    flags = {}
+    for path, (kind, help_text, flag, choices) in _field_table(cls).items():
+        section, _, name = path.partition(".")
+        if path in fixed or flag is None:
+            continue
+        if flag in flags:
+            raise ValueError(f"flag --{flag} of {path} is also {flags[flag]}'s")
+        flags[flag] = path
+        group = _group(parser, section)
+        default = (defaults or {}).get("model.preset", "tiny") if path == "model.preset" else \
+            shown[section].get(name)
+        kwargs = {"dest": path, "default": argparse.SUPPRESS,
+                  "help": f"{help_text} ({path}, default: {default})".replace("%", "%%")
+                  .replace("%%%%", "%%")}
+        if _scalar_type(kind) is bool:
             kwargs["action"] = argparse.BooleanOptionalAction
         else:
-            kwargs["type"] = kind
-            if "choices" in f.metadata:
-                kwargs["choices"] = f.metadata["choices"]
-        parser.add_argument(flag, dest=f.name, **kwargs)
+            kwargs["type"] = _scalar_type(kind)
+            if choices:
+                kwargs["choices"] = choices
+            else:
+                kwargs["metavar"] = name.upper()
+        group.add_argument("--" + flag.replace("_", "-"), **kwargs)
     return parser
 
 
-def parse_config(argv=None, config_cls=TrainConfig, description: str = ""):
-    """Parse command-line flags into ``config_cls``."""
-    args = build_parser(config_cls, description).parse_args(argv)
-    return config_cls(**vars(args))
+def _group(parser, section: str):
+    groups = {g.title: g for g in parser._action_groups}
+    return groups.get(section) or parser.add_argument_group(section)
+
+
+def flag_of(path: str, cls=None) -> str | None:
+    """The command-line flag that sets a field, e.g. ``--n-heads`` for ``model.n_heads``."""
+    entry = _field_table(cls or TrainConfig).get(path)
+    return "--" + entry[2].replace("_", "-") if entry else None
+
+
+def describe_error(error: ConfigError, cls=None) -> str:
+    """The error's line for the command line: its message and the flag of its field."""
+    if error.field == "config":
+        return f"error: {error} [--config]"
+    flag = flag_of(error.field, cls) if error.field else None
+    where = f" [{flag} / {error.field}]" if flag else ""
+    return f"error: {error}{where}"
+
+
+def parse(argv=None, cls=None, *, defaults: dict | None = None, fixed: tuple = (),
+          description: str = ""):
+    """A ``cls`` (default TrainConfig) from the command line: the fields' defaults, then
+    ``defaults``, then ``--config``, then flags and ``section.field=value`` overrides. A field in
+    ``fixed`` is set by the experiment and may not be given at all."""
+    cls = cls or TrainConfig
+    parser = build_parser(cls, defaults=defaults, fixed=fixed, description=description)
+    args = vars(parser.parse_intermixed_args(argv))
+    values = dict(defaults or {})
+    config_file = args.pop("config", None)
+    given = read_config_file(config_file) if config_file else {}
+    for item in args.pop("overrides"):
+        path, sep, value = item.partition("=")
+        if not sep:
+            raise ConfigError(f"override {item!r} is not section.field=value; write e.g. "
+                              f"data.seq_len=512")
+        given[path.strip()] = value
+    given.update(args)
+    for path in given:
+        if path in fixed:
+            raise ConfigError(f"{path} is set by this experiment for each row; leave it out",
+                              field=path)
+    values.update(given)
+    return build(cls, values)

@@ -4,5 +4,11 @@
 class ConfigError(ValueError):
     """Bad input from the user: its message names the problem and the fix, in one line.
 
-    Command-line entry points print it as ``error: <message>`` and exit with code 2.
+    ``field`` is the config field that fixes it (``"model.n_heads"``), when one does. Library code
+    speaks in fields and arguments only; the command-line layer (``jaxaccel.config.describe_error``)
+    adds the flag that sets the field, prints ``error: <message>`` and exits with code 2.
     """
+
+    def __init__(self, message: str, field: str | None = None):
+        super().__init__(message)
+        self.field = field

@@ -1,9 +1,9 @@
-"""The training loop: data -> jitted pure step -> metrics, evaluation and checkpoints.
+"""The training loop in four phases: set up, compile, run, finish.
 
-``train(config)`` runs one training run and returns its summary. It is deterministic: a run
+``train(cfg)`` runs one training run and returns its ``RunSummary``. It is deterministic: a run
 resumed from a checkpoint continues with the same state, the same batches and the same keys, so
 on the CPU it ends bitwise identical to an uninterrupted run. SIGINT and SIGTERM finish the step
-in flight, save a checkpoint and return with ``summary["interrupted"]`` set.
+in flight, save a checkpoint and return with ``interrupted`` set.
 
 The run happens on a device mesh (``jaxaccel.sharding``; one device is a mesh of one): the state
 is created sharded, the steps are jitted with the state's and the batch's shardings, and with
@@ -13,57 +13,215 @@ several processes each loads and places only its own rows of every batch.
 import contextlib
 import dataclasses
 import glob
+import json
 import math
 import os
+import shlex
 import signal
+import sys
 import time
 
 import jax
-import jax.numpy as jnp
 import numpy as np
 
 from jaxaccel import hardware
 from jaxaccel.checkpoint import Checkpointer
 from jaxaccel.compiled import CompiledFn, abstract, largest_memory_bytes
-from jaxaccel.config import TrainConfig
+from jaxaccel.config import TrainConfig, to_dict, write_config
 from jaxaccel.corpus import load_corpus
 from jaxaccel.data import DataStream, batches
 from jaxaccel.errors import ConfigError
 from jaxaccel.loader import DevicePrefetcher, abstract_batch, place_batch
 from jaxaccel.metrics import BITS_PER_NAT, MetricsWriter, plot_loss_curve, read_metrics
-from jaxaccel.model import count_params, flops_per_token, init_params, make_apply, param_axes
-from jaxaccel.optim import (decay_mask, make_optimizer, make_schedule, resolve_defaults,
-                            scale_learning_rate, state_bytes)
-from jaxaccel.planner import plan_remat
+from jaxaccel.model import count_params, describe_model, flops_per_token
+from jaxaccel.optim import build_optimizer, state_bytes
+from jaxaccel.planner import choose_remat
 from jaxaccel.sharding import (batch_shards, batch_sharding, build_mesh, bytes_per_device,
-                               format_mesh, initialize_distributed, param_shardings,
-                               replicated, state_shardings)
-from jaxaccel.train import init_state, make_eval_step, make_train_step
+                               format_mesh, initialize_distributed, replicated)
+from jaxaccel.state import init_sharded_state
+from jaxaccel.train import build_eval_step, build_train_step
 
 RUNS_ROOT = "runs"
 
-# Settings a resumed run must share with its checkpoint: they shape the state, the data order or
-# the optimizer's trajectory, so changing them would silently break the continuation.
-RESUME_KEYS = ("data", "batching", "optimizer", "learning_rate", "schedule", "warmup_steps",
-               "lr_scaling", "base_batch_size", "weight_decay", "no_decay", "clip_norm",
-               "accumulate", "optimizer_state_dtype", "precision", "loss_scale",
-               "loss_scale_init", "loss_scale_growth_interval", "loss_scale_growth_factor",
-               "loss_scale_backoff", "loss_scale_min", "matmul_precision", "seed")
+# Sections and fields a resumed run must share with its checkpoint: they shape the state, the
+# data order or the optimizer's trajectory, so changing them would silently break the run.
+RESUME_SECTIONS = ("model", "optimizer", "precision")
+RESUME_FIELDS = ("data.path", "data.batching", "run.seed")
+
+
+@dataclasses.dataclass
+class RunSummary:
+    """What one run did and measured (``experiments.train`` prints it; ``--json`` writes it)."""
+
+    steps: int
+    steps_this_run: int
+    interrupted: str | None
+    run_dir: str
+    # data
+    batching: str
+    shapes: list
+    real_tokens: int
+    padding_efficiency: float
+    epoch_padding_efficiency: float
+    split_documents: int
+    empty_documents_skipped: int
+    data_wait_s: float
+    # quality
+    train_bpb: float
+    val_loss: float
+    val_bpb: float
+    val_tokens: int
+    unigram_bpb: float
+    # speed and memory
+    real_tokens_per_s: float
+    flops_per_token: float
+    achieved_flops_per_s: float
+    mfu: float | None
+    compiles: int
+    compiles_after_warmup: int
+    compile_s: float
+    eval_compiles: int
+    step_memory_bytes: dict | None
+    peak_memory_bytes: int | None
+    wall_s: float
+    train_s: float
+    # the techniques as they ran
+    model: str
+    params: int
+    attention: str
+    remat: str
+    scan_layers: bool
+    remat_plan: dict | None
+    precision: str
+    matmul_precision: str
+    loss_scale: float
+    skipped_steps: int
+    optimizer: str
+    learning_rate: float
+    weight_decay: float
+    batch_rows: int
+    accumulate: int
+    optimizer_state_bytes: int
+    sharding: str
+    mesh: dict
+    mesh_axis_types: str
+    process_count: int
+    param_opt_bytes_per_device: int
+    device: str
+    jax_version: str
+
+    @classmethod
+    def read(cls, path: str) -> "RunSummary":
+        with open(path) as f:
+            return cls(**json.load(f))
+
+
+def train(cfg: TrainConfig, *, should_stop=None) -> RunSummary:
+    """Run training as configured; return its summary.
+
+    ``should_stop(step)`` is polled after every step; returning True stops the run as a signal
+    would (checkpoint saved, ``interrupted`` set). Tests use it to cut a run short.
+
+    With ``mesh.coordinator`` (or ``mesh.distributed``) this process first joins the others
+    through ``jax.distributed``; then every process runs this same function on its share of the
+    data.
+    """
+    wall_start = time.perf_counter()
+    m = cfg.mesh
+    if not jax.distributed.is_initialized():
+        initialize_distributed(m.coordinator, m.num_processes, m.process_id,
+                               auto=m.distributed, timeout_s=m.distributed_timeout)
+    cfg.validate()
+    mesh, mesh_shape = build_mesh(m.strategy, m.shape, m.axis_types, cfg.model, m.num_devices)
+    with jax.default_matmul_precision(cfg.precision.matmul), jax.set_mesh(mesh):
+        run = set_up(cfg, mesh, mesh_shape)
+        steps = compile_steps(run)
+        progress = run_steps(run, steps, should_stop)
+        return finish(run, steps, progress, wall_start)
+
+
+# =============================================================================================
+# Phase 1: set up. Data, optimizer, sharded state, remat plan, checkpoint (restored on resume).
+
+@dataclasses.dataclass
+class Setup:
+    cfg: TrainConfig            # model.remat as the memory budget chose it
+    mesh: object
+    mesh_shape: dict
+    run_dir: str
+    corpus: object
+    stream: DataStream
+    total_steps: int
+    optimizer: object
+    schedule: object
+    hyperparameters: dict
+    state: object
+    shardings: object
+    batch_layout: object
+    plan: object
+    resume_config: dict
+    checkpointer: Checkpointer
+    eval_batch_size: int
+
+
+def set_up(cfg: TrainConfig, mesh, mesh_shape) -> Setup:
+    multiple = batch_shards(mesh_shape) * cfg.optimizer.accumulate
+    if cfg.data.batch_size is not None and cfg.data.batch_size % multiple:
+        raise ConfigError(
+            f"batch_size={cfg.data.batch_size} does not split over the mesh's data x fsdp axes "
+            f"({batch_shards(mesh_shape)} parts, {format_mesh(mesh_shape)}) times accumulate="
+            f"{cfg.optimizer.accumulate}; pass a batch size that is a multiple of {multiple}",
+            field="data.batch_size")
+    run_dir = resolve_run_dir(cfg)
+    corpus = load_corpus(cfg.data.path, cache_dir=cfg.data.cache_dir)
+    os.makedirs(run_dir, exist_ok=True)
+
+    stream_args = stream_settings(cfg, multiple)
+    stream = DataStream(corpus.train, **stream_args)
+    total_steps = cfg.run.steps
+    if cfg.run.train_tokens is not None:
+        total_steps = max(1, math.ceil(cfg.run.train_tokens
+                                       / stream.stats["real_tokens_per_batch"]))
+    optimizer, schedule, hyperparameters = build_optimizer(
+        cfg.optimizer, batch_rows=cfg.batch_rows(), total_steps=total_steps)
+    state, shardings = init_sharded_state(cfg.model, optimizer, cfg.run.seed,
+                                          cfg.make_loss_scale(), mesh, cfg.policy())
+    batch_layout = batch_sharding(mesh)
+    plan = None
+    if cfg.run.memory_budget is not None:
+        remat, plan = choose_remat(lambda model: train_step_of(cfg, model, optimizer),
+                                   cfg.model, abstract(state), stream.global_shapes,
+                                   cfg.run.memory_budget, batch_layout)
+        cfg = dataclasses.replace(cfg, model=dataclasses.replace(cfg.model, remat=remat))
+    resume_config = resume_settings(cfg, stream_args, total_steps, multiple)
+    checkpointer = Checkpointer(os.path.join(run_dir, "checkpoints"))
+    if cfg.run.resume:
+        state, position, _ = checkpointer.restore(state, config=resume_config)
+        stream = DataStream(corpus.train, position=position, **stream_args)
+    if jax.process_index() == 0:
+        write_config(cfg, run_dir, shlex.join(sys.orig_argv))
+    eval_multiple = math.lcm(batch_shards(mesh_shape), jax.process_count())
+    eval_batch_size = cfg.run.eval_batch_size or cfg.batch_rows()
+    eval_batch_size = -(-eval_batch_size // eval_multiple) * eval_multiple
+    return Setup(cfg, mesh, mesh_shape, run_dir, corpus, stream, total_steps, optimizer,
+                 schedule, hyperparameters, state, shardings, batch_layout, plan, resume_config,
+                 checkpointer, eval_batch_size)
 
 
 def resolve_run_dir(cfg: TrainConfig) -> str:
-    """The run directory: the given one, the latest run (on --resume) or a new timestamped one."""
-    if cfg.run_dir is not None:
-        has_checkpoint = bool(glob.glob(os.path.join(cfg.run_dir, "checkpoints", "*")))
-        if has_checkpoint and not cfg.resume:
-            raise ConfigError(
-                f"run dir {cfg.run_dir} already holds checkpoints; pass --resume to continue it or "
-                f"choose another --run-dir")
-        return cfg.run_dir
-    if cfg.resume:
+    """The run directory: the given one, the latest run (on resume) or a new timestamped one."""
+    run_dir, resume = cfg.run.run_dir, cfg.run.resume
+    if run_dir is not None:
+        has_checkpoint = bool(glob.glob(os.path.join(run_dir, "checkpoints", "*")))
+        if has_checkpoint and not resume:
+            raise ConfigError(f"run dir {run_dir} already holds checkpoints; set resume to "
+                              f"continue it or choose another run_dir", field="run.resume")
+        return run_dir
+    if resume:
         earlier = sorted(glob.glob(os.path.join(RUNS_ROOT, "train-*", "checkpoints", "*")))
         if not earlier:
-            raise ConfigError(f"--resume found no earlier run under {RUNS_ROOT}/; pass --run-dir")
+            raise ConfigError(f"resume found no earlier run under {RUNS_ROOT}/; pass its run_dir",
+                              field="run.run_dir")
         return os.path.dirname(os.path.dirname(earlier[-1]))
     run_dir = os.path.join(RUNS_ROOT, time.strftime("train-%Y%m%d-%H%M%S"))
     suffix = 1
@@ -73,22 +231,140 @@ def resolve_run_dir(cfg: TrainConfig) -> str:
     return run_dir
 
 
-@contextlib.contextmanager
-def stop_on_signals():
-    """Turn the first SIGINT/SIGTERM into a request to stop; a second SIGINT interrupts at once."""
-    received = {}
+def stream_settings(cfg: TrainConfig, multiple: int) -> dict:
+    """``DataStream``'s keyword arguments for this process; batches split into ``multiple``."""
+    return dict(strategy=cfg.data.batching, seq_len=cfg.seq_len, seed=cfg.run.seed,
+                process_index=jax.process_index(), process_count=jax.process_count(),
+                data_parallel=multiple, **cfg.batching_options())
 
-    def handler(signum, frame):
-        if signum == signal.SIGINT and received:
-            raise KeyboardInterrupt
-        received.setdefault("signum", signum)
 
-    previous = {s: signal.signal(s, handler) for s in (signal.SIGINT, signal.SIGTERM)}
-    try:
-        yield received
-    finally:
-        for s, h in previous.items():
-            signal.signal(s, h)
+def resume_settings(cfg: TrainConfig, stream_args: dict, total_steps: int, multiple: int) -> dict:
+    """The settings a checkpoint records and a resumed run must match, by field path."""
+    settings = {f"{section}.{name}": value for section, fields in to_dict(cfg).items()
+                if section in RESUME_SECTIONS for name, value in fields.items()}
+    settings.update({path: value for path, value in
+                     ((p, getattr(getattr(cfg, p.split(".")[0]), p.split(".")[1]))
+                      for p in RESUME_FIELDS)})
+    settings.update({f"data.{k}": v for k, v in cfg.batching_options().items()},
+                    **{"data.seq_len": stream_args["seq_len"], "run.steps": total_steps})
+    if cfg.data.tokens_per_batch is not None:   # token budgets round batches to this multiple
+        settings["data.batch_multiple"] = math.lcm(multiple, jax.process_count())
+    return settings
+
+
+def train_step_of(cfg: TrainConfig, model_cfg, optimizer, schedule=None):
+    """The pure train step a config describes (``jaxaccel.train.build_train_step``)."""
+    return build_train_step(model_cfg, optimizer, policy=cfg.policy(),
+                            accumulate=cfg.optimizer.accumulate,
+                            skip_nonfinite=cfg.skips_nonfinite(), schedule=schedule)
+
+
+def sharded_steps(cfg: TrainConfig, optimizer, schedule, shardings, mesh):
+    """The train and eval steps of ``cfg`` as ``CompiledFn``s jitted over ``mesh``: the state in
+    ``shardings`` (donated to the train step), the batch split over data x fsdp, metrics
+    replicated."""
+    layout, whole = batch_sharding(mesh), replicated(mesh)
+    train_step = CompiledFn(train_step_of(cfg, cfg.model, optimizer, schedule),
+                            in_shardings=(shardings, layout), out_shardings=(shardings, whole),
+                            donate_argnums=0)
+    eval_step = CompiledFn(build_eval_step(cfg.model, cfg.policy()),
+                           in_shardings=(shardings, layout), out_shardings=whole)
+    return train_step, eval_step
+
+
+# =============================================================================================
+# Phase 2: compile. Every batch shape the data can produce, before the clock starts.
+
+@dataclasses.dataclass
+class Steps:
+    train: CompiledFn
+    eval: CompiledFn
+    warm_compiles: int
+
+
+def compile_steps(run: Setup) -> Steps:
+    train_step, eval_step = sharded_steps(run.cfg, run.optimizer, run.schedule, run.shardings,
+                                          run.mesh)
+    abstract_state = abstract(run.state)
+    for shape in run.stream.global_shapes:
+        train_step.compile(abstract_state, abstract_batch(shape))
+    eval_step.compile(abstract_state, abstract_batch((run.eval_batch_size, run.cfg.seq_len)))
+    return Steps(train_step, eval_step, train_step.compiles)
+
+
+# =============================================================================================
+# Phase 3: run. Steps, metrics, periodic evaluation and checkpoints, stopping on signals.
+
+@dataclasses.dataclass
+class Progress:
+    state: object
+    first_step: int
+    totals: dict                # real tokens and token positions of the run's global batches
+    history: list               # (loss, real tokens) per step
+    train_s: float
+    data_wait_s: float
+    interrupted: str | None
+    writer: MetricsWriter
+
+
+def run_steps(run: Setup, steps: Steps, should_stop=None) -> Progress:
+    cfg = run.cfg
+    state = run.state
+    writer = MetricsWriter(run.run_dir, jax.process_index())
+    first_step = int(state.step)
+    watch = Stopwatch()
+    window, history = [], []
+    totals = {"real": 0, "positions": 0}
+    interrupted = None
+    feed = DevicePrefetcher(run.stream, sharding=run.batch_layout, depth=cfg.data.prefetch)
+    progress = _progress_bar(run.total_steps, first_step, cfg.run.progress)
+
+    def save(step):
+        run.checkpointer.save(step, state, loader_position=feed.position,
+                              config=run.resume_config)
+
+    watch.start()
+    with stop_on_signals() as received:
+        for step in range(first_step, run.total_steps):
+            batch, _ = next(feed)
+            state, metrics = steps.train(state, batch)
+            window.append(metrics)
+            done = step + 1
+            if done % max(cfg.run.log_every, 1) == 0 or done == run.total_steps:
+                jax.block_until_ready(window[-1])
+                history += _log_window(writer, done, window, totals, watch.elapsed(), progress)
+                window = []
+            if cfg.run.eval_every and done % cfg.run.eval_every == 0 and done < run.total_steps:
+                watch.pause(state)
+                run_eval(run, steps, state, writer, done, cfg.run.eval_batches)
+                watch.start()
+            stop = received.get("signum") or (should_stop is not None and should_stop(done))
+            if (cfg.run.checkpoint_every and done % cfg.run.checkpoint_every == 0) or stop:
+                watch.pause(state)
+                save(done)
+                watch.start()
+            if stop:
+                interrupted = signal.Signals(received["signum"]).name if received else "requested"
+                break
+        watch.pause(state)
+        if window:
+            history += _log_window(writer, int(state.step), window, totals, watch.seconds,
+                                   progress)
+        save(int(state.step))
+    feed.close()
+    if progress is not None:
+        progress.close()
+    return Progress(state, first_step, totals, history, watch.seconds, feed.wait_seconds,
+                    interrupted, writer)
+
+
+def run_eval(run: Setup, steps: Steps, state, writer, step: int, max_batches):
+    """Evaluate on the validation split and log it; (mean loss in nats, tokens)."""
+    loss, tokens = evaluate(steps.eval, state, run.corpus.val, seq_len=run.cfg.seq_len,
+                            batch_size=run.eval_batch_size, max_batches=max_batches,
+                            sharding=run.batch_layout)
+    writer.write(step, "eval", {"loss": loss, "bpb": loss * BITS_PER_NAT, "tokens": tokens})
+    return loss, tokens
 
 
 def evaluate(eval_step, state, documents, *, seq_len: int, batch_size: int,
@@ -118,6 +394,24 @@ def evaluate(eval_step, state, documents, *, seq_len: int, batch_size: int,
     return float(loss_sum) / max(float(weight_sum), 1.0), int(weight_sum)
 
 
+@contextlib.contextmanager
+def stop_on_signals():
+    """Turn the first SIGINT/SIGTERM into a request to stop; a second SIGINT interrupts at once."""
+    received = {}
+
+    def handler(signum, frame):
+        if signum == signal.SIGINT and received:
+            raise KeyboardInterrupt
+        received.setdefault("signum", signum)
+
+    previous = {s: signal.signal(s, handler) for s in (signal.SIGINT, signal.SIGTERM)}
+    try:
+        yield received
+    finally:
+        for s, h in previous.items():
+            signal.signal(s, h)
+
+
 class Stopwatch:
     """Seconds of training only: paused around evaluation and checkpoints."""
 
@@ -135,258 +429,6 @@ class Stopwatch:
     def elapsed(self) -> float:
         running = time.perf_counter() - self._start if self._start is not None else 0.0
         return self.seconds + running
-
-
-def train(cfg: TrainConfig, *, should_stop=None) -> dict:
-    """Run training as configured; return the summary dict (see ``experiments.train``).
-
-    ``should_stop(step)`` is polled after every step; returning True stops the run as a signal
-    would (checkpoint saved, ``interrupted`` set). Tests use it to cut a run short.
-
-    With ``--coordinator`` (or ``--distributed``) this process first joins the others through
-    ``jax.distributed``; then every process runs this same function on its share of the data.
-    """
-    wall_start = time.perf_counter()
-    if not jax.distributed.is_initialized():
-        initialize_distributed(cfg.coordinator, cfg.num_processes, cfg.process_id,
-                               auto=cfg.distributed, timeout_s=cfg.distributed_timeout)
-    model_cfg = cfg.validate()
-    mesh, mesh_shape = build_mesh(cfg.sharding, cfg.mesh, cfg.mesh_axis_types, model_cfg,
-                                  cfg.num_devices)
-    with jax.default_matmul_precision(cfg.matmul_precision), jax.set_mesh(mesh):
-        return _train(cfg, model_cfg, mesh, mesh_shape, should_stop, wall_start)
-
-
-def _train(cfg: TrainConfig, model_cfg, mesh, mesh_shape, should_stop, wall_start) -> dict:
-    seq_len = cfg.resolved_seq_len(model_cfg)
-    multiple = batch_shards(mesh_shape) * cfg.accumulate
-    if cfg.batch_size is not None and cfg.batch_size % multiple:
-        raise ConfigError(
-            f"batch_size={cfg.batch_size} does not split over the mesh's data x fsdp axes "
-            f"({batch_shards(mesh_shape)} parts, {format_mesh(mesh_shape)}) times --accumulate "
-            f"{cfg.accumulate}; pass a --batch-size that is a multiple of {multiple}")
-    run_dir = resolve_run_dir(cfg)
-    corpus = load_corpus(cfg.data, cache_dir=cfg.cache_dir)
-    os.makedirs(run_dir, exist_ok=True)
-
-    stream_args = dict(strategy=cfg.batching, seq_len=seq_len, seed=cfg.seed,
-                       process_index=jax.process_index(), process_count=jax.process_count(),
-                       data_parallel=multiple,
-                       **cfg.batching_options())
-    stream = DataStream(corpus.train, **stream_args)
-    total_steps = cfg.steps
-    if cfg.train_tokens is not None:
-        total_steps = max(1, math.ceil(cfg.train_tokens / stream.stats["real_tokens_per_batch"]))
-    optimizer, schedule, hyperparameters = build_optimizer(cfg, seq_len, total_steps)
-    policy = cfg.policy()
-    state, shardings = init_sharded_state(model_cfg, optimizer, cfg.seed, cfg.make_loss_scale(),
-                                          mesh)
-    batch_layout = batch_sharding(mesh)
-    whole = replicated(mesh)
-    plan = None
-    if cfg.memory_budget is not None:
-        model_cfg, plan = choose_remat(cfg, model_cfg, state, optimizer, policy,
-                                       stream.global_shapes, batch_layout)
-    resume_config = {**dataclasses.asdict(model_cfg),
-                     **{k: getattr(cfg, k) for k in RESUME_KEYS},
-                     **cfg.batching_options(), "seq_len": seq_len, "steps": total_steps}
-    if cfg.tokens_per_batch is not None:   # token budgets round batches to this multiple
-        resume_config["batch_multiple"] = math.lcm(multiple, jax.process_count())
-    checkpointer = Checkpointer(os.path.join(run_dir, "checkpoints"))
-    if cfg.resume:
-        state, position, _ = checkpointer.restore(state, config=resume_config)
-        stream = DataStream(corpus.train, position=position, **stream_args)
-
-    apply_fn = make_apply(model_cfg)
-    train_step = CompiledFn(
-        make_train_step(apply_fn, optimizer, schedule, dropout=model_cfg.dropout > 0,
-                        accumulate=cfg.accumulate, policy=policy),
-        in_shardings=(shardings, batch_layout), out_shardings=(shardings, whole),
-        donate_argnums=0)
-    eval_step = CompiledFn(make_eval_step(apply_fn, policy),
-                           in_shardings=(shardings, batch_layout), out_shardings=whole)
-    eval_multiple = math.lcm(batch_shards(mesh_shape), jax.process_count())
-    eval_batch_size = (cfg.eval_batch_size or stream_args["batch_size"]
-                       or max(1, stream_args["tokens_per_batch"] // seq_len))
-    eval_batch_size = -(-eval_batch_size // eval_multiple) * eval_multiple
-    abstract_state = abstract(state)
-    for shape in stream.global_shapes:
-        train_step.compile(abstract_state, abstract_batch(shape))
-    eval_step.compile(abstract_state, abstract_batch((eval_batch_size, seq_len)))
-    warm_compiles = train_step.compiles
-
-    writer = MetricsWriter(run_dir, jax.process_index())
-    first_step = int(state.step)
-    watch = Stopwatch()
-    window, history = [], []
-    totals = {"real": 0, "positions": 0}
-    interrupted = None
-    feed = DevicePrefetcher(stream, sharding=batch_layout, depth=cfg.prefetch)
-
-    def save(step):
-        checkpointer.save(step, state, loader_position=feed.position, config=resume_config)
-
-    def run_eval(step, max_batches):
-        loss, tokens = evaluate(eval_step, state, corpus.val, seq_len=seq_len,
-                                batch_size=eval_batch_size, max_batches=max_batches,
-                                sharding=batch_layout)
-        writer.write(step, "eval", {"loss": loss, "bpb": loss * BITS_PER_NAT, "tokens": tokens})
-        return loss, tokens
-
-    progress = _progress_bar(total_steps, first_step, cfg.progress)
-    watch.start()
-    with stop_on_signals() as received:
-        for step in range(first_step, total_steps):
-            batch, _ = next(feed)
-            state, metrics = train_step(state, batch)
-            window.append(metrics)
-            done = step + 1
-            if done % max(cfg.log_every, 1) == 0 or done == total_steps:
-                jax.block_until_ready(window[-1])
-                history += _log_window(writer, done, window, totals, watch.elapsed(), progress)
-                window = []
-            if cfg.eval_every and done % cfg.eval_every == 0 and done < total_steps:
-                watch.pause(state)
-                run_eval(done, cfg.eval_batches)
-                watch.start()
-            stop = received.get("signum") or (should_stop is not None and should_stop(done))
-            if (cfg.checkpoint_every and done % cfg.checkpoint_every == 0) or stop:
-                watch.pause(state)
-                save(done)
-                watch.start()
-            if stop:
-                interrupted = signal.Signals(received["signum"]).name if received else "requested"
-                break
-        watch.pause(state)
-        if window:
-            history += _log_window(writer, int(state.step), window, totals, watch.seconds,
-                                   progress)
-        final_step = int(state.step)
-        save(final_step)
-    feed.close()
-    if progress is not None:
-        progress.close()
-
-    if interrupted:
-        val_loss, val_tokens = float("nan"), 0
-    else:
-        val_loss, val_tokens = run_eval(final_step, cfg.final_eval_batches)
-    writer.close()
-    checkpointer.close()
-    unigram_bpb = corpus.unigram_bits_per_token()
-    if jax.process_index() == 0:
-        plot_loss_curve(read_metrics(writer.path), os.path.join(run_dir, "loss.png"),
-                        unigram_bpb=unigram_bpb,
-                        title=f"{cfg.model} on {cfg.data}, {cfg.batching}")
-
-    flops_token = flops_per_token(model_cfg, seq_len)
-    tokens_per_s = totals["real"] / watch.seconds if watch.seconds > 0 else float("nan")
-    peak = hardware.peak_flops()
-    return {
-        "steps": final_step,
-        "steps_this_run": final_step - first_step,
-        "batching": cfg.batching,
-        "real_tokens": totals["real"],
-        "real_tokens_per_s": tokens_per_s,
-        "padding_efficiency": totals["real"] / max(totals["positions"], 1),
-        "epoch_padding_efficiency": stream.stats["padding_efficiency"],
-        "shapes": [list(shape) for shape in stream.global_shapes],
-        "train_bpb": _recent_bpb(history),
-        "val_loss": val_loss,
-        "val_bpb": val_loss * BITS_PER_NAT,
-        "val_tokens": val_tokens,
-        "unigram_bpb": unigram_bpb,
-        "compiles": train_step.compiles,
-        "compiles_after_warmup": train_step.compiles - warm_compiles,
-        "compile_s": train_step.compile_seconds,
-        "eval_compiles": eval_step.compiles,
-        "data_wait_s": feed.wait_seconds,
-        "wall_s": time.perf_counter() - wall_start,
-        "train_s": watch.seconds,
-        "params": count_params(state.params),
-        "precision": policy.name,
-        "matmul_precision": cfg.matmul_precision,
-        "loss_scale": float(state.loss_scale.loss_scale),
-        "skipped_steps": int(state.loss_scale.skipped_steps),
-        "optimizer": cfg.optimizer,
-        **hyperparameters,
-        "batch_rows": cfg.batch_rows(seq_len),
-        "accumulate": cfg.accumulate,
-        "optimizer_state_bytes": state_bytes(state.opt_state),
-        "sharding": cfg.sharding,
-        "mesh": mesh_shape,
-        "mesh_axis_types": cfg.mesh_axis_types,
-        "process_count": jax.process_count(),
-        "param_opt_bytes_per_device": bytes_per_device((state.params, state.opt_state)),
-        "flops_per_token": flops_token,
-        "achieved_flops_per_s": tokens_per_s * flops_token,
-        "mfu": tokens_per_s * flops_token / peak if peak else None,
-        "attention": model_cfg.attention,
-        "remat": model_cfg.remat,
-        "scan_layers": model_cfg.scan_layers,
-        "remat_plan": dataclasses.asdict(plan) if plan else None,
-        "step_memory_bytes": largest_memory_bytes(train_step),
-        "peak_memory_bytes": hardware.peak_memory_bytes(),
-        "split_documents": stream.stats["split_documents"],
-        "empty_documents_skipped": corpus.stats["empty_documents_skipped"],
-        "device": hardware.describe(),
-        "jax_version": jax.__version__,
-        "run_dir": run_dir,
-        "interrupted": interrupted,
-    }
-
-
-def init_sharded_state(model_cfg, optimizer, seed: int, loss_scale, mesh):
-    """The initial TrainState, created already sharded over ``mesh`` (the initialisation is
-    jitted with the state's shardings as its outputs, so no device holds more than its shard),
-    and those shardings."""
-
-    def make_state():
-        return init_state(init_params(model_cfg, jax.random.PRNGKey(seed)), optimizer, seed,
-                          loss_scale=loss_scale)
-
-    abstract_state = jax.eval_shape(make_state)
-    shardings = state_shardings(mesh, abstract_state,
-                                param_shardings(mesh, param_axes(abstract_state.params)))
-    return jax.jit(make_state, out_shardings=shardings)(), shardings
-
-
-def choose_remat(cfg: TrainConfig, model_cfg, state, optimizer, policy, shapes, batch_layout):
-    """The model config with the remat policy that ``--memory-budget`` chooses, and the plan.
-
-    Planned at the batch shape with the most tokens (the longest among those); every policy's
-    step is compiled once ahead of time, nothing runs. The largest batch per policy is left to
-    ``experiments.remat`` (``plan_remat(search=True)``): its search costs several compiles
-    per policy, too long a start for a training run.
-    """
-    rows, seq_len = max(shapes, key=lambda shape: (shape[0] * shape[1], shape[1]))
-
-    def make_step(name):
-        apply_fn = make_apply(dataclasses.replace(model_cfg, remat=name))
-        return make_train_step(apply_fn, optimizer, dropout=model_cfg.dropout > 0,
-                               accumulate=cfg.accumulate, policy=policy)
-
-    abstract_state = abstract(state)
-    plan = plan_remat(make_step, abstract_state, seq_len=seq_len, batch_size=rows,
-                      budget=cfg.memory_budget, search=False, batch_sharding=batch_layout)
-    return dataclasses.replace(model_cfg, remat=plan.policy), plan
-
-
-def build_optimizer(cfg: TrainConfig, seq_len: int, total_steps: int):
-    """The run's optimizer, its learning-rate schedule, and its hyperparameters as resolved (the
-    optimizer's defaults filled in, the peak learning rate scaled to the batch size)."""
-    base_lr, weight_decay = resolve_defaults(cfg.optimizer, cfg.learning_rate, cfg.weight_decay)
-    learning_rate = scale_learning_rate(base_lr, cfg.lr_scaling, cfg.batch_rows(seq_len),
-                                        cfg.base_batch_size)
-    patterns = cfg.no_decay_patterns()
-    optimizer = make_optimizer(
-        cfg.optimizer, learning_rate=learning_rate, weight_decay=weight_decay,
-        schedule=cfg.schedule, warmup_steps=cfg.warmup_steps, total_steps=total_steps,
-        clip_norm=cfg.clip_norm, mask=lambda params: decay_mask(params, patterns),
-        state_dtype=jnp.dtype(cfg.optimizer_state_dtype))
-    schedule = make_schedule(cfg.schedule, learning_rate, warmup_steps=cfg.warmup_steps,
-                             total_steps=total_steps)
-    return optimizer, schedule, {"learning_rate": learning_rate, "weight_decay": weight_decay}
 
 
 def _progress_bar(total_steps: int, first_step: int, enabled: bool):
@@ -430,6 +472,66 @@ def _log_window(writer, step, window, totals, seconds, progress) -> list[tuple[f
     return list(zip(losses.tolist(), tokens.tolist()))
 
 
+# =============================================================================================
+# Phase 4: finish. Final evaluation, loss plot, the summary.
+
+def finish(run: Setup, steps: Steps, progress: Progress, wall_start: float) -> RunSummary:
+    cfg, state = run.cfg, progress.state
+    final_step = int(state.step)
+    if progress.interrupted:
+        val_loss, val_tokens = float("nan"), 0
+    else:
+        val_loss, val_tokens = run_eval(run, steps, state, progress.writer, final_step,
+                                        cfg.run.final_eval_batches)
+    progress.writer.close()
+    run.checkpointer.close()
+    unigram_bpb = run.corpus.unigram_bits_per_token()
+    if jax.process_index() == 0:
+        plot_loss_curve(read_metrics(progress.writer.path), os.path.join(run.run_dir, "loss.png"),
+                        unigram_bpb=unigram_bpb,
+                        title=f"{describe_model(cfg.model)} on {cfg.data.path}, "
+                              f"{cfg.data.batching}")
+    totals, train_s = progress.totals, progress.train_s
+    flops_token = flops_per_token(cfg.model, cfg.seq_len)
+    tokens_per_s = totals["real"] / train_s if train_s > 0 else float("nan")
+    peak = hardware.peak_flops()
+    stats = run.stream.stats
+    return RunSummary(
+        steps=final_step, steps_this_run=final_step - progress.first_step,
+        interrupted=progress.interrupted, run_dir=run.run_dir,
+        batching=cfg.data.batching, shapes=[list(shape) for shape in run.stream.global_shapes],
+        real_tokens=totals["real"],
+        padding_efficiency=totals["real"] / max(totals["positions"], 1),
+        epoch_padding_efficiency=stats["padding_efficiency"],
+        split_documents=stats["split_documents"],
+        empty_documents_skipped=run.corpus.stats["empty_documents_skipped"],
+        data_wait_s=progress.data_wait_s,
+        train_bpb=_recent_bpb(progress.history), val_loss=val_loss,
+        val_bpb=val_loss * BITS_PER_NAT, val_tokens=val_tokens, unigram_bpb=unigram_bpb,
+        real_tokens_per_s=tokens_per_s, flops_per_token=flops_token,
+        achieved_flops_per_s=tokens_per_s * flops_token,
+        mfu=tokens_per_s * flops_token / peak if peak else None,
+        compiles=steps.train.compiles, compiles_after_warmup=steps.train.compiles
+        - steps.warm_compiles, compile_s=steps.train.compile_seconds,
+        eval_compiles=steps.eval.compiles, step_memory_bytes=largest_memory_bytes(steps.train),
+        peak_memory_bytes=hardware.peak_memory_bytes(),
+        wall_s=time.perf_counter() - wall_start, train_s=train_s,
+        model=describe_model(cfg.model), params=count_params(state.params),
+        attention=cfg.model.attention, remat=cfg.model.remat,
+        scan_layers=cfg.model.scan_layers,
+        remat_plan=dataclasses.asdict(run.plan) if run.plan else None,
+        precision=cfg.policy().name, matmul_precision=cfg.precision.matmul,
+        loss_scale=float(state.loss_scale.loss_scale),
+        skipped_steps=int(state.loss_scale.skipped_steps), optimizer=cfg.optimizer.name,
+        learning_rate=run.hyperparameters["learning_rate"],
+        weight_decay=run.hyperparameters["weight_decay"], batch_rows=cfg.batch_rows(),
+        accumulate=cfg.optimizer.accumulate, optimizer_state_bytes=state_bytes(state.opt_state),
+        sharding=cfg.mesh.strategy, mesh=run.mesh_shape, mesh_axis_types=cfg.mesh.axis_types,
+        process_count=jax.process_count(),
+        param_opt_bytes_per_device=bytes_per_device((state.params, state.opt_state)),
+        device=hardware.describe(), jax_version=jax.__version__)
+
+
 def _recent_bpb(history: list[tuple[float, float]]) -> float:
     """Token-weighted training bits per byte over the last tenth of the steps (at least one)."""
     if not history:
@@ -437,3 +539,4 @@ def _recent_bpb(history: list[tuple[float, float]]) -> float:
     recent = history[-max(1, len(history) // 10):]
     loss = sum(l * t for l, t in recent) / max(sum(t for _, t in recent), 1.0)
     return loss * BITS_PER_NAT
+

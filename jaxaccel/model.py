@@ -15,7 +15,7 @@ Each block runs as a pure function of its parameters, checkpointed under the ``r
 (``jaxaccel.remat``); the tensors the policies name are tagged with ``checkpoint_name``. With
 ``scan_layers`` the blocks' parameters are stacked on a leading layer axis (``params["blocks"]``
 is one dict of [n_layers, ...] arrays) and one ``lax.scan`` applies them: XLA compiles one block
-instead of n_layers. ``stack_blocks`` and ``unstack_blocks`` convert between the two layouts.
+instead of n_layers.
 
 Every weight's dimensions have logical names (``PARAM_AXES``, ``param_axes``) and the main
 activations are constrained to theirs, so the same model runs data parallel, FSDP or tensor
@@ -70,33 +70,35 @@ class ModelConfig:
         return self.d_model // self.n_heads
 
     def validate(self):
-        """Raise ConfigError on an inconsistent shape, naming the flag that fixes it."""
+        """Raise ConfigError on an inconsistent shape, naming the field that fixes it."""
         for name in ("vocab_size", "d_model", "n_layers", "n_heads", "n_kv_heads", "d_ff",
                      "max_seq_len"):
             if getattr(self, name) < 1:
-                flag = name.replace("_", "-")
-                raise ConfigError(f"{name} must be positive, got {getattr(self, name)}; fix --{flag}")
+                raise ConfigError(f"{name} must be positive, got {getattr(self, name)}",
+                                  field=f"model.{name}")
         if self.d_model % self.n_heads:
             raise ConfigError(
-                f"n_heads={self.n_heads} does not divide d_model={self.d_model}; choose --n-heads "
-                f"dividing --d-model")
+                f"n_heads={self.n_heads} does not divide d_model={self.d_model}; choose n_heads "
+                f"dividing d_model", field="model.n_heads")
         if self.n_heads % self.n_kv_heads:
             raise ConfigError(
                 f"n_kv_heads={self.n_kv_heads} does not divide n_heads={self.n_heads}; choose "
-                f"--n-kv-heads dividing --n-heads")
+                f"n_kv_heads dividing n_heads", field="model.n_kv_heads")
         if self.head_dim % 2:
             raise ConfigError(
                 f"head_dim={self.head_dim} (d_model/n_heads) is odd, rotary embedding needs it "
-                f"even; change --d-model or --n-heads")
+                f"even; change d_model or n_heads", field="model.n_heads")
         if self.mlp not in MLP_KINDS:
-            raise ConfigError(f"unknown mlp {self.mlp!r}; choose --mlp from {', '.join(MLP_KINDS)}")
+            raise ConfigError(f"unknown mlp {self.mlp!r}; choose one of {', '.join(MLP_KINDS)}",
+                              field="model.mlp")
         if self.attention not in IMPLEMENTATIONS:
             raise ConfigError(
-                f"unknown attention {self.attention!r}; choose --attention from "
-                f"{', '.join(IMPLEMENTATIONS)}")
+                f"unknown attention {self.attention!r}; choose one of "
+                f"{', '.join(IMPLEMENTATIONS)}", field="model.attention")
         remat_lib.check_policy(self.remat)
         if not 0.0 <= self.dropout < 1.0:
-            raise ConfigError(f"dropout must be in [0, 1), got {self.dropout}; fix --dropout")
+            raise ConfigError(f"dropout must be in [0, 1), got {self.dropout}",
+                              field="model.dropout")
 
 
 def default_d_ff(d_model: int, mlp: str) -> int:
@@ -113,13 +115,22 @@ PRESETS = {
 }
 
 
+def describe_model(cfg: ModelConfig) -> str:
+    """The preset's name if ``cfg`` is one, else its layers x width, e.g. ``2x128``."""
+    for name, known in PRESETS.items():
+        if known == cfg:
+            return name
+    return f"{cfg.n_layers}x{cfg.d_model}"
+
+
 def preset(name: str, **overrides) -> ModelConfig:
     """A preset's config with some fields replaced; ``None`` overrides are ignored.
 
-    ``n_kv_heads`` and ``d_ff`` are re-derived unless given, so ``--n-heads 8`` alone stays valid.
+    ``n_kv_heads`` and ``d_ff`` are re-derived unless given, so ``n_heads=8`` alone stays valid.
     """
     if name not in PRESETS:
-        raise ConfigError(f"unknown model preset {name!r}; choose --model from {', '.join(PRESETS)}")
+        raise ConfigError(f"unknown model preset {name!r}; choose one of {', '.join(PRESETS)}",
+                          field="model.preset")
     fields = dataclasses.asdict(PRESETS[name])
     overrides = {k: v for k, v in overrides.items() if v is not None}
     if "n_heads" in overrides:
@@ -131,18 +142,18 @@ def preset(name: str, **overrides) -> ModelConfig:
 
 
 def rotary_sin_cos(positions_BT, head_dim: int, base: float):
-    """Sines and cosines [B, T, head_dim/2] of the rotary angles, in float32."""
-    inv_freq_F = base ** (-jnp.arange(0, head_dim, 2, dtype=jnp.float32) / head_dim)
-    angles_BTF = positions_BT.astype(jnp.float32)[..., None] * inv_freq_F
-    return jnp.sin(angles_BTF), jnp.cos(angles_BTF)
+    """Sines and cosines [B, T, R] of the rotary angles, in float32."""
+    inv_freq_R = base ** (-jnp.arange(0, head_dim, 2, dtype=jnp.float32) / head_dim)
+    angles_BTR = positions_BT.astype(jnp.float32)[..., None] * inv_freq_R
+    return jnp.sin(angles_BTR), jnp.cos(angles_BTR)
 
 
-def apply_rotary(x_BTHD, sin_BTF, cos_BTF):
+def apply_rotary(x_BTHE, sin_BTR, cos_BTR):
     """Rotate the two halves of each head's features by the position's angles."""
-    x1, x2 = jnp.split(x_BTHD.astype(jnp.float32), 2, axis=-1)
-    sin, cos = sin_BTF[:, :, None], cos_BTF[:, :, None]
+    x1, x2 = jnp.split(x_BTHE.astype(jnp.float32), 2, axis=-1)
+    sin, cos = sin_BTR[:, :, None], cos_BTR[:, :, None]
     rotated = jnp.concatenate([x1 * cos - x2 * sin, x2 * cos + x1 * sin], axis=-1)
-    return rotated.astype(x_BTHD.dtype)
+    return rotated.astype(x_BTHE.dtype)
 
 
 # Logical names of each weight's dimensions, by the name of the layer that holds it; the
@@ -186,20 +197,20 @@ class Attention(nnx.Module):
         self.wv = Dense(d, cfg.n_kv_heads * hd, 0.02, rngs, "wv")
         self.wo = Dense(cfg.n_heads * hd, d, out_std, rngs, "wo")
 
-    def __call__(self, x_BTD, sin_BTF, cos_BTF, segment_ids_BT):
+    def __call__(self, x_BTD, sin_BTR, cos_BTR, segment_ids_BT):
         cfg = self.cfg
         B, T, _ = x_BTD.shape
-        q_BTHD = constrain(self.wq(x_BTD).reshape(B, T, cfg.n_heads, cfg.head_dim), Q_AXES)
-        k_BTKD = constrain(self.wk(x_BTD).reshape(B, T, cfg.n_kv_heads, cfg.head_dim), KV_AXES)
-        v_BTKD = constrain(self.wv(x_BTD).reshape(B, T, cfg.n_kv_heads, cfg.head_dim), KV_AXES)
-        q_BTHD = checkpoint_name(apply_rotary(q_BTHD, sin_BTF, cos_BTF), remat_lib.QUERY)
-        k_BTKD = checkpoint_name(apply_rotary(k_BTKD, sin_BTF, cos_BTF), remat_lib.KEY)
-        v_BTKD = checkpoint_name(v_BTKD, remat_lib.VALUE)
-        out_BTHD = dot_product_attention(
-            q_BTHD, k_BTKD, v_BTKD, segment_ids=segment_ids_BT, causal=True,
+        q_BTHE = constrain(self.wq(x_BTD).reshape(B, T, cfg.n_heads, cfg.head_dim), Q_AXES)
+        k_BTKE = constrain(self.wk(x_BTD).reshape(B, T, cfg.n_kv_heads, cfg.head_dim), KV_AXES)
+        v_BTKE = constrain(self.wv(x_BTD).reshape(B, T, cfg.n_kv_heads, cfg.head_dim), KV_AXES)
+        q_BTHE = checkpoint_name(apply_rotary(q_BTHE, sin_BTR, cos_BTR), remat_lib.QUERY)
+        k_BTKE = checkpoint_name(apply_rotary(k_BTKE, sin_BTR, cos_BTR), remat_lib.KEY)
+        v_BTKE = checkpoint_name(v_BTKE, remat_lib.VALUE)
+        out_BTHE = dot_product_attention(
+            q_BTHE, k_BTKE, v_BTKE, segment_ids=segment_ids_BT, causal=True,
             implementation=cfg.attention)
-        out_BTHD = checkpoint_name(out_BTHD, remat_lib.ATTENTION_OUT)
-        return self.wo(out_BTHD.reshape(B, T, cfg.n_heads * cfg.head_dim))
+        out_BTHE = checkpoint_name(out_BTHE, remat_lib.ATTENTION_OUT)
+        return self.wo(out_BTHE.reshape(B, T, cfg.n_heads * cfg.head_dim))
 
 
 class MLP(nnx.Module):
@@ -239,9 +250,9 @@ class Block(nnx.Module):
         keep = jax.random.bernoulli(key, 1.0 - self.dropout, x.shape)
         return jnp.where(keep, x / (1.0 - self.dropout), 0).astype(x.dtype)
 
-    def __call__(self, x_BTD, sin_BTF, cos_BTF, segment_ids_BT, dropout_key=None):
+    def __call__(self, x_BTD, sin_BTR, cos_BTR, segment_ids_BT, dropout_key=None):
         keys = (None, None) if dropout_key is None else jax.random.split(dropout_key)
-        h_BTD = self.attn(self.attn_norm(x_BTD), sin_BTF, cos_BTF, segment_ids_BT)
+        h_BTD = self.attn(self.attn_norm(x_BTD), sin_BTR, cos_BTR, segment_ids_BT)
         x_BTD = x_BTD + self._drop(h_BTD, keys[0])
         h_BTD = self.mlp(self.mlp_norm(x_BTD))
         return x_BTD + self._drop(h_BTD, keys[1])
@@ -268,8 +279,8 @@ class GPT(nnx.Module):
         # nnx.Embed would promote it to its float32 default and take the whole model with it.
         table_VD = constrain(self.embed.embedding[...], PARAM_AXES["embed"])
         x_BTD = take_rows(table_VD, inputs_BT, ACTIVATION_AXES)
-        sin_BTF, cos_BTF = rotary_sin_cos(positions_BT, cfg.head_dim, cfg.rope_base)
-        x_BTD = self._blocks(x_BTD, sin_BTF, cos_BTF, segment_ids_BT, dropout_key)
+        sin_BTR, cos_BTR = rotary_sin_cos(positions_BT, cfg.head_dim, cfg.rope_base)
+        x_BTD = self._blocks(x_BTD, sin_BTR, cos_BTR, segment_ids_BT, dropout_key)
         x_BTD = self.final_norm(x_BTD)
         if cfg.tie_embeddings:
             logits_BTV = jnp.einsum("btd,vd->btv", x_BTD, table_VD)
@@ -277,7 +288,7 @@ class GPT(nnx.Module):
             logits_BTV = self.head(x_BTD)
         return logits_BTV.astype(jnp.float32)
 
-    def _blocks(self, x_BTD, sin_BTF, cos_BTF, segment_ids_BT, dropout_key):
+    def _blocks(self, x_BTD, sin_BTR, cos_BTR, segment_ids_BT, dropout_key):
         """The stack of blocks, each a pure function of (its parameters, x, layer index) under
         the remat policy; layer i's dropout key is ``fold_in(dropout_key, i)`` in both layouts."""
         cfg = self.cfg
@@ -285,7 +296,7 @@ class GPT(nnx.Module):
 
         def block(state, x_BTD, index):
             key = None if dropout_key is None else jax.random.fold_in(dropout_key, index)
-            return nnx.merge(graphdef, state)(x_BTD, sin_BTF, cos_BTF, segment_ids_BT, key)
+            return nnx.merge(graphdef, state)(x_BTD, sin_BTR, cos_BTR, segment_ids_BT, key)
 
         block = remat_lib.remat(block, cfg.remat, prevent_cse=not cfg.scan_layers)
         if cfg.scan_layers:
@@ -306,20 +317,6 @@ def _stack_modules(modules):
     graphdef, _ = nnx.split(modules[0])
     states = [nnx.state(m) for m in modules]
     return nnx.merge(graphdef, jax.tree.map(lambda *xs: jnp.stack(xs), *states))
-
-
-def stack_blocks(params: dict) -> dict:
-    """Unrolled parameters (``blocks`` = {0: ..., 1: ...}) in the stacked layout of
-    ``scan_layers`` (``blocks`` = one dict of [n_layers, ...] arrays)."""
-    layers = [params["blocks"][i] for i in range(len(params["blocks"]))]
-    return {**params, "blocks": jax.tree.map(lambda *xs: jnp.stack(xs), *layers)}
-
-
-def unstack_blocks(params: dict) -> dict:
-    """The inverse of ``stack_blocks``."""
-    n_layers = jax.tree.leaves(params["blocks"])[0].shape[0]
-    return {**params, "blocks": {i: jax.tree.map(lambda x: x[i], params["blocks"])
-                                 for i in range(n_layers)}}
 
 
 def param_axes(params: dict) -> dict:
@@ -345,13 +342,14 @@ def init_params(cfg: ModelConfig, key) -> dict:
 
 
 def make_apply(cfg: ModelConfig):
-    """``apply(params, batch, dropout_key=None) -> logits [B, T, V]``, a pure function."""
+    """``apply(params, batch, dropout_key=None) -> logits [B, T, V]``, a pure function; the key
+    is used only when ``cfg.dropout`` > 0 (callers may always pass one)."""
     graphdef, _ = nnx.split(nnx.eval_shape(lambda: GPT(cfg, rngs=nnx.Rngs(0))))
 
     def apply(params, batch, dropout_key=None):
         model = nnx.merge(graphdef, params)
         return model(batch["inputs"], batch["positions"], batch["segment_ids"],
-                     dropout_key=dropout_key)
+                     dropout_key=dropout_key if cfg.dropout > 0 else None)
 
     return apply
 

@@ -80,7 +80,8 @@ def make_schedule(name: str, learning_rate: float, *, warmup_steps: int, total_s
     ``total_steps``; ``rsqrt`` decays as ``peak * sqrt(warmup / step)`` after the warmup.
     """
     if name not in SCHEDULES:
-        raise ConfigError(f"unknown schedule {name!r}; choose --schedule from {', '.join(SCHEDULES)}")
+        raise ConfigError(f"unknown schedule {name!r}; choose one of {', '.join(SCHEDULES)}",
+                          field="optimizer.schedule")
     warmup_steps = max(0, min(warmup_steps, total_steps - 1))
     decay_steps = max(total_steps - warmup_steps, 1)
     end_value = learning_rate * final_fraction
@@ -107,11 +108,11 @@ def scale_learning_rate(learning_rate: float, rule: str, batch_size: float,
     for adaptive optimizers such as Adam and LAMB), ``none`` leaves it.
     """
     if rule not in LR_SCALING:
-        raise ConfigError(f"unknown learning-rate scaling {rule!r}; choose --lr-scaling from "
-                          f"{', '.join(LR_SCALING)}")
+        raise ConfigError(f"unknown learning-rate scaling {rule!r}; choose one of "
+                          f"{', '.join(LR_SCALING)}", field="optimizer.lr_scaling")
     if base_batch_size <= 0 or batch_size <= 0:
         raise ConfigError(f"batch sizes must be positive, got {batch_size} and base "
-                          f"{base_batch_size}; fix --base-batch-size")
+                          f"{base_batch_size}", field="optimizer.base_batch_size")
     ratio = batch_size / base_batch_size
     return learning_rate * {"none": 1.0, "linear": ratio, "sqrt": ratio ** 0.5}[rule]
 
@@ -142,7 +143,8 @@ def decay_mask(params, exclude: tuple[str, ...] = NO_DECAY_PATTERNS):
     try:
         patterns = [re.compile(p) for p in exclude]
     except re.error as e:
-        raise ConfigError(f"bad parameter-path pattern {e.pattern!r} ({e}); fix --no-decay") from None
+        raise ConfigError(f"bad parameter-path pattern {e.pattern!r} ({e})",
+                          field="optimizer.no_decay") from None
 
     def decays(path, leaf):
         name = path_name(path)
@@ -189,8 +191,8 @@ def resolve_defaults(name: str, learning_rate: float | None,
                      weight_decay: float | None) -> tuple[float, float]:
     """The learning rate and weight decay, ``DEFAULTS[name]``'s where not given."""
     if name not in DEFAULTS:
-        raise ConfigError(f"unknown optimizer {name!r}; choose --optimizer from "
-                          f"{', '.join(OPTIMIZERS)}")
+        raise ConfigError(f"unknown optimizer {name!r}; choose one of {', '.join(OPTIMIZERS)}",
+                          field="optimizer.name")
     defaults = DEFAULTS[name]
     return (defaults.learning_rate if learning_rate is None else learning_rate,
             defaults.weight_decay if weight_decay is None else weight_decay)
@@ -214,11 +216,13 @@ def make_optimizer(name: str = "adamw", *, learning_rate: float | None = None,
     b1 = defaults.b1 if b1 is None else b1
     b2 = defaults.b2 if b2 is None else b2
     if learning_rate <= 0:
-        raise ConfigError(f"learning rate must be positive, got {learning_rate}; fix --learning-rate")
+        raise ConfigError(f"learning rate must be positive, got {learning_rate}",
+                          field="optimizer.learning_rate")
     if weight_decay < 0:
-        raise ConfigError(f"weight decay must be >= 0, got {weight_decay}; fix --weight-decay")
+        raise ConfigError(f"weight decay must be >= 0, got {weight_decay}",
+                          field="optimizer.weight_decay")
     if total_steps < 1:
-        raise ConfigError(f"total steps must be >= 1, got {total_steps}; fix --steps")
+        raise ConfigError(f"total steps must be >= 1, got {total_steps}", field="run.steps")
     mask = decay_mask if mask is None else mask
     lr = make_schedule(schedule, learning_rate, warmup_steps=warmup_steps,
                        total_steps=total_steps)
@@ -245,3 +249,22 @@ def make_optimizer(name: str = "adamw", *, learning_rate: float | None = None,
     if state_dtype is not None and jnp.dtype(state_dtype) != jnp.float32:
         optimizer = with_state_dtype(optimizer, state_dtype)
     return optimizer
+
+
+def build_optimizer(settings, *, batch_rows: int, total_steps: int):
+    """The optimizer a config's optimizer section describes (``jaxaccel.config.OptimizerConfig``),
+    its learning-rate schedule, and its hyperparameters as resolved: the optimizer's defaults
+    filled in, the peak learning rate scaled from ``base_batch_size`` to ``batch_rows``."""
+    base_lr, weight_decay = resolve_defaults(settings.name, settings.learning_rate,
+                                             settings.weight_decay)
+    learning_rate = scale_learning_rate(base_lr, settings.lr_scaling, batch_rows,
+                                        settings.base_batch_size)
+    patterns = tuple(p.strip() for p in settings.no_decay.split(",") if p.strip())
+    optimizer = make_optimizer(
+        settings.name, learning_rate=learning_rate, weight_decay=weight_decay,
+        schedule=settings.schedule, warmup_steps=settings.warmup_steps, total_steps=total_steps,
+        clip_norm=settings.clip_norm, mask=lambda params: decay_mask(params, patterns),
+        state_dtype=jnp.dtype(settings.state_dtype))
+    schedule = make_schedule(settings.schedule, learning_rate, warmup_steps=settings.warmup_steps,
+                             total_steps=total_steps)
+    return optimizer, schedule, {"learning_rate": learning_rate, "weight_decay": weight_decay}

@@ -108,8 +108,8 @@ def plan_remat(make_step, abstract_state, *, seq_len: int, batch_size: int, budg
     Raises ConfigError when no policy fits the requested batch.
     """
     if budget < 1:
-        raise ConfigError(f"memory budget must be a positive number of bytes, got {budget}; "
-                          f"fix --memory-budget")
+        raise ConfigError(f"memory budget must be a positive number of bytes, got {budget}",
+                          field="run.memory_budget")
     rows = []
     for policy in policies:
         step = make_step(policy)
@@ -127,7 +127,8 @@ def plan_remat(make_step, abstract_state, *, seq_len: int, batch_size: int, budg
         memory = memory_bytes(at_batch)
         if not memory:
             raise ConfigError(f"the {jax.default_backend()} backend gives no compiled memory "
-                              f"analysis to plan with; drop --memory-budget and choose --remat")
+                              f"analysis to plan with; leave memory_budget unset and choose "
+                              f"model.remat", field="run.memory_budget")
         rows.append({
             "policy": policy,
             "batch_size": batch_size,
@@ -156,9 +157,23 @@ def choose_policy(rows: list[dict], budget: int, batch_size: int) -> tuple[str, 
         least = min(rows, key=lambda r: r["total_bytes"])
         raise ConfigError(
             f"no remat policy fits batch {batch_size} in {budget:,} bytes (the leanest, "
-            f"{least['policy']!r}, needs {least['total_bytes']:,}); lower --batch-size or raise "
-            f"--memory-budget")
+            f"{least['policy']!r}, needs {least['total_bytes']:,}); lower the batch size or raise "
+            f"memory_budget", field="run.memory_budget")
     timed = all(r.get("step_s") is not None for r in fitting)
     criterion = "step_s" if timed else "flops"
     best = min(fitting, key=lambda r: (r[criterion] is None, r[criterion] or 0.0))
     return best["policy"], criterion
+
+
+def choose_remat(make_step, model_cfg, abstract_state, shapes, budget: int, batch_sharding=None):
+    """The remat policy a run's ``memory_budget`` chooses, and the plan: ``plan_remat`` at the
+    run's batch shape with the most tokens (the longest among those), every policy's step
+    compiled ahead of time, nothing run. ``make_step(model_cfg)`` builds the run's step for a
+    model config. The largest batch per policy is left to ``experiments.remat``
+    (``search=True``): its search costs several compiles per policy, too long a start for a run.
+    """
+    rows, seq_len = max(shapes, key=lambda shape: (shape[0] * shape[1], shape[1]))
+    plan = plan_remat(lambda name: make_step(dataclasses.replace(model_cfg, remat=name)),
+                      abstract_state, seq_len=seq_len, batch_size=rows, budget=budget,
+                      search=False, batch_sharding=batch_sharding)
+    return plan.policy, plan

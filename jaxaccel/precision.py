@@ -1,8 +1,9 @@
-"""Mixed precision: dtype policies and loss scaling.
+"""Mixed precision: dtype policies and loss scaling, each a transformation.
 
 A ``Policy`` names three dtypes: parameters are stored in ``param_dtype`` (float32 in every named
 policy, so the optimizer updates full-precision weights), the model computes in ``compute_dtype``,
 and outputs such as logits are cast to ``output_dtype`` before the loss, which stays in float32.
+``cast(fn, policy)`` applies a policy to any function of parameters.
 
 float16 has few exponent bits, so small gradients flush to zero in its backward pass. Loss scaling
 multiplies the float32 loss by a large factor before differentiation and divides the gradients by
@@ -10,8 +11,12 @@ it afterwards. ``DynamicLossScale`` follows PyTorch's GradScaler: halve the scal
 when a gradient overflows, double it after ``growth_interval`` finite steps in a row.
 ``StaticLossScale`` keeps one scale; ``NoLossScale`` is the identity. All three are pytrees with
 the same interface, so they live inside the jitted train state and orbax saves them with it, and
-all three count skipped (non-finite) steps; the caller decides whether to skip, with
-``all_finite`` and ``select_tree``.
+all three count non-finite steps. Two transformations put them to work:
+
+- ``loss_scaled(grad_fn)``: scale, unscale, test finiteness and adjust the scale, around any
+  gradient function of ``jaxaccel.grads``;
+- ``skip_nonfinite(optimizer)``: an optax wrapper that leaves the parameters and the optimizer
+  state untouched on a step whose gradients were not all finite.
 """
 
 import dataclasses
@@ -21,6 +26,7 @@ from typing import Any, Self
 
 import jax
 import jax.numpy as jnp
+import optax
 from flax import struct
 
 from jaxaccel.errors import ConfigError
@@ -55,6 +61,7 @@ class Policy:
             object.__setattr__(self, field.name, jnp.dtype(getattr(self, field.name)))
 
     def cast_to_param(self, tree):
+        """Parameters as they are stored (``jaxaccel.state.init_state`` applies it)."""
         return _cast_floating(tree, self.param_dtype)
 
     def cast_to_compute(self, tree):
@@ -88,27 +95,31 @@ POLICIES = {
 }
 
 
+_FIELD = "precision.policy"
+
+
 def get_policy(spec: str) -> Policy:
     """A policy by name (``bf16``) or as ``params=float32,compute=bfloat16,output=float32``."""
     spec = spec.strip().lower()
     if spec in POLICIES:
         return POLICIES[spec]
     forms = (f"use one of {', '.join(POLICIES)} or params=<dtype>,compute=<dtype>,output=<dtype> "
-             f"with dtypes {', '.join(_DTYPES)}; fix --precision")
+             f"with dtypes {', '.join(_DTYPES)}")
     if "=" not in spec:
-        raise ConfigError(f"unknown precision {spec!r}: {forms}")
+        raise ConfigError(f"unknown precision {spec!r}: {forms}", field=_FIELD)
     dtypes = {}
     for part in spec.split(","):
         key, sep, value = (s.strip() for s in part.partition("="))
         if not sep or key not in _KEYS or key in dtypes:
             raise ConfigError(f"bad part {part.strip()!r} in precision {spec!r} (keys are "
-                              f"{', '.join(_KEYS)}, each once): {forms}")
+                              f"{', '.join(_KEYS)}, each once): {forms}", field=_FIELD)
         if value not in _DTYPES:
-            raise ConfigError(f"unknown dtype {value!r} for {key} in precision {spec!r}: {forms}")
+            raise ConfigError(f"unknown dtype {value!r} for {key} in precision {spec!r}: {forms}",
+                              field=_FIELD)
         dtypes[key] = _DTYPES[value]
     missing = [key for key in _KEYS if key not in dtypes]
     if missing:
-        raise ConfigError(f"precision {spec!r} lacks {', '.join(missing)}: {forms}")
+        raise ConfigError(f"precision {spec!r} lacks {', '.join(missing)}: {forms}", field=_FIELD)
     return Policy(*(dtypes[key] for key in _KEYS))
 
 
@@ -116,9 +127,9 @@ def _count_skipped(skipped_steps: jax.Array, grads_finite: jax.Array) -> jax.Arr
     return skipped_steps + jnp.logical_not(grads_finite).astype(jnp.int32)
 
 
-def _check(ok: bool, message: str):
+def _check(ok: bool, message: str, field: str):
     if not ok:
-        raise ConfigError(f"{message}; fix the --loss-scale-* flags")
+        raise ConfigError(message, field=f"precision.{field}")
 
 
 class _Scaled:
@@ -157,15 +168,16 @@ class DynamicLossScale(_Scaled):
                backoff_factor: float = 0.5, growth_interval: int = 2000,
                min_scale: float = 1.0) -> Self:
         """A fresh scale; raises ConfigError on settings that cannot work."""
-        _check(growth_factor > 1, f"loss-scale growth_factor must be > 1, got {growth_factor}")
+        _check(growth_factor > 1, f"loss-scale growth_factor must be > 1, got {growth_factor}",
+               "growth_factor")
         _check(0 < backoff_factor < 1,
-               f"loss-scale backoff_factor must be in (0, 1), got {backoff_factor}")
+               f"loss-scale backoff_factor must be in (0, 1), got {backoff_factor}", "backoff")
         _check(growth_interval >= 1,
-               f"loss-scale growth_interval must be >= 1, got {growth_interval}")
-        _check(min_scale > 0, f"loss-scale min_scale must be > 0, got {min_scale}")
+               f"loss-scale growth_interval must be >= 1, got {growth_interval}", "growth_interval")
+        _check(min_scale > 0, f"loss-scale min_scale must be > 0, got {min_scale}", "min_scale")
         _check(min_scale <= initial_scale and math.isfinite(initial_scale),
                f"initial loss scale must be finite and >= min_scale {min_scale}, "
-               f"got {initial_scale}")
+               f"got {initial_scale}", "init_scale")
         return cls(scale=jnp.asarray(initial_scale, jnp.float32),
                    growth_tracker=jnp.zeros((), jnp.int32), skipped_steps=jnp.zeros((), jnp.int32),
                    growth_factor=float(growth_factor), backoff_factor=float(backoff_factor),
@@ -194,7 +206,7 @@ class StaticLossScale(_Scaled):
     @classmethod
     def create(cls, scale: float = 2.0**15) -> Self:
         _check(0 < scale and math.isfinite(scale),
-               f"static loss scale must be positive and finite, got {scale}")
+               f"static loss scale must be positive and finite, got {scale}", "init_scale")
         return cls(scale=jnp.asarray(scale, jnp.float32), skipped_steps=jnp.zeros((), jnp.int32))
 
     def adjust(self, grads_finite: jax.Array) -> Self:
@@ -246,8 +258,8 @@ def make_loss_scale(kind: str, policy: Policy, *, initial_scale: float = 2.0**16
         return StaticLossScale.create(static_scale)
     if kind == "none":
         return NoLossScale.create()
-    raise ConfigError(f"unknown loss scale {kind!r}: use one of {', '.join(LOSS_SCALE_KINDS)}; "
-                      f"fix --loss-scale")
+    raise ConfigError(f"unknown loss scale {kind!r}: use one of {', '.join(LOSS_SCALE_KINDS)}",
+                      field="precision.loss_scale")
 
 
 def all_finite(tree) -> jax.Array:
@@ -265,7 +277,57 @@ def all_finite(tree) -> jax.Array:
 def select_tree(pred: jax.Array, on_true, on_false):
     """``on_true`` if the scalar ``pred`` holds, else ``on_false``, leaf by leaf.
 
-    The trees must match in structure, shapes and dtypes; the chosen leaves come back bitwise,
-    so ``select_tree(finite, new_state, old_state)`` skips a step exactly.
+    The trees must match in structure, shapes and dtypes; the chosen leaves come back bitwise.
     """
     return jax.tree.map(lambda a, b: jnp.where(pred, a, b), on_true, on_false)
+
+
+def cast(fn, policy: Policy):
+    """``fn(params, *args)`` computing in the policy's dtypes: the floating leaves of ``params``
+    are cast to ``compute_dtype`` on the way in and those of the result to ``output_dtype`` on
+    the way out. Gradients flow back through the casts in the parameters' own dtype."""
+
+    def cast_fn(params, *args, **kwargs):
+        return policy.cast_to_output(fn(policy.cast_to_compute(params), *args, **kwargs))
+
+    return cast_fn
+
+
+def loss_scaled(grad_fn):
+    """Loss scaling as a transformation of a gradient function (``jaxaccel.grads``).
+
+    Returns ``scaled(params, batch, key, loss_scale) -> ((loss, aux), grads, loss_scale)``: the
+    backward pass runs on the loss times ``loss_scale``'s scale, the float32 gradients come back
+    divided by it, ``aux["grads_finite"]`` says whether all of them are finite, and the returned
+    loss scale is adjusted for the next step (backed off after an overflow, grown after a run of
+    finite steps, the non-finite step counted). Pass ``grads_finite`` on to an optimizer wrapped
+    in ``skip_nonfinite`` to skip the step.
+    """
+
+    def scaled(params, batch, key, loss_scale):
+        (loss, aux), grads = grad_fn(params, batch, key, scale=loss_scale.loss_scale)
+        grads = loss_scale.unscale(grads)
+        finite = all_finite(grads)
+        return (loss, {**aux, "grads_finite": finite}), grads, loss_scale.adjust(finite)
+
+    return scaled
+
+
+def skip_nonfinite(optimizer: optax.GradientTransformation):
+    """``optimizer`` that makes no update, and keeps its state, when the gradients are not all
+    finite: the skipped step of loss scaling.
+
+    ``update(grads, state, params, grads_finite=...)`` takes the finiteness ``loss_scaled``
+    already computed; without it the wrapper tests the gradients itself. Unlike
+    ``optax.apply_if_finite`` it adds no state and never gives up skipping: the loss scale backs
+    off until the gradients are finite again.
+    """
+    inner = optax.with_extra_args_support(optimizer)
+
+    def update(grads, state, params=None, *, grads_finite=None, **extra):
+        finite = all_finite(grads) if grads_finite is None else grads_finite
+        updates, new_state = inner.update(grads, state, params, **extra)
+        zeros = jax.tree.map(jnp.zeros_like, updates)
+        return select_tree(finite, (updates, new_state), (zeros, state))
+
+    return optax.GradientTransformationExtraArgs(inner.init, update)

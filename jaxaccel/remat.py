@@ -22,10 +22,10 @@ import jax
 from jaxaccel.errors import ConfigError
 
 # Names the model gives its intermediate tensors (see jaxaccel.model).
-QUERY = "query"               # q after the rotary embedding, [B, T, H, D]
-KEY = "key"                   # k after the rotary embedding, [B, T, K, D]
-VALUE = "value"               # v, [B, T, K, D]
-ATTENTION_OUT = "attention_out"   # attention's output before the output projection, [B, T, H, D]
+QUERY = "query"               # q after the rotary embedding, [B, T, H, E]
+KEY = "key"                   # k after the rotary embedding, [B, T, K, E]
+VALUE = "value"               # v, [B, T, K, E]
+ATTENTION_OUT = "attention_out"   # attention's output before the output projection, [B, T, H, E]
 MLP_IN = "mlp_in"             # x W_in, [B, T, F]
 MLP_GATE = "mlp_gate"         # x W_gate (SwiGLU only), [B, T, F]
 
@@ -49,13 +49,8 @@ def check_policy(name: str) -> str:
     """``name`` if it is a policy, else a ConfigError listing the valid ones."""
     if name not in _POLICIES:
         raise ConfigError(f"unknown remat policy {name!r}; choose one of "
-                          f"{', '.join(REMAT_POLICIES)}; fix --remat")
+                          f"{', '.join(REMAT_POLICIES)}", field="model.remat")
     return name
-
-
-def remat_policy(name: str):
-    """The ``jax.checkpoint`` policy of a named policy; None for ``none`` (no remat at all)."""
-    return _POLICIES[check_policy(name)]
 
 
 def remat(fn, name: str, *, prevent_cse: bool = True):

@@ -1,13 +1,18 @@
-"""The training state and the pure step functions.
+"""The training state and the pure step, composed from transformations.
 
-``train_step(state, batch) -> (state, metrics)`` and ``eval_step(state, batch) -> metrics`` are
-pure functions of pytrees, built once from the model's apply function, the optimizer and the
-precision policy. The caller jits them (with donation of the state) and shards them.
+``make_train_step(grad_fn, optimizer)`` is the whole step: ``train_step(state, batch) ->
+(state, metrics)``, a pure function of pytrees that the caller jits (donating the state) and
+shards. ``grad_fn`` is any gradient function of ``jaxaccel.grads``, built by composing
+transformations of a loss function:
 
-One step: cast the float32 master parameters to the policy's compute dtype, differentiate the
-scaled loss (over microbatches if accumulating), unscale the float32 gradients, update, and, when
-a loss scale is in use, keep the old parameters and optimizer state if any gradient is not
-finite (the loss scale backs off and counts the skipped step).
+    loss_fn = lm_loss(precision.cast(make_apply(model_cfg), policy))  # bf16 model, f32 loss
+    grad_fn = grads.accumulate(grads.value_and_grad(loss_fn), 4, weight="real_tokens")
+    step = make_train_step(grad_fn, precision.skip_nonfinite(optimizer))
+
+The step adds loss scaling with the loss scale it carries in the state
+(``precision.loss_scaled``) and hands the gradients' finiteness to the optimizer, which skips
+the update when wrapped in ``precision.skip_nonfinite``. ``build_train_step`` composes the step a
+``TrainConfig`` describes: the one place where settings become transformations.
 """
 
 from typing import Any
@@ -17,9 +22,8 @@ import jax.numpy as jnp
 import optax
 from flax import struct
 
-from jaxaccel.errors import ConfigError
-from jaxaccel.precision import (POLICIES, LossScale, NoLossScale, Policy, all_finite,
-                                select_tree)
+from jaxaccel import grads, precision
+from jaxaccel.model import make_apply
 
 
 @struct.dataclass
@@ -30,14 +34,7 @@ class TrainState:
     opt_state: Any
     step: jax.Array
     rng: jax.Array
-    loss_scale: LossScale
-
-
-def init_state(params, optimizer: optax.GradientTransformation, seed: int,
-               loss_scale: LossScale | None = None) -> TrainState:
-    return TrainState(params=params, opt_state=optimizer.init(params),
-                      step=jnp.zeros((), jnp.int32), rng=jax.random.PRNGKey(seed),
-                      loss_scale=NoLossScale.create() if loss_scale is None else loss_scale)
+    loss_scale: precision.LossScale
 
 
 def weighted_cross_entropy(logits_BTV, targets_BT, weights_BT):
@@ -48,112 +45,52 @@ def weighted_cross_entropy(logits_BTV, targets_BT, weights_BT):
     return jnp.sum(token_loss_BT * weights_BT), jnp.sum(weights_BT)
 
 
-def make_grad_fn(apply_fn, *, dropout: bool = False, policy: Policy = POLICIES["fp32"]):
-    """``grad_fn(params, batch, key, normalizer, loss_scale) -> ((loss, weight_sum), grads)``.
+def lm_loss(apply_fn):
+    """The language-model loss of a Batch: ``loss_fn(params, batch, key) -> (loss, aux)``.
 
-    The loss is ``sum(weights * token_loss) / normalizer``, computed in float32 from logits in the
-    policy's output dtype; the model runs on parameters cast to the compute dtype. The caller
-    passes the weight sum of the whole global batch as ``normalizer``, so losses and gradients of
-    parts of a batch add up to those of the whole: the property gradient accumulation rests on.
-    The gradients are those of ``loss_scale.scale_loss(loss)`` (still scaled), in the parameters'
-    dtype.
+    ``loss`` is the mean cross entropy over the batch's real tokens (``sum(weights * token_loss)
+    / sum(weights)``), in float32 whatever dtype the logits come in; ``aux`` counts the batch's
+    ``real_tokens`` (the weight sum: the weight to accumulate microbatches by) and
+    ``padded_tokens`` (segment id 0).
     """
 
-    def loss_fn(params, batch, key, normalizer, loss_scale):
-        logits_BTV = apply_fn(policy.cast_to_compute(params), batch, key if dropout else None)
-        loss_sum, weight_sum = weighted_cross_entropy(policy.cast_to_output(logits_BTV),
-                                                      batch["targets"], batch["weights"])
-        loss = loss_sum / normalizer
-        return loss_scale.scale_loss(loss), (loss, weight_sum)
+    def loss_fn(params, batch, key):
+        logits_BTV = apply_fn(params, batch, key)
+        loss_sum, weight_sum = weighted_cross_entropy(logits_BTV, batch["targets"],
+                                                      batch["weights"])
+        aux = {"real_tokens": weight_sum,
+               "padded_tokens": jnp.sum(batch["segment_ids"] == 0).astype(jnp.float32)}
+        return loss_sum / jnp.maximum(weight_sum, 1.0), aux
 
-    grad_fn = jax.value_and_grad(loss_fn, has_aux=True)
-
-    def loss_and_grads(params, batch, key, normalizer, loss_scale):
-        (_, aux), grads = grad_fn(params, batch, key, normalizer, loss_scale)
-        return aux, grads
-
-    return loss_and_grads
+    return loss_fn
 
 
-def split_microbatches(batch, microbatches: int):
-    """``[B, ...]`` leaves to ``[microbatches, B / microbatches, ...]``, taking every k-th row.
-
-    Strided rather than contiguous, so that when the batch's rows are split over devices each
-    microbatch takes the same share of every device's rows and stays spread over all of them.
-    """
-    rows = batch["inputs"].shape[0]
-    if rows % microbatches:
-        raise ConfigError(f"batch of {rows} rows does not split into {microbatches} microbatches; "
-                          f"choose --accumulate dividing the batch size")
-    return jax.tree.map(
-        lambda x: x.reshape(rows // microbatches, microbatches, *x.shape[1:]).swapaxes(0, 1),
-        batch)
-
-
-def accumulate_gradients(grad_fn, microbatches: int):
-    """Gradient accumulation as a transformation of ``grad_fn`` (same signature).
-
-    The batch is split into ``microbatches`` parts whose gradients ``lax.scan`` sums into one
-    gradient-sized accumulator, so only one microbatch's activations are alive at a time. With the
-    global ``normalizer`` the result equals the whole batch's loss and gradient. Each microbatch
-    gets its own dropout key.
-    """
-    if microbatches < 1:
-        raise ConfigError(f"accumulate must be >= 1, got {microbatches}; fix --accumulate")
-    if microbatches == 1:
-        return grad_fn
-
-    def accumulated(params, batch, key, *args):
-        def add_microbatch(carry, index_and_batch):
-            index, microbatch = index_and_batch
-            (loss, weight_sum), grads = grad_fn(params, microbatch, jax.random.fold_in(key, index),
-                                                *args)
-            total_loss, total_weight, total_grads = carry
-            return (total_loss + loss, total_weight + weight_sum,
-                    jax.tree.map(jnp.add, total_grads, grads)), None
-
-        zeros = (jnp.zeros((), jnp.float32), jnp.zeros((), jnp.float32),
-                 jax.tree.map(jnp.zeros_like, params))
-        parts = (jnp.arange(microbatches), split_microbatches(batch, microbatches))
-        (loss, weight_sum, grads), _ = jax.lax.scan(add_microbatch, zeros, parts)
-        return (loss, weight_sum), grads
-
-    return accumulated
-
-
-def make_train_step(apply_fn, optimizer: optax.GradientTransformation, schedule=None, *,
-                    dropout: bool = False, accumulate: int = 1,
-                    policy: Policy = POLICIES["fp32"]):
+def make_train_step(grad_fn, optimizer: optax.GradientTransformation, schedule=None):
     """Build the pure ``train_step(state, batch) -> (state, metrics)``.
 
-    ``schedule(step)``, when given, puts the learning rate into the metrics.
-    ``accumulate`` > 1 computes the gradient over that many microbatches of the batch. The loss
-    scale lives in the state: with a ``NoLossScale`` every step updates (non-finite steps are
-    only counted); with a static or dynamic scale a non-finite step changes nothing but the
-    scale and the skip count. The finiteness test reduces the global gradient, so under a
-    sharded jit every device takes the same decision.
+    Each step gets the key ``fold_in(state.rng, state.step)``. The loss scale in the state
+    scales the backward pass (``precision.loss_scaled``); the optimizer receives
+    ``grads_finite`` (an optax extra argument) and decides whether a non-finite step is
+    skipped. The finiteness test reduces the global gradient, so under a sharded jit every
+    device takes the same decision. ``schedule(step)``, when given, puts the learning rate into
+    the metrics; ``grad_fn``'s aux statistics go into them too.
     """
-    grad_fn = accumulate_gradients(make_grad_fn(apply_fn, dropout=dropout, policy=policy),
-                                   accumulate)
+    scaled_grad_fn = precision.loss_scaled(grad_fn)
+    optimizer = optax.with_extra_args_support(optimizer)
 
     def train_step(state: TrainState, batch):
         key = jax.random.fold_in(state.rng, state.step)
-        normalizer = jnp.maximum(jnp.sum(batch["weights"].astype(jnp.float32)), 1.0)
-        (loss, real_tokens), scaled_grads = grad_fn(state.params, batch, key, normalizer,
-                                                    state.loss_scale)
-        grads = state.loss_scale.unscale(scaled_grads)
-        finite = all_finite(grads)
-        updates, opt_state = optimizer.update(grads, state.opt_state, state.params)
+        (loss, aux), grads_, loss_scale = scaled_grad_fn(state.params, batch, key,
+                                                         state.loss_scale)
+        aux = dict(aux)
+        finite = aux.pop("grads_finite")
+        updates, opt_state = optimizer.update(grads_, state.opt_state, state.params,
+                                              grads_finite=finite)
         params = optax.apply_updates(state.params, updates)
-        if not isinstance(state.loss_scale, NoLossScale):
-            params, opt_state = select_tree(finite, (params, opt_state),
-                                            (state.params, state.opt_state))
-        loss_scale = state.loss_scale.adjust(finite)
         metrics = {
             "loss": loss,
-            "real_tokens": real_tokens,
-            "padded_tokens": jnp.sum(batch["segment_ids"] == 0),
-            "grad_norm": optax.tree.norm(grads),
+            **aux,
+            "grad_norm": optax.tree.norm(grads_),
             "update_norm": optax.tree.norm(updates),
             "loss_scale": state.loss_scale.loss_scale,
             "skipped_steps": loss_scale.skipped_steps,
@@ -167,13 +104,31 @@ def make_train_step(apply_fn, optimizer: optax.GradientTransformation, schedule=
     return train_step
 
 
-def make_eval_step(apply_fn, policy: Policy = POLICIES["fp32"]):
-    """Build ``eval_step(state, batch) -> {"loss_sum", "weight_sum"}``; sums add up across batches."""
+def make_eval_step(apply_fn):
+    """``eval_step(state, batch) -> {"loss_sum", "weight_sum"}``; sums add up across batches."""
 
     def eval_step(state: TrainState, batch):
-        logits_BTV = apply_fn(policy.cast_to_compute(state.params), batch, None)
-        loss_sum, weight_sum = weighted_cross_entropy(policy.cast_to_output(logits_BTV),
-                                                      batch["targets"], batch["weights"])
+        logits_BTV = apply_fn(state.params, batch, None)
+        loss_sum, weight_sum = weighted_cross_entropy(logits_BTV, batch["targets"],
+                                                      batch["weights"])
         return {"loss_sum": loss_sum, "weight_sum": weight_sum}
 
     return eval_step
+
+
+def build_train_step(model_cfg, optimizer, *, policy=precision.POLICIES["fp32"],
+                     accumulate: int = 1, skip_nonfinite: bool = False, schedule=None):
+    """The train step of a GPT as configured: the model under ``policy``, the token-mean loss,
+    ``accumulate`` microbatches weighted by their real tokens, and (``skip_nonfinite``, for a
+    run with loss scaling) overflowing steps skipped. Every caller that trains builds its step
+    here, so a setting cannot reach one step and miss another."""
+    loss_fn = lm_loss(precision.cast(make_apply(model_cfg), policy))
+    grad_fn = grads.accumulate(grads.value_and_grad(loss_fn), accumulate, weight="real_tokens")
+    if skip_nonfinite:
+        optimizer = precision.skip_nonfinite(optimizer)
+    return make_train_step(grad_fn, optimizer, schedule)
+
+
+def build_eval_step(model_cfg, policy=precision.POLICIES["fp32"]):
+    """The evaluation step of a GPT under ``policy``."""
+    return make_eval_step(precision.cast(make_apply(model_cfg), policy))

@@ -1,0 +1,109 @@
+"""Gradient functions and the transformations that compose them.
+
+A gradient function is ``grad_fn(params, batch, key, *, scale=None) -> ((loss, aux), grads)``:
+the loss of ``params`` on ``batch`` (any pytree), its ``aux`` (a dict of additive statistics such
+as token counts) and the gradient. ``key`` is a PRNG key for dropout and the like. ``scale``
+seeds the backward pass, so the gradients are those of ``scale * loss``: the hook loss scaling
+(``jaxaccel.precision.loss_scaled``) uses. Each transformation below takes a gradient function
+and returns one with the same signature, so they compose in any order:
+
+    grad_fn = accumulate(value_and_grad(loss_fn), microbatches=4, weight="real_tokens")
+"""
+
+import jax
+import jax.numpy as jnp
+
+from jaxaccel.errors import ConfigError
+
+REDUCTIONS = ("mean", "sum")
+
+
+def value_and_grad(loss_fn):
+    """The gradient function of ``loss_fn(params, batch, key) -> (loss, aux)``.
+
+    The backward pass starts from ``scale`` (default 1) instead of 1: the gradient of
+    ``scale * loss``, computed without changing the loss function, bit for bit what
+    ``jax.grad(lambda p: scale * loss_fn(p, ...)[0])`` gives.
+    """
+
+    def grad_fn(params, batch, key, *, scale=None):
+        loss, backward, aux = jax.vjp(lambda p: loss_fn(p, batch, key), params, has_aux=True)
+        seed = jnp.ones_like(loss) if scale is None else jnp.asarray(scale, loss.dtype)
+        (grads,) = backward(seed)
+        return (loss, aux), grads
+
+    return grad_fn
+
+
+def split_microbatches(batch, microbatches: int):
+    """Every ``[B, ...]`` leaf of ``batch`` as ``[M, B / M, ...]``, taking every M-th row.
+
+    Strided rather than contiguous, so that when the rows are split over devices each
+    microbatch takes the same share of every device's rows and stays spread over all of them.
+    """
+    rows = {x.shape[0] if x.ndim else None for x in jax.tree.leaves(batch)}
+    if len(rows) != 1 or None in rows:
+        raise ConfigError(f"cannot split a batch into microbatches: its leaves need one shared "
+                          f"leading (row) dimension, got leading sizes {sorted(rows, key=str)}")
+    (B,) = rows
+    if B % microbatches:
+        raise ConfigError(f"batch of {B} rows does not split into {microbatches} microbatches; "
+                          f"choose a number of microbatches dividing the batch size",
+                          field="optimizer.accumulate")
+    return jax.tree.map(
+        lambda x: x.reshape(B // microbatches, microbatches, *x.shape[1:]).swapaxes(0, 1), batch)
+
+
+def accumulate(grad_fn, microbatches: int, *, reduce: str = "mean", weight: str | None = None):
+    """Gradient accumulation as a transformation of ``grad_fn`` (same signature).
+
+    The batch (any pytree whose leaves share a leading row dimension) is split into
+    ``microbatches`` parts (``split_microbatches``); ``lax.scan`` runs them one after the other
+    and adds their losses and gradients into one gradient-sized accumulator, so only one
+    microbatch's activations are alive at a time. Microbatch ``i`` gets the key
+    ``fold_in(key, i)``. How the parts combine is explicit:
+
+    - ``reduce="sum"``: losses and gradients add up (losses that are sums over the batch);
+    - ``reduce="mean"``: they are averaged (losses that are means over the batch), weighted by
+      ``aux[weight]`` when ``weight`` names an aux entry: with a token-mean loss and
+      ``weight="real_tokens"`` the result is the whole batch's token mean, however unevenly the
+      real tokens fall into microbatches.
+
+    ``aux`` entries are additive statistics and are summed.
+    """
+    if microbatches < 1:
+        raise ConfigError(f"accumulate must be >= 1, got {microbatches}",
+                          field="optimizer.accumulate")
+    if reduce not in REDUCTIONS:
+        raise ConfigError(f"unknown reduction {reduce!r}; choose one of {', '.join(REDUCTIONS)}")
+    if weight is not None and reduce != "mean":
+        raise ConfigError("a weight only applies to reduce='mean'")
+    if microbatches == 1:
+        return grad_fn
+
+    def accumulated(params, batch, key, *, scale=None):
+        def add_microbatch(carry, index_and_batch):
+            index, microbatch = index_and_batch
+            (loss, aux), grads = grad_fn(params, microbatch, jax.random.fold_in(key, index),
+                                         scale=scale)
+            w = aux[weight].astype(jnp.float32) if weight is not None else 1.0
+            total_loss, total_weight, total_aux, total_grads = carry
+            return (total_loss + w * loss, total_weight + w,
+                    jax.tree.map(jnp.add, total_aux, aux),
+                    jax.tree.map(lambda t, g: (t + w * g).astype(t.dtype), total_grads, grads)), None
+
+        parts = (jnp.arange(microbatches), split_microbatches(batch, microbatches))
+        first = jax.tree.map(lambda x: x[0], parts[1])
+        (_, aux_shape), _ = jax.eval_shape(
+            lambda p, b: grad_fn(p, b, key, scale=scale), params, first)
+        zeros = (jnp.zeros((), jnp.float32), jnp.zeros((), jnp.float32),
+                 jax.tree.map(lambda s: jnp.zeros(s.shape, s.dtype), aux_shape),
+                 jax.tree.map(jnp.zeros_like, params))
+        (loss, total_weight, aux, grads), _ = jax.lax.scan(add_microbatch, zeros, parts)
+        if reduce == "mean":
+            divisor = jnp.maximum(total_weight, 1.0) if weight is not None else microbatches
+            loss = loss / divisor
+            grads = jax.tree.map(lambda g: (g / divisor).astype(g.dtype), grads)
+        return (loss, aux), grads
+
+    return accumulated
