@@ -1,6 +1,6 @@
 """One attention function, several implementations of the same mathematics.
 
-Layout everywhere: q is [B, T, H, D]; k and v are [B, S, K, D] with K dividing H (grouped-query
+Layout everywhere: q is [B, T, H, E]; k and v are [B, S, K, E] with K dividing H (grouped-query
 attention; K == 1 is multi-query). A query token attends to a key token only if both carry the
 same segment id and, when ``causal``, the key is not later than the query. Padding carries segment
 id 0 and so attends only to other padding: no row is ever fully masked, so no NaNs appear.
@@ -13,7 +13,7 @@ import jax
 import jax.numpy as jnp
 
 from jaxaccel.errors import ConfigError
-from jaxaccel.kernels import flash_attention
+from jaxaccel.kernels import check_shapes, flash_attention
 from jaxaccel.sharding import per_shard
 
 IMPLEMENTATIONS = ("xla", "cudnn", "pallas", "auto")
@@ -36,40 +36,25 @@ def attention_mask(T: int, S: int, *, causal: bool, segment_ids_q=None, segment_
     return mask_BHTS
 
 
-def _check_shapes(q, k, v):
-    if q.ndim != 4 or k.ndim != 4 or v.ndim != 4:
-        raise ConfigError(
-            f"attention expects [batch, seq, heads, head_dim] arrays, got q{q.shape} k{k.shape} "
-            f"v{v.shape}; reshape to that layout")
-    if k.shape != v.shape or q.shape[0] != k.shape[0] or q.shape[3] != k.shape[3]:
-        raise ConfigError(
-            f"attention shapes disagree: q{q.shape} k{k.shape} v{v.shape}; k and v must match "
-            "each other and q in batch and head_dim")
-    if q.shape[2] % k.shape[2]:
-        raise ConfigError(
-            f"{k.shape[2]} key/value heads do not divide {q.shape[2]} query heads; choose "
-            "n_kv_heads dividing n_heads")
-
-
-def xla_attention(q_BTHD, k_BSKD, v_BSKD, *, segment_ids=None, causal=True, sm_scale=None):
+def xla_attention(q_BTHE, k_BSKE, v_BSKE, *, segment_ids=None, causal=True, sm_scale=None):
     """Reference implementation in plain jnp: scores and softmax in float32, output in q's dtype."""
-    B, T, H, D = q_BTHD.shape
-    S, K = k_BSKD.shape[1], k_BSKD.shape[2]
+    B, T, H, E = q_BTHE.shape
+    S, K = k_BSKE.shape[1], k_BSKE.shape[2]
     G = H // K
-    scale = D ** -0.5 if sm_scale is None else sm_scale
-    q_BTKGD = q_BTHD.reshape(B, T, K, G, D)
+    scale = E ** -0.5 if sm_scale is None else sm_scale
+    q_BTKGE = q_BTHE.reshape(B, T, K, G, E)
     scores_BKGTS = jnp.einsum(
-        "btkgd,bskd->bkgts", q_BTKGD, k_BSKD, preferred_element_type=jnp.float32) * scale
-    mask_B1TS = attention_mask(T, S, causal=causal, segment_ids_q=segment_ids)
-    scores_BKGTS = jnp.where(mask_B1TS[:, :, None], scores_BKGTS, jnp.finfo(jnp.float32).min)
+        "btkge,bske->bkgts", q_BTKGE, k_BSKE, preferred_element_type=jnp.float32) * scale
+    mask_BHTS = attention_mask(T, S, causal=causal, segment_ids_q=segment_ids)
+    scores_BKGTS = jnp.where(mask_BHTS[:, :, None], scores_BKGTS, jnp.finfo(jnp.float32).min)
     probs_BKGTS = jax.nn.softmax(scores_BKGTS, axis=-1)
-    out_BTKGD = jnp.einsum(
-        "bkgts,bskd->btkgd", probs_BKGTS.astype(v_BSKD.dtype), v_BSKD,
+    out_BTKGE = jnp.einsum(
+        "bkgts,bske->btkge", probs_BKGTS.astype(v_BSKE.dtype), v_BSKE,
         preferred_element_type=jnp.float32)
-    return out_BTKGD.reshape(B, T, H, D).astype(q_BTHD.dtype)
+    return out_BTKGE.reshape(B, T, H, E).astype(q_BTHE.dtype)
 
 
-def cudnn_attention(q_BTHD, k_BSKD, v_BSKD, *, segment_ids=None, causal=True, sm_scale=None):
+def cudnn_attention(q_BTHE, k_BSKE, v_BSKE, *, segment_ids=None, causal=True, sm_scale=None):
     """cuDNN flash attention through ``jax.nn.dot_product_attention`` (NVIDIA GPUs only).
 
     cuDNN's fused kernel takes only float16 and bfloat16: float32 inputs run in bfloat16 and the
@@ -78,34 +63,34 @@ def cudnn_attention(q_BTHD, k_BSKD, v_BSKD, *, segment_ids=None, causal=True, sm
     if jax.default_backend() != "gpu":
         raise ConfigError(
             f"attention implementation 'cudnn' needs an NVIDIA GPU, but the backend is "
-            f"'{jax.default_backend()}'; use --attention xla")
-    out_dtype = q_BTHD.dtype
+            f"'{jax.default_backend()}'; use the xla implementation", field="model.attention")
+    out_dtype = q_BTHE.dtype
     if out_dtype == jnp.float32:
-        q_BTHD, k_BSKD, v_BSKD = (x.astype(jnp.bfloat16) for x in (q_BTHD, k_BSKD, v_BSKD))
-    mask = None
+        q_BTHE, k_BSKE, v_BSKE = (x.astype(jnp.bfloat16) for x in (q_BTHE, k_BSKE, v_BSKE))
+    mask_BHTS = None
     if segment_ids is not None:
-        mask = attention_mask(
-            q_BTHD.shape[1], k_BSKD.shape[1], causal=False, segment_ids_q=segment_ids)
-    out_BTHD = jax.nn.dot_product_attention(
-        q_BTHD, k_BSKD, v_BSKD, mask=mask, scale=sm_scale, is_causal=causal,
+        mask_BHTS = attention_mask(
+            q_BTHE.shape[1], k_BSKE.shape[1], causal=False, segment_ids_q=segment_ids)
+    out_BTHE = jax.nn.dot_product_attention(
+        q_BTHE, k_BSKE, v_BSKE, mask=mask_BHTS, scale=sm_scale, is_causal=causal,
         implementation="cudnn")
-    return out_BTHD.astype(out_dtype)
+    return out_BTHE.astype(out_dtype)
 
 
-def pallas_attention(q_BTHD, k_BSKD, v_BSKD, *, segment_ids=None, causal=True, sm_scale=None):
+def pallas_attention(q_BTHE, k_BSKE, v_BSKE, *, segment_ids=None, causal=True, sm_scale=None):
     """Flash attention in Pallas (``jaxaccel.kernels``): Triton on the GPU, interpreted elsewhere.
 
     Queries and keys must be equally long (self-attention). Under a mesh each device runs the
     kernel on its own rows and heads (``jaxaccel.sharding.per_shard``).
     """
-    def kernel(q_BTHD, k_BSKD, v_BSKD, segment_ids):
-        return flash_attention(q_BTHD, k_BSKD, v_BSKD, causal=causal, segment_ids=segment_ids,
+    def kernel(q_BTHE, k_BSKE, v_BSKE, segment_ids):
+        return flash_attention(q_BTHE, k_BSKE, v_BSKE, causal=causal, segment_ids=segment_ids,
                                sm_scale=sm_scale)
 
     q_axes, kv_axes = ("batch", "seq", "heads", "head_dim"), ("batch", "seq", "kv_heads", "head_dim")
     segment_axes = None if segment_ids is None else ("batch", "seq")
     return per_shard(kernel, (q_axes, kv_axes, kv_axes, segment_axes), q_axes)(
-        q_BTHD, k_BSKD, v_BSKD, segment_ids)
+        q_BTHE, k_BSKE, v_BSKE, segment_ids)
 
 
 def resolve_implementation(implementation: str) -> str:
@@ -117,17 +102,17 @@ def resolve_implementation(implementation: str) -> str:
 
 def dot_product_attention(q, k, v, *, segment_ids=None, causal=True, implementation="xla",
                           sm_scale=None):
-    """Attention over [B, T, H, D] queries and [B, S, K, D] keys/values, K dividing H.
+    """Attention over [B, T, H, E] queries and [B, S, K, E] keys/values, K dividing H.
 
     Args:
       segment_ids: int32 [B, T] or None; tokens attend only within their own segment.
       causal: a token attends only to itself and earlier tokens.
       implementation: one of ``IMPLEMENTATIONS``.
-      sm_scale: softmax scale, default 1/sqrt(D).
+      sm_scale: softmax scale, default 1/sqrt(E).
     Returns:
-      [B, T, H, D] in q's dtype.
+      [B, T, H, E] in q's dtype.
     """
-    _check_shapes(q, k, v)
+    check_shapes(q, k, v)
     implementation = resolve_implementation(implementation)
     if implementation == "xla":
         return xla_attention(q, k, v, segment_ids=segment_ids, causal=causal, sm_scale=sm_scale)
@@ -137,4 +122,4 @@ def dot_product_attention(q, k, v, *, segment_ids=None, causal=True, implementat
         return pallas_attention(q, k, v, segment_ids=segment_ids, causal=causal, sm_scale=sm_scale)
     raise ConfigError(
         f"unknown attention implementation {implementation!r}; choose one of "
-        f"{', '.join(IMPLEMENTATIONS)}")
+        f"{', '.join(IMPLEMENTATIONS)}", field="model.attention")

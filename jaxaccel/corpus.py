@@ -40,7 +40,7 @@ from jaxaccel.tokenizer import BOS_ID, BYTE_OFFSET, EOS_ID, ByteTokenizer
 CACHE_FORMAT_VERSION = 1
 _DEFINITIONS = (ast.FunctionDef, ast.AsyncFunctionDef, ast.ClassDef)
 _STDLIB_SKIP_DIRS = frozenset({"site-packages", "__pycache__"})
-_SOURCES_HELP = "pass --data stdlib, a directory of text files or a .jsonl file"
+_SOURCES_HELP = "pass 'stdlib', a directory of text files or a .jsonl file"
 
 # (split key, document bytes) pairs as a reader produces them; the key names the file or line.
 KeyedDocs = list[tuple[str, bytes]]
@@ -71,18 +71,18 @@ class Corpus:
         frequencies reaches this loss, so it is the baseline the training loss must beat.
         """
         counts_V = np.zeros(ByteTokenizer.vocab_size, dtype=np.int64)
-        for doc_L in self.train:
-            counts_V += np.bincount(doc_L[1:], minlength=ByteTokenizer.vocab_size)
+        for doc in self.train:
+            counts_V += np.bincount(doc[1:], minlength=ByteTokenizer.vocab_size)
         p_V = counts_V[counts_V > 0] / counts_V.sum()
         return float(-(p_V * np.log2(p_V)).sum())
 
 
 class _Tokenized(NamedTuple):
-    """All documents of a source in one buffer: what the cache stores."""
+    """All N documents of a source in one buffer: what the cache stores."""
 
-    tokens_N: np.ndarray  # int32, documents back to back
-    offsets_D1: np.ndarray  # int64 [D + 1], document d is tokens_N[offsets[d]:offsets[d + 1]]
-    key_index_D: np.ndarray  # int32 [D], index into keys of each document's split key
+    tokens: np.ndarray  # int32, documents back to back
+    offsets: np.ndarray  # int64 [N + 1], document n is tokens[offsets[n]:offsets[n + 1]]
+    key_index_N: np.ndarray  # int32, index into keys of each document's split key
     keys: list[str]
     stats: dict
 
@@ -123,7 +123,7 @@ def _resolve_source(source: str) -> tuple[Callable[[], tuple[KeyedDocs, dict]], 
         return functools.partial(_read_stdlib, root), signature
     path = Path(source).expanduser()
     if not path.exists():
-        raise ConfigError(f"data path {source} does not exist; {_SOURCES_HELP}")
+        raise ConfigError(f"data path {source} does not exist; {_SOURCES_HELP}", field="data.path")
     path = path.resolve()
     if path.is_dir():
         rel_paths = _directory_files(path)
@@ -134,7 +134,8 @@ def _resolve_source(source: str) -> tuple[Callable[[], tuple[KeyedDocs, dict]], 
         signature = {"source": "jsonl", "path": str(path), "file": _size_and_mtime(path)}
         return functools.partial(_read_jsonl, path), signature
     raise ConfigError(
-        f"data path {source} is neither a directory nor a .jsonl file; {_SOURCES_HELP}"
+        f"data path {source} is neither a directory nor a .jsonl file; {_SOURCES_HELP}",
+        field="data.path",
     )
 
 
@@ -254,44 +255,45 @@ def _tokenize(keyed_docs: KeyedDocs, stats: dict) -> _Tokenized:
     """Packs the non-blank documents as BOS + bytes + EOS into one int32 buffer."""
     kept = [(key, doc) for key, doc in keyed_docs if doc.strip()]
     stats = {**stats, "empty_documents_skipped": len(keyed_docs) - len(kept)}
-    lengths_D = np.array([len(doc) + 2 for _, doc in kept], dtype=np.int64)
-    offsets_D1 = np.concatenate([[0], np.cumsum(lengths_D)]).astype(np.int64)
-    tokens_N = np.empty(offsets_D1[-1], dtype=np.int32)
-    is_byte_N = np.ones(len(tokens_N), dtype=bool)
-    is_byte_N[offsets_D1[:-1]] = is_byte_N[offsets_D1[1:] - 1] = False
-    tokens_N[offsets_D1[:-1]] = BOS_ID
-    tokens_N[offsets_D1[1:] - 1] = EOS_ID
-    bytes_M = np.frombuffer(b"".join(doc for _, doc in kept), dtype=np.uint8)
-    tokens_N[is_byte_N] = bytes_M.astype(np.int32) + BYTE_OFFSET
+    lengths_N = np.array([len(doc) + 2 for _, doc in kept], dtype=np.int64)
+    offsets = np.concatenate([[0], np.cumsum(lengths_N)]).astype(np.int64)
+    tokens = np.empty(offsets[-1], dtype=np.int32)
+    is_byte = np.ones(len(tokens), dtype=bool)
+    is_byte[offsets[:-1]] = is_byte[offsets[1:] - 1] = False
+    tokens[offsets[:-1]] = BOS_ID
+    tokens[offsets[1:] - 1] = EOS_ID
+    byte_values = np.frombuffer(b"".join(doc for _, doc in kept), dtype=np.uint8)
+    tokens[is_byte] = byte_values.astype(np.int32) + BYTE_OFFSET
     key_ids: dict[str, int] = {}
-    key_index_D = np.array(
+    key_index_N = np.array(
         [key_ids.setdefault(key, len(key_ids)) for key, _ in kept], dtype=np.int32
     )
-    return _Tokenized(tokens_N, offsets_D1, key_index_D, list(key_ids), stats)
+    return _Tokenized(tokens, offsets, key_index_N, list(key_ids), stats)
 
 
 def _split(name: str, tokenized: _Tokenized, val_percent: float) -> Corpus:
     """Assigns each document to train or validation by the hash of its split key."""
-    tokens_N, offsets_D1, key_index_D, keys, stats = tokenized
+    tokens, offsets, key_index_N, keys, stats = tokenized
     stats = dict(stats)
-    if len(key_index_D) == 0:
+    if len(key_index_N) == 0:
         raise ConfigError(
-            f"corpus {name} has no non-empty documents; {_SOURCES_HELP} with some text in it"
+            f"corpus {name} has no non-empty documents; {_SOURCES_HELP} with some text in it",
+            field="data.path",
         )
-    tokens_N.flags.writeable = False
-    is_val_K = np.array([_is_val_key(key, val_percent) for key in keys], dtype=bool)
-    is_val_D = is_val_K[key_index_D]
+    tokens.flags.writeable = False
+    key_is_val = np.array([_is_val_key(key, val_percent) for key in keys], dtype=bool)
+    is_val_N = key_is_val[key_index_N]
     splits = {}
-    for split, ids in (("train", np.flatnonzero(~is_val_D)), ("val", np.flatnonzero(is_val_D))):
+    for split, ids in (("train", np.flatnonzero(~is_val_N)), ("val", np.flatnonzero(is_val_N))):
         if len(ids) == 0:
             raise ConfigError(
                 f"corpus {name} has no {split} documents with val_percent={val_percent}: "
-                "add more files (or JSONL lines), or change val_percent"
+                "add more files (or JSONL lines), or change val_percent", field="data.path"
             )
-        docs = [tokens_N[offsets_D1[d] : offsets_D1[d + 1]] for d in ids]
+        docs = [tokens[offsets[n] : offsets[n + 1]] for n in ids]
         stats[f"{split}_documents"] = len(ids)
-        stats[f"{split}_tokens"] = int((offsets_D1[ids + 1] - offsets_D1[ids]).sum())
-        splits[split] = (docs, tuple(keys[k] for k in key_index_D[ids]))
+        stats[f"{split}_tokens"] = int((offsets[ids + 1] - offsets[ids]).sum())
+        splits[split] = (docs, tuple(keys[k] for k in key_index_N[ids]))
     (train, train_sources), (val, val_sources) = splits["train"], splits["val"]
     return Corpus(name, train, val, stats, train_sources, val_sources)
 
@@ -328,12 +330,12 @@ def _read_cache(path: Path, signature: dict) -> _Tokenized | None:
             )
     except (OSError, ValueError, KeyError, EOFError, zipfile.BadZipFile):
         return None
-    offsets = tokenized.offsets_D1
+    offsets = tokenized.offsets
     consistent = (
         offsets.ndim == 1
-        and len(offsets) == len(tokenized.key_index_D) + 1
+        and len(offsets) == len(tokenized.key_index_N) + 1
         and offsets[0] == 0
-        and offsets[-1] == len(tokenized.tokens_N)
+        and offsets[-1] == len(tokenized.tokens)
         and bool(np.all(np.diff(offsets) >= 3))
     )
     return tokenized if consistent else None
@@ -349,9 +351,9 @@ def _write_cache(path: Path, signature: dict, tokenized: _Tokenized) -> None:
                 np.savez(
                     f,
                     signature=np.array(json.dumps(signature, sort_keys=True)),
-                    tokens=tokenized.tokens_N.astype(np.uint16),
-                    offsets=tokenized.offsets_D1,
-                    key_index=tokenized.key_index_D,
+                    tokens=tokenized.tokens.astype(np.uint16),
+                    offsets=tokenized.offsets,
+                    key_index=tokenized.key_index_N,
                     keys=np.array(tokenized.keys, dtype=np.str_),
                     stats=np.array(json.dumps(tokenized.stats)),
                 )

@@ -1,6 +1,6 @@
 """Batching: token documents -> Batch dicts of numpy arrays (the contract in DESIGN.md).
 
-A document of L tokens gives L - 1 (input, target) pairs. A batching strategy lays the pairs
+A document of n tokens gives n - 1 (input, target) pairs. A batching strategy lays the pairs
 of all documents out in rows of at most ``seq_len`` pairs (a ``RowPlan``) and groups the rows
 of an epoch into batches, each with its own shape [B, T] (an ``EpochPlan``):
 
@@ -40,51 +40,52 @@ OPTIONS = {"pad_multiple": 64, "num_buckets": 8, "pack_window": 2048, "data_para
 
 Batch = dict[str, np.ndarray]
 
-# The command-line flag that sets each checked setting, for error messages.
-_FLAGS = {"seq_len": "--seq-len", "pad_multiple": "--pad-multiple", "num_buckets": "--buckets",
-          "pack_window": "--pack-window", "data_parallel": "data_parallel (the mesh's data axis)"}
+# The config field that sets each checked setting, for error messages (data_parallel comes from
+# the mesh).
+_FIELDS = {"seq_len": "data.seq_len", "pad_multiple": "data.pad_multiple",
+           "num_buckets": "data.buckets", "pack_window": "data.pack_window"}
 
 
 class RowPlan(NamedTuple):
-    """Rows of an epoch, each a run of pieces of documents ("segments") laid side by side.
+    """The W rows of an epoch, each a run of Q pieces of documents ("segments") side by side.
 
-    Segment s is pairs ``start_S[s]`` .. ``start_S[s] + length_S[s] - 1`` of document
-    ``doc_S[s]``; row r holds segments ``row_offsets_R1[r]`` .. ``row_offsets_R1[r + 1] - 1``.
+    Segment q is pairs ``start_Q[q]`` .. ``start_Q[q] + length_Q[q] - 1`` of document
+    ``doc_Q[q]``; row w holds segments ``row_offsets[w]`` .. ``row_offsets[w + 1] - 1``.
     """
 
-    doc_S: np.ndarray  # int64
-    start_S: np.ndarray  # int64
-    length_S: np.ndarray  # int64
-    row_offsets_R1: np.ndarray  # int64 [R + 1]
+    doc_Q: np.ndarray  # int64
+    start_Q: np.ndarray  # int64
+    length_Q: np.ndarray  # int64
+    row_offsets: np.ndarray  # int64 [W + 1]
 
     @property
     def num_rows(self) -> int:
         """Rows in an epoch."""
-        return len(self.row_offsets_R1) - 1
+        return len(self.row_offsets) - 1
 
     def row_lengths(self) -> np.ndarray:
-        """Pairs in each row, int64 [R]."""
-        ends_R1 = np.concatenate([[0], np.cumsum(self.length_S)])
-        return ends_R1[self.row_offsets_R1[1:]] - ends_R1[self.row_offsets_R1[:-1]]
+        """Pairs in each row, int64 [W]."""
+        pairs_before = np.concatenate([[0], np.cumsum(self.length_Q)])  # [Q + 1]
+        return pairs_before[self.row_offsets[1:]] - pairs_before[self.row_offsets[:-1]]
 
 
 class EpochPlan(NamedTuple):
-    """The global batches of an epoch, in the order they are yielded.
+    """The Z global batches of an epoch, in the order they are yielded.
 
-    Batch n holds rows ``order_X[batch_offsets_N1[n] : batch_offsets_N1[n + 1]]`` of ``rows``
-    in an array of shape [batch_size_N[n], length_N[n]]; the rows after those are all zero.
+    Batch z holds rows ``order_W[batch_offsets[z] : batch_offsets[z + 1]]`` of ``rows`` in an
+    array of shape [batch_size_Z[z], length_Z[z]]; the rows after those are all zero.
     """
 
     rows: RowPlan
-    order_X: np.ndarray  # int64
-    batch_offsets_N1: np.ndarray  # int64 [N + 1]
-    batch_size_N: np.ndarray  # int64
-    length_N: np.ndarray  # int64
+    order_W: np.ndarray  # int64, the rows in the order the batches yield them
+    batch_offsets: np.ndarray  # int64 [Z + 1]
+    batch_size_Z: np.ndarray  # int64
+    length_Z: np.ndarray  # int64
 
     @property
     def num_batches(self) -> int:
         """Batches in the epoch."""
-        return len(self.batch_offsets_N1) - 1
+        return len(self.batch_offsets) - 1
 
 
 class Sizes(NamedTuple):
@@ -99,20 +100,20 @@ class Sizes(NamedTuple):
     multiple: int
 
 
-def fixed_rows(pairs_D: np.ndarray, seq_len: int) -> RowPlan:
+def fixed_rows(pairs_N: np.ndarray, seq_len: int) -> RowPlan:
     """One document per row, cut into chunks of at most seq_len pairs, each chunk its own row.
 
     Long documents are split, never truncated; every pair appears in exactly one row.
     """
-    chunks_D = -(-pairs_D // seq_len)
-    doc_S = np.repeat(np.arange(len(pairs_D)), chunks_D)
-    first_chunk_D = np.cumsum(chunks_D) - chunks_D
-    start_S = (np.arange(len(doc_S)) - first_chunk_D[doc_S]) * seq_len
-    length_S = np.minimum(seq_len, pairs_D[doc_S] - start_S)
-    return RowPlan(doc_S, start_S, length_S, np.arange(len(doc_S) + 1))
+    chunks_N = -(-pairs_N // seq_len)
+    doc_Q = np.repeat(np.arange(len(pairs_N)), chunks_N)
+    first_chunk_N = np.cumsum(chunks_N) - chunks_N
+    start_Q = (np.arange(len(doc_Q)) - first_chunk_N[doc_Q]) * seq_len
+    length_Q = np.minimum(seq_len, pairs_N[doc_Q] - start_Q)
+    return RowPlan(doc_Q, start_Q, length_Q, np.arange(len(doc_Q) + 1))
 
 
-def bucket_lengths(row_len_R: np.ndarray, num_buckets: int, pad_multiple: int,
+def bucket_lengths(row_len_W: np.ndarray, num_buckets: int, pad_multiple: int,
                    seq_len: int) -> np.ndarray:
     """At most num_buckets row lengths that minimise padding when each row is padded to the
     smallest of them that holds it.
@@ -123,23 +124,23 @@ def bucket_lengths(row_len_R: np.ndarray, num_buckets: int, pad_multiple: int,
     is the fewest positions that at most k buckets, the largest being candidate j, give all rows
     up to candidate j. Time O(num_buckets * C^2) and memory O(C) for C used candidates.
     """
-    rounded_R = np.minimum(-(-row_len_R // pad_multiple) * pad_multiple, seq_len)
-    length_C, count_C = np.unique(rounded_R, return_counts=True)
+    rounded_W = np.minimum(-(-row_len_W // pad_multiple) * pad_multiple, seq_len)
+    length_C, count_C = np.unique(rounded_W, return_counts=True)
     rows_up_to_C = np.cumsum(count_C)
     slots_C = length_C * rows_up_to_C
-    previous_KxC = []  # the bucket below candidate j in round k; j itself if none was added
+    previous_by_round = []  # per round, the bucket below each candidate j; j if none was added
     for _ in range(num_buckets - 1):
         previous_C, next_slots_C = np.arange(len(length_C)), slots_C.copy()
         for j in range(1, len(length_C)):
-            # The bucket at j takes the rows above bucket i, for each i < j.
-            slots_I = slots_C[:j] + length_C[j] * (rows_up_to_C[j] - rows_up_to_C[:j])
-            i = int(np.argmin(slots_I))
-            if slots_I[i] < next_slots_C[j]:
-                previous_C[j], next_slots_C[j] = i, slots_I[i]
-        previous_KxC.append(previous_C)
+            # The bucket at j takes the rows above bucket i, for each candidate i < j.
+            slots_via_C = slots_C[:j] + length_C[j] * (rows_up_to_C[j] - rows_up_to_C[:j])
+            i = int(np.argmin(slots_via_C))
+            if slots_via_C[i] < next_slots_C[j]:
+                previous_C[j], next_slots_C[j] = i, slots_via_C[i]
+        previous_by_round.append(previous_C)
         slots_C = next_slots_C
     chosen = [len(length_C) - 1]
-    for previous_C in reversed(previous_KxC):
+    for previous_C in reversed(previous_by_round):
         if previous_C[chosen[-1]] != chosen[-1]:
             chosen.append(int(previous_C[chosen[-1]]))
     return length_C[chosen[::-1]]
@@ -169,20 +170,20 @@ def best_fit_decreasing(length_P: np.ndarray, capacity: int) -> np.ndarray:
     return row_P
 
 
-def cut_batches(rows: RowPlan, order_R: np.ndarray, batch_size: int, length: int) -> EpochPlan:
-    """Rows ``order_R`` cut into batches of batch_size rows of ``length``, the last maybe short."""
-    offsets_N1 = np.append(np.arange(0, len(order_R), batch_size), len(order_R))
-    num_batches = len(offsets_N1) - 1
-    return EpochPlan(rows, order_R, offsets_N1, np.full(num_batches, batch_size),
+def cut_batches(rows: RowPlan, order_W: np.ndarray, batch_size: int, length: int) -> EpochPlan:
+    """Rows ``order_W`` cut into batches of batch_size rows of ``length``, the last maybe short."""
+    offsets = np.append(np.arange(0, len(order_W), batch_size), len(order_W))
+    num_batches = len(offsets) - 1
+    return EpochPlan(rows, order_W, offsets, np.full(num_batches, batch_size),
                      np.full(num_batches, length))
 
 
 class Fixed:
     """Each chunk of at most seq_len pairs of one document is a row padded to seq_len."""
 
-    def __init__(self, pairs_D: np.ndarray, sizes: Sizes):
+    def __init__(self, pairs_N: np.ndarray, sizes: Sizes):
         self.sizes = sizes
-        self.rows = fixed_rows(pairs_D, sizes.seq_len)
+        self.rows = fixed_rows(pairs_N, sizes.seq_len)
 
     def shapes(self) -> list[tuple[int, int]]:
         """Every global batch shape of every epoch."""
@@ -190,8 +191,8 @@ class Fixed:
 
     def plan(self, rng: np.random.Generator | None) -> EpochPlan:
         """The batches of an epoch; rows in a random order, or in document order without rng."""
-        order_R = _permutation(self.rows.num_rows, rng)
-        return cut_batches(self.rows, order_R, self.sizes.batch_size, self.sizes.seq_len)
+        order_W = _permutation(self.rows.num_rows, rng)
+        return cut_batches(self.rows, order_W, self.sizes.batch_size, self.sizes.seq_len)
 
     def stats(self) -> dict:
         """Settings the strategy chose from the data, for ``DataStream.stats``."""
@@ -212,48 +213,50 @@ class Dynamic(Fixed):
         """
         sizes, num_rows = self.sizes, self.rows.num_rows
         fewest_rows = num_rows - (-(-num_rows // sizes.batch_size) - 1) * sizes.batch_size
-        row_len_R = np.sort(self.rows.row_lengths())
-        lowest, highest = -(-row_len_R[[fewest_rows - 1, -1]] // sizes.pad_multiple)
+        row_len_W = np.sort(self.rows.row_lengths())
+        lowest, highest = -(-row_len_W[[fewest_rows - 1, -1]] // sizes.pad_multiple)
         lengths = {min(m * sizes.pad_multiple, sizes.seq_len) for m in range(lowest, highest + 1)}
         return [(sizes.batch_size, length) for length in sorted(lengths)]
 
     def plan(self, rng: np.random.Generator | None) -> EpochPlan:
         """The batches of fixed, each as long as its longest row needs."""
         plan = super().plan(rng)
-        row_len_X = self.rows.row_lengths()[plan.order_X]
-        longest_N = np.maximum.reduceat(row_len_X, plan.batch_offsets_N1[:-1])
+        row_len_W = self.rows.row_lengths()[plan.order_W]
+        longest_Z = np.maximum.reduceat(row_len_W, plan.batch_offsets[:-1])
         pad = self.sizes.pad_multiple
-        return plan._replace(length_N=np.minimum(-(-longest_N // pad) * pad, self.sizes.seq_len))
+        return plan._replace(length_Z=np.minimum(-(-longest_Z // pad) * pad, self.sizes.seq_len))
 
 
 class Bucket(Fixed):
     """The rows of fixed, padded to the smallest of num_buckets lengths that holds them.
 
-    Each batch holds rows of one bucket k, in an array of shape [B_k, L_k]. With a token budget
-    N, B_k is N // L_k rounded down to the batch multiple, so every batch holds about N tokens.
+    Each batch holds rows of one bucket u, in an array of shape [B_u, T_u]. With a token budget,
+    B_u is tokens_per_batch // T_u rounded down to the batch multiple, so every batch holds about
+    tokens_per_batch tokens.
     """
 
-    def __init__(self, pairs_D: np.ndarray, sizes: Sizes):
-        super().__init__(pairs_D, sizes)
-        row_len_R = self.rows.row_lengths()
-        self.length_K = bucket_lengths(row_len_R, sizes.num_buckets, sizes.pad_multiple,
+    def __init__(self, pairs_N: np.ndarray, sizes: Sizes):
+        super().__init__(pairs_N, sizes)
+        row_len_W = self.rows.row_lengths()
+        self.length_U = bucket_lengths(row_len_W, sizes.num_buckets, sizes.pad_multiple,
                                        sizes.seq_len)
-        self.bucket_R = np.searchsorted(self.length_K, row_len_R)
+        self.bucket_W = np.searchsorted(self.length_U, row_len_W)
         if sizes.batch_size is not None:
-            self.batch_size_K = np.full(len(self.length_K), sizes.batch_size)
+            self.batch_size_U = np.full(len(self.length_U), sizes.batch_size)
             return
-        tokens, multiple, longest = sizes.tokens_per_batch, sizes.multiple, int(self.length_K[-1])
+        tokens, multiple, longest = sizes.tokens_per_batch, sizes.multiple, int(self.length_U[-1])
         if tokens < longest * multiple:
             raise ConfigError(
                 f"tokens_per_batch={tokens} is smaller than the longest bucket row ({longest} "
                 f"tokens) times the batch multiple {multiple} (data_parallel and process_count); "
-                f"raise --tokens-per-batch to at least {longest * multiple}"
+                f"raise tokens_per_batch to at least {longest * multiple}",
+                field="data.tokens_per_batch",
             )
-        self.batch_size_K = tokens // self.length_K // multiple * multiple
+        self.batch_size_U = tokens // self.length_U // multiple * multiple
 
     def shapes(self) -> list[tuple[int, int]]:
         """One shape per bucket."""
-        return sorted(zip(self.batch_size_K.tolist(), self.length_K.tolist()))
+        return sorted(zip(self.batch_size_U.tolist(), self.length_U.tolist()))
 
     def plan(self, rng: np.random.Generator | None) -> EpochPlan:
         """Rows shuffled within their bucket, cut into batches, batches of all buckets shuffled.
@@ -261,29 +264,29 @@ class Bucket(Fixed):
         Without rng, rows keep document order in a bucket and batches are ordered by their
         first row, which is close to document order.
         """
-        order_R = _permutation(self.rows.num_rows, rng)
-        order_R = order_R[np.argsort(self.bucket_R[order_R], kind="stable")]
-        rows_K = np.bincount(self.bucket_R, minlength=len(self.length_K))
-        batches_K = -(-rows_K // self.batch_size_K)
-        bucket_N = np.repeat(np.arange(len(rows_K)), batches_K)
-        index_N = np.arange(len(bucket_N)) - np.repeat(np.cumsum(batches_K) - batches_K, batches_K)
-        bucket_end_K = np.cumsum(rows_K)
-        first_N = bucket_end_K[bucket_N] - rows_K[bucket_N] + index_N * self.batch_size_K[bucket_N]
-        count_N = np.minimum(self.batch_size_K[bucket_N], bucket_end_K[bucket_N] - first_N)
+        by_bucket_W = _permutation(self.rows.num_rows, rng)
+        by_bucket_W = by_bucket_W[np.argsort(self.bucket_W[by_bucket_W], kind="stable")]
+        rows_U = np.bincount(self.bucket_W, minlength=len(self.length_U))
+        batches_U = -(-rows_U // self.batch_size_U)
+        bucket_Z = np.repeat(np.arange(len(rows_U)), batches_U)
+        index_Z = np.arange(len(bucket_Z)) - np.repeat(np.cumsum(batches_U) - batches_U, batches_U)
+        bucket_end_U = np.cumsum(rows_U)
+        first_Z = bucket_end_U[bucket_Z] - rows_U[bucket_Z] + index_Z * self.batch_size_U[bucket_Z]
+        count_Z = np.minimum(self.batch_size_U[bucket_Z], bucket_end_U[bucket_Z] - first_Z)
         if rng is None:
-            batch_order_N = np.argsort(order_R[first_N], kind="stable")
+            batch_order_Z = np.argsort(by_bucket_W[first_Z], kind="stable")
         else:
-            batch_order_N = rng.permutation(len(bucket_N))
-        first_N, count_N = first_N[batch_order_N], count_N[batch_order_N]
-        bucket_N = bucket_N[batch_order_N]
-        offsets_N1 = np.concatenate([[0], np.cumsum(count_N)])
-        order_X = order_R[np.repeat(first_N - offsets_N1[:-1], count_N) + np.arange(offsets_N1[-1])]
-        return EpochPlan(self.rows, order_X, offsets_N1, self.batch_size_K[bucket_N],
-                         self.length_K[bucket_N])
+            batch_order_Z = rng.permutation(len(bucket_Z))
+        first_Z, count_Z = first_Z[batch_order_Z], count_Z[batch_order_Z]
+        bucket_Z = bucket_Z[batch_order_Z]
+        offsets = np.concatenate([[0], np.cumsum(count_Z)])
+        order_W = by_bucket_W[np.repeat(first_Z - offsets[:-1], count_Z) + np.arange(offsets[-1])]
+        return EpochPlan(self.rows, order_W, offsets, self.batch_size_U[bucket_Z],
+                         self.length_U[bucket_Z])
 
     def stats(self) -> dict:
         """The bucket lengths the dynamic programme chose."""
-        return {"bucket_lengths": self.length_K.tolist()}
+        return {"bucket_lengths": self.length_U.tolist()}
 
 
 class Pack(Fixed):
@@ -294,40 +297,40 @@ class Pack(Fixed):
     documents) and packs each window of pack_window pieces by best-fit decreasing.
     """
 
-    def __init__(self, pairs_D: np.ndarray, sizes: Sizes):
+    def __init__(self, pairs_N: np.ndarray, sizes: Sizes):
         self.sizes = sizes
-        self.full_rows = fixed_rows(pairs_D // sizes.seq_len * sizes.seq_len, sizes.seq_len)
-        length_D = pairs_D % sizes.seq_len
-        self.doc_P = np.flatnonzero(length_D)
-        self.start_P = (pairs_D - length_D)[self.doc_P]
-        self.length_P = length_D[self.doc_P]
+        self.full_rows = fixed_rows(pairs_N // sizes.seq_len * sizes.seq_len, sizes.seq_len)
+        length_N = pairs_N % sizes.seq_len
+        self.doc_P = np.flatnonzero(length_N)
+        self.start_P = (pairs_N - length_N)[self.doc_P]
+        self.length_P = length_N[self.doc_P]
 
     def plan(self, rng: np.random.Generator | None) -> EpochPlan:
         """Packs the pool afresh and orders all rows at random (or by their first document)."""
-        pool_X = _permutation(len(self.doc_P), rng)
-        row_X = np.empty(len(pool_X), dtype=np.int64)
+        pool_P = _permutation(len(self.doc_P), rng)  # the pieces in the order they are packed
+        row_P = np.empty(len(pool_P), dtype=np.int64)  # the packed row of piece pool_P[p]
         num_packed = 0
-        for begin in range(0, len(pool_X), self.sizes.pack_window):
+        for begin in range(0, len(pool_P), self.sizes.pack_window):
             window = slice(begin, begin + self.sizes.pack_window)
-            row_X[window] = num_packed + best_fit_decreasing(self.length_P[pool_X[window]],
+            row_P[window] = num_packed + best_fit_decreasing(self.length_P[pool_P[window]],
                                                              self.sizes.seq_len)
-            num_packed = int(row_X[window].max()) + 1
+            num_packed = int(row_P[window].max()) + 1
         # Segments grouped by row, longest first in a row (the order best-fit placed them).
-        piece_S = pool_X[np.lexsort((-self.length_P[pool_X], row_X))]
+        piece_Q = pool_P[np.lexsort((-self.length_P[pool_P], row_P))]
         num_full = self.full_rows.num_rows
-        packed_ends_R = np.cumsum(np.bincount(row_X, minlength=num_packed))
+        packed_ends_W = np.cumsum(np.bincount(row_P, minlength=num_packed))
         rows = RowPlan(
-            np.concatenate([self.full_rows.doc_S, self.doc_P[piece_S]]),
-            np.concatenate([self.full_rows.start_S, self.start_P[piece_S]]),
-            np.concatenate([self.full_rows.length_S, self.length_P[piece_S]]),
-            np.concatenate([self.full_rows.row_offsets_R1, num_full + packed_ends_R]),
+            np.concatenate([self.full_rows.doc_Q, self.doc_P[piece_Q]]),
+            np.concatenate([self.full_rows.start_Q, self.start_P[piece_Q]]),
+            np.concatenate([self.full_rows.length_Q, self.length_P[piece_Q]]),
+            np.concatenate([self.full_rows.row_offsets, num_full + packed_ends_W]),
         )
         if rng is None:
-            first_doc_R = np.minimum.reduceat(rows.doc_S, rows.row_offsets_R1[:-1])
-            order_R = np.argsort(first_doc_R, kind="stable")
+            first_doc_W = np.minimum.reduceat(rows.doc_Q, rows.row_offsets[:-1])
+            order_W = np.argsort(first_doc_W, kind="stable")
         else:
-            order_R = rng.permutation(rows.num_rows)
-        return cut_batches(rows, order_R, self.sizes.batch_size, self.sizes.seq_len)
+            order_W = rng.permutation(rows.num_rows)
+        return cut_batches(rows, order_W, self.sizes.batch_size, self.sizes.seq_len)
 
 
 STRATEGIES: dict[str, type[Fixed]] = {
@@ -345,42 +348,43 @@ def make_batch(
     """The Batch holding ``rows_B`` of ``plan``, topped up with all-zero rows to batch_size.
 
     A row's segments lie side by side from column 0. The only Python loop is one slice per
-    segment; every per-token step is a numpy gather or scatter over the batch's M real pairs.
+    segment; every per-token step is a numpy gather or scatter over the batch's A real pairs.
     """
-    # The batch's segments S, row by row; row b holds S-indices first_B[b] ..
-    first_in_plan_B = plan.row_offsets_R1[rows_B]
-    segments_B = plan.row_offsets_R1[rows_B + 1] - first_in_plan_B
+    # The batch's Q segments, row by row; row b holds segments first_B[b] ..
+    first_in_plan_B = plan.row_offsets[rows_B]
+    segments_B = plan.row_offsets[rows_B + 1] - first_in_plan_B
     first_B = np.cumsum(segments_B) - segments_B
-    seg_S = np.repeat(first_in_plan_B - first_B, segments_B) + np.arange(segments_B.sum())
-    doc_S, start_S, length_S = plan.doc_S[seg_S], plan.start_S[seg_S], plan.length_S[seg_S]
-    segment_id_S = np.arange(len(seg_S)) - np.repeat(first_B, segments_B) + 1
-    # Segment s contributes its n + 1 tokens, so the input of its pair m (counting the pairs
-    # M of all segments in order) is token m + s, and the target the one after.
-    tokens_X = np.concatenate(
-        [documents[d][s : s + n + 1] for d, s, n in zip(doc_S.tolist(), start_S.tolist(),
-                                                       length_S.tolist())] or [np.zeros(0)]
+    in_plan_Q = np.repeat(first_in_plan_B - first_B, segments_B) + np.arange(segments_B.sum())
+    doc_Q, start_Q, length_Q = (plan.doc_Q[in_plan_Q], plan.start_Q[in_plan_Q],
+                                plan.length_Q[in_plan_Q])
+    segment_id_Q = np.arange(len(in_plan_Q)) - np.repeat(first_B, segments_B) + 1
+    # Segment q contributes its n + 1 tokens, so the input of its pair a (counting the pairs
+    # of all segments in order) is token a + q, and the target the one after.
+    tokens = np.concatenate(
+        [documents[d][s : s + n + 1] for d, s, n in zip(doc_Q.tolist(), start_Q.tolist(),
+                                                       length_Q.tolist())] or [np.zeros(0)]
     )
-    pair_begin_S1 = np.concatenate([[0], np.cumsum(length_S)])
-    row_begin_B = pair_begin_S1[first_B]
-    row_len_B = pair_begin_S1[first_B + segments_B] - row_begin_B
-    seg_M = np.repeat(np.arange(len(seg_S)), length_S)
-    arange_M = np.arange(len(seg_M))
-    # Where pair m lands in the flattened [batch_size * seq_len] array.
-    slot_M = arange_M + np.repeat(np.arange(len(rows_B)) * seq_len - row_begin_B, row_len_B)
+    pairs_before = np.concatenate([[0], np.cumsum(length_Q)])  # [Q + 1]
+    row_begin_B = pairs_before[first_B]
+    row_len_B = pairs_before[first_B + segments_B] - row_begin_B
+    segment_A = np.repeat(np.arange(len(in_plan_Q)), length_Q)
+    pair_A = np.arange(len(segment_A))
+    # Where pair a lands in the flattened [batch_size * seq_len] array.
+    slot_A = pair_A + np.repeat(np.arange(len(rows_B)) * seq_len - row_begin_B, row_len_B)
 
-    def scatter(values_M: np.ndarray) -> np.ndarray:
-        """A zero [batch_size, seq_len] int32 array with values_M at the real pairs' slots."""
-        array_BxT = np.zeros((batch_size, seq_len), dtype=np.int32)
-        array_BxT.ravel()[slot_M] = values_M
-        return array_BxT
+    def scatter(values_A: np.ndarray) -> np.ndarray:
+        """A zero [batch_size, seq_len] int32 array with values_A at the real pairs' slots."""
+        array_BT = np.zeros((batch_size, seq_len), dtype=np.int32)
+        array_BT.ravel()[slot_A] = values_A
+        return array_BT
 
-    segment_ids_BxT = scatter(segment_id_S[seg_M])
+    segment_ids_BT = scatter(segment_id_Q[segment_A])
     return {
-        "inputs": scatter(tokens_X[arange_M + seg_M]),
-        "targets": scatter(tokens_X[arange_M + seg_M + 1]),
-        "weights": (segment_ids_BxT > 0).astype(np.float32),
-        "segment_ids": segment_ids_BxT,
-        "positions": scatter(arange_M - pair_begin_S1[seg_M]),
+        "inputs": scatter(tokens[pair_A + segment_A]),
+        "targets": scatter(tokens[pair_A + segment_A + 1]),
+        "weights": (segment_ids_BT > 0).astype(np.float32),
+        "segment_ids": segment_ids_BT,
+        "positions": scatter(pair_A - pairs_before[segment_A]),
     }
 
 
@@ -484,14 +488,14 @@ class DataStream:
         padding_efficiency is real pairs / positions computed, filled tail rows included.
         """
         plan = self._epoch_plan(self._epoch)
-        real_tokens = int(plan.rows.length_S.sum())
+        real_tokens = int(plan.rows.length_Q.sum())
         return {
             "rows_per_epoch": plan.rows.num_rows,
             "batches_per_epoch": plan.num_batches,
-            "split_documents": int(np.count_nonzero(np.bincount(plan.rows.doc_S) > 1)),
+            "split_documents": int(np.count_nonzero(np.bincount(plan.rows.doc_Q) > 1)),
             "empty_documents_skipped": self._empty_documents,
             "real_tokens_per_epoch": real_tokens,
-            "padding_efficiency": real_tokens / int(np.sum(plan.batch_size_N * plan.length_N)),
+            "padding_efficiency": real_tokens / int(np.sum(plan.batch_size_Z * plan.length_Z)),
             "real_tokens_per_batch": real_tokens / plan.num_batches,
         } | self._batcher.stats()
 
@@ -543,10 +547,12 @@ def _make_strategy(
     """The checked strategy over the documents' pair counts, and the count of empty documents."""
     if strategy not in STRATEGIES:
         raise ConfigError(
-            f"unknown batching strategy {strategy!r}; choose one of: {', '.join(STRATEGIES)}"
+            f"unknown batching strategy {strategy!r}; choose one of: {', '.join(STRATEGIES)}",
+            field="data.batching",
         )
     if seed < 0:
-        raise ConfigError(f"seed must be >= 0, got {seed}; pass a non-negative seed")
+        raise ConfigError(f"seed must be >= 0, got {seed}; pass a non-negative seed",
+                          field="run.seed")
     if not 0 <= process_index < process_count:
         raise ConfigError(
             f"process_index={process_index} is not in [0, process_count={process_count}); "
@@ -554,19 +560,21 @@ def _make_strategy(
         )
     sizes = _check_sizes(strategy, seq_len, batch_size, tokens_per_batch, process_count, options)
     if len(documents) == 0:
-        raise ConfigError("no documents to batch; pass a corpus with at least one document")
-    pairs_D = np.maximum(np.array([len(doc) for doc in documents], dtype=np.int64) - 1, 0)
-    if pairs_D.sum() == 0:
+        raise ConfigError("no documents to batch; pass a corpus with at least one document",
+                          field="data.path")
+    pairs_N = np.maximum(np.array([len(doc) for doc in documents], dtype=np.int64) - 1, 0)
+    if pairs_N.sum() == 0:
         raise ConfigError(
             f"the {len(documents)} documents have no (input, target) pairs; pass a corpus with "
-            "a document of >= 2 tokens"
+            "a document of >= 2 tokens", field="data.path"
         )
-    return STRATEGIES[strategy](pairs_D, sizes), int(np.count_nonzero(pairs_D == 0))
+    return STRATEGIES[strategy](pairs_N, sizes), int(np.count_nonzero(pairs_N == 0))
 
 
 def _check_sizes(strategy: str, seq_len: int, batch_size: int | None,
                  tokens_per_batch: int | None, process_count: int, options: dict) -> Sizes:
-    """Rejects settings that cannot make batches, naming the setting to change."""
+    """Rejects settings that cannot make batches, naming the setting (and config field) to
+    change."""
     unknown = sorted(set(options) - set(OPTIONS))
     if unknown:
         raise ConfigError(
@@ -576,40 +584,46 @@ def _check_sizes(strategy: str, seq_len: int, batch_size: int | None,
     for name, value in [("seq_len", seq_len), *values.items()]:
         if not (isinstance(value, int) and value >= 1):
             raise ConfigError(
-                f"{name} must be >= 1, got {value!r}; pass an integer {_FLAGS[name]} >= 1"
+                f"{name} must be >= 1, got {value!r}; pass an integer {name} >= 1",
+                field=_FIELDS.get(name),
             )
     if (batch_size is None) == (tokens_per_batch is None):
         given = "neither" if batch_size is None else "both"
         raise ConfigError(
-            f"pass exactly one of --batch-size and --tokens-per-batch, got {given}"
+            f"pass exactly one of batch_size and tokens_per_batch, got {given}",
+            field="data.batch_size",
         )
     data_parallel = values["data_parallel"]
     multiple = math.lcm(data_parallel, process_count)
     if tokens_per_batch is not None:
         if strategy == "dynamic":
             raise ConfigError(
-                "--batching dynamic takes --batch-size, not --tokens-per-batch; use "
-                "--batching bucket for token budgets"
+                "dynamic batching takes batch_size, not tokens_per_batch; use bucket batching "
+                "for token budgets", field="data.tokens_per_batch"
             )
         if tokens_per_batch < 1:
             raise ConfigError(
-                f"tokens_per_batch must be >= 1, got {tokens_per_batch}; pass a positive budget"
+                f"tokens_per_batch must be >= 1, got {tokens_per_batch}; pass a positive budget",
+                field="data.tokens_per_batch",
             )
         if strategy != "bucket":
             batch_size = tokens_per_batch // seq_len // multiple * multiple
             if batch_size == 0:
                 raise ConfigError(
                     f"tokens_per_batch={tokens_per_batch} holds no batch of {multiple} rows of "
-                    f"seq_len={seq_len}; raise --tokens-per-batch to at least {seq_len * multiple}"
+                    f"seq_len={seq_len}; raise tokens_per_batch to at least {seq_len * multiple}",
+                    field="data.tokens_per_batch",
                 )
     elif batch_size < 1:
-        raise ConfigError(f"batch_size must be >= 1, got {batch_size}; pass a positive batch size")
+        raise ConfigError(f"batch_size must be >= 1, got {batch_size}; pass a positive batch size",
+                          field="data.batch_size")
     else:
         for name, count in (("data_parallel", data_parallel), ("process_count", process_count)):
             if batch_size % count:
                 raise ConfigError(
                     f"batch_size={batch_size} is not a multiple of {name}={count}; pass a "
-                    f"--batch-size that is (e.g. {-(-batch_size // count) * count})"
+                    f"batch_size that is (e.g. {-(-batch_size // count) * count})",
+                    field="data.batch_size",
                 )
     return Sizes(seq_len, batch_size, tokens_per_batch, values["pad_multiple"],
                  values["num_buckets"], values["pack_window"], multiple)
@@ -628,7 +642,7 @@ def _permutation(n: int, rng: np.random.Generator | None) -> np.ndarray:
 def _local_batch(documents: Sequence[np.ndarray], plan: EpochPlan, index: int,
                  process_index: int, process_count: int) -> Batch:
     """This process's rows [p * B / P, (p + 1) * B / P) of global batch ``index``."""
-    local_size = int(plan.batch_size_N[index]) // process_count
-    rows_B = plan.order_X[plan.batch_offsets_N1[index] : plan.batch_offsets_N1[index + 1]]
+    local_size = int(plan.batch_size_Z[index]) // process_count
+    rows_B = plan.order_W[plan.batch_offsets[index] : plan.batch_offsets[index + 1]]
     rows_B = rows_B[process_index * local_size : (process_index + 1) * local_size]
-    return make_batch(documents, plan.rows, rows_B, local_size, int(plan.length_N[index]))
+    return make_batch(documents, plan.rows, rows_B, local_size, int(plan.length_Z[index]))

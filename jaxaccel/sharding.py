@@ -11,7 +11,7 @@ size 1), so one set of rules serves every strategy and only the mesh's shape cha
   ``data`` x ``fsdp``, heads and MLP features over ``tensor``, and weights gathered over
   ``fsdp`` one layer at a time where they are used (``constrain``).
 
-A strategy (``--sharding``) names the mesh axes it uses; ``mesh_shape`` fills in their sizes.
+A strategy (``mesh.strategy``) names the mesh axes it uses; ``mesh_shape`` fills in their sizes.
 Mesh axes are Auto (XLA's propagation completes the shardings from the constraints) or Explicit
 (shardings are part of every array's type and each op's output sharding must be unambiguous);
 the model runs under both.
@@ -67,9 +67,9 @@ def parse_mesh(text: str | None) -> dict[str, int]:
             size = 0
         if name not in MESH_AXES or size == 0 or size < -1:
             raise ConfigError(
-                f"bad mesh item {item.strip()!r}; write --mesh as axis=size pairs, e.g. "
+                f"bad mesh item {item.strip()!r}; write the mesh as axis=size pairs, e.g. "
                 f"data=2,fsdp=4, with axes from {', '.join(MESH_AXES)} and sizes >= 1 (or -1 "
-                f"for the remaining devices)")
+                f"for the remaining devices)", field="mesh.shape")
         sizes[name] = size
     return sizes
 
@@ -78,21 +78,22 @@ def mesh_shape(strategy: str, device_count: int, sizes: dict[str, int] | None = 
                process_count: int = 1) -> dict[str, int]:
     """The size of every mesh axis for ``strategy`` on ``device_count`` devices.
 
-    ``sizes`` (from ``--mesh``) fix some axes; one axis may be -1 (the remaining devices).
+    ``sizes`` (from ``mesh.shape``) fix some axes; one axis may be -1 (the remaining devices).
     Unset axes the strategy uses get defaults: a lone axis takes every device; ``fsdp+tp`` puts
     2 devices on ``tensor``; ``dp+fsdp`` replicates across hosts (``data`` = the process count,
     or 2 on one host) and shards within them. Axes the strategy does not use must be 1.
     """
     if strategy not in STRATEGIES:
-        raise ConfigError(f"unknown sharding strategy {strategy!r}; choose --sharding from "
-                          f"{', '.join(STRATEGIES)}")
+        raise ConfigError(f"unknown sharding strategy {strategy!r}; choose one of "
+                          f"{', '.join(STRATEGIES)}", field="mesh.strategy")
     used = STRATEGIES[strategy]
     sizes = dict(sizes or {})
     for axis, size in sizes.items():
         if axis not in used and size != 1:
             raise ConfigError(
-                f"--sharding {strategy} does not use the {axis} axis but --mesh sets {axis}={size}; "
-                f"set it to 1 or choose a strategy that uses it ({', '.join(STRATEGIES)})")
+                f"strategy {strategy} does not use the {axis} axis but the mesh sets "
+                f"{axis}={size}; set it to 1 or choose a strategy that uses it "
+                f"({', '.join(STRATEGIES)})", field="mesh.shape")
     if len(used) == 2 and not any(a in sizes for a in used):
         first = used[0]
         if strategy == "fsdp+tp":
@@ -104,19 +105,21 @@ def mesh_shape(strategy: str, device_count: int, sizes: dict[str, int] | None = 
         sizes.setdefault(axis, -1)
     free = [a for a in MESH_AXES if sizes.get(a) == -1]
     if len(free) > 1:
-        raise ConfigError(f"--mesh leaves {' and '.join(free)} both at -1; give all but one a size")
+        raise ConfigError(f"the mesh leaves {' and '.join(free)} both at -1; give all but one a "
+                          "size", field="mesh.shape")
     fixed = math.prod(s for a, s in sizes.items() if s != -1)
     if free:
         if device_count % fixed:
             raise ConfigError(
                 f"mesh {format_mesh(sizes)} needs a multiple of {fixed} devices but there are "
-                f"{device_count}; change --mesh")
+                f"{device_count}; change the mesh sizes", field="mesh.shape")
         sizes[free[0]] = device_count // fixed
     shape = {a: sizes.get(a, 1) for a in MESH_AXES}
     if math.prod(shape.values()) != device_count:
         raise ConfigError(
             f"mesh {format_mesh(shape)} has {math.prod(shape.values())} devices but "
-            f"{device_count} are available; make the --mesh sizes multiply to {device_count}")
+            f"{device_count} are available; make the mesh sizes multiply to {device_count}",
+            field="mesh.shape")
     return shape
 
 
@@ -126,16 +129,17 @@ def format_mesh(shape: dict[str, int]) -> str:
 
 def build_mesh(strategy: str, mesh: str | None = None, axis_types: str = "auto", model_cfg=None,
                num_devices: int | None = None):
-    """The run's mesh and its axis sizes from the ``--sharding``, ``--mesh`` and
-    ``--mesh-axis-types`` flags over all devices of all processes (or the first ``num_devices``
-    of a single process), checked against the model."""
+    """The run's mesh and its axis sizes for ``strategy``, the ``mesh`` text (``parse_mesh``) and
+    ``axis_types``, over all devices of all processes (or the first ``num_devices`` of a single
+    process), checked against the model."""
     devices = jax.devices()
     if num_devices is not None and num_devices != len(devices):
         if jax.process_count() > 1 or not 1 <= num_devices <= len(devices):
             raise ConfigError(
-                f"--num-devices {num_devices} is not available: {len(devices)} devices in "
+                f"num_devices={num_devices} is not available: {len(devices)} devices in "
                 f"{jax.process_count()} process(es), and a subset is only possible in one process; "
-                f"pass a number from 1 to {len(devices)} or leave --num-devices unset")
+                f"pass a number from 1 to {len(devices)} or leave num_devices unset",
+                field="mesh.num_devices")
         devices = devices[:num_devices]
     shape = mesh_shape(strategy, len(devices), parse_mesh(mesh), jax.process_count())
     if model_cfg is not None:
@@ -144,21 +148,21 @@ def build_mesh(strategy: str, mesh: str | None = None, axis_types: str = "auto",
         raise ConfigError(
             f"mesh {format_mesh(shape)} splits the batch into {batch_shards(shape)} parts, fewer "
             f"than (or not a multiple of) the {jax.process_count()} processes that each load "
-            f"their own rows; keep the tensor axis within a host")
+            f"their own rows; keep the tensor axis within a host", field="mesh.shape")
     return make_mesh(shape, axis_types, devices), shape
 
 
 def make_mesh(shape: dict[str, int], axis_types: str = "auto", devices=None):
     """A ``jax.sharding.Mesh`` with axes data, fsdp, tensor of these sizes, all of one type."""
     if axis_types not in AXIS_TYPES:
-        raise ConfigError(f"unknown mesh axis type {axis_types!r}; choose --mesh-axis-types from "
-                          f"{', '.join(AXIS_TYPES)}")
+        raise ConfigError(f"unknown mesh axis type {axis_types!r}; choose one of "
+                          f"{', '.join(AXIS_TYPES)}", field="mesh.axis_types")
     devices = jax.devices() if devices is None else devices
     sizes = tuple(shape.get(a, 1) for a in MESH_AXES)
     if math.prod(sizes) != len(devices):
         raise ConfigError(
             f"mesh {format_mesh(shape)} has {math.prod(sizes)} devices but {len(devices)} are "
-            f"available; make the --mesh sizes multiply to {len(devices)}")
+            f"available; make the mesh sizes multiply to {len(devices)}", field="mesh.shape")
     return jax.make_mesh(sizes, MESH_AXES, axis_types=(AXIS_TYPES[axis_types],) * 3,
                          devices=devices)
 
@@ -293,7 +297,8 @@ def check_model(shape: dict[str, int], cfg) -> None:
         if value % size:
             raise ConfigError(
                 f"{name}={value} is not divisible by the {axis} axis ({size} devices); choose "
-                f"--{name.replace('_', '-')} divisible by {size} or a smaller {axis} in --mesh")
+                f"{name} divisible by {size} or a smaller {axis} axis in the mesh",
+                field=f"model.{name}")
 
 
 def bytes_per_device(tree) -> int:
@@ -321,19 +326,22 @@ def initialize_distributed(coordinator: str | None, num_processes: int | None,
     """
     if coordinator is None and not auto:
         if num_processes not in (None, 1) or process_id not in (None, 0):
-            raise ConfigError("--num-processes and --process-id need --coordinator HOST:PORT "
-                              "(or --distributed to detect the cluster)")
+            raise ConfigError("num_processes and process_id need a coordinator HOST:PORT "
+                              "(or auto=True to detect the cluster)", field="mesh.coordinator")
         return
     if coordinator is not None:
         if num_processes is None or process_id is None:
-            raise ConfigError("--coordinator needs --num-processes N and --process-id I as well")
+            raise ConfigError("coordinator needs num_processes N and process_id I as well",
+                              field="mesh.num_processes")
         if not 0 <= process_id < num_processes:
-            raise ConfigError(f"--process-id {process_id} is not in [0, --num-processes "
-                              f"{num_processes}); number the processes 0 .. N-1")
+            raise ConfigError(f"process_id={process_id} is not in [0, num_processes="
+                              f"{num_processes}); number the processes 0 .. N-1",
+                              field="mesh.process_id")
         host, _, port = coordinator.rpartition(":")
         if not host or not port.isdigit():
-            raise ConfigError(f"--coordinator {coordinator!r} is not HOST:PORT; pass e.g. "
-                              f"10.0.0.1:1234 (the address of process 0)")
+            raise ConfigError(f"coordinator {coordinator!r} is not HOST:PORT; pass e.g. "
+                              f"10.0.0.1:1234 (the address of process 0)",
+                              field="mesh.coordinator")
         if process_id != 0:
             wait_for_port(host, int(port), timeout_s)
     jax.config.update("jax_cpu_collectives_implementation", "gloo")
@@ -352,6 +360,7 @@ def wait_for_port(host: str, port: int, timeout_s: float) -> None:
             if time.monotonic() >= deadline:
                 raise ConfigError(
                     f"coordinator {host}:{port} did not answer within {timeout_s:g} s "
-                    f"({error.strerror or error}); start process 0 first, check --coordinator "
-                    f"and the network, or raise --distributed-timeout") from None
+                    f"({error.strerror or error}); start process 0 first, check the coordinator "
+                    f"address and the network, or raise the timeout",
+                    field="mesh.distributed_timeout") from None
             time.sleep(0.5)

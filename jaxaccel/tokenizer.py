@@ -38,20 +38,20 @@ class ByteTokenizer:
     def encode(self, text: str | bytes, *, bos: bool = True, eos: bool = True) -> np.ndarray:
         """Returns int32 ids of the utf-8 bytes of ``text``, optionally framed by BOS and EOS."""
         data = text.encode("utf-8") if isinstance(text, str) else bytes(text)
-        ids_L = np.empty(len(data) + bos + eos, dtype=np.int32)
-        ids_L[bos : bos + len(data)] = np.frombuffer(data, dtype=np.uint8)
-        ids_L[bos : bos + len(data)] += BYTE_OFFSET
+        ids = np.empty(len(data) + bos + eos, dtype=np.int32)
+        ids[bos : bos + len(data)] = np.frombuffer(data, dtype=np.uint8)
+        ids[bos : bos + len(data)] += BYTE_OFFSET
         if bos:
-            ids_L[0] = BOS_ID
+            ids[0] = BOS_ID
         if eos:
-            ids_L[-1] = EOS_ID
-        return ids_L
+            ids[-1] = EOS_ID
+        return ids
 
     def decode(self, ids) -> str:
         """Returns the text of the byte ids in ``ids``; special and out-of-range ids are dropped.
 
         Byte sequences that are not valid utf-8 (e.g. a sample cut mid-character) become U+FFFD.
         """
-        ids_L = np.asarray(ids, dtype=np.int64).reshape(-1)
-        bytes_L = ids_L[(ids_L >= BYTE_OFFSET) & (ids_L < self.vocab_size)] - BYTE_OFFSET
-        return bytes_L.astype(np.uint8).tobytes().decode("utf-8", errors="replace")
+        ids = np.asarray(ids, dtype=np.int64).reshape(-1)
+        byte_values = ids[(ids >= BYTE_OFFSET) & (ids < self.vocab_size)] - BYTE_OFFSET
+        return byte_values.astype(np.uint8).tobytes().decode("utf-8", errors="replace")

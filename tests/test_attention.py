@@ -5,34 +5,15 @@ import pytest
 
 from jaxaccel.attention import dot_product_attention
 from jaxaccel.errors import ConfigError
+from tests.reference import reference_attention
 
 
-def reference_attention(q, k, v, segment_ids, causal):
-    """Float64 NumPy attention, one (batch, head) at a time."""
-    q, k, v = (np.asarray(x, np.float64) for x in (q, k, v))
-    B, T, H, D = q.shape
-    G = H // k.shape[2]
-    out = np.zeros_like(q)
-    for b in range(B):
-        for h in range(H):
-            s = q[b, :, h] @ k[b, :, h // G].T / np.sqrt(D)
-            allowed = np.ones((T, T), bool)
-            if causal:
-                allowed &= np.tril(allowed)
-            if segment_ids is not None:
-                allowed &= segment_ids[b][:, None] == segment_ids[b][None, :]
-            s = np.where(allowed, s, -np.inf)
-            p = np.exp(s - s.max(-1, keepdims=True))
-            out[b, :, h] = (p / p.sum(-1, keepdims=True)) @ v[b, :, h // G]
-    return out
-
-
-@pytest.mark.parametrize("T,H,K,D", [(1, 2, 2, 8), (7, 4, 2, 16), (33, 4, 1, 8), (16, 2, 2, 64)])
+@pytest.mark.parametrize("T,H,K,E", [(1, 2, 2, 8), (7, 4, 2, 16), (33, 4, 1, 8), (16, 2, 2, 64)])
 @pytest.mark.parametrize("causal", [True, False])
 @pytest.mark.parametrize("with_segments", [True, False])
-def test_xla_matches_float64_reference(T, H, K, D, causal, with_segments):
+def test_xla_matches_float64_reference(T, H, K, E, causal, with_segments):
     rng = np.random.default_rng(T * 100 + H)
-    q, k, v = (rng.standard_normal((2, T, n, D)).astype(np.float32) for n in (H, K, K))
+    q, k, v = (rng.standard_normal((2, T, n, E)).astype(np.float32) for n in (H, K, K))
     segment_ids = None
     if with_segments:
         segment_ids = np.sort(rng.integers(0, 3, (2, T)), axis=1).astype(np.int32)
@@ -84,10 +65,17 @@ def test_later_and_other_segment_tokens_do_not_leak():
 def test_bad_shapes_and_implementations_raise_config_errors():
     q = jnp.zeros((1, 4, 3, 8))
     kv = jnp.zeros((1, 4, 2, 8))
-    with pytest.raises(ConfigError, match="do not divide"):
+    with pytest.raises(ConfigError, match="do not divide") as info:
         dot_product_attention(q, kv, kv)
-    with pytest.raises(ConfigError, match="unknown attention implementation"):
+    assert info.value.field == "model.n_kv_heads"
+    with pytest.raises(ConfigError, match="expects \\[batch, seq, heads, head_dim\\]"):
+        dot_product_attention(q[0], kv, kv)
+    with pytest.raises(ConfigError, match="k and v must match each other and q in batch and "
+                                          "head_dim"):
+        dot_product_attention(q, kv, kv[..., :4])
+    with pytest.raises(ConfigError, match="unknown attention implementation") as info:
         dot_product_attention(q, q, q, implementation="flash9000")
+    assert info.value.field == "model.attention"
 
 
 @pytest.mark.skipif(jax.default_backend() == "gpu", reason="checks the error off the GPU")

@@ -66,7 +66,7 @@ def for_strategy(strategy, case_settings):
 
 def check_epoch(documents, batch_list, shapes, seq_len):
     """The Batch contract for every batch, and every pair of every document exactly once."""
-    first_token_D1 = np.cumsum([1, *(len(doc) for doc in documents)])
+    first_token = np.cumsum([1, *(len(doc) for doc in documents)])  # [N + 1]
     inputs = []
     for batch in batch_list:
         assert tuple(batch) == BATCH_KEYS
@@ -88,10 +88,10 @@ def check_epoch(documents, batch_list, shapes, seq_len):
         np.testing.assert_array_equal(x[:, 1:][inside], x[:, :-1][inside] + 1)
         # A target is the next token of the input's own document; a piece starts at a
         # multiple of seq_len in its document, so positions are the pair index mod seq_len.
-        doc = np.searchsorted(first_token_D1, x[real], side="right") - 1
+        doc = np.searchsorted(first_token, x[real], side="right") - 1
         np.testing.assert_array_equal(y[real], x[real] + 1)
-        assert np.all(y[real] < first_token_D1[doc + 1])
-        np.testing.assert_array_equal(position[real], (x[real] - first_token_D1[doc]) % seq_len)
+        assert np.all(y[real] < first_token[doc + 1])
+        np.testing.assert_array_equal(position[real], (x[real] - first_token[doc]) % seq_len)
         inputs.append(x[real])
     expected = np.concatenate([doc[:-1] for doc in documents])
     np.testing.assert_array_equal(np.sort(np.concatenate(inputs)), expected)
@@ -232,28 +232,28 @@ def test_bucket_batches_hold_rows_of_one_bucket():
         assert np.all(row_len <= lengths[k]) and np.all(row_len > ([0] + lengths)[k])
 
 
-def _padding(row_len_R, lengths_K):
+def _padding(row_len_W, lengths_U):
     """Positions of padding when each row goes to the smallest bucket that holds it."""
-    lengths_K = np.asarray(lengths_K)
-    k_R = np.searchsorted(lengths_K, row_len_R)
-    assert np.all(k_R < len(lengths_K))
-    return int((lengths_K[k_R] - row_len_R).sum())
+    lengths_U = np.asarray(lengths_U)
+    bucket_W = np.searchsorted(lengths_U, row_len_W)
+    assert np.all(bucket_W < len(lengths_U))
+    return int((lengths_U[bucket_W] - row_len_W).sum())
 
 
 @pytest.mark.parametrize("seq_len, pad_multiple", [(32, 4), (30, 4), (30, 1)])
 def test_bucket_dp_matches_brute_force(seq_len, pad_multiple):
     histogram = {1: 5, 3: 7, 4: 2, 9: 20, 10: 1, 13: 4, 17: 3, 22: 9, 29: 6, 30: 1}
-    row_len_R = np.repeat(list(histogram), list(histogram.values()))
+    row_len_W = np.repeat(list(histogram), list(histogram.values()))
     candidates = sorted({*range(pad_multiple, seq_len + 1, pad_multiple), seq_len})
     for k in range(1, 6):
-        chosen = bucket_lengths(row_len_R, k, pad_multiple, seq_len)
+        chosen = bucket_lengths(row_len_W, k, pad_multiple, seq_len)
         assert len(chosen) <= k and all(c in candidates for c in chosen)
         best = min(
-            _padding(row_len_R, subset)
+            _padding(row_len_W, subset)
             for subset in itertools.combinations(candidates, k)
-            if subset[-1] >= row_len_R.max()
+            if subset[-1] >= row_len_W.max()
         )
-        assert _padding(row_len_R, chosen) == best
+        assert _padding(row_len_W, chosen) == best
 
 
 def test_bucket_dp_uses_at_most_the_lengths_there_are():
@@ -266,10 +266,10 @@ def stdlib_documents():
 
 
 def test_bucket_dp_beats_powers_of_two_on_the_stdlib(stdlib_documents):
-    pairs_D = np.array([len(doc) - 1 for doc in stdlib_documents])
-    row_len_R = fixed_rows(pairs_D, 1024).length_S
-    chosen = bucket_lengths(row_len_R, 8, 64, 1024)
-    assert _padding(row_len_R, chosen) < _padding(row_len_R, [2**i for i in range(3, 11)])
+    pairs_N = np.array([len(doc) - 1 for doc in stdlib_documents])
+    row_len_W = fixed_rows(pairs_N, 1024).length_Q
+    chosen = bucket_lengths(row_len_W, 8, 64, 1024)
+    assert _padding(row_len_W, chosen) < _padding(row_len_W, [2**i for i in range(3, 11)])
 
 
 @FUZZ
@@ -324,14 +324,14 @@ def test_padding_efficiency_on_the_stdlib(stdlib_documents, strategy, batching, 
         ({"strategy": "bucket", "num_buckets": 0}, "num_buckets must be >= 1"),
         ({"strategy": "dynamic", "pad_multiple": 0}, "pad_multiple must be >= 1"),
         ({"strategy": "pack", "pack_window": 0}, "pack_window must be >= 1"),
-        ({"tokens_per_batch": 64}, "exactly one of --batch-size and --tokens-per-batch"),
-        ({"batch_size": None}, "exactly one of --batch-size and --tokens-per-batch"),
+        ({"tokens_per_batch": 64}, "exactly one of batch_size and tokens_per_batch, got both"),
+        ({"batch_size": None}, "exactly one of batch_size and tokens_per_batch, got neither"),
         ({"bucket_count": 4}, "unknown batching option 'bucket_count'"),
         ({"strategy": "sorted"}, "unknown batching strategy 'sorted'"),
         ({"strategy": "dynamic", "batch_size": None, "tokens_per_batch": 64},
-         "use --batching bucket for token budgets"),
+         "takes batch_size, not tokens_per_batch"),
         ({"strategy": "pack", "batch_size": None, "tokens_per_batch": 15},
-         "raise --tokens-per-batch to at least 16"),
+         "raise tokens_per_batch to at least 16"),
         ({"batch_size": 6, "data_parallel": 4}, "not a multiple of data_parallel=4"),
         ({"batch_size": 3, "process_count": 2}, "not a multiple of process_count=2"),
         ({"process_index": 2, "process_count": 2}, "process_index=2 is not in"),
@@ -344,6 +344,31 @@ def test_bad_settings_are_config_errors(settings_, message):
         batches(documents, **settings_)
     with pytest.raises(ConfigError, match=message):
         DataStream(documents, **settings_)
+
+
+@pytest.mark.parametrize(
+    "settings_, field",
+    [
+        ({"seq_len": 0}, "data.seq_len"),
+        ({"strategy": "bucket", "num_buckets": 0}, "data.buckets"),
+        ({"strategy": "dynamic", "pad_multiple": 0}, "data.pad_multiple"),
+        ({"strategy": "pack", "pack_window": 0}, "data.pack_window"),
+        ({"strategy": "bucket", "batch_size": None, "tokens_per_batch": 15},
+         "data.tokens_per_batch"),
+        ({"strategy": "dynamic", "batch_size": None, "tokens_per_batch": 64},
+         "data.tokens_per_batch"),
+        ({"batch_size": 6, "data_parallel": 4}, "data.batch_size"),
+        ({"strategy": "sorted"}, "data.batching"),
+        ({"seed": -1}, "run.seed"),
+        ({"data_parallel": 0}, None),
+    ],
+)
+def test_config_errors_name_the_config_field_and_no_flag(settings_, field):
+    settings_ = {"seq_len": 16, "batch_size": 4} | settings_
+    with pytest.raises(ConfigError) as info:
+        batches(make_documents([17, 5, 1, 40]), **settings_)
+    assert info.value.field == field
+    assert "--" not in str(info.value)
 
 
 @EACH_STRATEGY

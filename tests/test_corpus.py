@@ -192,8 +192,9 @@ def test_jsonl_bad_line_names_file_and_line(tmp_path, bad_line, message):
 
 
 def test_missing_path_is_a_config_error(tmp_path):
-    with pytest.raises(ConfigError, match="does not exist; pass --data stdlib"):
+    with pytest.raises(ConfigError, match="does not exist; pass 'stdlib'") as info:
         load_corpus(str(tmp_path / "nowhere"), cache_dir=str(tmp_path))
+    assert info.value.field == "data.path"
 
 
 def test_unsupported_file_is_a_config_error(tmp_path):

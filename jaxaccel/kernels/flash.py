@@ -17,7 +17,8 @@ mask (wholly below the diagonal, wholly real, no segments) run a mask-free loop.
 
 Any length: the sequence is padded to whole tiles and the head dim to a power of two inside;
 padded keys are masked, padded queries are dropped. Backend parameters (Triton's warps and
-stages, the block sizes per head dim) live in ``jaxaccel.kernels.tuning``.
+stages, the block sizes per head dim) live in ``jaxaccel.kernels.tuning``. ``check_shapes`` is
+the layout check of q, k and v that ``jaxaccel.attention`` shares.
 """
 
 import dataclasses
@@ -59,54 +60,63 @@ class _Plan:
 
 def flash_attention(q, k, v, *, causal=False, segment_ids=None, sm_scale=None, block_q=None,
                     block_k=None, interpret=None):
-    """Attention of [B, T, H, D] queries over [B, T, K, D] keys/values (K divides H), in Pallas.
+    """Attention of [B, T, H, E] queries over [B, T, K, E] keys/values (K divides H), in Pallas.
 
     Args:
       causal: a token attends only to itself and earlier tokens.
       segment_ids: int32 [B, T] or None; a token attends only within its own segment (padding,
         segment 0, attends to padding, as in ``jaxaccel.attention``).
-      sm_scale: softmax scale, default 1/sqrt(D).
+      sm_scale: softmax scale, default 1/sqrt(E).
       block_q, block_k: tile rows (powers of two >= 16) for every pass; default per head dim
         from ``jaxaccel.kernels.tuning``.
       interpret: run the kernels in the Pallas interpreter; None: on every backend but the GPU.
     Returns:
-      [B, T, H, D] in q's dtype. Differentiable in q, k and v.
+      [B, T, H, E] in q's dtype. Differentiable in q, k and v.
     """
     _check_inputs(q, k, v, segment_ids, block_q, block_k)
     if interpret is None:
         interpret = jax.default_backend() != "gpu"
-    _, T, H, D = q.shape
-    params = tuning.flash_params(D, T, interpret=interpret, block_q=block_q, block_k=block_k)
+    _, T, H, E = q.shape
+    params = tuning.flash_params(E, T, interpret=interpret, block_q=block_q, block_k=block_k)
     tile = max(max(s.block_q, s.block_k) for s in params.stages())
     plan = _Plan(
         seq_len=T, seq_pad=-(-T // tile) * tile,
-        head_dim_pad=max(tuning.MIN_BLOCK, pl.next_power_of_2(D)), groups=H // k.shape[2],
+        head_dim_pad=max(tuning.MIN_BLOCK, pl.next_power_of_2(E)), groups=H // k.shape[2],
         causal=causal, segments=segment_ids is not None,
-        scale=D ** -0.5 if sm_scale is None else float(sm_scale), params=params,
+        scale=E ** -0.5 if sm_scale is None else float(sm_scale), params=params,
         interpret=bool(interpret))
     if segment_ids is not None:
         segment_ids = jnp.asarray(segment_ids, jnp.int32)
     return _flash(q, k, v, segment_ids, plan)
 
 
-def _check_inputs(q, k, v, segment_ids, block_q, block_k):
-    """ConfigError, one line, for inputs the kernel does not take."""
+def check_shapes(q, k, v, *, name="attention", same_length=False):
+    """ConfigError, one line, unless q is [B, T, H, E] and k and v are [B, S, K, E] with K
+    dividing H (and S == T when ``same_length``): the layout of every attention implementation.
+    ``name`` is the function the message names."""
     if q.ndim != 4 or k.ndim != 4 or v.ndim != 4:
         raise ConfigError(
-            f"flash_attention expects [batch, seq, heads, head_dim] arrays, got q{q.shape} "
-            f"k{k.shape} v{v.shape}; reshape to that layout")
-    if k.shape != v.shape or q.shape[:2] != k.shape[:2] or q.shape[3] != k.shape[3]:
+            f"{name} expects [batch, seq, heads, head_dim] arrays, got q{q.shape} k{k.shape} "
+            f"v{v.shape}; reshape to that layout")
+    if (k.shape != v.shape or q.shape[0] != k.shape[0] or q.shape[3] != k.shape[3]
+            or (same_length and q.shape[1] != k.shape[1])):
+        agree = "batch, sequence length and head_dim" if same_length else "batch and head_dim"
         raise ConfigError(
-            f"flash_attention shapes disagree: q{q.shape} k{k.shape} v{v.shape}; k and v must "
-            "match each other and q in batch, sequence length and head_dim")
+            f"{name} shapes disagree: q{q.shape} k{k.shape} v{v.shape}; k and v must match "
+            f"each other and q in {agree}")
     if q.shape[2] % k.shape[2]:
         raise ConfigError(
             f"{k.shape[2]} key/value heads do not divide {q.shape[2]} query heads; choose "
-            "n_kv_heads dividing n_heads")
+            "n_kv_heads dividing n_heads", field="model.n_kv_heads")
+
+
+def _check_inputs(q, k, v, segment_ids, block_q, block_k):
+    """ConfigError, one line, for inputs the kernel does not take."""
+    check_shapes(q, k, v, name="flash_attention", same_length=True)
     if not 1 <= q.shape[3] <= MAX_HEAD_DIM:
         raise ConfigError(
             f"flash_attention takes head_dim up to {MAX_HEAD_DIM}, got {q.shape[3]}; use "
-            "implementation='xla' or fewer, wider heads")
+            "implementation='xla' or more, narrower heads", field="model.attention")
     dtypes = {jnp.dtype(x.dtype) for x in (q, k, v)}
     if len(dtypes) != 1 or jnp.dtype(q.dtype) not in [jnp.dtype(d) for d in DTYPES]:
         raise ConfigError(
@@ -127,45 +137,46 @@ def _check_inputs(q, k, v, segment_ids, block_q, block_k):
 # ---- which tiles to visit ----------------------------------------------------------------------
 
 def _tile_min_max(segment_ids_BT, T: int, block: int):
-    """Smallest and largest segment id of each tile of ``block`` real positions: [B, n] each."""
+    """Smallest and largest segment id of each tile of ``block`` real positions: [B, tiles] each."""
     n = -(-T // block)
-    ids_BN = jnp.pad(segment_ids_BT, ((0, 0), (0, n * block - T)), mode="edge")
-    ids_BNb = ids_BN.reshape(ids_BN.shape[0], n, block)
-    return ids_BNb.min(-1), ids_BNb.max(-1)
+    ids_BT = jnp.pad(segment_ids_BT, ((0, 0), (0, n * block - T)), mode="edge")
+    ids_by_tile = ids_BT.reshape(ids_BT.shape[0], n, block)
+    return ids_by_tile.min(-1), ids_by_tile.max(-1)
 
 
 def tile_schedule(T: int, block_q: int, block_k: int, *, causal: bool, segment_ids=None):
-    """Boolean [B or 1, ceil(T/block_q), ceil(T/block_k)]: query tile i meets key tile j.
+    """Boolean [B or 1, I, J] over query tiles I = ceil(T/block_q) and key tiles J =
+    ceil(T/block_k): query tile i meets key tile j.
 
     False only where no (query, key) pair of the two tiles may attend: the key tile starts after
     the query tile's last query (causal), or the tiles' segment-id ranges do not overlap. The
     range test is right for any layout and exact for segment ids non-decreasing along each row.
     """
-    q_last = jnp.minimum((jnp.arange(-(-T // block_q)) + 1) * block_q, T) - 1
-    k_first = jnp.arange(-(-T // block_k)) * block_k
-    meets_BQK = jnp.ones((1, q_last.size, k_first.size), bool)
+    q_last_I = jnp.minimum((jnp.arange(-(-T // block_q)) + 1) * block_q, T) - 1
+    k_first_J = jnp.arange(-(-T // block_k)) * block_k
+    meets_BIJ = jnp.ones((1, q_last_I.size, k_first_J.size), bool)
     if causal:
-        meets_BQK &= k_first[None, None, :] <= q_last[None, :, None]
+        meets_BIJ &= k_first_J[None, None, :] <= q_last_I[None, :, None]
     if segment_ids is not None:
-        q_min, q_max = _tile_min_max(segment_ids, T, block_q)
-        k_min, k_max = _tile_min_max(segment_ids, T, block_k)
-        meets_BQK = meets_BQK & ((q_min[:, :, None] <= k_max[:, None, :])
-                                 & (k_min[:, None, :] <= q_max[:, :, None]))
-    return meets_BQK
+        q_min_BI, q_max_BI = _tile_min_max(segment_ids, T, block_q)
+        k_min_BJ, k_max_BJ = _tile_min_max(segment_ids, T, block_k)
+        meets_BIJ = meets_BIJ & ((q_min_BI[:, :, None] <= k_max_BJ[:, None, :])
+                                 & (k_min_BJ[:, None, :] <= q_max_BI[:, :, None]))
+    return meets_BIJ
 
 
 def _mask_free(plan: _Plan, block_q: int, block_k: int, *, tail: bool):
-    """Boolean [1, nQ, nK]: the tile pair needs no mask (below the diagonal, all keys real
-    when ``tail``, no segments)."""
+    """Boolean [1, I, J]: the pair of query tile i and key tile j needs no mask (below the
+    diagonal, all keys real when ``tail``, no segments)."""
     n_q, n_k = -(-plan.seq_len // block_q), -(-plan.seq_len // block_k)
     q_first = jnp.arange(n_q)[:, None] * block_q
     k_end = (jnp.arange(n_k)[None, :] + 1) * block_k
-    free_QK = jnp.full((n_q, n_k), not plan.segments)
+    free_IJ = jnp.full((n_q, n_k), not plan.segments)
     if plan.causal:
-        free_QK &= k_end - 1 <= q_first
+        free_IJ &= k_end - 1 <= q_first
     if tail:
-        free_QK &= k_end <= plan.seq_len
-    return free_QK[None]
+        free_IJ &= k_end <= plan.seq_len
+    return free_IJ[None]
 
 
 def _runs(meets, free, *, free_first: bool, n_pad: int, batch: int):
@@ -186,8 +197,8 @@ def _runs(meets, free, *, free_first: bool, n_pad: int, batch: int):
 def _query_runs(segment_ids, plan: _Plan, stage: tuning.Stage, batch: int):
     """Per query tile, the key tiles to visit (forward and dQ): mask-free ones first."""
     bq, bk = stage.block_q, stage.block_k
-    meets = tile_schedule(plan.seq_len, bq, bk, causal=plan.causal, segment_ids=segment_ids)
-    return _runs(meets, _mask_free(plan, bq, bk, tail=True), free_first=True,
+    meets_BIJ = tile_schedule(plan.seq_len, bq, bk, causal=plan.causal, segment_ids=segment_ids)
+    return _runs(meets_BIJ, _mask_free(plan, bq, bk, tail=True), free_first=True,
                  n_pad=plan.seq_pad // bq, batch=batch)
 
 
@@ -195,9 +206,9 @@ def _key_runs(segment_ids, plan: _Plan, stage: tuning.Stage, batch: int):
     """Per key tile, the query tiles to visit (dK/dV): mask-free ones last. Keys past the end
     need no mask here: their rows of dK and dV are dropped."""
     bq, bk = stage.block_q, stage.block_k
-    meets = tile_schedule(plan.seq_len, bq, bk, causal=plan.causal, segment_ids=segment_ids)
-    free = _mask_free(plan, bq, bk, tail=False)
-    return _runs(jnp.swapaxes(meets, 1, 2), jnp.swapaxes(free, 1, 2), free_first=False,
+    meets_BIJ = tile_schedule(plan.seq_len, bq, bk, causal=plan.causal, segment_ids=segment_ids)
+    free_BIJ = _mask_free(plan, bq, bk, tail=False)
+    return _runs(jnp.swapaxes(meets_BIJ, 1, 2), jnp.swapaxes(free_BIJ, 1, 2), free_first=False,
                  n_pad=plan.seq_pad // bk, batch=batch)
 
 
@@ -307,16 +318,18 @@ def _dkv_kernel(first_ref, split_ref, end_ref, q_ref, k_ref, v_ref, do_ref, lse_
             rows = pl.ds(i * bq, bq)
             q, do = q_ref[rows, g, :], do_ref[rows, g, :]
             lse, delta = lse_ref[g, rows], delta_ref[g, rows]
-            s_T = _dot(k, q, trans_b=True) * plan.scale_log2
+            # st, pt, dst: scores, probabilities and the scores' gradient, transposed (one row
+            # per key, one column per query).
+            st = _dot(k, q, trans_b=True) * plan.scale_log2
             if masked:
                 seg_q = seg_q_ref[rows] if plan.segments else None
-                s_T = _masked(s_T, (i * bq + jnp.arange(bq))[None, :], k_pos[:, None],
+                st = _masked(st, (i * bq + jnp.arange(bq))[None, :], k_pos[:, None],
                               None if seg_q is None else seg_q[None, :],
                               None if seg_k is None else seg_k[:, None], plan, tail=False)
-            p_T = jnp.exp2(s_T - lse[None, :])
-            dv = dv + _dot(p_T.astype(do.dtype), do)
-            ds_T = p_T * (_dot(v, do, trans_b=True) - delta[None, :])
-            return dk + _dot(ds_T.astype(q.dtype), q), dv
+            pt = jnp.exp2(st - lse[None, :])
+            dv = dv + _dot(pt.astype(do.dtype), do)
+            dst = pt * (_dot(v, do, trans_b=True) - delta[None, :])
+            return dk + _dot(dst.astype(q.dtype), q), dv
 
         carry = lax.fori_loop(first, split, functools.partial(visit, masked=True), carry)
         return lax.fori_loop(split, end, functools.partial(visit, masked=False), carry)
@@ -329,15 +342,16 @@ def _dkv_kernel(first_ref, split_ref, end_ref, q_ref, k_ref, v_ref, do_ref, lse_
 
 # ---- pallas_call wiring ------------------------------------------------------------------------
 
-def _pad(x_BTHD, plan: _Plan):
+def _pad(x_BTHE, plan: _Plan):
     """Zeros after the sequence and after the head dim: whole tiles, power-of-two features."""
-    return jnp.pad(x_BTHD, ((0, 0), (0, plan.seq_pad - x_BTHD.shape[1]), (0, 0),
-                            (0, plan.head_dim_pad - x_BTHD.shape[3])))
+    return jnp.pad(x_BTHE, ((0, 0), (0, plan.seq_pad - x_BTHE.shape[1]), (0, 0),
+                            (0, plan.head_dim_pad - x_BTHE.shape[3])))
 
 
-def _pad_seq(x_BXT, plan: _Plan):
-    pad = [(0, 0)] * (x_BXT.ndim - 1) + [(0, plan.seq_pad - x_BXT.shape[-1])]
-    return jnp.pad(x_BXT, pad)
+def _pad_seq(x, plan: _Plan):
+    """Zeros after the sequence, the last axis of ``x`` ([B, T] or [B, H, T])."""
+    pad = [(0, 0)] * (x.ndim - 1) + [(0, plan.seq_pad - x.shape[-1])]
+    return jnp.pad(x, pad)
 
 
 def _call(kernel, plan, stage, grid, in_specs, out_specs, out_shape, name):
@@ -359,38 +373,38 @@ def _segment_args(segment_ids, plan, block, *, tile_of_queries: bool):
 
 
 def _forward(q, k, v, segment_ids, plan: _Plan):
-    """Output [B, T, H, D] and the base-2 log-sum-exp [B, H, T_pad] (float32)."""
-    B, T, H, D = q.shape
+    """Output [B, T, H, E] and the base-2 log-sum-exp [B, H, T_pad] (float32)."""
+    B, T, H, E = q.shape
     stage = plan.params.forward
-    bq, G, Dp = stage.block_q, plan.groups, plan.head_dim_pad
+    bq, G, Ep = stage.block_q, plan.groups, plan.head_dim_pad
     runs = _query_runs(segment_ids, plan, stage, B)
-    q_spec = pl.BlockSpec((None, bq, None, Dp), lambda b, h, i: (b, i, h, 0))
-    kv_spec = pl.BlockSpec((None, plan.seq_pad, None, Dp), lambda b, h, i: (b, 0, h // G, 0))
+    q_spec = pl.BlockSpec((None, bq, None, Ep), lambda b, h, i: (b, i, h, 0))
+    kv_spec = pl.BlockSpec((None, plan.seq_pad, None, Ep), lambda b, h, i: (b, 0, h // G, 0))
     run_spec = pl.BlockSpec((None, None), lambda b, h, i: (b, i))
     seg_args, seg_specs = _segment_args(segment_ids, plan, bq, tile_of_queries=True)
     out, lse = _call(
         _forward_kernel, plan, stage, (B, H, plan.seq_pad // bq),
         [run_spec] * 3 + [q_spec, kv_spec, kv_spec] + seg_specs,
         [q_spec, pl.BlockSpec((None, None, bq), lambda b, h, i: (b, h, i))],
-        [jax.ShapeDtypeStruct((B, plan.seq_pad, H, Dp), q.dtype),
+        [jax.ShapeDtypeStruct((B, plan.seq_pad, H, Ep), q.dtype),
          jax.ShapeDtypeStruct((B, H, plan.seq_pad), jnp.float32)],
         "flash_attention_forward",
     )(*runs, _pad(q, plan), _pad(k, plan), _pad(v, plan), *seg_args)
-    return out[:, :T, :, :D], lse
+    return out[:, :T, :, :E], lse
 
 
 def _backward(q, k, v, segment_ids, out, lse, d_out, plan: _Plan):
     """dq, dk, dv from the saved output and log-sum-exp."""
-    B, T, H, D = q.shape
-    K, G, Dp = k.shape[2], plan.groups, plan.head_dim_pad
-    delta_BHT = _pad_seq(jnp.einsum("bthd,bthd->bht", out.astype(jnp.float32),
+    B, T, H, E = q.shape
+    K, G, Ep = k.shape[2], plan.groups, plan.head_dim_pad
+    delta_BHT = _pad_seq(jnp.einsum("bthe,bthe->bht", out.astype(jnp.float32),
                                     d_out.astype(jnp.float32)), plan)
     qp, kp, vp, dop = (_pad(x, plan) for x in (q, k, v, d_out))
 
     stage = plan.params.dq
     bq = stage.block_q
-    q_spec = pl.BlockSpec((None, bq, None, Dp), lambda b, h, i: (b, i, h, 0))
-    kv_spec = pl.BlockSpec((None, plan.seq_pad, None, Dp), lambda b, h, i: (b, 0, h // G, 0))
+    q_spec = pl.BlockSpec((None, bq, None, Ep), lambda b, h, i: (b, i, h, 0))
+    kv_spec = pl.BlockSpec((None, plan.seq_pad, None, Ep), lambda b, h, i: (b, 0, h // G, 0))
     row_spec = pl.BlockSpec((None, None, bq), lambda b, h, i: (b, h, i))
     run_spec = pl.BlockSpec((None, None), lambda b, h, i: (b, i))
     seg_args, seg_specs = _segment_args(segment_ids, plan, bq, tile_of_queries=True)
@@ -402,8 +416,8 @@ def _backward(q, k, v, segment_ids, out, lse, d_out, plan: _Plan):
 
     stage = plan.params.dkv
     bk = stage.block_k
-    group_spec = pl.BlockSpec((None, plan.seq_pad, G, Dp), lambda b, h, j: (b, 0, h, 0))
-    kv_spec = pl.BlockSpec((None, bk, None, Dp), lambda b, h, j: (b, j, h, 0))
+    group_spec = pl.BlockSpec((None, plan.seq_pad, G, Ep), lambda b, h, j: (b, 0, h, 0))
+    kv_spec = pl.BlockSpec((None, bk, None, Ep), lambda b, h, j: (b, j, h, 0))
     group_row_spec = pl.BlockSpec((None, G, plan.seq_pad), lambda b, h, j: (b, h, 0))
     seg_args, seg_specs = _segment_args(segment_ids, plan, bk, tile_of_queries=False)
     dk, dv = _call(
@@ -413,7 +427,7 @@ def _backward(q, k, v, segment_ids, out, lse, d_out, plan: _Plan):
         [kv_spec, kv_spec], [jax.ShapeDtypeStruct(kp.shape, k.dtype)] * 2,
         "flash_attention_dkv",
     )(*_key_runs(segment_ids, plan, stage, B), qp, kp, vp, dop, lse, delta_BHT, *seg_args)
-    return dq[:, :T, :, :D], dk[:, :T, :, :D], dv[:, :T, :, :D]
+    return dq[:, :T, :, :E], dk[:, :T, :, :E], dv[:, :T, :, :E]
 
 
 @functools.partial(jax.custom_vjp, nondiff_argnums=(4,))
