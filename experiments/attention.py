@@ -31,9 +31,9 @@ import warnings
 import jax
 import jax.numpy as jnp
 
-from experiments.common import environment, parse_names, write_json
+from experiments.common import command, environment, parse_list, write_json
 from jaxaccel.attention import dot_product_attention
-from jaxaccel.config import flag, parse_config
+from jaxaccel.config import parse, setting
 from jaxaccel.errors import ConfigError
 from jaxaccel.kernels import flash_attention
 from jaxaccel.report import format_table
@@ -44,27 +44,32 @@ REFERENCE_BLOCK = 128   # the reference kernel's default forward block
 
 
 @dataclasses.dataclass
-class AttentionConfig:
-    """The rows to time and how."""
+class AttentionSettings:
+    seq_lens: str = setting("1024,2048,4096,8192,16384", "comma-separated sequence lengths T")
+    head_dims: str = setting("64,128", "comma-separated head dims D")
+    impls: str = setting(",".join(IMPLS), "comma-separated implementations")
+    causal: str = setting("both", "causal rows, full (non-causal) rows or both",
+                          choices=("both", "causal", "full"))
+    heads: int = setting(16, "query heads")
+    kv_heads: int | None = setting(None, "key/value heads (default: --heads); JAX's reference "
+                                         "kernel takes only equal counts")
+    batch: int | None = setting(None, "rows per batch (default: --batch-tokens / T, at least 1)")
+    batch_tokens: int = setting(16384, "tokens per batch when --batch is not given")
+    dtype: str = setting("bfloat16", "input dtype", choices=tuple(DTYPES))
+    warmup: int = setting(2, "untimed runs per measurement")
+    iters: int = setting(10, "timed runs per measurement (median)")
+    max_t_limit: int | None = setting(None, "longest T the memory search tries; 0: no search "
+                                            "(default: 131072 on a GPU, no search elsewhere, "
+                                            "where running out of host memory is no clean error)")
+    seed: int = setting(0, "seed of the random inputs")
+    json: str | None = setting(None, "also write the rows as JSON to this path")
 
-    seq_lens: str = flag("1024,2048,4096,8192,16384", "comma-separated sequence lengths T")
-    head_dims: str = flag("64,128", "comma-separated head dims D")
-    impls: str = flag(",".join(IMPLS), "comma-separated implementations")
-    causal: str = flag("both", "causal rows, full (non-causal) rows or both",
-                       choices=("both", "causal", "full"))
-    heads: int = flag(16, "query heads")
-    kv_heads: int | None = flag(None, "key/value heads (default: --heads); JAX's reference "
-                                      "kernel takes only equal counts")
-    batch: int | None = flag(None, "rows per batch (default: --batch-tokens / T, at least 1)")
-    batch_tokens: int = flag(16384, "tokens per batch when --batch is not given")
-    dtype: str = flag("bfloat16", "input dtype", choices=tuple(DTYPES))
-    warmup: int = flag(2, "untimed runs per measurement")
-    iters: int = flag(10, "timed runs per measurement (median)")
-    max_t_limit: int | None = flag(None, "longest T the memory search tries; 0: no search "
-                                         "(default: 131072 on a GPU, no search elsewhere, where "
-                                         "running out of host memory is no clean error)")
-    seed: int = flag(0, "seed of the random inputs")
-    json: str | None = flag(None, "also write the rows as JSON to this path")
+
+@dataclasses.dataclass
+class AttentionConfig:
+    """The rows to time and how: this experiment trains nothing, so it has only its own section."""
+
+    experiment: AttentionSettings = dataclasses.field(default_factory=AttentionSettings)
 
 
 COLUMNS = [
@@ -80,18 +85,6 @@ COLUMNS = [
     ("max_T", "max T", "d"),
     ("status", "status", ""),
 ]
-
-
-def parse_sizes(text: str, flag_name: str) -> list[int]:
-    """The comma-separated positive integers of ``--flag_name``."""
-    try:
-        sizes = [int(n) for n in text.split(",") if n.strip()]
-    except ValueError:
-        sizes = []
-    if not sizes or min(sizes) < 1:
-        raise ConfigError(f"--{flag_name} {text!r} is not a list of positive integers; pass "
-                          f"e.g. --{flag_name} 1024,2048")
-    return sizes
 
 
 def attention_fn(impl: str, causal: bool, interpret: bool):
@@ -149,22 +142,22 @@ def fwd_and_fwdbwd(attn):
     return fwd, fwdbwd
 
 
-def measure(cfg: AttentionConfig, impl: str, T: int, D: int, causal: bool, interpret: bool,
+def measure(exp: AttentionSettings, impl: str, T: int, D: int, causal: bool, interpret: bool,
             key) -> dict:
     """One row: median times and TFLOP/s, or the reason it has none."""
-    heads, kv_heads = cfg.heads, cfg.kv_heads or cfg.heads
-    batch = cfg.batch or max(1, cfg.batch_tokens // T)
+    heads, kv_heads = exp.heads, exp.kv_heads or exp.heads
+    batch = exp.batch or max(1, exp.batch_tokens // T)
     row = {"impl": impl, "T": T, "D": D, "causal": causal, "batch": batch, "fwd_ms": None,
            "fwdbwd_ms": None, "fwd_tflops": None, "fwdbwd_tflops": None, "max_T": None,
            "status": skip_reason(impl, T, heads, kv_heads)}
     if row["status"]:
         return row
-    q, k, v, d_out = make_inputs(key, batch, T, heads, kv_heads, D, DTYPES[cfg.dtype])
+    q, k, v, d_out = make_inputs(key, batch, T, heads, kv_heads, D, DTYPES[exp.dtype])
     fwd, fwdbwd = fwd_and_fwdbwd(attention_fn(impl, causal, interpret))
     flops = 4.0 * batch * heads * T * T * D / (2 if causal else 1)
     try:
-        fwd_s = median_seconds(fwd, (q, k, v), cfg.warmup, cfg.iters)
-        fwdbwd_s = median_seconds(fwdbwd, (q, k, v, d_out), cfg.warmup, cfg.iters)
+        fwd_s = median_seconds(fwd, (q, k, v), exp.warmup, exp.iters)
+        fwdbwd_s = median_seconds(fwdbwd, (q, k, v, d_out), exp.warmup, exp.iters)
     except Exception as e:   # noqa: BLE001 - every failure becomes the row's status
         row["status"] = "OOM" if is_out_of_memory(e) else f"error: {str(e).splitlines()[0]}"
         return row
@@ -173,17 +166,17 @@ def measure(cfg: AttentionConfig, impl: str, T: int, D: int, causal: bool, inter
     return row
 
 
-def longest_fitting(cfg: AttentionConfig, impl: str, D: int, causal: bool, start_T: int,
+def longest_fitting(exp: AttentionSettings, impl: str, D: int, causal: bool, start_T: int,
                     limit: int, interpret: bool, key) -> tuple[int | None, str]:
     """(longest T whose forward+backward ran at batch 1, why the doubling stopped: "OOM", "limit",
     "skipped: ..." or "error: ...")."""
-    heads, kv_heads = cfg.heads, cfg.kv_heads or cfg.heads
+    heads, kv_heads = exp.heads, exp.kv_heads or exp.heads
     fits, T = None, start_T
     while T <= limit:
         reason = skip_reason(impl, T, heads, kv_heads)
         if reason:
             return fits, reason
-        q, k, v, d_out = make_inputs(key, 1, T, heads, kv_heads, D, DTYPES[cfg.dtype])
+        q, k, v, d_out = make_inputs(key, 1, T, heads, kv_heads, D, DTYPES[exp.dtype])
         try:
             jax.block_until_ready(fwd_and_fwdbwd(attention_fn(impl, causal, interpret))[1](
                 q, k, v, d_out))
@@ -209,49 +202,52 @@ def compare(rows: list[dict]):
                 row[f"{field}_vs_{other}"] = mine / theirs if mine and theirs else None
 
 
+@command(AttentionConfig)
 def main(argv=None) -> int:
-    try:
-        cfg = parse_config(argv, AttentionConfig, description=__doc__.split("\n\n")[0])
-        impls = parse_names(cfg.impls, IMPLS, "impls")
-        seq_lens = parse_sizes(cfg.seq_lens, "seq-lens")
-        head_dims = parse_sizes(cfg.head_dims, "head-dims")
-        kv_heads = cfg.kv_heads or cfg.heads
-        if cfg.heads < 1 or kv_heads < 1 or cfg.heads % kv_heads:
-            raise ConfigError(f"--kv-heads {kv_heads} must divide --heads {cfg.heads}; fix them")
-        if cfg.iters < 1 or cfg.warmup < 0 or (cfg.batch is not None and cfg.batch < 1):
-            raise ConfigError("--iters and --batch must be at least 1, --warmup at least 0; "
-                              "fix them")
-    except ConfigError as e:
-        print(f"error: {e}", file=sys.stderr)
-        return 2
+    cfg = parse(argv, AttentionConfig, description=__doc__.split("\n\n")[0])
+    exp = cfg.experiment
+    impls = parse_list(exp.impls, "experiment.impls", valid=IMPLS)
+    seq_lens = parse_list(exp.seq_lens, "experiment.seq_lens", kind=int)
+    head_dims = parse_list(exp.head_dims, "experiment.head_dims", kind=int)
+    for field in ("heads", "iters", "batch"):
+        value = getattr(exp, field)
+        if value is not None and value < 1:
+            raise ConfigError(f"{field} must be at least 1, got {value}",
+                              field=f"experiment.{field}")
+    kv_heads = exp.kv_heads or exp.heads
+    if kv_heads < 1 or exp.heads % kv_heads:
+        raise ConfigError(f"kv_heads={kv_heads} does not divide heads={exp.heads}; choose "
+                          f"kv_heads dividing heads", field="experiment.kv_heads")
+    if exp.warmup < 0:
+        raise ConfigError(f"warmup must be >= 0, got {exp.warmup}", field="experiment.warmup")
 
     gpu = jax.default_backend() == "gpu"
     interpret = not gpu
-    limit = cfg.max_t_limit if cfg.max_t_limit is not None else (131072 if gpu else 0)
-    causal_modes = {"both": (True, False), "causal": (True,), "full": (False,)}[cfg.causal]
-    key = jax.random.PRNGKey(cfg.seed)
+    limit = exp.max_t_limit if exp.max_t_limit is not None else (131072 if gpu else 0)
+    causal_modes = {"both": (True, False), "causal": (True,), "full": (False,)}[exp.causal]
+    key = jax.random.PRNGKey(exp.seed)
     rows, search = [], {}
     for impl in impls:
         for D in head_dims:
             for causal in causal_modes:
-                impl_rows = [measure(cfg, impl, T, D, causal, interpret, key)
+                impl_rows = [measure(exp, impl, T, D, causal, interpret, key)
                              for T in seq_lens]
                 timed = [r["T"] for r in impl_rows if r["status"] == "ok"]
                 if limit and timed:
-                    max_T, stop = longest_fitting(cfg, impl, D, causal, max(timed), limit,
+                    max_T, stop = longest_fitting(exp, impl, D, causal, max(timed), limit,
                                                   interpret, key)
                     search[f"{impl} D={D} causal={causal}"] = {"max_T": max_T, "stopped": stop}
                     for r in impl_rows:
                         r["max_T"] = max_T
                 rows += impl_rows
     compare(rows)
-    meta = {"dtype": cfg.dtype, "heads": cfg.heads, "kv_heads": kv_heads,
-            "batch": cfg.batch, "batch_tokens": cfg.batch_tokens, "warmup": cfg.warmup,
-            "iters": cfg.iters, "interpret": interpret, "max_t_limit": limit,
+    meta = {"dtype": exp.dtype, "heads": exp.heads, "kv_heads": kv_heads,
+            "batch": exp.batch, "batch_tokens": exp.batch_tokens, "warmup": exp.warmup,
+            "iters": exp.iters, "interpret": interpret, "max_t_limit": limit,
             "max_t_search": search,
             "flops": "forward 4*B*H*T*T*D (halved when causal); forward+backward 3.5x that",
             **environment()}
-    print(f"\n{cfg.dtype}, {cfg.heads} heads ({kv_heads} key/value); {meta['device']}, "
+    print(f"\n{exp.dtype}, {exp.heads} heads ({kv_heads} key/value); {meta['device']}, "
           f"jax {meta['jax_version']}" + ("; Pallas interpreted, not a speed" if interpret
                                           else ""))
     print(format_table(rows, COLUMNS))
@@ -264,7 +260,7 @@ def main(argv=None) -> int:
         print(f"max T: the longest T whose forward+backward ran at batch 1, doubling up to "
               f"{limit}; the search stopped at: "
               + "; ".join(f"{k}: {v['stopped']}" for k, v in search.items()))
-    write_json(cfg.json, rows, meta)
+    write_json(exp.json, rows, meta)
     errors = [r["status"] for r in rows] + [v["stopped"] for v in search.values()]
     return 1 if any(e.startswith("error") for e in errors) else 0
 

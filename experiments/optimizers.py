@@ -19,31 +19,39 @@ import os
 import sys
 import time
 
-from experiments.common import (environment, parse_names, plot_loss_curves, run_config,
-                                write_json)
-from jaxaccel.config import TrainConfig, flag, parse_config
+from experiments.common import command, environment, parse_list, plot_loss_curves, write_json
+from jaxaccel.config import TrainConfig, override, parse, setting
 from jaxaccel.errors import ConfigError
 from jaxaccel.loop import train
+from jaxaccel.model import describe_model
 from jaxaccel.optim import LR_SCALING, OPTIMIZERS
 from jaxaccel.report import format_table
 
 
 @dataclasses.dataclass
-class OptimizersConfig(TrainConfig):
-    """The training flags (with this experiment's defaults) plus what to compare."""
+class OptimizersSettings:
+    optimizers: str = setting(",".join(OPTIMIZERS), "comma-separated optimizers for table 1")
+    large_batch: bool = setting(True, "also run table 2 (large batch)")
+    large_batch_factor: int = setting(8, "table 2's batch is this many times table 1's")
+    large_batch_optimizers: str = setting("adamw,lamb", "comma-separated optimizers for table 2")
+    scalings: str = setting("linear,sqrt", "comma-separated learning-rate scaling rules "
+                                           "(optimizer.lr_scaling) for table 2")
 
-    optimizers: str = flag(",".join(OPTIMIZERS), "comma-separated optimizers for table 1")
-    large_batch: bool = flag(True, "also run table 2 (large batch)")
-    large_batch_factor: int = flag(8, "table 2's batch is this many times table 1's")
-    large_batch_optimizers: str = flag("adamw,lamb", "comma-separated optimizers for table 2")
-    scalings: str = flag("linear,sqrt", "comma-separated --lr-scaling rules for table 2")
-    batching: str = flag("pack", "batching strategy")
-    seq_len: int | None = flag(256, "training sequence length")
-    batch_size: int | None = flag(8, "table 1's rows per batch (table 2 multiplies it)")
-    train_tokens: int | None = flag(800_000, "real tokens every run trains on")
-    warmup_steps: int = flag(40, "table 1's linear warmup steps (table 2 divides them)")
-    eval_every: int = flag(0, "evaluate every N steps (0: only at the end)")
-    checkpoint_every: int = flag(0, "save a checkpoint every N steps (0: only at the end)")
+
+@dataclasses.dataclass
+class OptimizersConfig(TrainConfig):
+    """The training config (with this experiment's defaults) plus what to compare."""
+
+    experiment: OptimizersSettings = dataclasses.field(default_factory=OptimizersSettings)
+
+
+# This experiment's defaults: data.batch_size and optimizer.warmup_steps are table 1's (table 2
+# multiplies the batch and divides the warmup); 0 evaluates and checkpoints only at the end.
+# Each row sets its own optimizer, learning-rate scaling and base batch size.
+DEFAULTS = {"data.batching": "pack", "data.seq_len": 256, "data.batch_size": 8,
+            "run.train_tokens": 800_000, "optimizer.warmup_steps": 40, "run.eval_every": 0,
+            "run.checkpoint_every": 0}
+FIXED = ("optimizer.name", "optimizer.lr_scaling", "optimizer.base_batch_size")
 
 
 COLUMNS = [
@@ -67,71 +75,85 @@ def run_one(cfg: OptimizersConfig, run_root: str, *, optimizer: str, table: str,
     """Train one configuration and reduce its summary to a table row."""
     label = optimizer if lr_scaling == "none" else f"{optimizer}-{lr_scaling}"
     run_dir = os.path.join(run_root, f"{table}-{label}-b{batch_size}")
-    summary = train(run_config(
-        cfg, optimizer=optimizer, batch_size=batch_size, lr_scaling=lr_scaling,
-        base_batch_size=cfg.batch_size, run_dir=run_dir,
-        warmup_steps=cfg.warmup_steps if warmup_steps is None else warmup_steps))
+    summary = train(override(cfg, {
+        "optimizer.name": optimizer, "data.batch_size": batch_size,
+        "optimizer.lr_scaling": lr_scaling, "optimizer.base_batch_size": cfg.data.batch_size,
+        "optimizer.warmup_steps": (cfg.optimizer.warmup_steps if warmup_steps is None
+                                   else warmup_steps),
+        "run.run_dir": run_dir, "run.json": None}))
     return {
         "table": table,
         "label": f"{label}, batch {batch_size}",
         "optimizer": optimizer,
         "batch_size": batch_size,
         "lr_scaling": lr_scaling,
-        "learning_rate": summary["learning_rate"],
-        "weight_decay": summary["weight_decay"],
-        "steps": summary["steps"],
-        "real_tokens": summary["real_tokens"],
-        "val_loss": summary["val_loss"],
-        "val_bpb": summary["val_bpb"],
-        "tokens_per_s": summary["real_tokens_per_s"],
-        "state_bytes": summary["optimizer_state_bytes"],
-        "state_per_param": summary["optimizer_state_bytes"] / summary["params"],
-        "params": summary["params"],
-        "wall_s": summary["wall_s"],
+        "learning_rate": summary.learning_rate,
+        "weight_decay": summary.weight_decay,
+        "steps": summary.steps,
+        "real_tokens": summary.real_tokens,
+        "val_loss": summary.val_loss,
+        "val_bpb": summary.val_bpb,
+        "tokens_per_s": summary.real_tokens_per_s,
+        "state_bytes": summary.optimizer_state_bytes,
+        "state_per_param": summary.optimizer_state_bytes / summary.params,
+        "params": summary.params,
+        "wall_s": summary.wall_s,
         "run_dir": run_dir,
     }
 
 
-def main(argv=None) -> int:
-    try:
-        cfg = parse_config(argv, OptimizersConfig, description=__doc__.split("\n\n")[0])
-        cfg.validate()
-        optimizers = parse_names(cfg.optimizers, OPTIMIZERS, "optimizers")
-        large = parse_names(cfg.large_batch_optimizers, OPTIMIZERS, "large-batch-optimizers")
-        scalings = parse_names(cfg.scalings, LR_SCALING, "scalings")
-        if cfg.batch_size is None or cfg.large_batch_factor < 1:
-            raise ConfigError("this experiment needs --batch-size and a --large-batch-factor "
-                              ">= 1; pass them")
-        run_root = cfg.run_dir or os.path.join("runs", time.strftime("optimizers-%Y%m%d-%H%M%S"))
-        rows = [run_one(cfg, run_root, optimizer=name, table="defaults",
-                        batch_size=cfg.batch_size) for name in optimizers]
-        if cfg.large_batch:
-            warmup = max(1, round(cfg.warmup_steps / cfg.large_batch_factor))
-            rows += [run_one(cfg, run_root, optimizer=name, table="large_batch",
-                             batch_size=cfg.batch_size * cfg.large_batch_factor,
-                             lr_scaling=rule, warmup_steps=warmup)
-                     for name in large for rule in scalings]
-    except ConfigError as e:
-        print(f"error: {e}", file=sys.stderr)
-        return 2
+def _length(cfg: TrainConfig) -> str:
+    """How long every run trains: real tokens, or steps when run.train_tokens is unset."""
+    if cfg.run.train_tokens is None:
+        return f"{cfg.run.steps:,} steps"
+    return f"{cfg.run.train_tokens:,} real tokens"
 
-    meta = {"model": cfg.model, "data": cfg.data, "batching": cfg.batching,
-            "seq_len": cfg.seq_len, "base_batch_size": cfg.batch_size,
-            "large_batch_factor": cfg.large_batch_factor, "train_tokens": cfg.train_tokens,
+
+@command(OptimizersConfig)
+def main(argv=None) -> int:
+    cfg = parse(argv, OptimizersConfig, defaults=DEFAULTS, fixed=FIXED,
+                description=__doc__.split("\n\n")[0])
+    cfg.validate()
+    exp = cfg.experiment
+    optimizers = parse_list(exp.optimizers, "experiment.optimizers", valid=OPTIMIZERS)
+    large = parse_list(exp.large_batch_optimizers, "experiment.large_batch_optimizers",
+                       valid=OPTIMIZERS)
+    scalings = parse_list(exp.scalings, "experiment.scalings", valid=LR_SCALING)
+    batch_size = cfg.data.batch_size
+    if batch_size is None:
+        raise ConfigError("this experiment takes table 1's batch size in rows",
+                          field="data.batch_size")
+    if exp.large_batch_factor < 1:
+        raise ConfigError(f"large_batch_factor must be at least 1, got {exp.large_batch_factor}",
+                          field="experiment.large_batch_factor")
+    run_root = cfg.run.run_dir or os.path.join("runs", time.strftime("optimizers-%Y%m%d-%H%M%S"))
+    rows = [run_one(cfg, run_root, optimizer=name, table="defaults", batch_size=batch_size)
+            for name in optimizers]
+    if exp.large_batch:
+        warmup = max(1, round(cfg.optimizer.warmup_steps / exp.large_batch_factor))
+        rows += [run_one(cfg, run_root, optimizer=name, table="large_batch",
+                         batch_size=batch_size * exp.large_batch_factor,
+                         lr_scaling=rule, warmup_steps=warmup)
+                 for name in large for rule in scalings]
+
+    model = describe_model(cfg.model)
+    meta = {"model": model, "data": cfg.data.path, "batching": cfg.data.batching,
+            "seq_len": cfg.seq_len, "base_batch_size": batch_size,
+            "large_batch_factor": exp.large_batch_factor, "train_tokens": cfg.run.train_tokens,
             **environment(), "run_dir": run_root}
-    print(f"\n{cfg.model} model, {cfg.train_tokens:,} real tokens per run, seq_len {cfg.seq_len}, "
-          f"{cfg.batching} batching, {meta['device']}, jax {meta['jax_version']}")
+    print(f"\n{model} model, {_length(cfg)} per run, seq_len {cfg.seq_len}, "
+          f"{cfg.data.batching} batching, {meta['device']}, jax {meta['jax_version']}")
     print("\nTable 1: each optimizer with its recommended defaults")
     print(format_table([r for r in rows if r["table"] == "defaults"], COLUMNS))
-    if cfg.large_batch:
+    if exp.large_batch:
         reference = [r for r in rows if r["table"] == "defaults" and r["optimizer"] in large]
-        print(f"\nTable 2: {cfg.large_batch_factor}x the batch on the same tokens (table-1 rows "
+        print(f"\nTable 2: {exp.large_batch_factor}x the batch on the same tokens (table-1 rows "
               f"of the same optimizers first, for reference)")
         print(format_table(reference + [r for r in rows if r["table"] == "large_batch"], COLUMNS))
     plot_loss_curves(os.path.join(run_root, "optimizers.png"),
                      {r["label"]: r["run_dir"] for r in rows},
-                     title=f"optimizers, {cfg.model} model, seq_len {cfg.seq_len}")
-    write_json(cfg.json, rows, meta)
+                     title=f"optimizers, {model} model, seq_len {cfg.seq_len}")
+    write_json(cfg.run.json, rows, meta)
     return 0
 
 

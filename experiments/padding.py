@@ -20,35 +20,40 @@ import os
 import sys
 import time
 
-from experiments.common import (environment, matched_batch, parse_names, run_config,
-                                write_json)
-from jaxaccel.config import TrainConfig, flag, parse_config
+from experiments.common import command, environment, matched_batch, parse_list, write_json
+from jaxaccel.config import TrainConfig, override, parse, setting
 from jaxaccel.corpus import load_corpus
 from jaxaccel.data import STRATEGIES, DataStream, batch_stats, batches
 from jaxaccel.errors import ConfigError
 from jaxaccel.loop import train
+from jaxaccel.model import describe_model
 from jaxaccel.report import bar_chart, format_table
 
 
 @dataclasses.dataclass
-class PaddingConfig(TrainConfig):
-    """The training flags (with defaults for this experiment) plus the strategies to compare."""
+class PaddingSettings:
+    strategies: str = setting(",".join(STRATEGIES), "comma-separated strategies to compare")
+    match_real_tokens: bool = setting(True, "size every strategy's batches to hold fixed's real "
+                                            "tokens, so all take the same steps (off: the same "
+                                            "rows, and batch_size * seq_len tokens for bucket)")
+    plan_only: bool = setting(False, "only plan one training epoch per strategy and time the "
+                                     "loader: whole-epoch padding efficiency, shapes, batches")
 
-    strategies: str = flag(",".join(STRATEGIES), "comma-separated strategies to compare")
-    max_seq_len: int | None = flag(1024, "model context length")
-    seq_len: int | None = flag(1024, "training sequence length")
-    batch_size: int | None = flag(8, "fixed padding's rows per batch; the others get the batch "
-                                       "size (bucket: token budget) that holds as many real "
-                                       "tokens")
-    match_real_tokens: bool = flag(True, "size every strategy's batches to hold fixed's real "
-                                         "tokens, so all take the same steps (off: the same "
-                                         "rows, and batch_size * seq_len tokens for bucket)")
-    train_tokens: int | None = flag(400_000, "real tokens each strategy trains on")
-    plan_only: bool = flag(False, "only plan one training epoch per strategy and time the "
-                                  "loader: whole-epoch padding efficiency, shapes, batches")
-    eval_every: int = flag(0, "evaluate every N steps (0: only at the end)")
-    checkpoint_every: int = flag(0, "save a checkpoint every N steps (0: only at the end)")
-    warmup_steps: int = flag(10, "linear warmup steps")
+
+@dataclasses.dataclass
+class PaddingConfig(TrainConfig):
+    """The training config (with this experiment's defaults) plus the strategies to compare."""
+
+    experiment: PaddingSettings = dataclasses.field(default_factory=PaddingSettings)
+
+
+# This experiment's defaults: data.batch_size is fixed padding's rows per batch (the others get
+# the batch size, bucket a token budget, that holds as many real tokens); 0 evaluates and
+# checkpoints only at the end. Each row sets its own batching strategy and batch size.
+DEFAULTS = {"model.max_seq_len": 1024, "data.seq_len": 1024, "data.batch_size": 8,
+            "run.train_tokens": 400_000, "run.eval_every": 0, "run.checkpoint_every": 0,
+            "optimizer.warmup_steps": 10}
+FIXED = ("data.batching", "data.tokens_per_batch")
 
 
 COLUMNS = [
@@ -74,7 +79,7 @@ def loader_tokens_per_s(documents, cfg: TrainConfig) -> float:
     """Real tokens per second of making one whole epoch of host batches, planning included."""
     start = time.perf_counter()
     real = sum(batch_stats(b)["real_tokens"] for b in batches(
-        documents, strategy=cfg.batching, seq_len=cfg.seq_len, **cfg.batching_options()))
+        documents, strategy=cfg.data.batching, seq_len=cfg.seq_len, **cfg.batching_options()))
     return real / (time.perf_counter() - start)
 
 
@@ -88,13 +93,20 @@ PLAN_COLUMNS = [
 ]
 
 
+def strategy_config(cfg: PaddingConfig, documents, strategy: str, **fields) -> PaddingConfig:
+    """``cfg`` for one strategy: its batching and the batch matched to fixed padding's."""
+    batching = matched_batch(documents, cfg, strategy, match=cfg.experiment.match_real_tokens)
+    return override(cfg, {"data.batching": strategy, **batching, **fields})
+
+
 def plan_strategy(cfg: PaddingConfig, strategy: str) -> dict:
     """Plan epoch 0 of ``strategy`` with the experiment's batch settings, and time the loader."""
-    documents = load_corpus(cfg.data, cache_dir=cfg.cache_dir).train
-    batching = matched_batch(documents, cfg, strategy, match=cfg.match_real_tokens)
-    stream = DataStream(documents, strategy=strategy, seq_len=cfg.seq_len, seed=cfg.seed,
-                        pad_multiple=cfg.pad_multiple, num_buckets=cfg.buckets, **batching)
-    run_cfg = dataclasses.replace(cfg, batching=strategy, **batching)
+    documents = load_corpus(cfg.data.path, cache_dir=cfg.data.cache_dir).train
+    run_cfg = strategy_config(cfg, documents, strategy)
+    data = run_cfg.data
+    stream = DataStream(documents, strategy=strategy, seq_len=cfg.seq_len, seed=cfg.run.seed,
+                        batch_size=data.batch_size, tokens_per_batch=data.tokens_per_batch,
+                        pad_multiple=data.pad_multiple, num_buckets=data.buckets)
     return {
         "strategy": strategy,
         "batch": _describe_batch(run_cfg),
@@ -106,73 +118,83 @@ def plan_strategy(cfg: PaddingConfig, strategy: str) -> dict:
 
 
 def _describe_batch(cfg: TrainConfig) -> str:
-    return f"{cfg.batch_size} rows" if cfg.batch_size else f"{cfg.tokens_per_batch} tokens"
+    data = cfg.data
+    return f"{data.batch_size} rows" if data.batch_size else f"{data.tokens_per_batch} tokens"
+
+
+def _length(cfg: TrainConfig) -> str:
+    """How long every row trains: real tokens, or steps when run.train_tokens is unset."""
+    if cfg.run.train_tokens is None:
+        return f"{cfg.run.steps:,} steps"
+    return f"{cfg.run.train_tokens:,} real tokens"
 
 
 def run_strategy(cfg: PaddingConfig, strategy: str, run_root: str) -> dict:
     """Measure the loader, train one strategy, and reduce both to a table row."""
-    documents = load_corpus(cfg.data, cache_dir=cfg.cache_dir).train
-    run_cfg = run_config(cfg, batching=strategy, run_dir=os.path.join(run_root, strategy),
-                         **matched_batch(documents, cfg, strategy, match=cfg.match_real_tokens))
+    documents = load_corpus(cfg.data.path, cache_dir=cfg.data.cache_dir).train
+    run_cfg = strategy_config(cfg, documents, strategy,
+                              **{"run.run_dir": os.path.join(run_root, strategy),
+                                 "run.json": None})
     loader_rate = loader_tokens_per_s(documents, run_cfg)
     summary = train(run_cfg)
     return {
         "strategy": strategy,
         "batch": _describe_batch(run_cfg),
-        "real_tokens_per_step": summary["real_tokens"] / max(summary["steps"], 1),
-        "padding_efficiency": summary["padding_efficiency"],
-        "epoch_padding_efficiency": summary["epoch_padding_efficiency"],
-        "shapes": len(summary["shapes"]),
-        "compiles": summary["compiles"],
-        "compiles_after_warmup": summary["compiles_after_warmup"],
-        "compile_s": summary["compile_s"],
-        "steps": summary["steps"],
-        "real_tokens": summary["real_tokens"],
-        "real_tokens_per_s": summary["real_tokens_per_s"],
-        "data_wait_s": summary["data_wait_s"],
+        "real_tokens_per_step": summary.real_tokens / max(summary.steps, 1),
+        "padding_efficiency": summary.padding_efficiency,
+        "epoch_padding_efficiency": summary.epoch_padding_efficiency,
+        "shapes": len(summary.shapes),
+        "compiles": summary.compiles,
+        "compiles_after_warmup": summary.compiles_after_warmup,
+        "compile_s": summary.compile_s,
+        "steps": summary.steps,
+        "real_tokens": summary.real_tokens,
+        "real_tokens_per_s": summary.real_tokens_per_s,
+        "data_wait_s": summary.data_wait_s,
         "loader_tokens_per_s": loader_rate,
-        "wall_s": summary["wall_s"],
-        "val_loss": summary["val_loss"],
-        "val_bpb": summary["val_bpb"],
+        "wall_s": summary.wall_s,
+        "val_loss": summary.val_loss,
+        "val_bpb": summary.val_bpb,
     }
 
 
+@command(PaddingConfig)
 def main(argv=None) -> int:
-    try:
-        cfg = parse_config(argv, PaddingConfig, description=__doc__.split("\n\n")[0])
-        strategies = parse_names(cfg.strategies, STRATEGIES, "strategies")
-        if cfg.plan_only:
-            rows = [plan_strategy(cfg, s) for s in strategies]
-        else:
-            run_root = cfg.run_dir or os.path.join("runs",
-                                                   time.strftime("padding-%Y%m%d-%H%M%S"))
-            rows = [run_strategy(cfg, s, run_root) for s in strategies]
-    except ConfigError as e:
-        print(f"error: {e}", file=sys.stderr)
-        return 2
-    if cfg.plan_only:
-        print(f"\nseq_len {cfg.seq_len}, one epoch of {cfg.data} per strategy, loader on one thread")
+    cfg = parse(argv, PaddingConfig, defaults=DEFAULTS, fixed=FIXED,
+                description=__doc__.split("\n\n")[0])
+    cfg.validate()
+    exp = cfg.experiment
+    strategies = parse_list(exp.strategies, "experiment.strategies", valid=STRATEGIES)
+    if cfg.data.batch_size is None:
+        raise ConfigError("this experiment takes fixed padding's batch size in rows",
+                          field="data.batch_size")
+    if exp.plan_only:
+        rows = [plan_strategy(cfg, s) for s in strategies]
+        print(f"\nseq_len {cfg.seq_len}, one epoch of {cfg.data.path} per strategy, loader on one "
+              f"thread")
         print(format_table(rows, PLAN_COLUMNS))
-        write_json(cfg.json, rows, {"seq_len": cfg.seq_len, "plan_only": True})
+        write_json(cfg.run.json, rows, {"seq_len": cfg.seq_len, "plan_only": True})
         return 0
+    run_root = cfg.run.run_dir or os.path.join("runs", time.strftime("padding-%Y%m%d-%H%M%S"))
+    rows = [run_strategy(cfg, s, run_root) for s in strategies]
     fixed = next((r for r in rows if r["strategy"] == "fixed"), None)
     for row in rows:
         row["speedup_vs_fixed"] = (row["real_tokens_per_s"] / fixed["real_tokens_per_s"]
                                    if fixed else None)
         row["padding_bound"] = (row["padding_efficiency"] / fixed["padding_efficiency"]
                                 if fixed else None)
-    meta = {"seq_len": cfg.seq_len, "batch_size": cfg.batch_size, "train_tokens": cfg.train_tokens,
-            "match_real_tokens": cfg.match_real_tokens,
-            "model": cfg.model, "data": cfg.data, **environment()}
-    print(f"\nseq_len {cfg.seq_len}, {cfg.train_tokens:,} real tokens per strategy, "
-          f"{meta['device']}, jax {meta['jax_version']}")
+    meta = {"seq_len": cfg.seq_len, "batch_size": cfg.data.batch_size,
+            "train_tokens": cfg.run.train_tokens, "match_real_tokens": exp.match_real_tokens,
+            "model": describe_model(cfg.model), "data": cfg.data.path, **environment()}
+    print(f"\nseq_len {cfg.seq_len}, {_length(cfg)} per strategy, {meta['device']}, "
+          f"jax {meta['jax_version']}")
     print(format_table(rows, COLUMNS))
     bar_chart(os.path.join(run_root, "padding.png"), [r["strategy"] for r in rows],
               [("real tokens/s", [r["real_tokens_per_s"] for r in rows]),
                ("padding efficiency", [r["padding_efficiency"] for r in rows]),
                ("validation loss", [r["val_loss"] for r in rows])],
               title=f"batching strategies, seq_len {cfg.seq_len}")
-    write_json(cfg.json, rows, meta)
+    write_json(cfg.run.json, rows, meta)
     return 0
 
 

@@ -28,17 +28,17 @@ import jax.numpy as jnp
 import numpy as np
 import orbax.checkpoint as ocp
 
-from experiments.common import (environment, parse_names, plot_loss_curves, run_config,
-                                write_json)
-from jaxaccel.config import TrainConfig, flag, parse_config
+from experiments.common import command, environment, parse_list, plot_loss_curves, write_json
+from jaxaccel.config import TrainConfig, override, parse, setting
 from jaxaccel.corpus import load_corpus
 from jaxaccel.data import DataStream
 from jaxaccel.errors import ConfigError
+from jaxaccel.grads import value_and_grad
 from jaxaccel.loop import train
-from jaxaccel.model import init_params, make_apply
-from jaxaccel.precision import DynamicLossScale, NoLossScale, all_finite, get_policy
+from jaxaccel.model import describe_model, init_params, make_apply
+from jaxaccel.precision import DynamicLossScale, NoLossScale, cast, get_policy, loss_scaled
 from jaxaccel.report import format_table
-from jaxaccel.train import make_grad_fn
+from jaxaccel.train import weighted_cross_entropy
 
 # Row name -> (precision policy, loss scale, float32 matmul precision).
 ROWS = {
@@ -51,34 +51,26 @@ ROWS = {
 
 
 @dataclasses.dataclass
+class PrecisionSettings:
+    precisions: str = setting(",".join(ROWS), "comma-separated rows: " + ", ".join(ROWS))
+    probe_batch_size: int = setting(16, "rows of the underflow probe's batch")
+    probe_accumulate: str = setting("1,64,1024", "comma-separated K: probe the batch as one of K "
+                                                 "microbatches of a global batch")
+
+
+@dataclasses.dataclass
 class PrecisionConfig(TrainConfig):
-    """The training flags (with this experiment's defaults) plus the rows to compare."""
+    """The training config (with this experiment's defaults) plus the rows to compare."""
 
-    precisions: str = flag(",".join(ROWS), "comma-separated rows: " + ", ".join(ROWS))
-    precision: str = flag("fp32", "not used here: each row sets its own (see --precisions)")
-    loss_scale: str = flag("auto", "not used here: each row sets its own (see --precisions)")
-    matmul_precision: str = flag("default", "not used here: each row sets its own (see "
-                                            "--precisions)")
-    probe_batch_size: int = flag(16, "rows of the underflow probe's batch")
-    probe_accumulate: str = flag("1,64,1024", "comma-separated K: probe the batch as one of K "
-                                              "microbatches of a global batch")
-    batching: str = flag("pack", "batching strategy")
-    seq_len: int | None = flag(256, "training sequence length")
-    batch_size: int | None = flag(16, "rows per batch")
-    train_tokens: int | None = flag(600_000, "real tokens every row trains on")
-    warmup_steps: int = flag(20, "linear warmup steps")
-    eval_every: int = flag(0, "evaluate every N steps (0: only at the end)")
-    checkpoint_every: int = flag(0, "save a checkpoint every N steps (0: only at the end)")
+    experiment: PrecisionSettings = dataclasses.field(default_factory=PrecisionSettings)
 
-    def probe_accumulations(self) -> list[int]:
-        try:
-            values = [int(v) for v in self.probe_accumulate.split(",") if v.strip()]
-        except ValueError:
-            values = []
-        if not values or min(values) < 1:
-            raise ConfigError(f"bad --probe-accumulate {self.probe_accumulate!r}; pass "
-                              f"comma-separated integers >= 1")
-        return values
+
+# This experiment's defaults (0 evaluates and checkpoints only at the end); each row sets its own
+# precision policy, loss scaling and float32 matmul precision (see --precisions and ROWS).
+DEFAULTS = {"data.batching": "pack", "data.seq_len": 256, "data.batch_size": 16,
+            "run.train_tokens": 600_000, "optimizer.warmup_steps": 20, "run.eval_every": 0,
+            "run.checkpoint_every": 0}
+FIXED = ("precision.policy", "precision.loss_scale", "precision.matmul")
 
 
 COLUMNS = [
@@ -106,35 +98,57 @@ PROBE_COLUMNS = [
 
 
 def run_row(cfg: PrecisionConfig, name: str, run_root: str) -> dict:
-    precision, loss_scale, matmul = ROWS[name]
-    summary = train(run_config(cfg, precision=precision, loss_scale=loss_scale,
-                               matmul_precision=matmul, run_dir=os.path.join(run_root, name)))
-    memory = summary["step_memory_bytes"]
+    policy, loss_scale, matmul = ROWS[name]
+    summary = train(override(cfg, {
+        "precision.policy": policy, "precision.loss_scale": loss_scale,
+        "precision.matmul": matmul, "run.run_dir": os.path.join(run_root, name),
+        "run.json": None}))
+    memory = summary.step_memory_bytes
     return {
         "precision": name,
-        "policy": summary["precision"],
+        "policy": summary.precision,
         "matmul_precision": matmul,
-        "steps": summary["steps"],
-        "step_s": summary["train_s"] / max(summary["steps_this_run"], 1),
-        "real_tokens_per_s": summary["real_tokens_per_s"],
+        "steps": summary.steps,
+        "step_s": summary.train_s / max(summary.steps_this_run, 1),
+        "real_tokens_per_s": summary.real_tokens_per_s,
         "memory_bytes": memory["total"] if memory else None,
         "temp_bytes": memory["temp"] if memory else None,
-        "val_loss": summary["val_loss"],
-        "val_bpb": summary["val_bpb"],
-        "skipped_steps": summary["skipped_steps"],
-        "loss_scale": summary["loss_scale"],
-        "compile_s": summary["compile_s"],
-        "run_dir": summary["run_dir"],
+        "val_loss": summary.val_loss,
+        "val_bpb": summary.val_bpb,
+        "skipped_steps": summary.skipped_steps,
+        "loss_scale": summary.loss_scale,
+        "compile_s": summary.compile_s,
+        "run_dir": summary.run_dir,
     }
 
 
-def largest_finite_scale(grad_fn, params, batch, key, normalizer, start: float) -> float:
+def probe_grad_fn(model_cfg, policy_name: str):
+    """The jitted ``grad_fn(params, batch, normalizer, loss_scale) -> (grads, grads_finite)``
+    of the probe: the loss is ``sum(weights * token_loss) / normalizer`` (in float32, from the
+    model run under the policy, without dropout) and the gradient is that of the loss times the
+    scale, divided by the scale again (``jaxaccel.precision.loss_scaled``)."""
+    apply_fn = cast(make_apply(model_cfg), get_policy(policy_name))
+
+    def grad_fn(params, batch, normalizer, loss_scale):
+        def loss_fn(p, b, key):
+            loss_sum, weight_sum = weighted_cross_entropy(apply_fn(p, b, None), b["targets"],
+                                                          b["weights"])
+            return loss_sum / normalizer, {"real_tokens": weight_sum}
+
+        (_, aux), grads, _ = loss_scaled(value_and_grad(loss_fn))(params, batch, None,
+                                                                  loss_scale)
+        return grads, aux["grads_finite"]
+
+    return jax.jit(grad_fn)
+
+
+def largest_finite_scale(grad_fn, params, batch, normalizer, start: float) -> float:
     """The largest power of two at most ``start`` whose scaled float16 gradient is finite: the
     scale dynamic loss scaling settles near."""
     scale = start
     while scale > 1:
-        _, grads = grad_fn(params, batch, key, normalizer, DynamicLossScale.create(scale))
-        if bool(all_finite(grads)):
+        _, finite = grad_fn(params, batch, normalizer, DynamicLossScale.create(scale))
+        if bool(finite):
             break
         scale /= 2
     return scale
@@ -147,35 +161,34 @@ def underflow_probe(cfg: PrecisionConfig, trained_params) -> list[dict]:
     microbatch of a K-times larger global batch is under gradient accumulation or data
     parallelism: its gradient is K times smaller, nearer float16's underflow.
     """
-    model_cfg = cfg.model_config()
-    documents = load_corpus(cfg.data, cache_dir=cfg.cache_dir).train
-    stream = DataStream(documents, strategy=cfg.batching, seq_len=cfg.seq_len, seed=cfg.seed,
-                        batch_size=cfg.probe_batch_size, pad_multiple=cfg.pad_multiple,
-                        num_buckets=cfg.buckets)
+    model_cfg, data, exp = cfg.model, cfg.data, cfg.experiment
+    documents = load_corpus(data.path, cache_dir=data.cache_dir).train
+    stream = DataStream(documents, strategy=data.batching, seq_len=cfg.seq_len,
+                        seed=cfg.run.seed, batch_size=exp.probe_batch_size,
+                        pad_multiple=data.pad_multiple, num_buckets=data.buckets)
     batch = next(iter(stream))
     tokens = jnp.maximum(jnp.sum(batch["weights"]), 1.0)
-    key = jax.random.PRNGKey(0)
-    apply_fn = make_apply(model_cfg)
-    grad32 = jax.jit(make_grad_fn(apply_fn, policy=get_policy("fp32")))
-    grad16 = jax.jit(make_grad_fn(apply_fn, policy=get_policy("fp16")))
+    grad32 = probe_grad_fn(model_cfg, "fp32")
+    grad16 = probe_grad_fn(model_cfg, "fp16")
     flat = lambda tree: np.concatenate([np.ravel(x) for x in jax.tree.leaves(tree)])  # noqa: E731
     rows = []
-    for label, params in (("initial", init_params(model_cfg, jax.random.PRNGKey(cfg.seed))),
+    for label, params in (("initial", init_params(model_cfg, jax.random.PRNGKey(cfg.run.seed))),
                           ("trained", trained_params)):
         if params is None:
             continue
-        for accumulate in cfg.probe_accumulations():
+        for accumulate in parse_list(exp.probe_accumulate, "experiment.probe_accumulate",
+                                     kind=int):
             normalizer = tokens * accumulate
             with jax.default_matmul_precision("highest"):
-                _, reference = grad32(params, batch, key, normalizer, NoLossScale.create())
+                reference, _ = grad32(params, batch, normalizer, NoLossScale.create())
             reference = flat(reference)
             nonzero = reference != 0
-            scale = largest_finite_scale(grad16, params, batch, key, normalizer,
+            scale = largest_finite_scale(grad16, params, batch, normalizer,
                                          2.0 ** (16 + int(np.log2(accumulate))))
             for case, loss_scale in (("no scaling", NoLossScale.create()),
                                      ("loss scaling", DynamicLossScale.create(scale))):
-                _, grads = grad16(params, batch, key, normalizer, loss_scale)
-                grads = flat(loss_scale.unscale(grads))
+                grads, _ = grad16(params, batch, normalizer, loss_scale)
+                grads = flat(grads)
                 rows.append({
                     "params": label,
                     "accumulate": accumulate,
@@ -189,19 +202,26 @@ def underflow_probe(cfg: PrecisionConfig, trained_params) -> list[dict]:
     return rows
 
 
+def _length(cfg: TrainConfig) -> str:
+    """How long every row trains: real tokens, or steps when run.train_tokens is unset."""
+    if cfg.run.train_tokens is None:
+        return f"{cfg.run.steps:,} steps"
+    return f"{cfg.run.train_tokens:,} real tokens"
+
+
+@command(PrecisionConfig)
 def main(argv=None) -> int:
-    try:
-        cfg = parse_config(argv, PrecisionConfig, description=__doc__.split("\n\n")[0])
-        cfg.validate()
-        names = parse_names(cfg.precisions, ROWS, "precisions")
-        if cfg.probe_batch_size < 1:
-            raise ConfigError("probe_batch_size must be >= 1; fix --probe-batch-size")
-        cfg.probe_accumulations()
-        run_root = cfg.run_dir or os.path.join("runs", time.strftime("precision-%Y%m%d-%H%M%S"))
-        rows = [run_row(cfg, name, run_root) for name in names]
-    except ConfigError as e:
-        print(f"error: {e}", file=sys.stderr)
-        return 2
+    cfg = parse(argv, PrecisionConfig, defaults=DEFAULTS, fixed=FIXED,
+                description=__doc__.split("\n\n")[0])
+    cfg.validate()
+    exp = cfg.experiment
+    names = parse_list(exp.precisions, "experiment.precisions", valid=ROWS)
+    if exp.probe_batch_size < 1:
+        raise ConfigError(f"probe_batch_size must be at least 1, got {exp.probe_batch_size}",
+                          field="experiment.probe_batch_size")
+    parse_list(exp.probe_accumulate, "experiment.probe_accumulate", kind=int)
+    run_root = cfg.run.run_dir or os.path.join("runs", time.strftime("precision-%Y%m%d-%H%M%S"))
+    rows = [run_row(cfg, name, run_root) for name in names]
 
     fp32 = next((r for r in rows if r["precision"] == "fp32"), None)
     for row in rows:
@@ -215,20 +235,21 @@ def main(argv=None) -> int:
         trained = state["params"]
     probe = underflow_probe(cfg, trained)
 
-    meta = {"model": cfg.model, "data": cfg.data, "batching": cfg.batching, "seq_len": cfg.seq_len,
-            "batch_size": cfg.batch_size, "train_tokens": cfg.train_tokens,
-            "probe_batch_size": cfg.probe_batch_size, "underflow_probe": probe,
-            **environment(), "run_dir": run_root}
-    print(f"\n{cfg.model} model, {cfg.train_tokens:,} real tokens per row, seq_len {cfg.seq_len}, "
-          f"{cfg.batching} batching, {meta['device']}, jax {meta['jax_version']}")
+    model = describe_model(cfg.model)
+    meta = {"model": model, "data": cfg.data.path, "batching": cfg.data.batching,
+            "seq_len": cfg.seq_len, "batch_size": cfg.data.batch_size,
+            "train_tokens": cfg.run.train_tokens, "probe_batch_size": exp.probe_batch_size,
+            "underflow_probe": probe, **environment(), "run_dir": run_root}
+    print(f"\n{model} model, {_length(cfg)} per row, seq_len {cfg.seq_len}, "
+          f"{cfg.data.batching} batching, {meta['device']}, jax {meta['jax_version']}")
     print(format_table(rows, COLUMNS))
-    print(f"\nUnderflow probe: one batch of {cfg.probe_batch_size} rows as one of K microbatches; "
+    print(f"\nUnderflow probe: one batch of {exp.probe_batch_size} rows as one of K microbatches; "
           f"float16 gradients against float32 at the start and end of the fp32 run")
     print(format_table(probe, PROBE_COLUMNS))
     plot_loss_curves(os.path.join(run_root, "precision.png"),
                      {r["precision"]: r["run_dir"] for r in rows},
-                     title=f"precision policies, {cfg.model} model, seq_len {cfg.seq_len}")
-    write_json(cfg.json, rows, meta)
+                     title=f"precision policies, {model} model, seq_len {cfg.seq_len}")
+    write_json(cfg.run.json, rows, meta)
     return 0
 
 

@@ -25,36 +25,42 @@ import jax.numpy as jnp
 from flax import nnx
 from jax.sharding import NamedSharding
 
-from experiments.common import environment, parse_names, write_json
-from jaxaccel.compiled import CompiledFn, abstract, memory_bytes
-from jaxaccel.config import TrainConfig, flag, parse_config
+from experiments.common import command, environment, parse_list, write_json
+from jaxaccel.compiled import abstract, memory_bytes
+from jaxaccel.config import TrainConfig, override, parse, setting
 from jaxaccel.corpus import load_corpus
 from jaxaccel.data import batches
 from jaxaccel.errors import ConfigError
 from jaxaccel.loader import abstract_batch, place_batch
-from jaxaccel.loop import build_optimizer, init_sharded_state
-from jaxaccel.model import ACTIVATION_AXES, MLP, make_apply, param_axes
+from jaxaccel.loop import sharded_steps
+from jaxaccel.model import ACTIVATION_AXES, MLP, describe_model, param_axes
+from jaxaccel.optim import build_optimizer
 from jaxaccel.report import format_table
 from jaxaccel.sharding import (COMPUTE_RULES, STRATEGIES, batch_shards, batch_sharding,
                                bytes_per_device, check_model, format_mesh, logical_spec,
-                               make_mesh, mesh_shape, param_shardings, replicated)
-from jaxaccel.train import make_eval_step, make_train_step
+                               make_mesh, mesh_shape, param_shardings)
+from jaxaccel.state import init_sharded_state
+
+
+@dataclasses.dataclass
+class ShardingSettings:
+    strategies: str = setting(",".join(STRATEGIES), "comma-separated strategies, each on its "
+                                                    "default mesh over all devices")
+    cpu_devices: int = setting(8, "on a CPU, simulate this many devices")
 
 
 @dataclasses.dataclass
 class ShardingConfig(TrainConfig):
-    """The model and optimizer flags (with this experiment's defaults) plus the rows."""
+    """The training config every strategy shares, and the rows."""
 
-    strategies: str = flag(",".join(STRATEGIES), "comma-separated strategies, each on its "
-                                                 "default mesh over all devices")
-    cpu_devices: int = flag(8, "on a CPU, simulate this many devices")
-    sharding: str = flag("dp", "not used here: see --strategies")
-    mesh: str | None = flag(None, "not used here: each strategy takes its default mesh")
-    n_heads: int | None = flag(8, "attention heads (tp splits them over all devices)")
-    steps: int = flag(5, "train steps per strategy")
-    seq_len: int | None = flag(128, "sequence length")
-    batch_size: int | None = flag(16, "rows per global batch")
-    warmup_steps: int = flag(0, "linear warmup steps")
+    experiment: ShardingSettings = dataclasses.field(default_factory=ShardingSettings)
+
+
+# This experiment's defaults (tp splits the 8 heads over all devices); each row sets its own
+# strategy and mesh.
+DEFAULTS = {"model.n_heads": 8, "run.steps": 5, "data.seq_len": 128, "data.batch_size": 16,
+            "optimizer.warmup_steps": 0}
+FIXED = ("mesh.strategy", "mesh.shape", "mesh.num_devices")
 
 
 COLUMNS = [
@@ -73,11 +79,12 @@ COLUMNS = [
 
 def corpus_batches(cfg: ShardingConfig, seq_len: int):
     """The first ``--steps`` training batches and the first validation batch, on the host."""
-    corpus = load_corpus(cfg.data, cache_dir=cfg.cache_dir)
-    stream = batches(corpus.train, strategy="fixed", seq_len=seq_len, batch_size=cfg.batch_size,
-                     seed=cfg.seed)
-    train = [next(stream) for _ in range(cfg.steps)]
-    val = next(batches(corpus.val, strategy="fixed", seq_len=seq_len, batch_size=cfg.batch_size,
+    corpus = load_corpus(cfg.data.path, cache_dir=cfg.data.cache_dir)
+    rows = cfg.data.batch_size
+    stream = batches(corpus.train, strategy="fixed", seq_len=seq_len, batch_size=rows,
+                     seed=cfg.run.seed)
+    train = [next(stream) for _ in range(cfg.run.steps)]
+    val = next(batches(corpus.val, strategy="fixed", seq_len=seq_len, batch_size=rows,
                        shuffle=False))
     return train, val
 
@@ -100,22 +107,16 @@ def mlp_temp_bytes(mesh, model_cfg, batch_shape) -> int:
     return memory_bytes(executable)["temp"]
 
 
-def run_strategy(name: str, shape: dict, cfg: ShardingConfig, model_cfg, optimizer, train, val,
+def run_strategy(name: str, shape: dict, cfg: ShardingConfig, optimizer, train, val,
                  devices) -> dict:
     """One row: the strategy's mesh, its memory per device, its step time and its loss."""
-    mesh = make_mesh(shape, cfg.mesh_axis_types, devices)
-    policy = cfg.policy()
-    apply_fn = make_apply(model_cfg)
+    model_cfg = cfg.model
+    mesh = make_mesh(shape, cfg.mesh.axis_types, devices)
     with jax.set_mesh(mesh):
-        state, shardings = init_sharded_state(model_cfg, optimizer, cfg.seed,
-                                              cfg.make_loss_scale(), mesh)
-        layout, whole = batch_sharding(mesh), replicated(mesh)
-        step = CompiledFn(make_train_step(apply_fn, optimizer, accumulate=cfg.accumulate,
-                                          policy=policy),
-                          in_shardings=(shardings, layout), out_shardings=(shardings, whole),
-                          donate_argnums=0)
-        evaluate = CompiledFn(make_eval_step(apply_fn, policy),
-                              in_shardings=(shardings, layout), out_shardings=whole)
+        state, shardings = init_sharded_state(model_cfg, optimizer, cfg.run.seed,
+                                              cfg.make_loss_scale(), mesh, cfg.policy())
+        layout = batch_sharding(mesh)
+        step, evaluate = sharded_steps(cfg, optimizer, None, shardings, mesh)
         step.compile(abstract(state), abstract_batch(train[0]["inputs"].shape))
         memory = memory_bytes(step.last)
         param_opt = bytes_per_device((state.params, state.opt_state))
@@ -160,44 +161,47 @@ def simulate_cpu_devices(count: int) -> str | None:
     return None
 
 
+@command(ShardingConfig)
 def main(argv=None) -> int:
-    try:
-        cfg = parse_config(argv, ShardingConfig, description=__doc__.split("\n\n")[0])
-        note = simulate_cpu_devices(cfg.cpu_devices)
-        model_cfg = cfg.validate()
-        strategies = parse_names(cfg.strategies, STRATEGIES, "strategies")
-        if cfg.batch_size is None or cfg.tokens_per_batch is not None:
-            raise ConfigError("this experiment takes --batch-size, not --tokens-per-batch")
-        seq_len = cfg.resolved_seq_len(model_cfg)
-        devices = jax.devices()
-        shapes = {"single": {"data": 1, "fsdp": 1, "tensor": 1}}
-        for name in strategies:
-            shapes[name] = mesh_shape(name, len(devices))
-            check_model(shapes[name], model_cfg)
-            multiple = batch_shards(shapes[name]) * cfg.accumulate
-            if cfg.batch_size % multiple:
-                raise ConfigError(
-                    f"--batch-size {cfg.batch_size} does not split over {name}'s mesh "
-                    f"{format_mesh(shapes[name])} (data x fsdp) times --accumulate; pass a "
-                    f"multiple of {multiple}")
-        optimizer, _, _ = build_optimizer(cfg, seq_len, cfg.steps)
-        train, val = corpus_batches(cfg, seq_len)
-        rows = [run_strategy(name, shape, cfg, model_cfg, optimizer, train, val,
-                             devices[:1] if name == "single" else devices)
-                for name, shape in shapes.items()]
-    except ConfigError as e:
-        print(f"error: {e}", file=sys.stderr)
-        return 2
+    cfg = parse(argv, ShardingConfig, defaults=DEFAULTS, fixed=FIXED,
+                description=__doc__.split("\n\n")[0])
+    note = simulate_cpu_devices(cfg.experiment.cpu_devices)
+    cfg.validate()
+    model_cfg, rows_per_batch, seq_len = cfg.model, cfg.data.batch_size, cfg.seq_len
+    strategies = parse_list(cfg.experiment.strategies, "experiment.strategies",
+                            valid=STRATEGIES)
+    if rows_per_batch is None or cfg.data.tokens_per_batch is not None:
+        raise ConfigError("this experiment takes batch_size, not tokens_per_batch",
+                          field="data.batch_size")
+    devices = jax.devices()
+    shapes = {"single": {"data": 1, "fsdp": 1, "tensor": 1}}
+    for name in strategies:
+        shapes[name] = mesh_shape(name, len(devices))
+        check_model(shapes[name], model_cfg)
+        multiple = batch_shards(shapes[name]) * cfg.optimizer.accumulate
+        if rows_per_batch % multiple:
+            raise ConfigError(
+                f"batch_size={rows_per_batch} does not split over {name}'s mesh "
+                f"{format_mesh(shapes[name])} (data x fsdp) times accumulate; pass a "
+                f"multiple of {multiple}", field="data.batch_size")
+    optimizer, _, _ = build_optimizer(cfg.optimizer, batch_rows=rows_per_batch,
+                                      total_steps=cfg.run.steps)
+    train, val = corpus_batches(cfg, seq_len)
+    rows = [run_strategy(name, shape, override(cfg, {"mesh.strategy": "dp" if name == "single"
+                                                     else name}),
+                         optimizer, train, val, devices[:1] if name == "single" else devices)
+            for name, shape in shapes.items()]
     compare_with_single(rows)
-    meta = {"model": cfg.model, "d_model": model_cfg.d_model, "n_layers": model_cfg.n_layers,
-            "n_heads": model_cfg.n_heads, "n_kv_heads": model_cfg.n_kv_heads,
-            "seq_len": seq_len, "batch_size": cfg.batch_size, "steps": cfg.steps,
-            "optimizer": cfg.optimizer, "precision": cfg.precision,
-            "mesh_axis_types": cfg.mesh_axis_types, "device_count": len(devices),
-            "backend": jax.default_backend(), "note": note, **environment()}
-    print(f"\n{cfg.model} ({model_cfg.d_model} wide, {model_cfg.n_layers} layers), seq_len "
-          f"{seq_len}, batch {cfg.batch_size}, {cfg.steps} steps of {cfg.optimizer}, "
-          f"{cfg.precision}, {cfg.mesh_axis_types} axes; {len(devices)} x {meta['device']} "
+    meta = {"model": describe_model(model_cfg), "d_model": model_cfg.d_model,
+            "n_layers": model_cfg.n_layers, "n_heads": model_cfg.n_heads,
+            "n_kv_heads": model_cfg.n_kv_heads, "seq_len": seq_len, "batch_size": rows_per_batch,
+            "steps": cfg.run.steps, "optimizer": cfg.optimizer.name,
+            "precision": cfg.policy().name, "mesh_axis_types": cfg.mesh.axis_types,
+            "device_count": len(devices), "backend": jax.default_backend(), "note": note,
+            **environment()}
+    print(f"\n{meta['model']} ({model_cfg.d_model} wide, {model_cfg.n_layers} layers), seq_len "
+          f"{seq_len}, batch {rows_per_batch}, {cfg.run.steps} steps of {meta['optimizer']}, "
+          f"{meta['precision']}, {cfg.mesh.axis_types} axes; {len(devices)} x {meta['device']} "
           f"({meta['backend']}), jax {meta['jax_version']}")
     print(format_table(rows, COLUMNS))
     if note:
@@ -205,7 +209,7 @@ def main(argv=None) -> int:
     if jax.default_backend() == "cpu":
         print("simulated CPU devices share the machine's cores: step times show the cost of the "
               "collectives, not a speedup")
-    write_json(cfg.json, rows, meta)
+    write_json(cfg.run.json, rows, meta)
     return 0
 
 

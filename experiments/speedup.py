@@ -26,8 +26,8 @@ of optimizer steps and the validation losses compare the techniques, not step co
 combination re-matches its padding row's batch after rounding the rows to the devices x
 microbatches. Every row validates on the same batches of the validation split.
 
-Each row runs ``python -m experiments.train`` in its own process (its command is in the
-report), so the device's peak memory, the compile counts and a failure belong to that row
+Each row runs ``python -m experiments.train --config <row>/config.yaml`` in its own process
+(the resolved training config of the row, written first; the command is in the JSON), so the device's peak memory, the compile counts and a failure belong to that row
 alone. On a CPU every process sees ``--cpu-devices`` devices (default: one per core) so that
 the sharding rows have devices to split over; the other rows use the first one.
 
@@ -41,32 +41,38 @@ import dataclasses
 import json
 import math
 import os
-import shlex
 import subprocess
 import sys
 import time
 
-from experiments.common import matched_batch, parse_names, plot_loss_curves, write_json
-from jaxaccel.config import TrainConfig, build_parser, flag
+from experiments.common import command, matched_batch, parse_list, plot_loss_curves, write_json
+from jaxaccel.config import TrainConfig, override, parse, setting, write_config
 from jaxaccel.corpus import load_corpus
 from jaxaccel.errors import ConfigError
+from jaxaccel.loop import RunSummary
 from jaxaccel.report import bar_chart, format_table
 
 SCALES = ("auto", "cpu", "gpu")
 
-# Each preset's training settings (defaults of the flags; a flag given on the command line wins).
+# The experiment's defaults, then each preset's (a flag given on the command line wins).
+DEFAULTS = {"run.eval_every": 0, "run.checkpoint_every": 0, "run.final_eval_batches": 8,
+            "run.progress": False}
 PRESETS = {
-    "cpu": dict(model="tiny", d_model=128, n_layers=2, max_seq_len=1024, seq_len=1024,
-                batch_size=8, train_tokens=160_000, warmup_steps=5, final_eval_batches=8,
-                log_every=4, row_accumulate=2),
-    "gpu": dict(model="small", seq_len=1024, batch_size=16, train_tokens=4_000_000,
-                warmup_steps=20, final_eval_batches=16, log_every=10, row_accumulate=4),
+    "cpu": {"model.preset": "tiny", "model.d_model": 128, "model.n_layers": 2,
+            "model.max_seq_len": 1024, "data.seq_len": 1024, "data.batch_size": 8,
+            "run.train_tokens": 160_000, "optimizer.warmup_steps": 5,
+            "run.final_eval_batches": 8, "run.log_every": 4, "experiment.row_accumulate": 2},
+    "gpu": {"model.preset": "small", "data.seq_len": 1024, "data.batch_size": 16,
+            "run.train_tokens": 4_000_000, "optimizer.warmup_steps": 20,
+            "run.final_eval_batches": 16, "run.log_every": 10, "experiment.row_accumulate": 4},
 }
 
-# What the baseline fixes; a technique row changes one of these.
-BASELINE = dict(batching="fixed", precision="fp32", loss_scale="auto", remat="none",
-                attention="xla", optimizer="adamw", accumulate=1, sharding="dp", num_devices=1,
-                memory_budget=None, scan_layers=False)
+# What the baseline fixes; a technique row changes one of these. None of them is a flag here.
+BASELINE = {"data.batching": "fixed", "precision.policy": "fp32", "precision.loss_scale": "auto",
+            "model.remat": "none", "model.attention": "xla", "optimizer.name": "adamw",
+            "optimizer.accumulate": 1, "mesh.strategy": "dp", "mesh.num_devices": 1,
+            "run.memory_budget": None, "model.scan_layers": False}
+FIXED = (*BASELINE, "run.resume")
 
 
 @dataclasses.dataclass(frozen=True)
@@ -82,68 +88,62 @@ TECHNIQUES = [
     Technique("baseline", "baseline", "fixed padding, fp32, no remat, xla attention, AdamW, "
               "one device", {}),
     Technique("dynamic", "padding", "dynamic padding (each batch padded to its longest row)",
-              {"batching": "dynamic"}),
+              {"data.batching": "dynamic"}),
     Technique("bucket", "padding", "length buckets with a token budget per batch",
-              {"batching": "bucket"}),
-    Technique("pack", "padding", "sequence packing with segment ids", {"batching": "pack"}),
+              {"data.batching": "bucket"}),
+    Technique("pack", "padding", "sequence packing with segment ids",
+              {"data.batching": "pack"}),
     Technique("bf16", "precision", "bfloat16 compute, float32 master weights",
-              {"precision": "bf16"}),
+              {"precision.policy": "bf16"}),
     Technique("fp16", "precision", "float16 compute with dynamic loss scaling",
-              {"precision": "fp16", "loss_scale": "dynamic"}),
-    *[Technique(f"remat-{policy}", "remat", f"remat policy {policy}", {"remat": policy})
+              {"precision.policy": "fp16", "precision.loss_scale": "dynamic"}),
+    *[Technique(f"remat-{policy}", "remat", f"remat policy {policy}", {"model.remat": policy})
       for policy in ("full", "dots", "attention", "mlp", "offload")],
     Technique("flash", "attention", "our Pallas flash attention kernel",
-              {"attention": "pallas"}, needs="gpu"),
-    Technique("lion", "optimizer", "Lion at its defaults", {"optimizer": "lion"}),
-    Technique("lamb", "optimizer", "LAMB at its defaults", {"optimizer": "lamb"}),
+              {"model.attention": "pallas"}, needs="gpu"),
+    Technique("lion", "optimizer", "Lion at its defaults", {"optimizer.name": "lion"}),
+    Technique("lamb", "optimizer", "LAMB at its defaults", {"optimizer.name": "lamb"}),
     Technique("accumulate", "accumulation", "gradient accumulation over microbatches", {}),
     Technique("dp", "sharding", "data parallel over all devices",
-              {"sharding": "dp", "num_devices": None}, needs="devices"),
+              {"mesh.strategy": "dp", "mesh.num_devices": None}, needs="devices"),
     Technique("fsdp", "sharding", "FSDP (ZeRO-3) over all devices",
-              {"sharding": "fsdp", "num_devices": None}, needs="devices"),
+              {"mesh.strategy": "fsdp", "mesh.num_devices": None}, needs="devices"),
     Technique("best", "combination", "the best combination", {}),
 ]
 BY_NAME = {t.name: t for t in TECHNIQUES}
 SPEED_GROUPS = ("padding", "precision", "remat", "attention", "accumulation", "sharding")
 
-# Settings each row chooses itself: the flags only explain that.
-_ROW_SET = "not used here: each row sets its own (see the module's --help text)"
+
+
+@dataclasses.dataclass
+class SpeedupSettings:
+    scale: str = setting("auto", "preset: cpu (a 2-layer, 128-wide model at seq_len 1024, batch "
+                              "8, 160k real tokens per row: under 10 minutes on 2 cores) or gpu "
+                              "(GPT-2 small shape, seq_len 1024, batch 16, 4M real tokens per "
+                              "row); auto: gpu when a GPU is visible", choices=SCALES)
+    rows: str = setting(",".join(t.name for t in TECHNIQUES),
+                     "comma-separated rows (the baseline always runs): "
+                     + ", ".join(t.name for t in TECHNIQUES))
+    best: str | None = setting(None, "comma-separated rows whose settings the best row combines "
+                                  "(default: chosen from the measurements)")
+    speed_margin: float = setting(0.03, "a technique joins the combination only if it is at least "
+                                     "this much faster than the baseline")
+    quality_tolerance: float = setting(0.02, "... and its validation bits per byte are at most this "
+                                          "much (relative) above the baseline's")
+    optimizer_slowdown: float = setting(0.10, "an optimizer with a lower validation loss joins if "
+                                           "it is at most this much slower than the baseline")
+    row_accumulate: int = setting(2, "microbatches of the accumulate row")
+    cpu_devices: int | None = setting(None, "on a CPU, devices each row's process sees "
+                                            "(default: one per core); the sharding rows use "
+                                            "them all")
 
 
 @dataclasses.dataclass
 class SpeedupConfig(TrainConfig):
-    """The training flags (defaults from the --scale preset) plus the rows and the combination."""
+    """The training config of the baseline (defaults from the --scale preset), the rows and the
+    combination. The settings in ``BASELINE`` are each row's own: they are no flags here."""
 
-    scale: str = flag("auto", "preset: cpu (a 2-layer, 128-wide model at seq_len 1024, batch "
-                              "8, 160k real tokens per row: under 10 minutes on 2 cores) or gpu "
-                              "(GPT-2 small shape, seq_len 1024, batch 16, 4M real tokens per "
-                              "row); auto: gpu when a GPU is visible", choices=SCALES)
-    rows: str = flag(",".join(t.name for t in TECHNIQUES),
-                     "comma-separated rows (the baseline always runs): "
-                     + ", ".join(t.name for t in TECHNIQUES))
-    best: str | None = flag(None, "comma-separated rows whose settings the best row combines "
-                                  "(default: chosen from the measurements)")
-    speed_margin: float = flag(0.03, "a technique joins the combination only if it is at least "
-                                     "this much faster than the baseline")
-    quality_tolerance: float = flag(0.02, "... and its validation bits per byte are at most this "
-                                          "much (relative) above the baseline's")
-    optimizer_slowdown: float = flag(0.10, "an optimizer with a lower validation loss joins if "
-                                           "it is at most this much slower than the baseline")
-    row_accumulate: int = flag(2, "microbatches of the accumulate row")
-    cpu_devices: int | None = flag(None, "on a CPU, devices each row's process sees (default: "
-                                         "one per core); the sharding rows use them all")
-    batching: str = flag("fixed", _ROW_SET)
-    precision: str = flag("fp32", _ROW_SET)
-    remat: str = flag("none", _ROW_SET)
-    attention: str = flag("xla", _ROW_SET)
-    optimizer: str = flag("adamw", _ROW_SET)
-    accumulate: int = flag(1, _ROW_SET)
-    sharding: str = flag("dp", _ROW_SET)
-    eval_every: int = flag(0, "evaluate every N steps (0: only at the end)")
-    checkpoint_every: int = flag(0, "save a checkpoint every N steps (0: only at the end)")
-    final_eval_batches: int | None = flag(8, "validation batches of every row's final "
-                                             "evaluation (the same batches for all rows)")
-    progress: bool = flag(False, "show each row's progress bar")
+    experiment: SpeedupSettings = dataclasses.field(default_factory=SpeedupSettings)
 
 
 def probe_devices(cpu_devices: int) -> dict:
@@ -172,52 +172,33 @@ def parse_config(argv=None) -> tuple[SpeedupConfig, dict]:
     known, _ = early.parse_known_args(argv)
     cpu_devices = known.cpu_devices or os.cpu_count() or 1
     if cpu_devices < 1:
-        raise ConfigError(f"cpu_devices must be at least 1, got {cpu_devices}; fix --cpu-devices")
+        raise ConfigError(f"cpu_devices must be at least 1, got {cpu_devices}",
+                          field="experiment.cpu_devices")
     devices = probe_devices(cpu_devices)
     scale = known.scale
     if scale == "auto":
         scale = "gpu" if devices["platform"] == "gpu" else "cpu"
-    parser = build_parser(SpeedupConfig, description=__doc__.split("\n\n")[0])
-    parser.set_defaults(**PRESETS[scale])
-    cfg = SpeedupConfig(**vars(parser.parse_args(argv)))
-    cfg = dataclasses.replace(cfg, scale=scale, cpu_devices=cpu_devices)
-    return cfg, devices
-
-
-def to_argv(cfg: TrainConfig) -> list[str]:
-    """The ``experiments.train`` flags that reproduce ``cfg`` (those that differ from default)."""
-    argv = []
-    for f in dataclasses.fields(TrainConfig):
-        value = getattr(cfg, f.name)
-        if value == f.default:
-            continue
-        name = f.name.replace("_", "-")
-        if isinstance(value, bool):
-            argv.append(f"--{name}" if value else f"--no-{name}")
-        elif value is None:
-            raise ConfigError(f"--{name} cannot be unset on the command line; leave it at its "
-                              f"default")
-        else:
-            argv += [f"--{name}", str(value)]
-    return argv
+    cfg = parse(argv, SpeedupConfig, defaults={**DEFAULTS, **PRESETS[scale]}, fixed=FIXED,
+                description=__doc__.split("\n\n")[0])
+    return override(cfg, {"experiment.scale": scale, "experiment.cpu_devices": cpu_devices}), \
+        devices
 
 
 def train_config(cfg: SpeedupConfig, settings: dict, run_dir: str) -> TrainConfig:
-    """A plain TrainConfig: the experiment's training flags, the baseline, then ``settings``."""
-    fields = {f.name: getattr(cfg, f.name) for f in dataclasses.fields(TrainConfig)}
-    fields.update(BASELINE, json=None, resume=False, run_dir=run_dir,
-                  eval_batch_size=cfg.batch_size)   # the same validation batches for every row
-    fields.update(settings)
-    return TrainConfig(**fields)
+    """A row's TrainConfig: the experiment's training settings, the baseline, then ``settings``
+    (every row validates on the same batches: the baseline's rows)."""
+    base = TrainConfig(**{f.name: getattr(cfg, f.name) for f in dataclasses.fields(TrainConfig)})
+    return override(base, {**BASELINE, "run.json": None, "run.run_dir": run_dir,
+                           "run.eval_batch_size": cfg.data.batch_size, **settings})
 
 
 def row_settings(cfg: SpeedupConfig, technique: Technique, documents) -> dict:
     """The settings a row changes from the baseline (batch sizes matched for padding rows)."""
     settings = dict(technique.settings)
     if technique.group == "padding":
-        settings.update(matched_batch(documents, cfg, settings["batching"]))
+        settings.update(matched_batch(documents, cfg, settings["data.batching"]))
     if technique.name == "accumulate":
-        settings["accumulate"] = cfg.row_accumulate
+        settings["optimizer.accumulate"] = cfg.experiment.row_accumulate
     return settings
 
 
@@ -266,56 +247,43 @@ def combine(settings_of: dict[str, dict], names: list[str], device_count: int) -
     for name in names:
         settings.update(settings_of[name])
     multiple = batch_multiple(settings, groups, device_count)
-    if settings.get("batch_size"):
-        settings["batch_size"] = -(-settings["batch_size"] // multiple) * multiple
+    if settings.get("data.batch_size"):
+        settings["data.batch_size"] = -(-settings["data.batch_size"] // multiple) * multiple
     return settings
 
 
 def batch_multiple(settings: dict, groups, device_count: int) -> int:
     """Rows of every batch must be a multiple of this: the devices (with a sharding row) times
     the microbatches."""
-    return (device_count if "sharding" in groups else 1) * settings.get("accumulate", 1)
+    return (device_count if "sharding" in groups else 1) * settings.get("optimizer.accumulate", 1)
 
 
 def run_row(cfg: SpeedupConfig, technique: Technique, settings: dict, run_root: str) -> dict:
     """Train one row in its own process and reduce its summary to a table row."""
     run_dir = os.path.join(run_root, technique.name)
+    summary_path = os.path.join(run_dir, "summary.json")
     train_cfg = train_config(cfg, settings, run_dir)
     train_cfg.validate()
     os.makedirs(run_dir, exist_ok=True)
-    summary_path = os.path.join(run_dir, "summary.json")
-    argv = [*to_argv(train_cfg), "--json", summary_path]
+    write_config(override(train_cfg, {"run.json": summary_path}), run_dir)
+    argv = ["--config", os.path.join(run_dir, "config.yaml")]
     row = {"name": technique.name, "group": technique.group,
            "description": technique.description, "settings": settings,
-           "command": "python -m experiments.train " + shlex.join(argv), "run_dir": run_dir}
+           "command": "python -m experiments.train " + " ".join(argv), "run_dir": run_dir}
     start = time.perf_counter()
     with open(os.path.join(run_dir, "log.txt"), "w") as log:
         done = subprocess.run([sys.executable, "-m", "experiments.train", *argv],
-                              env=row_environment(cfg.cpu_devices), stdout=log,
+                              env=row_environment(cfg.experiment.cpu_devices), stdout=log,
                               stderr=subprocess.PIPE, text=True)
         log.write(done.stderr)
     row["process_s"] = time.perf_counter() - start
     if done.returncode:
         row["status"] = f"failed: {_last_line(done.stderr)}"
         return row
-    with open(summary_path) as f:
-        s = json.load(f)
-    memory = s["step_memory_bytes"] or {}
-    row.update(
-        status="ran", real_tokens_per_s=s["real_tokens_per_s"],
-        padding_efficiency=s["padding_efficiency"], shapes=len(s["shapes"]),
-        memory_bytes=memory.get("total"), temp_bytes=memory.get("temp"),
-        peak_memory_bytes=s["peak_memory_bytes"], compiles=s["compiles"],
-        compile_s=s["compile_s"], mfu=s["mfu"], val_bpb=s["val_bpb"], val_loss=s["val_loss"],
-        val_tokens=s["val_tokens"], steps=s["steps"], real_tokens=s["real_tokens"],
-        train_s=s["train_s"], params=s["params"], batching=s["batching"],
-        batch_rows=s["batch_rows"],
-        precision=s["precision"], loss_scale=s["loss_scale"], skipped_steps=s["skipped_steps"],
-        remat=s["remat"], attention=s["attention"], optimizer=s["optimizer"],
-        optimizer_state_bytes=s["optimizer_state_bytes"], accumulate=s["accumulate"],
-        sharding=s["sharding"], mesh=s["mesh"],
-        param_opt_bytes_per_device=s["param_opt_bytes_per_device"], device=s["device"],
-        jax_version=s["jax_version"])
+    summary = RunSummary.read(summary_path)
+    memory = summary.step_memory_bytes or {}
+    row.update(dataclasses.asdict(summary), status="ran", shapes=len(summary.shapes),
+               memory_bytes=memory.get("total"), temp_bytes=memory.get("temp"))
     return row
 
 
@@ -484,65 +452,62 @@ def plot(run_root: str, rows: list[dict], title: str):
                      {r["name"]: r["run_dir"] for r in ran}, title=title)
 
 
+@command(SpeedupConfig)
 def main(argv=None) -> int:
     argv = sys.argv[1:] if argv is None else list(argv)
-    try:
-        cfg, devices = parse_config(argv)
-        names = parse_names(cfg.rows, BY_NAME, "rows")
-        if cfg.resume:
-            raise ConfigError("--resume is not supported here: every row starts fresh; drop it")
-        if cfg.tokens_per_batch is not None:
-            raise ConfigError("the baseline's batch is --batch-size rows; drop --tokens-per-batch")
-        if cfg.row_accumulate < 1 or (cfg.batch_size or 0) % cfg.row_accumulate:
-            raise ConfigError(f"--row-accumulate {cfg.row_accumulate} must be >= 1 and divide "
-                              f"--batch-size {cfg.batch_size}")
-        best_names = parse_names(cfg.best, BY_NAME, "best") if cfg.best else None
-        techniques = [t for t in TECHNIQUES if t.name == "baseline" or t.name in names]
-        run_root = cfg.run_dir or os.path.join("runs", time.strftime("speedup-%Y%m%d-%H%M%S"))
-        if os.path.exists(os.path.join(run_root, "report.md")):
-            raise ConfigError(f"{run_root} already holds a speedup report; choose another "
-                              f"--run-dir")
-        documents = load_corpus(cfg.data, cache_dir=cfg.cache_dir).train
-        print(f"experiments.speedup: {cfg.scale} preset on {devices['device_count']} x "
-              f"{devices['device_kind']}; {len(techniques)} rows into {run_root}", flush=True)
+    cfg, devices = parse_config(argv)
+    exp = cfg.experiment
+    names = parse_list(exp.rows, "experiment.rows", valid=BY_NAME)
+    if cfg.data.tokens_per_batch is not None:
+        raise ConfigError("the baseline's batch is batch_size rows; leave tokens_per_batch unset",
+                          field="data.tokens_per_batch")
+    if exp.row_accumulate < 1 or (cfg.data.batch_size or 0) % exp.row_accumulate:
+        raise ConfigError(f"row_accumulate={exp.row_accumulate} must be >= 1 and divide "
+                          f"batch_size={cfg.data.batch_size}", field="experiment.row_accumulate")
+    best_names = parse_list(exp.best, "experiment.best", valid=BY_NAME) if exp.best else None
+    techniques = [t for t in TECHNIQUES if t.name == "baseline" or t.name in names]
+    run_root = cfg.run.run_dir or os.path.join("runs", time.strftime("speedup-%Y%m%d-%H%M%S"))
+    if os.path.exists(os.path.join(run_root, "report.md")):
+        raise ConfigError(f"{run_root} already holds a speedup report; choose another run_dir",
+                          field="run.run_dir")
+    documents = load_corpus(cfg.data.path, cache_dir=cfg.data.cache_dir).train
+    print(f"experiments.speedup: {exp.scale} preset on {devices['device_count']} x "
+          f"{devices['device_kind']}; {len(techniques)} rows into {run_root}", flush=True)
 
-        rows, picks = {}, []
-        for technique in techniques:
-            reason = skip_reason(technique, devices)
-            if technique.name == "best":
-                if best_names:
-                    picks = [(n, "named by --best") for n in best_names]
-                else:
-                    picks = choose_best(rows, cfg.speed_margin, cfg.quality_tolerance,
-                                        cfg.optimizer_slowdown)
-                chosen = [n for n, _ in picks]
-                settings = combine({n: rows[n]["settings"] if n in rows else
-                                    row_settings(cfg, BY_NAME[n], documents) for n in chosen},
-                                   chosen, devices["device_count"])
-                multiple = batch_multiple(settings, {BY_NAME[n].group for n in chosen},
-                                          devices["device_count"])
-                if multiple > 1 and settings.get("batching", "fixed") != "fixed":
-                    # re-match the padding row's batch to the baseline's real tokens per step
-                    # under the rounding, so the combination takes the same number of steps
-                    settings.update(matched_batch(documents, cfg, settings["batching"],
-                                                  multiple=multiple))
-                technique = dataclasses.replace(
-                    technique, description="the best combination: "
-                    + (" + ".join(n for n, _ in picks) or "nothing beat the baseline"))
+    rows, picks = {}, []
+    for technique in techniques:
+        reason = skip_reason(technique, devices)
+        if technique.name == "best":
+            if best_names:
+                picks = [(n, "named by --best") for n in best_names]
             else:
-                settings = row_settings(cfg, technique, documents)
-            if reason:
-                row = {"name": technique.name, "group": technique.group,
-                       "description": technique.description, "settings": settings,
-                       "status": f"skipped: {reason}"}
-            else:
-                row = run_row(cfg, technique, settings, run_root)
-            compare(row, rows.get("baseline", row))
-            rows[technique.name] = row
-            _progress_line(row)
-    except ConfigError as e:
-        print(f"error: {e}", file=sys.stderr)
-        return 2
+                picks = choose_best(rows, exp.speed_margin, exp.quality_tolerance,
+                                    exp.optimizer_slowdown)
+            chosen = [n for n, _ in picks]
+            settings = combine({n: rows[n]["settings"] if n in rows else
+                                row_settings(cfg, BY_NAME[n], documents) for n in chosen},
+                               chosen, devices["device_count"])
+            multiple = batch_multiple(settings, {BY_NAME[n].group for n in chosen},
+                                      devices["device_count"])
+            if multiple > 1 and settings.get("data.batching", "fixed") != "fixed":
+                # re-match the padding row's batch to the baseline's real tokens per step
+                # under the rounding, so the combination takes the same number of steps
+                settings.update(matched_batch(documents, cfg, settings["data.batching"],
+                                              multiple=multiple))
+            technique = dataclasses.replace(
+                technique, description="the best combination: "
+                + (" + ".join(n for n, _ in picks) or "nothing beat the baseline"))
+        else:
+            settings = row_settings(cfg, technique, documents)
+        if reason:
+            row = {"name": technique.name, "group": technique.group,
+                   "description": technique.description, "settings": settings,
+                   "status": f"skipped: {reason}"}
+        else:
+            row = run_row(cfg, technique, settings, run_root)
+        compare(row, rows.get("baseline", row))
+        rows[technique.name] = row
+        _progress_line(row)
 
     ordered = list(rows.values())
     base = rows["baseline"]
@@ -551,22 +516,22 @@ def main(argv=None) -> int:
               f"{base['run_dir']}/log.txt", file=sys.stderr)
         return 1
     best = rows.get("best")
-    target_lines = targets(best, base, cfg.scale, devices)
-    meta = {"scale": cfg.scale, "command": "python -m experiments.speedup " + shlex.join(argv),
+    target_lines = targets(best, base, exp.scale, devices)
+    meta = {"scale": exp.scale, "command": "python -m experiments.speedup " + " ".join(argv),
             "device": devices["device_kind"], "platform": devices["platform"],
             "device_count": devices["device_count"], "jax_version": devices["jax_version"],
-            "date": time.strftime("%Y-%m-%d"), "model": cfg.model, "params": base["params"],
-            "seq_len": cfg.seq_len, "batch_size": cfg.batch_size,
-            "train_tokens": cfg.train_tokens, "val_tokens": base["val_tokens"],
+            "date": time.strftime("%Y-%m-%d"), "model": base["model"], "params": base["params"],
+            "seq_len": cfg.seq_len, "batch_size": cfg.data.batch_size,
+            "train_tokens": cfg.run.train_tokens, "val_tokens": base["val_tokens"],
             "best": [n for n, _ in picks], "best_source": "--best" if best_names else
             "chosen from the measurements", "targets": target_lines, "run_dir": run_root}
     report = os.path.join(run_root, "report.md")
     write_report(report, ordered, meta, picks, target_lines)
-    title = f"{cfg.model} model, seq_len {cfg.seq_len}, {devices['device_kind']}"
+    title = f"{meta['model']} model, seq_len {cfg.seq_len}, {devices['device_kind']}"
     plot(run_root, ordered, title)
-    write_json(cfg.json, ordered, meta)
+    write_json(cfg.run.json, ordered, meta)
     print(f"\n{meta['model']} model ({meta['params']:,} parameters), seq_len {cfg.seq_len}, "
-          f"{cfg.train_tokens:,} real tokens per row, {devices['device_count']} x "
+          f"{cfg.run.train_tokens:,} real tokens per row, {devices['device_count']} x "
           f"{devices['device_kind']}, jax {devices['jax_version']}")
     print(table(ordered))
     print(f"\nbest = {' + '.join(meta['best']) or 'the baseline (nothing qualified)'} "

@@ -31,7 +31,7 @@ from jaxaccel.data import STRATEGIES
 from jaxaccel.errors import ConfigError
 from jaxaccel.model import MLP_KINDS, PRESETS, ModelConfig, preset
 from jaxaccel.optim import LR_SCALING, NO_DECAY_PATTERNS, OPTIMIZERS, SCHEDULES, describe_defaults
-from jaxaccel.precision import LOSS_SCALE_KINDS, NoLossScale, get_policy, make_loss_scale
+from jaxaccel.precision import LOSS_SCALE_KINDS, get_policy, make_loss_scale
 from jaxaccel.remat import REMAT_POLICIES
 from jaxaccel.sharding import AXIS_TYPES, STRATEGIES as SHARDING_STRATEGIES
 
@@ -237,9 +237,6 @@ class TrainConfig:
             growth_factor=p.growth_factor, backoff_factor=p.backoff,
             growth_interval=p.growth_interval, min_scale=p.min_scale, static_scale=p.init_scale)
 
-    def skips_nonfinite(self) -> bool:
-        """Whether a step with non-finite gradients is skipped: with any loss scale but none."""
-        return not isinstance(self.make_loss_scale(), NoLossScale)
 
     def validate(self):
         """Check the settings together (ConfigError naming the field otherwise)."""
@@ -423,10 +420,13 @@ def read_config_file(path: str) -> dict:
 
 
 def write_config(cfg, run_dir: str, command: str | None = None):
-    """The resolved config (``config.yaml``) and the command line (``command.txt``) into
-    ``run_dir``, so that ``--config run_dir/config.yaml`` repeats the run."""
+    """The resolved training config (``config.yaml``: the TrainConfig sections, without an
+    experiment's own) and the command line (``command.txt``) into ``run_dir``, so that
+    ``python -m experiments.train --config run_dir/config.yaml`` repeats the run."""
+    sections = {f.name for f in dataclasses.fields(TrainConfig)}
     with open(os.path.join(run_dir, "config.yaml"), "w") as f:
-        yaml.safe_dump(to_dict(cfg), f, sort_keys=False)
+        yaml.safe_dump({k: v for k, v in to_dict(cfg).items() if k in sections}, f,
+                       sort_keys=False)
     if command is not None:
         with open(os.path.join(run_dir, "command.txt"), "w") as f:
             f.write(command + "\n")
@@ -513,7 +513,6 @@ def parse(argv=None, cls=None, *, defaults: dict | None = None, fixed: tuple = (
     given.update(args)
     for path in given:
         if path in fixed:
-            raise ConfigError(f"{path} is set by this experiment for each row; leave it out",
-                              field=path)
+            raise ConfigError(f"{path} is set by this experiment for each row; leave it out")
     values.update(given)
     return build(cls, values)

@@ -33,13 +33,13 @@ from jaxaccel.data import DataStream, batches
 from jaxaccel.errors import ConfigError
 from jaxaccel.loader import DevicePrefetcher, abstract_batch, place_batch
 from jaxaccel.metrics import BITS_PER_NAT, MetricsWriter, plot_loss_curve, read_metrics
-from jaxaccel.model import count_params, describe_model, flops_per_token
+from jaxaccel.model import count_params, describe_model, flops_per_token, make_apply
 from jaxaccel.optim import build_optimizer, state_bytes
 from jaxaccel.planner import choose_remat
 from jaxaccel.sharding import (batch_shards, batch_sharding, build_mesh, bytes_per_device,
                                format_mesh, initialize_distributed, replicated)
 from jaxaccel.state import init_sharded_state
-from jaxaccel.train import build_eval_step, build_train_step
+from jaxaccel.train import lm_eval_step, lm_train_step
 
 RUNS_ROOT = "runs"
 
@@ -253,10 +253,10 @@ def resume_settings(cfg: TrainConfig, stream_args: dict, total_steps: int, multi
 
 
 def train_step_of(cfg: TrainConfig, model_cfg, optimizer, schedule=None):
-    """The pure train step a config describes (``jaxaccel.train.build_train_step``)."""
-    return build_train_step(model_cfg, optimizer, policy=cfg.policy(),
-                            accumulate=cfg.optimizer.accumulate,
-                            skip_nonfinite=cfg.skips_nonfinite(), schedule=schedule)
+    """The pure train step a config describes (``jaxaccel.train.lm_train_step``), for
+    ``model_cfg`` (the config's model, or a variant of it)."""
+    return lm_train_step(make_apply(model_cfg), optimizer, schedule, policy=cfg.policy(),
+                         accumulate=cfg.optimizer.accumulate)
 
 
 def sharded_steps(cfg: TrainConfig, optimizer, schedule, shardings, mesh):
@@ -267,7 +267,7 @@ def sharded_steps(cfg: TrainConfig, optimizer, schedule, shardings, mesh):
     train_step = CompiledFn(train_step_of(cfg, cfg.model, optimizer, schedule),
                             in_shardings=(shardings, layout), out_shardings=(shardings, whole),
                             donate_argnums=0)
-    eval_step = CompiledFn(build_eval_step(cfg.model, cfg.policy()),
+    eval_step = CompiledFn(lm_eval_step(make_apply(cfg.model), cfg.policy()),
                            in_shardings=(shardings, layout), out_shardings=whole)
     return train_step, eval_step
 

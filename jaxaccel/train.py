@@ -7,12 +7,13 @@ transformations of a loss function:
 
     loss_fn = lm_loss(precision.cast(make_apply(model_cfg), policy))  # bf16 model, f32 loss
     grad_fn = grads.accumulate(grads.value_and_grad(loss_fn), 4, weight="real_tokens")
-    step = make_train_step(grad_fn, precision.skip_nonfinite(optimizer))
+    step = make_train_step(grad_fn, optimizer)
 
 The step adds loss scaling with the loss scale it carries in the state
-(``precision.loss_scaled``) and hands the gradients' finiteness to the optimizer, which skips
-the update when wrapped in ``precision.skip_nonfinite``. ``build_train_step`` composes the step a
-``TrainConfig`` describes: the one place where settings become transformations.
+(``precision.loss_scaled``); with a loss scale (not ``NoLossScale``) a step whose gradients are
+not all finite is skipped (``precision.skip_nonfinite``). ``lm_train_step`` is that composition
+for a language model's apply function: the one place where a run's settings become
+transformations.
 """
 
 from typing import Any
@@ -23,7 +24,6 @@ import optax
 from flax import struct
 
 from jaxaccel import grads, precision
-from jaxaccel.model import make_apply
 
 
 @struct.dataclass
@@ -69,14 +69,16 @@ def make_train_step(grad_fn, optimizer: optax.GradientTransformation, schedule=N
     """Build the pure ``train_step(state, batch) -> (state, metrics)``.
 
     Each step gets the key ``fold_in(state.rng, state.step)``. The loss scale in the state
-    scales the backward pass (``precision.loss_scaled``); the optimizer receives
-    ``grads_finite`` (an optax extra argument) and decides whether a non-finite step is
-    skipped. The finiteness test reduces the global gradient, so under a sharded jit every
-    device takes the same decision. ``schedule(step)``, when given, puts the learning rate into
-    the metrics; ``grad_fn``'s aux statistics go into them too.
+    scales the backward pass (``precision.loss_scaled``). With a ``NoLossScale`` every step
+    updates (non-finite steps are only counted); with a static or dynamic scale the optimizer
+    is wrapped in ``precision.skip_nonfinite``, so a non-finite step changes nothing but the
+    scale and the skip count. The finiteness test reduces the global gradient, so under a
+    sharded jit every device takes the same decision. ``schedule(step)``, when given, puts the
+    learning rate into the metrics; ``grad_fn``'s aux statistics go into them too.
     """
     scaled_grad_fn = precision.loss_scaled(grad_fn)
-    optimizer = optax.with_extra_args_support(optimizer)
+    always = optax.with_extra_args_support(optimizer)
+    skipping = precision.skip_nonfinite(optimizer)
 
     def train_step(state: TrainState, batch):
         key = jax.random.fold_in(state.rng, state.step)
@@ -84,8 +86,9 @@ def make_train_step(grad_fn, optimizer: optax.GradientTransformation, schedule=N
                                                          state.loss_scale)
         aux = dict(aux)
         finite = aux.pop("grads_finite")
-        updates, opt_state = optimizer.update(grads_, state.opt_state, state.params,
-                                              grads_finite=finite)
+        update = always if isinstance(state.loss_scale, precision.NoLossScale) else skipping
+        updates, opt_state = update.update(grads_, state.opt_state, state.params,
+                                           grads_finite=finite)
         params = optax.apply_updates(state.params, updates)
         metrics = {
             "loss": loss,
@@ -116,19 +119,17 @@ def make_eval_step(apply_fn):
     return eval_step
 
 
-def build_train_step(model_cfg, optimizer, *, policy=precision.POLICIES["fp32"],
-                     accumulate: int = 1, skip_nonfinite: bool = False, schedule=None):
-    """The train step of a GPT as configured: the model under ``policy``, the token-mean loss,
-    ``accumulate`` microbatches weighted by their real tokens, and (``skip_nonfinite``, for a
-    run with loss scaling) overflowing steps skipped. Every caller that trains builds its step
-    here, so a setting cannot reach one step and miss another."""
-    loss_fn = lm_loss(precision.cast(make_apply(model_cfg), policy))
+def lm_train_step(apply_fn, optimizer, schedule=None, *, policy=precision.POLICIES["fp32"],
+                  accumulate: int = 1):
+    """The train step of a language model (``jaxaccel.model.make_apply``): the model under
+    ``policy``, the token-mean loss, ``accumulate`` microbatches weighted by their real tokens.
+    Every caller that trains builds its step here, so a setting cannot reach one step and miss
+    another."""
+    loss_fn = lm_loss(precision.cast(apply_fn, policy))
     grad_fn = grads.accumulate(grads.value_and_grad(loss_fn), accumulate, weight="real_tokens")
-    if skip_nonfinite:
-        optimizer = precision.skip_nonfinite(optimizer)
     return make_train_step(grad_fn, optimizer, schedule)
 
 
-def build_eval_step(model_cfg, policy=precision.POLICIES["fp32"]):
-    """The evaluation step of a GPT under ``policy``."""
-    return make_eval_step(precision.cast(make_apply(model_cfg), policy))
+def lm_eval_step(apply_fn, policy=precision.POLICIES["fp32"]):
+    """The evaluation step of a language model under ``policy``."""
+    return make_eval_step(precision.cast(apply_fn, policy))

@@ -7,7 +7,7 @@ from jaxaccel.config import build_parser
 from jaxaccel.errors import ConfigError
 from jaxaccel.model import ModelConfig, init_params
 from jaxaccel.optim import make_optimizer
-from jaxaccel.train import init_state
+from jaxaccel.state import init_state
 
 CFG = ModelConfig(vocab_size=64, d_model=32, n_layers=1, n_heads=2, max_seq_len=8)
 

@@ -15,37 +15,13 @@ import pytest
 from jax.experimental import pallas as pl
 
 from jaxaccel.attention import dot_product_attention, resolve_implementation
-from jaxaccel.config import parse_config
+from jaxaccel.config import parse
 from jaxaccel.errors import ConfigError
 from jaxaccel.kernels import flash, flash_attention, tile_schedule
 from jaxaccel.model import ModelConfig, init_params, make_apply
-from jaxaccel.train import init_state, make_train_step
-from tests.test_attention import reference_attention
-
-
-def reference(q, k, v, segment_ids, causal, d_out):
-    """Float64 output and (dq, dk, dv) for cotangent ``d_out``: softmax attention by the book."""
-    q, k, v, d_out = (np.asarray(x, np.float64) for x in (q, k, v, d_out))
-    B, T, H, D = q.shape
-    G = H // k.shape[2]
-    k_x, v_x = np.repeat(k, G, axis=2), np.repeat(v, G, axis=2)   # head h reads kv head h // G
-    scale = D ** -0.5
-    allowed = np.ones((B, 1, T, T), bool)
-    if causal:
-        allowed &= np.tril(np.ones((T, T), bool))
-    if segment_ids is not None:
-        allowed &= (segment_ids[:, :, None] == segment_ids[:, None, :])[:, None]
-    s = np.where(allowed, np.einsum("bthd,bshd->bhts", q, k_x) * scale, -np.inf)
-    p = np.exp(s - s.max(-1, keepdims=True))
-    p /= p.sum(-1, keepdims=True)
-    out = np.einsum("bhts,bshd->bthd", p, v_x)
-    dp = np.einsum("bthd,bshd->bhts", d_out, v_x)
-    ds = p * (dp - (dp * p).sum(-1, keepdims=True))
-    dq = np.einsum("bhts,bshd->bthd", ds, k_x) * scale
-    dk_x = np.einsum("bhts,bthd->bshd", ds, q) * scale
-    dv_x = np.einsum("bhts,bthd->bshd", p, d_out)
-    per_group = (B, T, k.shape[2], G, D)
-    return out, (dq, dk_x.reshape(per_group).sum(3), dv_x.reshape(per_group).sum(3))
+from jaxaccel.state import init_state
+from jaxaccel.train import lm_train_step
+from tests.reference import reference_attention
 
 
 def segments(rng, B, T, layout):
@@ -68,9 +44,9 @@ def segments(rng, B, T, layout):
     return ids
 
 
-def inputs(rng, B, T, H, K, D, dtype):
+def inputs(rng, B, T, H, K, E, dtype):
     """Fresh standard-normal q, k, v and output cotangent, rounded to ``dtype``."""
-    arrays = [rng.standard_normal((B, T, n, D)) for n in (H, K, K, H)]
+    arrays = [rng.standard_normal((B, T, n, E)) for n in (H, K, K, H)]
     return [jnp.asarray(x, dtype) for x in arrays]
 
 
@@ -88,7 +64,7 @@ def run(q, k, v, d_out, segment_ids, causal, **options):
     return out, vjp(d_out)
 
 
-# (B, T, H, K, D, causal, segment layout, block_q, block_k): T = 1, odd, not a multiple of any
+# (B, T, H, K, E, causal, segment layout, block_q, block_k): T = 1, odd, not a multiple of any
 # block; GQA ratios 1, 2, 3, 4; head dims 32, 64, 128 and an odd 48.
 CASES = [
     (2, 1, 2, 2, 32, True, "packed", 16, 16),
@@ -106,14 +82,14 @@ CASES = [
 ]
 
 
-@pytest.mark.parametrize("B,T,H,K,D,causal,layout,block_q,block_k", CASES)
-def test_float32_forward_and_gradients_match_float64(B, T, H, K, D, causal, layout, block_q,
+@pytest.mark.parametrize("B,T,H,K,E,causal,layout,block_q,block_k", CASES)
+def test_float32_forward_and_gradients_match_float64(B, T, H, K, E, causal, layout, block_q,
                                                      block_k):
-    rng = np.random.default_rng([B, T, H, K, D, causal])
-    q, k, v, d_out = inputs(rng, B, T, H, K, D, jnp.float32)
+    rng = np.random.default_rng([B, T, H, K, E, causal])
+    q, k, v, d_out = inputs(rng, B, T, H, K, E, jnp.float32)
     seg = segments(rng, B, T, layout)
     out, grads = run(q, k, v, d_out, seg, causal, block_q=block_q, block_k=block_k)
-    ref_out, ref_grads = reference(q, k, v, seg, causal, d_out)
+    ref_out, ref_grads = reference_attention(q, k, v, seg, causal, d_out)
     assert out.shape == q.shape and out.dtype == jnp.float32
     assert rel_err(out, ref_out) < 1e-5
     for name, g, ref_g, x in zip("qkv", grads, ref_grads, (q, k, v)):
@@ -121,17 +97,18 @@ def test_float32_forward_and_gradients_match_float64(B, T, H, K, D, causal, layo
         assert rel_err(g, ref_g) < 1e-5, f"d{name}"
 
 
-@pytest.mark.parametrize("dtype,T,K,D,causal,layout", [
+@pytest.mark.parametrize("dtype,T,K,E,causal,layout", [
     (jnp.bfloat16, 41, 2, 64, True, "packed"),
     (jnp.bfloat16, 32, 1, 128, False, None),
     (jnp.float16, 27, 2, 32, True, "arbitrary"),
 ])
-def test_half_precision_inputs_stay_close_to_float64(dtype, T, K, D, causal, layout):
-    rng = np.random.default_rng([T, K, D])
-    q, k, v, d_out = inputs(rng, 2, T, 4, K, D, dtype)
+def test_half_precision_inputs_stay_close_to_float64(dtype, T, K, E, causal, layout):
+    rng = np.random.default_rng([T, K, E])
+    q, k, v, d_out = inputs(rng, 2, T, 4, K, E, dtype)
     seg = segments(rng, 2, T, layout)
     out, grads = run(q, k, v, d_out, seg, causal, block_q=16, block_k=16)
-    ref_out, ref_grads = reference(q, k, v, seg, causal, d_out)   # from the rounded inputs
+    # The reference computes from the inputs rounded to dtype.
+    ref_out, ref_grads = reference_attention(q, k, v, seg, causal, d_out)
     assert out.dtype == dtype and all(g.dtype == dtype for g in grads)
     assert rel_err(out, ref_out) < 1e-2
     for g, ref_g in zip(grads, ref_grads):
@@ -142,12 +119,12 @@ def test_default_blocks_and_explicit_scale():
     rng = np.random.default_rng(7)
     q, k, v, d_out = inputs(rng, 1, 75, 2, 2, 32, jnp.float32)
     out, grads = run(q, k, v, d_out, None, True, sm_scale=32 ** -0.5)
-    ref_out, ref_grads = reference(q, k, v, None, True, d_out)
+    ref_out, ref_grads = reference_attention(q, k, v, None, True, d_out)
     assert rel_err(out, ref_out) < 1e-5
     assert all(rel_err(g, r) < 1e-5 for g, r in zip(grads, ref_grads))
     doubled = flash_attention(q, k, v, causal=True, sm_scale=2 * 32 ** -0.5)
-    ref_doubled, _ = reference(np.sqrt(2) * np.asarray(q), np.sqrt(2) * np.asarray(k), v, None,
-                               True, d_out)
+    ref_doubled = reference_attention(np.sqrt(2) * np.asarray(q), np.sqrt(2) * np.asarray(k), v,
+                                      None, True)
     assert rel_err(doubled, ref_doubled) < 1e-5
 
 
@@ -218,23 +195,23 @@ def test_skipped_tiles_are_never_read():
     # Causal: keys 48.. are read only by the last query tile; queries 0..15 only by key tile 0.
     out, (dq, _, _) = run(q, _nan_rows(k, slice(48, T)), _nan_rows(v, slice(48, T)), d_out,
                           None, True, **opts)
-    ref_out, (ref_dq, _, _) = reference(q, k, v, None, True, d_out)
+    ref_out, (ref_dq, _, _) = reference_attention(q, k, v, None, True, d_out)
     assert rel_err(out[:, :48], ref_out[:, :48]) < 1e-5
     assert rel_err(dq[:, :48], ref_dq[:, :48]) < 1e-5
     _, (_, dk, dv) = run(_nan_rows(q, slice(0, 16)), k, v, _nan_rows(d_out, slice(0, 16)), None,
                          True, **opts)
-    _, (_, ref_dk, ref_dv) = reference(q, k, v, None, True, d_out)
+    _, (_, ref_dk, ref_dv) = reference_attention(q, k, v, None, True, d_out)
     assert rel_err(dk[:, 16:], ref_dk[:, 16:]) < 1e-5
     assert rel_err(dv[:, 16:], ref_dv[:, 16:]) < 1e-5
     # Segments: document 1 fills tiles 0-1, document 2 tiles 2-3 (not causal).
     seg = np.repeat(np.array([[1, 2]], np.int32), 32, axis=1)
     first = slice(0, 32)
     out, (dq, _, _) = run(q, _nan_rows(k, first), _nan_rows(v, first), d_out, seg, False, **opts)
-    ref_out, (ref_dq, _, _) = reference(q, k, v, seg, False, d_out)
+    ref_out, (ref_dq, _, _) = reference_attention(q, k, v, seg, False, d_out)
     assert rel_err(out[:, 32:], ref_out[:, 32:]) < 1e-5
     assert rel_err(dq[:, 32:], ref_dq[:, 32:]) < 1e-5
     _, (_, dk, dv) = run(_nan_rows(q, first), k, v, _nan_rows(d_out, first), seg, False, **opts)
-    _, (_, ref_dk, ref_dv) = reference(q, k, v, seg, False, d_out)
+    _, (_, ref_dk, ref_dv) = reference_attention(q, k, v, seg, False, d_out)
     assert rel_err(dk[:, 32:], ref_dk[:, 32:]) < 1e-5
     assert rel_err(dv[:, 32:], ref_dv[:, 32:]) < 1e-5
 
@@ -277,10 +254,10 @@ def test_kernels_lower_to_triton_for_an_h100_without_a_gpu():
     device = jax.sharding.AbstractDevice(device_kind="NVIDIA H100 80GB HBM3", num_cores=None,
                                          platform="gpu")
     mesh = jax.sharding.AbstractMesh((1,), ("x",), abstract_device=device)
-    for D, causal, with_segments, dtype in [(128, True, True, jnp.bfloat16),
+    for E, causal, with_segments, dtype in [(128, True, True, jnp.bfloat16),
                                             (64, False, False, jnp.float32)]:
-        q = jax.ShapeDtypeStruct((2, 1000, 8, D), dtype)
-        kv = jax.ShapeDtypeStruct((2, 1000, 2, D), dtype)
+        q = jax.ShapeDtypeStruct((2, 1000, 8, E), dtype)
+        kv = jax.ShapeDtypeStruct((2, 1000, 2, E), dtype)
         seg = jax.ShapeDtypeStruct((2, 1000), jnp.int32) if with_segments else None
 
         def fwd_bwd(q, k, v, seg, d_out):
@@ -305,7 +282,7 @@ def test_dot_product_attention_pallas_and_auto():
     assert rel_err(pallas, reference_attention(q, k, v, seg, True)) < 1e-5
     assert resolve_implementation("auto") == ("pallas" if jax.default_backend() == "gpu"
                                               else "xla")
-    assert parse_config(["--attention", "pallas"]).validate().attention == "pallas"
+    assert parse(["--attention", "pallas"]).model.attention == "pallas"
 
 
 def test_model_trains_the_same_with_pallas_as_with_xla():
@@ -322,7 +299,7 @@ def test_model_trains_the_same_with_pallas_as_with_xla():
                           max_seq_len=24, attention=impl)
         optimizer = optax.adam(1e-2)
         state = init_state(init_params(cfg, jax.random.PRNGKey(0)), optimizer, seed=0)
-        step = jax.jit(make_train_step(make_apply(cfg), optimizer))
+        step = jax.jit(lm_train_step(make_apply(cfg), optimizer))
         losses[impl] = []
         for _ in range(3):
             state, metrics = step(state, batch)

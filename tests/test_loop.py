@@ -2,6 +2,7 @@
 
 import json
 import os
+import shlex
 import signal
 import subprocess
 import sys
@@ -14,7 +15,7 @@ import orbax.checkpoint as ocp
 import pytest
 
 from experiments.train import main
-from jaxaccel.config import TrainConfig
+from jaxaccel.config import build, parse
 from jaxaccel.loop import train
 from jaxaccel.optim import DEFAULTS
 
@@ -22,12 +23,22 @@ SMALL_MODEL = ["--d-model", "32", "--n-layers", "2", "--n-heads", "4", "--max-se
 
 
 def small_config(corpus_path, tmp_path, name="run", **overrides):
-    fields = dict(d_model=32, n_layers=2, n_heads=4, max_seq_len=32, data=corpus_path,
-                  seq_len=32, batch_size=4, steps=8, warmup_steps=2, eval_every=4,
-                  eval_batches=2, log_every=2, checkpoint_every=3, progress=False,
-                  run_dir=str(tmp_path / name), cache_dir=str(tmp_path / "cache"))
-    fields.update(overrides)
-    return TrainConfig(**fields)
+    """A small run's config; ``overrides`` by field name (``batching="pack"``)."""
+    values = {"model.d_model": 32, "model.n_layers": 2, "model.n_heads": 4,
+              "model.max_seq_len": 32, "data.path": corpus_path, "data.seq_len": 32,
+              "data.batch_size": 4, "run.steps": 8, "optimizer.warmup_steps": 2,
+              "run.eval_every": 4, "run.eval_batches": 2, "run.log_every": 2,
+              "run.checkpoint_every": 3, "run.progress": False,
+              "run.run_dir": str(tmp_path / name), "data.cache_dir": str(tmp_path / "cache")}
+    paths = {path.partition(".")[2]: path for path in values}
+    paths.update(batching="data.batching", buckets="data.buckets",
+                 pad_multiple="data.pad_multiple", tokens_per_batch="data.tokens_per_batch",
+                 train_tokens="run.train_tokens", resume="run.resume", optimizer="optimizer.name",
+                 lr_scaling="optimizer.lr_scaling", base_batch_size="optimizer.base_batch_size",
+                 accumulate="optimizer.accumulate", optimizer_state_dtype="optimizer.state_dtype",
+                 precision="precision.policy", loss_scale_init="precision.init_scale",
+                 loss_scale_growth_interval="precision.growth_interval")
+    return build(values={**values, **{paths[k]: v for k, v in overrides.items()}})
 
 
 def final_state(run_dir, step):
@@ -36,13 +47,15 @@ def final_state(run_dir, step):
 
 def test_summary_metrics_and_artifacts(corpus_path, tmp_path):
     summary = train(small_config(corpus_path, tmp_path))
-    for key in ("steps", "real_tokens_per_s", "padding_efficiency", "train_bpb", "val_bpb",
-                "unigram_bpb", "compiles", "wall_s"):
-        assert key in summary
-    assert summary["steps"] == 8 and summary["compiles"] == 1 and summary["interrupted"] is None
-    assert 0 < summary["padding_efficiency"] <= 1 and summary["real_tokens_per_s"] > 0
-    assert np.isfinite(summary["val_bpb"]) and summary["val_tokens"] > 0
-    run_dir = summary["run_dir"]
+    assert summary.real_tokens_per_s > 0 and summary.wall_s > 0 and summary.unigram_bpb > 0
+    assert summary.steps == 8 and summary.compiles == 1 and summary.interrupted is None
+    assert 0 < summary.padding_efficiency <= 1 and summary.real_tokens_per_s > 0
+    assert np.isfinite(summary.val_bpb) and summary.val_tokens > 0
+    run_dir = summary.run_dir
+    # The resolved config and the command line: --config repeats the run.
+    assert parse(["--config", os.path.join(run_dir, "config.yaml")]) == \
+        small_config(corpus_path, tmp_path)
+    assert open(os.path.join(run_dir, "command.txt")).read() == shlex.join(sys.orig_argv) + "\n"
     records = [json.loads(line) for line in open(os.path.join(run_dir, "metrics.jsonl"))]
     assert [r["step"] for r in records if r["kind"] == "train"] == [2, 4, 6, 8]
     assert [r["step"] for r in records if r["kind"] == "eval"] == [4, 8]
@@ -53,13 +66,13 @@ def test_summary_metrics_and_artifacts(corpus_path, tmp_path):
 def test_resume_is_bitwise_identical_to_an_uninterrupted_run(corpus_path, tmp_path):
     whole = train(small_config(corpus_path, tmp_path, "whole"))
     cut = train(small_config(corpus_path, tmp_path, "cut"), should_stop=lambda step: step == 5)
-    assert cut["interrupted"] == "requested" and cut["steps"] == 5
+    assert cut.interrupted == "requested" and cut.steps == 5
     resumed = train(small_config(corpus_path, tmp_path, "cut", resume=True))
-    assert resumed["steps"] == 8 and resumed["steps_this_run"] == 3
-    a, b = final_state(whole["run_dir"], 8), final_state(resumed["run_dir"], 8)
+    assert resumed.steps == 8 and resumed.steps_this_run == 3
+    a, b = final_state(whole.run_dir, 8), final_state(resumed.run_dir, 8)
     assert len(jax.tree.leaves(a)) > 10
     chex.assert_trees_all_equal(a, b)
-    assert resumed["val_bpb"] == whole["val_bpb"]
+    assert resumed.val_bpb == whole.val_bpb
 
 
 def test_sigterm_saves_a_checkpoint_and_exits(corpus_path, tmp_path):
@@ -98,12 +111,12 @@ def run_cli(args, capsys):
      "smaller than the longest bucket row"),
     (["--batching", "bucket", "--buckets", "0"], "num_buckets must be >= 1"),
     (["--batching", "dynamic", "--pad-multiple", "0"], "pad_multiple must be >= 1"),
-    (["--batching", "dynamic", "--tokens-per-batch", "256"], "not --tokens-per-batch"),
-    (["--batch-size", "6", "--accumulate", "4"], "does not split into --accumulate 4"),
-    (["--no-decay", "norm,(oops"], "fix --no-decay"),
+    (["--batching", "dynamic", "--tokens-per-batch", "256"], "not tokens_per_batch"),
+    (["--batch-size", "6", "--accumulate", "4"], "does not split into accumulate=4"),
+    (["--no-decay", "norm,(oops"], "bad parameter-path pattern"),
     (["--learning-rate", "-1"], "learning rate must be positive"),
     (["--accumulate", "0"], "accumulate must be at least 1"),
-    (["--num-devices", "3"], "--num-devices 3 is not available"),
+    (["--num-devices", "3"], "num_devices=3 is not available"),
     (["--final-eval-batches", "0"], "final_eval_batches must be at least 1"),
     (["--precision", "fp8"], "unknown precision 'fp8'"),
     (["--precision", "params=float32,compute=int8,output=float32"], "unknown dtype 'int8'"),
@@ -134,9 +147,10 @@ def test_checkpoint_problems_on_resume_are_errors(corpus_path, tmp_path, capsys)
     assert main(base) == 0
     capsys.readouterr()
     code, err = run_cli(base, capsys)
-    assert code == 2 and "already holds checkpoints; pass --resume" in err[0]
+    assert code == 2 and "already holds checkpoints; set resume" in err[0]
+    assert err[0].endswith("[--resume / run.resume]")
     code, err = run_cli(base + ["--resume", "--d-model", "64"], capsys)
-    assert code == 2 and len(err) == 1 and "written with other settings: d_model=32" in err[0]
+    assert code == 2 and len(err) == 1 and "written with other settings: model.d_model=32" in err[0]
     code, err = run_cli([*base, "--resume", "--run-dir", str(tmp_path / "nothing")], capsys)
     assert code == 2 and "no checkpoint in" in err[0]
     state_dir = tmp_path / "r" / "checkpoints" / "3" / "state"
@@ -154,7 +168,8 @@ def test_cli_exit_code_and_no_traceback_in_a_real_process(tmp_path):
         capture_output=True, text=True, timeout=120)
     assert proc.returncode == 2
     assert proc.stderr.strip().splitlines() == [
-        "error: n_heads=3 does not divide d_model=256; choose --n-heads dividing --d-model"]
+        "error: n_heads=3 does not divide d_model=256; choose n_heads dividing d_model "
+        "[--n-heads / model.n_heads]"]
     assert "Traceback" not in proc.stderr
 
 
@@ -167,12 +182,12 @@ def test_every_shape_compiles_in_warm_up_and_never_after(strategy, extra, corpus
     cfg = small_config(corpus_path, tmp_path, strategy, batching=strategy, steps=12,
                        checkpoint_every=0, **extra)
     summary = train(cfg)
-    assert summary["compiles"] == len(summary["shapes"]) >= 1
-    assert summary["compiles_after_warmup"] == 0
+    assert summary.compiles == len(summary.shapes) >= 1
+    assert summary.compiles_after_warmup == 0
     if strategy == "pack":
-        assert summary["shapes"] == [[4, 32]]
-        assert summary["padding_efficiency"] > 0.9
-    assert summary["data_wait_s"] >= 0 and np.isfinite(summary["val_bpb"])
+        assert summary.shapes == [[4, 32]]
+        assert summary.padding_efficiency > 0.9
+    assert summary.data_wait_s >= 0 and np.isfinite(summary.val_bpb)
 
 
 @pytest.mark.parametrize("strategy,extra", [
@@ -185,14 +200,14 @@ def test_resume_is_bitwise_with_other_strategies(strategy, extra, corpus_path, t
     whole = train(make("whole"))
     train(make("cut"), should_stop=lambda step: step == 3)
     resumed = train(make("cut", resume=True))
-    chex.assert_trees_all_equal(final_state(whole["run_dir"], 8), final_state(resumed["run_dir"], 8))
+    chex.assert_trees_all_equal(final_state(whole.run_dir, 8), final_state(resumed.run_dir, 8))
 
 
 def test_train_tokens_sets_the_number_of_steps(corpus_path, tmp_path):
     summary = train(small_config(corpus_path, tmp_path, batching="pack", steps=1000,
                                  train_tokens=4 * 32 * 5, checkpoint_every=0, eval_every=0))
-    assert 5 <= summary["steps"] <= 6
-    assert summary["real_tokens"] >= 0.9 * 4 * 32 * 5
+    assert 5 <= summary.steps <= 6
+    assert summary.real_tokens >= 0.9 * 4 * 32 * 5
 
 
 def test_optimizer_flags_reach_the_run(corpus_path, tmp_path):
@@ -200,13 +215,13 @@ def test_optimizer_flags_reach_the_run(corpus_path, tmp_path):
                                  lr_scaling="sqrt", base_batch_size=2, accumulate=2,
                                  optimizer_state_dtype="bfloat16", checkpoint_every=0))
     lion = DEFAULTS["lion"]
-    assert summary["learning_rate"] == pytest.approx(lion.learning_rate * 2.0)
-    assert summary["weight_decay"] == lion.weight_decay
-    assert summary["optimizer"] == "lion" and summary["accumulate"] == 2
+    assert summary.learning_rate == pytest.approx(lion.learning_rate * 2.0)
+    assert summary.weight_decay == lion.weight_decay
+    assert summary.optimizer == "lion" and summary.accumulate == 2
     # Lion keeps one moment: in bfloat16 it takes half the parameters' float32 bytes.
-    assert summary["optimizer_state_bytes"] == pytest.approx(summary["params"] * 2, rel=0.01)
-    assert np.isfinite(summary["val_bpb"])
-    records = [json.loads(line) for line in open(os.path.join(summary["run_dir"], "metrics.jsonl"))]
+    assert summary.optimizer_state_bytes == pytest.approx(summary.params * 2, rel=0.01)
+    assert np.isfinite(summary.val_bpb)
+    records = [json.loads(line) for line in open(os.path.join(summary.run_dir, "metrics.jsonl"))]
     assert all(r["update_norm"] > 0 for r in records if r["kind"] == "train")
 
 
@@ -215,8 +230,8 @@ def test_accumulation_trains_like_the_whole_batch(corpus_path, tmp_path):
     common = dict(optimizer="sgd", batching="pack", eval_every=0, checkpoint_every=0)
     whole = train(small_config(corpus_path, tmp_path, "whole", **common))
     split = train(small_config(corpus_path, tmp_path, "split", accumulate=4, **common))
-    assert split["val_loss"] == pytest.approx(whole["val_loss"], rel=1e-5)
-    assert split["step_memory_bytes"]["temp"] < whole["step_memory_bytes"]["temp"]
+    assert split.val_loss == pytest.approx(whole.val_loss, rel=1e-5)
+    assert split.step_memory_bytes["temp"] < whole.step_memory_bytes["temp"]
 
 
 def test_fp16_resume_restores_the_loss_scale_bitwise(corpus_path, tmp_path):
@@ -227,13 +242,13 @@ def test_fp16_resume_restores_the_loss_scale_bitwise(corpus_path, tmp_path):
                                            eval_every=0,
                                            checkpoint_every=0, **kw)
     whole = train(make("whole"))
-    assert whole["precision"] == "fp16" and whole["loss_scale"] == 4.0 * 2**4   # grew 4 times
+    assert whole.precision == "fp16" and whole.loss_scale == 4.0 * 2**4   # grew 4 times
     train(make("cut"), should_stop=lambda step: step == 3)
     cut_state = final_state(str(tmp_path / "cut"), 3)
     assert int(cut_state["loss_scale"]["growth_tracker"]) == 1
     resumed = train(make("cut", resume=True))
-    a, b = final_state(whole["run_dir"], 8), final_state(resumed["run_dir"], 8)
-    assert float(a["loss_scale"]["scale"]) == whole["loss_scale"]
+    a, b = final_state(whole.run_dir, 8), final_state(resumed.run_dir, 8)
+    assert float(a["loss_scale"]["scale"]) == whole.loss_scale
     chex.assert_trees_all_equal(a, b)
 
 

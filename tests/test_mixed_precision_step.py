@@ -11,10 +11,13 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
+from jaxaccel import grads
 from jaxaccel.model import init_params, make_apply
 from jaxaccel.optim import make_optimizer
-from jaxaccel.precision import POLICIES, DynamicLossScale, NoLossScale, StaticLossScale
-from jaxaccel.train import init_state, make_eval_step, make_grad_fn, make_train_step
+from jaxaccel.precision import (POLICIES, DynamicLossScale, NoLossScale, StaticLossScale,
+                                loss_scaled)
+from jaxaccel.state import init_state
+from jaxaccel.train import lm_eval_step, lm_loss, lm_train_step
 from tests.test_train import CFG, random_batch
 
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
@@ -65,7 +68,7 @@ def fresh_state(loss_scale, optimizer):
 @pytest.mark.parametrize("accumulate", [1, 2])
 def test_overflow_skips_the_step_bitwise_and_halves_the_scale(accumulate):
     optimizer = make_optimizer("adamw", total_steps=10, warmup_steps=0)
-    step = jax.jit(make_train_step(poisoned_apply(), optimizer, accumulate=accumulate))
+    step = jax.jit(lm_train_step(poisoned_apply(), optimizer, accumulate=accumulate))
     state = fresh_state(DynamicLossScale.create(initial_scale=2.0**10), optimizer)
     state, _ = step(state, batch_with_poison(0))            # one normal step first
     before = jax.tree.map(np.array, state)
@@ -84,7 +87,7 @@ def test_overflow_skips_the_step_bitwise_and_halves_the_scale(accumulate):
 
 def test_static_scale_also_skips_and_no_scale_only_counts():
     optimizer = make_optimizer("sgd", total_steps=10, warmup_steps=0)
-    step = jax.jit(make_train_step(poisoned_apply(), optimizer))
+    step = jax.jit(lm_train_step(poisoned_apply(), optimizer))
     static = fresh_state(StaticLossScale.create(2.0**8), optimizer)
     new, _ = step(static, batch_with_poison(0, rows=[0]))
     chex.assert_trees_all_equal(new.params, static.params)
@@ -97,7 +100,7 @@ def test_static_scale_also_skips_and_no_scale_only_counts():
 
 def test_scale_grows_after_exactly_growth_interval_finite_steps():
     optimizer = make_optimizer("adamw", total_steps=10, warmup_steps=0)
-    step = jax.jit(make_train_step(make_apply(CFG), optimizer))
+    step = jax.jit(lm_train_step(make_apply(CFG), optimizer))
     state = fresh_state(DynamicLossScale.create(initial_scale=4.0, growth_interval=3), optimizer)
     scales = []
     for seed in range(4):
@@ -106,21 +109,22 @@ def test_scale_grows_after_exactly_growth_interval_finite_steps():
     assert scales == [4.0, 4.0, 8.0, 8.0]
 
 
-def test_scaled_and_unscaled_float32_gradients_agree():
+def test_loss_scaling_scales_the_backward_pass_and_unscales_the_gradients():
     params = init_params(CFG, jax.random.PRNGKey(0))
-    grad_fn = jax.jit(make_grad_fn(make_apply(CFG)))
+    grad_fn = grads.value_and_grad(lm_loss(make_apply(CFG)))
     batch = random_batch(7, pad=2)
-    normalizer = jnp.sum(batch["weights"])
     key = jax.random.PRNGKey(0)
-    (loss, _), plain = grad_fn(params, batch, key, normalizer, NoLossScale.create())
+    (loss, _), plain = jax.jit(grad_fn)(params, batch, key)
+    _, scaled = jax.jit(lambda *a: grad_fn(*a, scale=2.0**16))(params, batch, key)
     scale = DynamicLossScale.create(2.0**16)
-    (scaled_loss, _), scaled = grad_fn(params, batch, key, normalizer, scale)
-    unscaled = scale.unscale(scaled)
+    (scaled_loss, aux), unscaled, next_scale = jax.jit(loss_scaled(grad_fn))(params, batch, key,
+                                                                             scale)
     assert float(scaled_loss) == float(loss)               # the reported loss is unscaled
+    assert bool(aux["grads_finite"]) and int(next_scale.growth_tracker) == 1
     for a, b in zip(jax.tree.leaves(unscaled), jax.tree.leaves(plain)):
         a, b = np.asarray(a, np.float64), np.asarray(b, np.float64)
         assert np.linalg.norm(a - b) <= 1e-6 * np.linalg.norm(b)
-    # The scaled gradients really were scaled.
+    # The backward pass really ran scaled.
     head = np.asarray(scaled["head"]["kernel"]) / np.asarray(plain["head"]["kernel"])
     assert np.nanmedian(head) == pytest.approx(2.0**16, rel=1e-4)
 
@@ -129,7 +133,7 @@ def test_policy_computes_in_half_precision_and_keeps_float32_masters():
     optimizer = make_optimizer("adamw", total_steps=10, warmup_steps=0)
     apply_fn = make_apply(CFG)
     for name, dtype in (("bf16", "bf16"), ("fp16", "f16")):
-        train_step = make_train_step(apply_fn, optimizer, policy=POLICIES[name])
+        train_step = lm_train_step(apply_fn, optimizer, policy=POLICIES[name])
         state = fresh_state(NoLossScale.create(), optimizer)
         text = str(jax.make_jaxpr(train_step)(state, random_batch(0)))
         dots = [line for line in text.splitlines() if "dot_general" in line]
@@ -137,9 +141,9 @@ def test_policy_computes_in_half_precision_and_keeps_float32_masters():
         new, metrics = jax.jit(train_step)(state, random_batch(0))
         assert all(x.dtype == jnp.float32 for x in jax.tree.leaves(new.params))
         assert metrics["loss"].dtype == jnp.float32
-        eval_sums = jax.jit(make_eval_step(apply_fn, POLICIES[name]))(new, random_batch(1))
+        eval_sums = jax.jit(lm_eval_step(apply_fn, POLICIES[name]))(new, random_batch(1))
         assert eval_sums["loss_sum"].dtype == jnp.float32
-    fp32_text = str(jax.make_jaxpr(make_train_step(apply_fn, optimizer))(
+    fp32_text = str(jax.make_jaxpr(lm_train_step(apply_fn, optimizer))(
         fresh_state(NoLossScale.create(), optimizer), random_batch(0)))
     assert ":bf16[" not in fp32_text and ":f16[" not in fp32_text
 
@@ -151,7 +155,7 @@ def test_bf16_and_fp16_losses_track_float32():
     for name in ("fp32", "bf16", "fp16"):
         scale = DynamicLossScale.create() if name == "fp16" else NoLossScale.create()
         state = fresh_state(scale, optimizer)
-        step = jax.jit(make_train_step(apply_fn, optimizer, policy=POLICIES[name]))
+        step = jax.jit(lm_train_step(apply_fn, optimizer, policy=POLICIES[name]))
         for i in range(30):
             state, metrics = step(state, random_batch(i % 3))
         losses[name] = float(metrics["loss"])
@@ -165,7 +169,7 @@ def test_fp16_overflow_backs_off_until_steps_are_finite():
     """A scale far too large for float16 overflows for real; the scale backs off to a working
     one, and the skipped steps change nothing."""
     optimizer = make_optimizer("adamw", total_steps=40, warmup_steps=0)
-    step = jax.jit(make_train_step(make_apply(CFG), optimizer, policy=POLICIES["fp16"]))
+    step = jax.jit(lm_train_step(make_apply(CFG), optimizer, policy=POLICIES["fp16"]))
     state = fresh_state(DynamicLossScale.create(initial_scale=2.0**40), optimizer)
     initial = jax.tree.map(np.array, state.params)
     state, _ = step(state, random_batch(0))
@@ -183,7 +187,7 @@ TWO_DEVICE_SCRIPT = textwrap.dedent("""
     from jax.sharding import Mesh, NamedSharding, PartitionSpec as P
     from jaxaccel.optim import make_optimizer
     from jaxaccel.precision import DynamicLossScale
-    from jaxaccel.train import make_train_step
+    from jaxaccel.train import lm_train_step
     from tests.test_mixed_precision_step import batch_with_poison, fresh_state, poisoned_apply
     mesh = Mesh(np.array(jax.devices()), ("data",))
     optimizer = make_optimizer("adamw", total_steps=10, warmup_steps=0)
@@ -193,7 +197,7 @@ TWO_DEVICE_SCRIPT = textwrap.dedent("""
     batch = batch_with_poison(0, rows=[3], B=4)   # rows 2-3 live on the second device only
     batch = {k: jax.device_put(v, NamedSharding(mesh, P("data"))) for k, v in batch.items()}
     assert batch["poison"].addressable_shards[0].data.sum() == 0
-    step = jax.jit(make_train_step(poisoned_apply(), optimizer),
+    step = jax.jit(lm_train_step(poisoned_apply(), optimizer),
                    out_shardings=(replicated, replicated))
     new, _ = step(state, batch)
     for shard in new.loss_scale.scale.addressable_shards:

@@ -9,17 +9,19 @@ import numpy as np
 import optax
 import pytest
 
+from experiments.remat import DEFAULTS, FIXED, RematConfig
+from jaxaccel import grads
 from jaxaccel.compiled import abstract, memory_bytes
-from jaxaccel.config import TrainConfig, parse_config
+from jaxaccel.config import build, parse
 from jaxaccel.errors import ConfigError
 from jaxaccel.loader import abstract_batch
-from jaxaccel.loop import train
-from jaxaccel.model import ModelConfig, init_params, make_apply, stack_blocks, unstack_blocks
-from jaxaccel.optim import decay_mask
+from jaxaccel.loop import train, train_step_of
+from jaxaccel.model import ModelConfig, init_params, make_apply
+from jaxaccel.optim import build_optimizer, decay_mask
 from jaxaccel.planner import choose_policy, compile_step, largest_batch, plan_remat
-from jaxaccel.precision import NoLossScale
-from jaxaccel.remat import REMAT_POLICIES, remat_policy
-from jaxaccel.train import init_state, make_grad_fn, make_train_step
+from jaxaccel.remat import REMAT_POLICIES, check_policy
+from jaxaccel.state import init_state
+from jaxaccel.train import lm_loss, lm_train_step
 
 SMALL = dict(vocab_size=64, d_model=32, n_layers=2, n_heads=4, max_seq_len=16, dropout=0.1)
 
@@ -36,12 +38,25 @@ def random_batch(B=2, T=16, seed=0):
             "positions": positions}
 
 
+def stack_blocks(params: dict) -> dict:
+    """Unrolled parameters (``blocks`` = {0: ..., 1: ...}) in the stacked layout of
+    ``scan_layers`` (``blocks`` = one dict of [L, ...] arrays)."""
+    layers = [params["blocks"][i] for i in range(len(params["blocks"]))]
+    return {**params, "blocks": jax.tree.map(lambda *xs: jnp.stack(xs), *layers)}
+
+
+def unstack_blocks(params: dict) -> dict:
+    """The inverse of ``stack_blocks``."""
+    L = jax.tree.leaves(params["blocks"])[0].shape[0]
+    return {**params, "blocks": {i: jax.tree.map(lambda x: x[i], params["blocks"])
+                                 for i in range(L)}}
+
+
 def loss_and_grads(cfg, params):
     """Loss and gradients with dropout on, gradients in the unrolled layout."""
-    grad_fn = jax.jit(make_grad_fn(make_apply(cfg), dropout=True))
-    (loss, _), grads = grad_fn(params, random_batch(), jax.random.PRNGKey(1), 32.0,
-                               NoLossScale.create())
-    return loss, unstack_blocks(grads) if cfg.scan_layers else grads
+    grad_fn = jax.jit(grads.value_and_grad(lm_loss(make_apply(cfg))))
+    (loss, _), g = grad_fn(params, random_batch(), jax.random.PRNGKey(1))
+    return loss, unstack_blocks(g) if cfg.scan_layers else g
 
 
 @pytest.fixture(scope="module")
@@ -94,9 +109,8 @@ def test_compiled_temporaries_shrink_with_remat():
     for policy in ("none", "dots", "attention", "full"):
         model_cfg = ModelConfig(**cfg, remat=policy)
         params = jax.eval_shape(lambda: init_params(model_cfg, jax.random.PRNGKey(0)))
-        grad_fn = jax.jit(make_grad_fn(make_apply(model_cfg)))
-        compiled = grad_fn.lower(params, abstract_batch((8, 128)), jax.random.PRNGKey(0), 1.0,
-                                 NoLossScale.create()).compile()
+        grad_fn = jax.jit(grads.value_and_grad(lm_loss(make_apply(model_cfg))))
+        compiled = grad_fn.lower(params, abstract_batch((8, 128)), jax.random.PRNGKey(0)).compile()
         temp[policy] = memory_bytes(compiled)["temp"]
     assert temp["none"] > temp["attention"] > temp["full"]
     assert temp["none"] > temp["dots"] > temp["full"]
@@ -105,13 +119,13 @@ def test_compiled_temporaries_shrink_with_remat():
 
 def test_unknown_policy_is_a_clear_error():
     with pytest.raises(ConfigError, match="unknown remat policy 'bogus'; choose one of "
-                                          "none, full, dots, attention, mlp, offload; fix --remat"):
+                                          "none, full, dots, attention, mlp, offload") as info:
         ModelConfig(**SMALL, remat="bogus")
-    with pytest.raises(ConfigError, match="fix --remat"):
-        remat_policy("bogus")
-    assert remat_policy("none") is None and remat_policy("full") is not None
+    assert info.value.field == "model.remat"
+    with pytest.raises(ConfigError, match="unknown remat policy"):
+        check_policy("bogus")
     with pytest.raises(SystemExit):
-        parse_config(["--remat", "bogus"])
+        parse(["--remat", "bogus"])
 
 
 def test_largest_batch_search_matches_brute_force():
@@ -137,7 +151,7 @@ def test_planner_choice_fits_its_budget():
     abstract_state = abstract(state)
 
     def make_step(policy):
-        return make_train_step(make_apply(dataclasses.replace(cfg, remat=policy)), optimizer)
+        return lm_train_step(make_apply(dataclasses.replace(cfg, remat=policy)), optimizer)
 
     def total(policy, batch):
         return memory_bytes(compile_step(make_step(policy), abstract_state, batch, 64))["total"]
@@ -156,7 +170,7 @@ def test_planner_choice_fits_its_budget():
     best, probed = rows["full"]["max_batch"], rows["full"]["probed"]
     assert best >= 8 and probed[best] <= budget < probed[best + 1]
     assert total("full", 8) == rows["full"]["total_bytes"] <= budget
-    with pytest.raises(ConfigError, match="lower --batch-size or raise --memory-budget"):
+    with pytest.raises(ConfigError, match="lower the batch size or raise memory_budget"):
         plan_remat(make_step, abstract_state, seq_len=64, batch_size=8, budget=full // 2,
                    policies=("full",), search=False)
 
@@ -173,27 +187,45 @@ def test_planner_picks_the_fastest_policy_that_fits():
         choose_policy([{**r, "fits": False} for r in rows], 200, 8)
 
 
+def small_run(corpus_path, tmp_path, **values):
+    return build(values={
+        "model.d_model": 32, "model.n_layers": 2, "model.n_heads": 4, "model.max_seq_len": 32,
+        "data.path": corpus_path, "data.seq_len": 32, "data.batch_size": 4,
+        "optimizer.warmup_steps": 1, "run.eval_every": 0, "run.eval_batches": 2,
+        "run.checkpoint_every": 0, "run.progress": False, "run.run_dir": str(tmp_path / "run"),
+        "data.cache_dir": str(tmp_path / "cache"), **values})
+
+
 def test_remat_and_scan_flags_reach_the_run(corpus_path, tmp_path):
-    cfg = parse_config(["--remat", "full", "--scan-layers", "--d-model", "32", "--n-layers", "2",
-                        "--n-heads", "4", "--max-seq-len", "32"])
-    assert cfg.model_config().remat == "full" and cfg.model_config().scan_layers
-    summary = train(TrainConfig(
-        d_model=32, n_layers=2, n_heads=4, max_seq_len=32, remat="full", scan_layers=True,
-        data=corpus_path, seq_len=32, batch_size=4, steps=3, warmup_steps=1, eval_every=0,
-        eval_batches=2, checkpoint_every=0, progress=False, run_dir=str(tmp_path / "run"),
-        cache_dir=str(tmp_path / "cache")))
-    assert summary["remat"] == "full" and summary["scan_layers"] is True
-    assert summary["remat_plan"] is None and np.isfinite(summary["val_loss"])
+    cfg = parse(["--remat", "full", "--scan-layers", "--d-model", "32", "--n-layers", "2",
+                 "--n-heads", "4", "--max-seq-len", "32"])
+    assert cfg.model.remat == "full" and cfg.model.scan_layers
+    summary = train(small_run(corpus_path, tmp_path, **{
+        "model.remat": "full", "model.scan_layers": True, "run.steps": 3}))
+    assert summary.remat == "full" and summary.scan_layers is True
+    assert summary.remat_plan is None and np.isfinite(summary.val_loss)
 
 
 def test_memory_budget_chooses_the_policy_of_the_run(corpus_path, tmp_path):
-    summary = train(TrainConfig(
-        d_model=32, n_layers=2, n_heads=4, max_seq_len=32, remat="full", memory_budget=10**12,
-        data=corpus_path, seq_len=32, batch_size=4, steps=2, warmup_steps=1, eval_every=0,
-        eval_batches=2, checkpoint_every=0, progress=False, run_dir=str(tmp_path / "run"),
-        cache_dir=str(tmp_path / "cache")))
-    plan = summary["remat_plan"]
+    summary = train(small_run(corpus_path, tmp_path, **{
+        "model.remat": "full", "run.memory_budget": 10**12, "run.steps": 2}))
+    plan = summary.remat_plan
     assert [r["policy"] for r in plan["rows"]] == list(REMAT_POLICIES)
     assert all(r["fits"] for r in plan["rows"]) and plan["criterion"] == "flops"
-    assert plan["policy"] == summary["remat"] == "none"     # fewest FLOPs: no recomputation
-    assert plan["batch_size"] == 4 and np.isfinite(summary["val_loss"])
+    assert plan["policy"] == summary.remat == "none"     # fewest FLOPs: no recomputation
+    assert plan["batch_size"] == 4 and np.isfinite(summary.val_loss)
+
+
+def test_the_remat_experiment_steps_compute_in_its_precision():
+    """experiments.remat builds each row's step from the run's config: --precision bf16 keeps
+    fewer compiled temporaries than fp32 (it once measured fp32 whatever it printed)."""
+    temps = {}
+    for policy in ("fp32", "bf16"):
+        cfg = parse(["--precision", policy, "--n-layers", "2", "--d-model", "64"], RematConfig,
+                    defaults=DEFAULTS, fixed=FIXED)
+        optimizer, _, _ = build_optimizer(cfg.optimizer, batch_rows=4, total_steps=10)
+        state = jax.eval_shape(lambda: init_state(
+            init_params(cfg.model, jax.random.PRNGKey(0)), optimizer, 0, None, cfg.policy()))
+        executable = compile_step(train_step_of(cfg, cfg.model, optimizer), state, 4, cfg.seq_len)
+        temps[policy] = memory_bytes(executable)["temp"]
+    assert temps["bf16"] < 0.9 * temps["fp32"], temps

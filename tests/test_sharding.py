@@ -1,6 +1,7 @@
 """Meshes, logical axis rules and strategies; the 8-device suite and two-process training run in
 subprocesses (the device count and jax.distributed are fixed when JAX starts)."""
 
+import dataclasses
 import json
 import os
 import socket
@@ -13,12 +14,12 @@ import pytest
 from jax.sharding import PartitionSpec
 
 from jaxaccel.errors import ConfigError
-from jaxaccel.model import PARAM_AXES, ModelConfig, init_params, param_axes, stack_blocks
+from jaxaccel.model import PARAM_AXES, ModelConfig, init_params, param_axes
 from jaxaccel.optim import make_optimizer
 from jaxaccel.sharding import (COMPUTE_RULES, PARAM_RULES, check_model, initialize_distributed,
                                logical_spec, make_mesh, mesh_shape, param_shardings, parse_mesh,
                                state_shardings, wait_for_port)
-from jaxaccel.train import init_state
+from jaxaccel.state import init_state
 
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
@@ -43,14 +44,17 @@ def test_strategies_fill_the_mesh_with_their_own_axes():
     ("zero", None, "unknown sharding strategy 'zero'"),
 ])
 def test_a_mesh_that_does_not_fit_is_one_clear_error(strategy, mesh, message):
-    with pytest.raises(ConfigError, match=message):
+    with pytest.raises(ConfigError, match=message) as info:
         mesh_shape(strategy, 8, parse_mesh(mesh))
+    assert info.value.field == ("mesh.strategy" if mesh is None else "mesh.shape")
+    assert "--" not in str(info.value)
 
 
 @pytest.mark.parametrize("text", ["data", "data=0", "pipeline=2", "data=x"])
 def test_bad_mesh_text_is_rejected(text):
-    with pytest.raises(ConfigError, match="write --mesh as axis=size pairs"):
+    with pytest.raises(ConfigError, match="write the mesh as axis=size pairs") as info:
         parse_mesh(text)
+    assert info.value.field == "mesh.shape"
 
 
 def test_make_mesh_checks_the_device_count():
@@ -63,8 +67,9 @@ def test_make_mesh_checks_the_device_count():
 
 def test_heads_the_tensor_axis_does_not_divide_are_rejected():
     cfg = ModelConfig(d_model=96, n_heads=6, n_kv_heads=2)
-    with pytest.raises(ConfigError, match="n_heads=6 is not divisible by the tensor axis"):
+    with pytest.raises(ConfigError, match="n_heads=6 is not divisible by the tensor axis") as info:
         check_model({"data": 1, "fsdp": 1, "tensor": 4}, cfg)
+    assert info.value.field == "model.n_heads"
     with pytest.raises(ConfigError, match="n_kv_heads=2 is not divisible by the tensor axis"):
         check_model({"data": 1, "fsdp": 1, "tensor": 3}, cfg)
     check_model({"data": 2, "fsdp": 1, "tensor": 2}, cfg)
@@ -81,14 +86,17 @@ def test_logical_specs_use_each_mesh_axis_once():
 @pytest.mark.parametrize("cfg", [ModelConfig(n_layers=2), ModelConfig(n_layers=2, mlp="gelu",
                                                                      tie_embeddings=True)])
 def test_every_parameter_has_logical_axes_in_both_layouts(cfg):
-    params = jax.eval_shape(lambda: init_params(cfg, jax.random.PRNGKey(0)))
-    for layout in (params, jax.eval_shape(stack_blocks, params)):
+    def params(scan_layers):
+        layout_cfg = dataclasses.replace(cfg, scan_layers=scan_layers)
+        return jax.eval_shape(lambda: init_params(layout_cfg, jax.random.PRNGKey(0)))
+
+    for layout in (params(False), params(True)):
         axes = param_axes(layout)
         for leaf, names in zip(jax.tree.leaves(layout),
                                jax.tree.leaves(axes, is_leaf=lambda x: isinstance(x, tuple))):
             assert len(names) == leaf.ndim
             assert set(names) <= set(PARAM_RULES)
-    stacked = param_axes(jax.eval_shape(stack_blocks, params))
+    stacked = param_axes(params(True))
     assert stacked["blocks"]["attn"]["wq"]["kernel"] == ("layers", *PARAM_AXES["wq"])
 
 
@@ -111,16 +119,18 @@ def test_optimizer_moments_take_their_parameters_sharding():
     assert params["blocks"][0]["attn"]["wo"]["kernel"].spec == PartitionSpec("tensor", "fsdp")
 
 
-def test_distributed_flags_are_checked():
+def test_distributed_settings_are_checked():
     initialize_distributed(None, None, None)          # one process: nothing to start
-    with pytest.raises(ConfigError, match="need --coordinator"):
-        initialize_distributed(None, 2, 1)
-    with pytest.raises(ConfigError, match="needs --num-processes"):
-        initialize_distributed("127.0.0.1:1234", None, 0)
-    with pytest.raises(ConfigError, match="not in \\[0, --num-processes 2\\)"):
-        initialize_distributed("127.0.0.1:1234", 2, 2)
-    with pytest.raises(ConfigError, match="is not HOST:PORT"):
-        initialize_distributed("localhost", 2, 1)
+    for args, message, field in [
+        ((None, 2, 1), "need a coordinator", "mesh.coordinator"),
+        (("127.0.0.1:1234", None, 0), "needs num_processes", "mesh.num_processes"),
+        (("127.0.0.1:1234", 2, 2), "process_id=2 is not in \\[0, num_processes=2\\)",
+         "mesh.process_id"),
+        (("localhost", 2, 1), "is not HOST:PORT", "mesh.coordinator"),
+    ]:
+        with pytest.raises(ConfigError, match=message) as info:
+            initialize_distributed(*args)
+        assert info.value.field == field and "--" not in str(info.value)
 
 
 def free_port() -> int:

@@ -5,7 +5,7 @@ import json
 import pytest
 
 from experiments import speedup
-from jaxaccel.config import TrainConfig, parse_config
+from jaxaccel.config import build, parse
 from jaxaccel.errors import ConfigError
 
 
@@ -31,27 +31,38 @@ def test_best_takes_the_fastest_row_per_group_within_tolerance():
 
 
 def test_combine_merges_settings_and_rounds_the_batch_for_sharding():
-    settings = {"pack": {"batching": "pack", "batch_size": 3, "tokens_per_batch": None},
-                "fsdp": {"sharding": "fsdp", "num_devices": None}, "fp16": {"precision": "fp16"}}
+    settings = {"pack": {"data.batching": "pack", "data.batch_size": 3,
+                         "data.tokens_per_batch": None},
+                "fsdp": {"mesh.strategy": "fsdp", "mesh.num_devices": None},
+                "fp16": {"precision.policy": "fp16"}}
     combined = speedup.combine(settings, ["pack", "fp16", "fsdp"], device_count=2)
-    assert combined == {"batching": "pack", "batch_size": 4, "tokens_per_batch": None,
-                        "precision": "fp16", "sharding": "fsdp", "num_devices": None}
-    settings.update(pack={"batching": "pack", "batch_size": 5}, accumulate={"accumulate": 2})
-    assert speedup.combine(settings, ["pack", "fsdp"], 2)["batch_size"] == 6
-    assert speedup.combine(settings, ["pack", "accumulate", "fsdp"], 2)["batch_size"] == 8
-    assert speedup.combine(settings, ["pack", "accumulate"], 2)["batch_size"] == 6
+    assert combined == {"data.batching": "pack", "data.batch_size": 4,
+                        "data.tokens_per_batch": None, "precision.policy": "fp16",
+                        "mesh.strategy": "fsdp", "mesh.num_devices": None}
+    settings.update(pack={"data.batching": "pack", "data.batch_size": 5},
+                    accumulate={"optimizer.accumulate": 2})
+    assert speedup.combine(settings, ["pack", "fsdp"], 2)["data.batch_size"] == 6
+    assert speedup.combine(settings, ["pack", "accumulate", "fsdp"], 2)["data.batch_size"] == 8
+    assert speedup.combine(settings, ["pack", "accumulate"], 2)["data.batch_size"] == 6
     with pytest.raises(ConfigError, match="two padding rows"):
         speedup.combine({"pack": {}, "bucket": {}}, ["pack", "bucket"], 1)
     with pytest.raises(ConfigError, match="cannot combine 'baseline'"):
         speedup.combine({"baseline": {}}, ["baseline"], 1)
 
 
-def test_a_row_command_reproduces_its_config():
+def test_a_row_config_file_reproduces_its_config(tmp_path):
+    from jaxaccel.config import write_config
+    experiment = build(speedup.SpeedupConfig, {"model.d_model": 64, "data.seq_len": 128,
+                                               "run.progress": False})
     cfg = speedup.train_config(
-        speedup.SpeedupConfig(d_model=64, seq_len=128, batch_size=None, progress=False),
-        {"batching": "bucket", "tokens_per_batch": 1000, "precision": "fp16",
-         "loss_scale": "dynamic", "num_devices": None}, run_dir="runs/x")
-    assert parse_config(speedup.to_argv(cfg), TrainConfig) == cfg
+        experiment, {"data.batching": "bucket", "data.batch_size": None,
+                     "data.tokens_per_batch": 1000, "precision.policy": "fp16",
+                     "precision.loss_scale": "dynamic", "mesh.num_devices": None},
+        run_dir="runs/x")
+    assert cfg.data.batching == "bucket" and cfg.precision.policy == "fp16"
+    assert cfg.mesh.num_devices is None and cfg.model.d_model == 64
+    write_config(cfg, str(tmp_path))
+    assert parse(["--config", str(tmp_path / "config.yaml")]) == cfg
 
 
 def test_bad_rows_and_best_are_one_line_errors(tmp_path, capsys):
@@ -59,7 +70,7 @@ def test_bad_rows_and_best_are_one_line_errors(tmp_path, capsys):
     assert "unknown rows ['warp']" in capsys.readouterr().err
     assert speedup.main(["--batch-size", "6", "--row-accumulate", "4",
                          "--run-dir", str(tmp_path)]) == 2
-    assert "--row-accumulate 4" in capsys.readouterr().err
+    assert "row_accumulate=4" in capsys.readouterr().err
 
 
 def test_every_row_runs_with_its_technique_on(corpus_path, tmp_path, capsys):
@@ -111,21 +122,25 @@ def test_every_row_runs_with_its_technique_on(corpus_path, tmp_path, capsys):
     best = rows["best"]
     combined = speedup.combine({n: rows[n]["settings"] for n in result["meta"]["best"]},
                                result["meta"]["best"], 2)
-    batch_keys = ("batch_size", "tokens_per_batch")
+    batch_keys = ("data.batch_size", "data.tokens_per_batch")
     assert {k: v for k, v in best["settings"].items() if k not in batch_keys} == \
         {k: v for k, v in combined.items() if k not in batch_keys}
     # Every row validates on the same batches.
     assert len({r["val_tokens"] for r in ran.values()}) == 1
+    summary_keys = {"data.batching": "batching", "precision.policy": "precision",
+                    "model.remat": "remat", "optimizer.name": "optimizer",
+                    "mesh.strategy": "sharding"}
     for name in result["meta"]["best"]:
         for key, value in rows[name]["settings"].items():
-            if key in ("batching", "precision", "remat", "optimizer", "sharding"):
-                assert best[key] == value, (name, key)
+            if key in summary_keys:
+                assert best[summary_keys[key]] == value, (name, key)
     assert result["meta"]["scale"] == "cpu" and result["meta"]["device_count"] == 2
     assert result["meta"]["targets"][0].startswith("CPU target")
     report = (run_dir / "report.md").read_text()
     assert "| row" in report and report.count("\n- **") == len(rows)
     for plot in ("tokens_per_s.png", "memory.png", "loss_curves.png"):
         assert (run_dir / plot).stat().st_size > 1000, plot
-    assert "python -m experiments.train" in rows["pack"]["command"]
+    assert rows["pack"]["command"] == (f"python -m experiments.train --config "
+                                       f"{rows['pack']['run_dir']}/config.yaml")
     printed = capsys.readouterr().out
     assert "| row" in printed and "best = " in printed

@@ -2,12 +2,12 @@ import chex
 import jax
 import jax.numpy as jnp
 import numpy as np
-import pytest
 
 from jaxaccel.compiled import CompiledFn, memory_bytes
 from jaxaccel.model import ModelConfig, init_params, make_apply
 from jaxaccel.optim import decay_mask, make_optimizer, make_schedule
-from jaxaccel.train import init_state, make_eval_step, make_train_step, weighted_cross_entropy
+from jaxaccel.state import init_state
+from jaxaccel.train import lm_eval_step, lm_train_step, weighted_cross_entropy
 
 CFG = ModelConfig(vocab_size=64, d_model=32, n_layers=2, n_heads=4, max_seq_len=16)
 
@@ -29,7 +29,7 @@ def make(steps=100, lr=3e-3):
     schedule = make_schedule("cosine", lr, warmup_steps=5, total_steps=steps)
     state = init_state(init_params(CFG, jax.random.PRNGKey(0)), optimizer, seed=0)
     apply_fn = make_apply(CFG)
-    return state, make_train_step(apply_fn, optimizer, schedule), make_eval_step(apply_fn)
+    return state, lm_train_step(apply_fn, optimizer, schedule), lm_eval_step(apply_fn)
 
 
 def test_weighted_cross_entropy_ignores_zero_weights():

@@ -11,16 +11,17 @@ import pytest
 
 from experiments.sharding import mlp_temp_bytes
 from jaxaccel.checkpoint import Checkpointer
-from jaxaccel.compiled import CompiledFn, abstract
-from jaxaccel.config import TrainConfig
+from jaxaccel.compiled import CompiledFn
+from jaxaccel.config import build
 from jaxaccel.errors import ConfigError
-from jaxaccel.loader import abstract_batch, place_batch
-from jaxaccel.loop import init_sharded_state, train
+from jaxaccel.loader import place_batch
+from jaxaccel.loop import train
 from jaxaccel.model import ModelConfig, make_apply
 from jaxaccel.optim import make_optimizer
 from jaxaccel.sharding import (STRATEGIES, batch_sharding, bytes_per_device, make_mesh,
                                mesh_shape, replicated)
-from jaxaccel.train import make_train_step
+from jaxaccel.state import init_sharded_state
+from jaxaccel.train import lm_train_step
 
 assert jax.device_count() == 8, "run with XLA_FLAGS=--xla_force_host_platform_device_count=8"
 
@@ -47,7 +48,7 @@ def losses_on(mesh, cfg=CFG, steps=5):
     with jax.set_mesh(mesh):
         state, shardings = init_sharded_state(cfg, OPTIMIZER, 0, None, mesh)
         layout = batch_sharding(mesh)
-        step = CompiledFn(make_train_step(make_apply(cfg), OPTIMIZER),
+        step = CompiledFn(lm_train_step(make_apply(cfg), OPTIMIZER),
                           in_shardings=(shardings, layout),
                           out_shardings=(shardings, replicated(mesh)), donate_argnums=0)
         losses = []
@@ -124,36 +125,41 @@ def test_checkpoint_restores_across_meshes(tmp_path):
 
 
 def loop_config(corpus_path, run_dir, **overrides):
-    return TrainConfig(**{**dict(
-        data=corpus_path, d_model=64, n_layers=2, n_heads=8, max_seq_len=32, batch_size=8,
-        steps=4, log_every=1, eval_every=0, checkpoint_every=0, eval_batches=2,
-        progress=False, run_dir=str(run_dir), cache_dir=str(run_dir) + "-cache"), **overrides})
+    """A small run's TrainConfig; ``overrides`` by field path, e.g. ``{"mesh.shape": ...}``."""
+    return build(values={
+        "data.path": corpus_path, "model.d_model": 64, "model.n_layers": 2, "model.n_heads": 8,
+        "model.max_seq_len": 32, "data.batch_size": 8, "run.steps": 4, "run.log_every": 1,
+        "run.eval_every": 0, "run.checkpoint_every": 0, "run.eval_batches": 2,
+        "run.progress": False, "run.run_dir": str(run_dir),
+        "data.cache_dir": str(run_dir) + "-cache", **overrides})
 
 
 def train_losses(summary):
-    with open(os.path.join(summary["run_dir"], "metrics.jsonl")) as f:
+    with open(os.path.join(summary.run_dir, "metrics.jsonl")) as f:
         records = [json.loads(line) for line in f]
     return np.array([r["loss"] for r in records if r["kind"] == "train"])
 
 
 def test_training_loop_resumes_on_another_mesh(corpus_path, tmp_path):
-    whole = train(loop_config(corpus_path, tmp_path / "whole", sharding="dp+fsdp",
-                              mesh="data=2,fsdp=4"))
-    assert whole["mesh"] == {"data": 2, "fsdp": 4, "tensor": 1}
-    assert whole["compiles"] == 1
-    first = train(loop_config(corpus_path, tmp_path / "split", sharding="dp+fsdp",
-                              mesh="data=2,fsdp=4"), should_stop=lambda step: step == 2)
-    assert first["interrupted"] == "requested"
-    second = train(loop_config(corpus_path, tmp_path / "split", sharding="fsdp+tp",
-                               mesh="fsdp=4,tensor=2", mesh_axis_types="explicit", resume=True))
-    assert second["steps"] == 4
+    dp_fsdp = {"mesh.strategy": "dp+fsdp", "mesh.shape": "data=2,fsdp=4"}
+    whole = train(loop_config(corpus_path, tmp_path / "whole", **dp_fsdp))
+    assert whole.mesh == {"data": 2, "fsdp": 4, "tensor": 1}
+    assert whole.compiles == 1
+    first = train(loop_config(corpus_path, tmp_path / "split", **dp_fsdp),
+                  should_stop=lambda step: step == 2)
+    assert first.interrupted == "requested"
+    second = train(loop_config(corpus_path, tmp_path / "split", **{
+        "mesh.strategy": "fsdp+tp", "mesh.shape": "fsdp=4,tensor=2",
+        "mesh.axis_types": "explicit", "run.resume": True}))
+    assert second.steps == 4
     np.testing.assert_allclose(train_losses(second), train_losses(whole), rtol=1e-5)
-    assert second["val_loss"] == pytest.approx(whole["val_loss"], rel=1e-5)
+    assert second.val_loss == pytest.approx(whole.val_loss, rel=1e-5)
 
 
 def test_loop_rejects_a_batch_the_data_axes_do_not_divide(corpus_path, tmp_path):
     with pytest.raises(ConfigError, match="batch_size=12 does not split over the mesh"):
-        train(loop_config(corpus_path, tmp_path / "run", batch_size=12, sharding="fsdp"))
+        train(loop_config(corpus_path, tmp_path / "run", **{"data.batch_size": 12,
+                                                            "mesh.strategy": "fsdp"}))
 
 
 def test_pallas_attention_runs_per_shard_under_fsdp_and_tp():
