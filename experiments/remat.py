@@ -6,7 +6,7 @@ batch each policy fits in a memory budget, with the blocks unrolled and scanned.
     python -m experiments.remat --memory-budget 3000000000 --json remat.json
 
 Every row compiles the run's train step (the tiny preset's width, ``--n-layers`` 12, the
-optimizer and ``--precision`` as given, ``jaxaccel.train.build_train_step``) with one remat
+optimizer and ``--precision`` as given, ``jaxaccel.loop.train_step_of``) with one remat
 policy, ahead of time, and reads XLA's compiled memory analysis (temporaries:
 mostly the activations kept for the backward pass; total: arguments + outputs not aliased to
 the donated state + temporaries) and ``cost_analysis()`` FLOPs (remat's recomputation shows

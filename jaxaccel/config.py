@@ -98,7 +98,7 @@ class OptimizerConfig:
     learning_rate: float | None = setting(None, "peak learning rate at base_batch_size "
                                                 "(default: the optimizer's)")
     schedule: str = setting("cosine", "learning-rate shape after the linear warmup: constant, "
-                                      "cosine or linear decay to 10%%, inverse square root",
+                                      "cosine or linear decay to 10%, inverse square root",
                             choices=SCHEDULES)
     warmup_steps: int = setting(50, "linear warmup steps")
     lr_scaling: str = setting("none", "scale the learning rate from base_batch_size to the batch "
@@ -308,38 +308,25 @@ def _scalar_type(annotation):
     return annotation
 
 
-def _optional(annotation) -> bool:
-    return type(None) in typing.get_args(annotation)
-
-
 def _coerce(path: str, value, annotation, choices):
-    """``value`` (from YAML or an override's text) as the field's type; ConfigError if it is not."""
+    """``value`` (from YAML, a flag or an override's text) as the field's type; ConfigError if
+    it is not one. Text is read as YAML (``512``, ``true``, ``null``); a float may be an int."""
     kind = _scalar_type(annotation)
     if isinstance(value, str) and kind is not str:
-        text = value.strip().lower()
-        if text in ("none", "null", "~", ""):
-            value = None
-        elif kind is bool:
-            truth = {"true": True, "yes": True, "1": True, "false": False, "no": False, "0": False}
-            if text not in truth:
-                raise ConfigError(f"{path}={value!r} is not a boolean; write true or false",
-                                  field=path)
-            value = truth[text]
-        else:
+        try:
+            value = yaml.safe_load(value)
+        except yaml.YAMLError:
+            pass
+        if kind is float and isinstance(value, str):
             try:
-                value = kind(float(value)) if kind is int and "e" in text else kind(value)
+                value = float(value)                 # YAML reads 1e-3 as text
             except ValueError:
-                raise ConfigError(f"{path}={value!r} is not of type {kind.__name__}",
-                                  field=path) from None
-    if value is None:
-        if not _optional(annotation):
-            raise ConfigError(f"{path} cannot be empty; give it a {kind.__name__}", field=path)
+                pass
+    if value is None and type(None) in typing.get_args(annotation):
         return None
-    if kind is float and isinstance(value, int) and not isinstance(value, bool):
+    if kind is float and type(value) is int:
         value = float(value)
-    if kind is int and isinstance(value, float) and value.is_integer():
-        value = int(value)
-    if not isinstance(value, kind) or (kind is not bool and isinstance(value, bool)):
+    if type(value) is not kind:
         raise ConfigError(f"{path}={value!r} is not of type {kind.__name__}", field=path)
     if choices and value not in choices:
         raise ConfigError(f"{path}={value!r} is not one of {', '.join(map(str, choices))}",
@@ -459,8 +446,7 @@ def build_parser(cls=None, *, defaults: dict | None = None, fixed: tuple = (),
         default = (defaults or {}).get("model.preset", "tiny") if path == "model.preset" else \
             shown[section].get(name)
         kwargs = {"dest": path, "default": argparse.SUPPRESS,
-                  "help": f"{help_text} ({path}, default: {default})".replace("%", "%%")
-                  .replace("%%%%", "%%")}
+                  "help": f"{help_text} ({path}, default: {default})".replace("%", "%%")}
         if _scalar_type(kind) is bool:
             kwargs["action"] = argparse.BooleanOptionalAction
         else:
