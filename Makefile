@@ -18,8 +18,9 @@ $(STAMP): pyproject.toml constraints.txt
 run: setup
 	$(VENV)/bin/python -m experiments.speedup $(ARGS)
 
+# Two pytest workers (pytest-xdist), one per core of the CI machine; a test file stays on one.
 test: setup
-	$(VENV)/bin/python -m pytest $(ARGS)
+	$(VENV)/bin/python -m pytest -n 2 --dist loadfile $(ARGS)
 
 clean:
 	rm -rf $(VENV) runs .pytest_cache

@@ -16,6 +16,10 @@ with one more section, ``experiment``, for its own settings.
 Library code raises ``ConfigError`` naming the field (``field="model.n_heads"``);
 ``describe_error`` adds the flag that sets it. ``to_dict`` and ``write_config`` give the resolved
 config back as the same nested mapping, which ``--config`` reads again.
+
+Why not tyro or draccus: both derive flags from the nesting (``--data.seq-len``), and the flat
+flags that the README, BENCHMARKS.md and every recorded command use (``--seq-len``) would all
+change; argparse plus PyYAML, about 200 lines here, keep them and add the file and overrides.
 """
 
 import argparse

@@ -223,3 +223,19 @@ def test_two_devices_agree_on_skipping_when_only_one_sees_an_inf():
     assert sorted(line for line in lines if line.startswith("skipped")) == \
         ["skipped 0 1", "skipped 1 1"]
     assert "unchanged True 2" in lines
+
+
+def test_param_dtype_is_the_dtype_parameters_are_stored_in():
+    """A policy's param_dtype is applied: the state holds the parameters (and so the optimizer
+    moments) in it, and steps keep them there."""
+    from jaxaccel.precision import get_policy
+    policy = get_policy("params=bfloat16,compute=bfloat16,output=float32")
+    optimizer = make_optimizer("adamw", total_steps=10, warmup_steps=0)
+    state = init_state(init_params(CFG, jax.random.PRNGKey(0)), optimizer, seed=0,
+                       policy=policy)
+    assert {x.dtype for x in jax.tree.leaves(state.params)} == {jnp.dtype(jnp.bfloat16)}
+    step = jax.jit(lm_train_step(make_apply(CFG), optimizer, policy=policy, accumulate=2))
+    for seed in range(3):
+        state, metrics = step(state, random_batch(seed))
+    assert {x.dtype for x in jax.tree.leaves(state.params)} == {jnp.dtype(jnp.bfloat16)}
+    assert np.isfinite(float(metrics["loss"])) and metrics["loss"].dtype == jnp.float32
