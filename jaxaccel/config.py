@@ -270,7 +270,7 @@ class TrainConfig:
                               field="data.seq_len")
         for field in ("run.checkpoint_every", "run.eval_every", "run.eval_batches",
                       "run.log_every", "optimizer.warmup_steps"):
-            value = _get(self, field)
+            value = field_value(self, field)
             if value < 0:
                 raise ConfigError(f"{field.split('.')[1]} must be >= 0, got {value}", field=field)
         self.make_loss_scale()
@@ -279,7 +279,8 @@ class TrainConfig:
 # ---------------------------------------------------------------------------------------------
 # Field paths, overrides and files.
 
-def _get(cfg, path: str):
+def field_value(cfg, path: str):
+    """The value of the field ``"section.field"`` of ``cfg``."""
     section, _, name = path.partition(".")
     return getattr(getattr(cfg, section), name)
 
@@ -431,7 +432,7 @@ def build_parser(cls=None, *, defaults: dict | None = None, fixed: tuple = (),
     """One flag per field of ``cls``, grouped by section; ``fixed`` fields get no flag (the
     experiment sets them). Defaults shown are ``defaults`` over the fields' own."""
     cls = cls or TrainConfig
-    shown = to_dict(build(cls, {k: v for k, v in (defaults or {}).items()}))
+    shown = to_dict(build(cls, defaults))
     parser = argparse.ArgumentParser(description=description,
                                      formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--config", metavar="FILE.yaml", help="read settings from this YAML "

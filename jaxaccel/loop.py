@@ -27,7 +27,7 @@ import numpy as np
 from jaxaccel import hardware
 from jaxaccel.checkpoint import Checkpointer
 from jaxaccel.compiled import CompiledFn, abstract, largest_memory_bytes
-from jaxaccel.config import TrainConfig, to_dict, write_config
+from jaxaccel.config import TrainConfig, field_value, to_dict, write_config
 from jaxaccel.corpus import load_corpus
 from jaxaccel.data import DataStream, batches
 from jaxaccel.errors import ConfigError
@@ -242,9 +242,7 @@ def resume_settings(cfg: TrainConfig, stream_args: dict, total_steps: int, multi
     """The settings a checkpoint records and a resumed run must match, by field path."""
     settings = {f"{section}.{name}": value for section, fields in to_dict(cfg).items()
                 if section in RESUME_SECTIONS for name, value in fields.items()}
-    settings.update({path: value for path, value in
-                     ((p, getattr(getattr(cfg, p.split(".")[0]), p.split(".")[1]))
-                      for p in RESUME_FIELDS)})
+    settings.update({path: field_value(cfg, path) for path in RESUME_FIELDS})
     settings.update({f"data.{k}": v for k, v in cfg.batching_options().items()},
                     **{"data.seq_len": stream_args["seq_len"], "run.steps": total_steps})
     if cfg.data.tokens_per_batch is not None:   # token budgets round batches to this multiple
