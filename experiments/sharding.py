@@ -1,9 +1,11 @@
 """Every sharding strategy on the same model and batches: memory per device, step time, and
 the loss against one device.
 
-    python -m experiments.sharding                     # on a CPU: 8 simulated devices, ~2 min
+    python -m experiments.sharding                     # on a CPU: 8 simulated devices, ~3 min
     python -m experiments.sharding --mesh-axis-types explicit --json sharding.json
     python -m experiments.sharding --model small --seq-len 1024 --batch-size 32   # 8 GPUs
+    python -m experiments.sharding --model medium --strategies fsdp,fsdp+pp,tp+pp \
+        --batch-size 64 --pipeline-microbatches 16      # 8 GPUs, pipelines of 4 stages
 
 Each row trains the same model from the same initial parameters on the same ``--steps`` batches
 of the corpus, with one strategy on its default mesh over all devices (``jaxaccel.sharding``),
@@ -13,6 +15,13 @@ optimizer state (from the arrays' shards), the compiled temporaries of the train
 one MLP's forward and backward pass (XLA's memory analysis), and the median step time after the
 first step. On a CPU the devices are simulated (``--cpu-devices``) and share its cores: the
 step times show the cost of the collectives, not a speedup.
+
+A pipelined strategy (``+pp``) runs once per schedule in ``--pipeline-schedules``, with
+``--pipeline-microbatches`` microbatches (``optimizer.accumulate`` of that row) and stacked
+layers; its row adds the bubble, (stages - 1) / (microbatches + stages - 1), and the stage
+inputs a stage keeps. "blocks of one device's" is the share of the transformer blocks' weights
+a device holds: the stages split the blocks, while the embedding and the head stay whole on
+every stage (``jaxaccel.pipeline``).
 """
 
 import dataclasses
@@ -36,9 +45,10 @@ from jaxaccel.loop import sharded_steps
 from jaxaccel.model import ACTIVATION_AXES, MLP, describe_model, param_axes
 from jaxaccel.optim import build_optimizer
 from jaxaccel.report import format_table
-from jaxaccel.sharding import (COMPUTE_RULES, STRATEGIES, batch_shards, batch_sharding,
-                               bytes_per_device, check_model, format_mesh, logical_spec,
-                               make_mesh, mesh_shape, param_shardings)
+from jaxaccel.pipeline import SCHEDULES, bubble_fraction, check as check_pipeline, make_schedule
+from jaxaccel.sharding import (COMPUTE_RULES, MESH_AXES, STRATEGIES, batch_shards,
+                               batch_sharding, bytes_per_device, check_model, format_mesh,
+                               logical_spec, make_mesh, mesh_shape, param_shardings, pipelined)
 from jaxaccel.state import init_sharded_state
 
 
@@ -47,6 +57,10 @@ class ShardingSettings:
     strategies: str = setting(",".join(STRATEGIES), "comma-separated strategies, each on its "
                                                     "default mesh over all devices")
     cpu_devices: int = setting(8, "on a CPU, simulate this many devices")
+    pipeline_schedules: str = setting("gpipe,1f1b", "comma-separated schedules each pipelined "
+                                                    "strategy runs with")
+    pipeline_microbatches: int = setting(8, "microbatches per step of the pipelined rows (their "
+                                            "accumulate)")
 
 
 @dataclasses.dataclass
@@ -56,22 +70,25 @@ class ShardingConfig(TrainConfig):
     experiment: ShardingSettings = dataclasses.field(default_factory=ShardingSettings)
 
 
-# This experiment's defaults (tp splits the 8 heads over all devices); each row sets its own
-# strategy and mesh.
-DEFAULTS = {"model.n_heads": 8, "run.steps": 5, "data.seq_len": 128, "data.batch_size": 16,
-            "optimizer.warmup_steps": 0}
-FIXED = ("mesh.strategy", "mesh.shape", "mesh.num_devices")
+# This experiment's defaults (tp splits the 8 heads, pp the 8 layers over all devices); each row
+# sets its own strategy and mesh, and the pipelined rows their schedule and microbatches.
+DEFAULTS = {"model.n_heads": 8, "model.n_layers": 8, "run.steps": 5, "data.seq_len": 128,
+            "data.batch_size": 16, "optimizer.warmup_steps": 0}
+FIXED = ("mesh.strategy", "mesh.shape", "mesh.num_devices", "mesh.pipeline_schedule")
 
 
 COLUMNS = [
     ("strategy", "strategy", ""),
-    ("mesh", "mesh (data,fsdp,tensor)", ""),
+    ("mesh", "mesh (stage,data,fsdp,tensor)", ""),
     ("param_opt_bytes_per_device", "params+opt B/device", ",d"),
     ("param_opt_fraction", "of one device's", ".3f"),
+    ("blocks_fraction", "blocks of one device's", ".3f"),
     ("temp_bytes_per_device", "step temp B/device", ",d"),
     ("mlp_temp_bytes_per_device", "MLP temp B/device", ",d"),
     ("mlp_temp_fraction", "of one device's", ".3f"),
     ("step_s", "step s (median)", ".3f"),
+    ("bubble", "bubble", ".3f"),
+    ("stage_inputs", "inputs kept", ""),
     ("loss", "loss", ".6f"),
     ("loss_diff_vs_single", "rel. diff vs 1 device", ".1e"),
 ]
@@ -109,7 +126,8 @@ def mlp_temp_bytes(mesh, model_cfg, batch_shape) -> int:
 
 def run_strategy(name: str, shape: dict, cfg: ShardingConfig, optimizer, train, val,
                  devices) -> dict:
-    """One row: the strategy's mesh, its memory per device, its step time and its loss."""
+    """One row: the strategy's mesh, its memory per device, its step time and its loss (and
+    with a pipeline, its bubble and the stage inputs kept)."""
     model_cfg = cfg.model
     mesh = make_mesh(shape, cfg.mesh.axis_types, devices)
     with jax.set_mesh(mesh):
@@ -120,6 +138,7 @@ def run_strategy(name: str, shape: dict, cfg: ShardingConfig, optimizer, train, 
         step.compile(abstract(state), abstract_batch(train[0]["inputs"].shape))
         memory = memory_bytes(step.last)
         param_opt = bytes_per_device((state.params, state.opt_state))
+        blocks = bytes_per_device(state.params["blocks"])
         seconds = []
         for batch in train:
             start = time.perf_counter()
@@ -127,12 +146,20 @@ def run_strategy(name: str, shape: dict, cfg: ShardingConfig, optimizer, train, 
             jax.block_until_ready((state, metrics))
             seconds.append(time.perf_counter() - start)
         sums = jax.device_get(evaluate(state, place_batch(val, layout)))
+    piped = pipelined(cfg.mesh.strategy)
+    schedule = (make_schedule(cfg.mesh.pipeline_schedule, shape["stage"],
+                              cfg.optimizer.accumulate) if piped else None)
     return {
         "strategy": name,
-        "mesh": ",".join(str(shape[a]) for a in ("data", "fsdp", "tensor")),
+        "mesh": ",".join(str(shape[a]) for a in MESH_AXES),
         "mesh_axes": format_mesh(shape),
         "devices": len(mesh.devices.flat),
         "param_opt_bytes_per_device": param_opt,
+        "blocks_bytes_per_device": blocks,
+        "pipeline_schedule": schedule.name if piped else None,
+        "microbatches": cfg.optimizer.accumulate,
+        "bubble": bubble_fraction(shape["stage"], cfg.optimizer.accumulate) if piped else None,
+        "stage_inputs": schedule.slots if piped else None,
         "temp_bytes_per_device": memory.get("temp"),
         "mlp_temp_bytes_per_device": mlp_temp_bytes(mesh, model_cfg, train[0]["inputs"].shape),
         "step_s": statistics.median(seconds[1:]) if len(seconds) > 1 else seconds[0],
@@ -147,6 +174,8 @@ def compare_with_single(rows: list[dict]):
         row["loss_diff_vs_single"] = abs(row["loss"] - single["loss"]) / abs(single["loss"])
         row["param_opt_fraction"] = (row["param_opt_bytes_per_device"]
                                      / single["param_opt_bytes_per_device"])
+        row["blocks_fraction"] = (row["blocks_bytes_per_device"]
+                                  / single["blocks_bytes_per_device"])
         row["mlp_temp_fraction"] = (row["mlp_temp_bytes_per_device"]
                                     / single["mlp_temp_bytes_per_device"])
 
@@ -173,24 +202,42 @@ def main(argv=None) -> int:
     if rows_per_batch is None or cfg.data.tokens_per_batch is not None:
         raise ConfigError("this experiment takes batch_size, not tokens_per_batch",
                           field="data.batch_size")
+    schedules = parse_list(cfg.experiment.pipeline_schedules, "experiment.pipeline_schedules",
+                           valid=SCHEDULES)
+    microbatches = cfg.experiment.pipeline_microbatches
+    if microbatches < 1:
+        raise ConfigError(f"pipeline_microbatches must be at least 1, got {microbatches}",
+                          field="experiment.pipeline_microbatches")
     devices = jax.devices()
-    shapes = {"single": {"data": 1, "fsdp": 1, "tensor": 1}}
+    rows_cfg = {"single": (override(cfg, {"mesh.strategy": "dp"}),
+                           {a: 1 for a in MESH_AXES})}
     for name in strategies:
-        shapes[name] = mesh_shape(name, len(devices))
-        check_model(shapes[name], model_cfg)
-        multiple = batch_shards(shapes[name]) * cfg.optimizer.accumulate
-        if rows_per_batch % multiple:
-            raise ConfigError(
-                f"batch_size={rows_per_batch} does not split over {name}'s mesh "
-                f"{format_mesh(shapes[name])} (data x fsdp) times accumulate; pass a "
-                f"multiple of {multiple}", field="data.batch_size")
+        shape = mesh_shape(name, len(devices))
+        variants = {name: {"mesh.strategy": name}}
+        if pipelined(name):
+            variants = {f"{name} ({schedule})": {
+                "mesh.strategy": name, "mesh.pipeline_schedule": schedule,
+                "optimizer.accumulate": microbatches, "model.scan_layers": True}
+                for schedule in schedules}
+        for row, fields in variants.items():
+            row_cfg = override(cfg, fields)
+            check_model(shape, row_cfg.model)
+            if pipelined(name):
+                check_pipeline(row_cfg.mesh.pipeline_schedule, shape["stage"], microbatches)
+            multiple = batch_shards(shape) * row_cfg.optimizer.accumulate
+            if rows_per_batch % multiple:
+                raise ConfigError(
+                    f"batch_size={rows_per_batch} does not split over {name}'s mesh "
+                    f"{format_mesh(shape)} (data x fsdp) times its microbatches "
+                    f"({row_cfg.optimizer.accumulate}); pass a multiple of {multiple}",
+                    field="data.batch_size")
+            rows_cfg[row] = (row_cfg, shape)
     optimizer, _, _ = build_optimizer(cfg.optimizer, batch_rows=rows_per_batch,
                                       total_steps=cfg.run.steps)
     train, val = corpus_batches(cfg, seq_len)
-    rows = [run_strategy(name, shape, override(cfg, {"mesh.strategy": "dp" if name == "single"
-                                                     else name}),
-                         optimizer, train, val, devices[:1] if name == "single" else devices)
-            for name, shape in shapes.items()]
+    rows = [run_strategy(name, shape, row_cfg, optimizer, train, val,
+                         devices[:1] if name == "single" else devices)
+            for name, (row_cfg, shape) in rows_cfg.items()]
     compare_with_single(rows)
     meta = {"model": describe_model(model_cfg), "d_model": model_cfg.d_model,
             "n_layers": model_cfg.n_layers, "n_heads": model_cfg.n_heads,

@@ -35,7 +35,10 @@ def format_summary(s: RunSummary) -> str:
         ("remat", _remat_line(s)),
         ("sharding", f"{s.sharding} over mesh {_mesh(s.mesh)} ({s.mesh_axis_types} axes), "
                      f"{s.process_count} process(es); parameters + optimizer state "
-                     f"{s.param_opt_bytes_per_device:,} bytes per device"),
+                     f"{s.param_opt_bytes_per_device:,} bytes per device"
+                     + (f"; pipeline {s.pipeline_schedule} over {s.mesh['stage']} stages x "
+                        f"{s.accumulate} microbatches, bubble {s.pipeline_bubble:.1%}"
+                        if s.pipeline_schedule else "")),
         ("real tokens/s", f"{s.real_tokens_per_s:,.0f}"),
         ("model FLOP/s", f"{s.achieved_flops_per_s / 1e9:,.1f} GFLOP/s (MFU {mfu})"),
         ("padding efficiency", f"{s.padding_efficiency:.1%}"),

@@ -37,6 +37,7 @@ from jaxaccel.model import MLP_KINDS, PRESETS, ModelConfig, preset
 from jaxaccel.optim import LR_SCALING, NO_DECAY_PATTERNS, OPTIMIZERS, SCHEDULES, describe_defaults
 from jaxaccel.precision import LOSS_SCALE_KINDS, get_policy, make_loss_scale
 from jaxaccel.remat import REMAT_POLICIES
+from jaxaccel.pipeline import SCHEDULES as PIPELINE_SCHEDULES
 from jaxaccel.sharding import AXIS_TYPES, STRATEGIES as SHARDING_STRATEGIES
 
 MATMUL_PRECISIONS = ("default", "high", "highest")
@@ -148,12 +149,22 @@ class MeshConfig:
     strategy: str = setting("dp", "how the step is split over the mesh: dp (parameters "
                                   "replicated, batch split), fsdp (parameters, gradients and "
                                   "optimizer state split too: ZeRO-3), tp (attention heads and "
-                                  "MLP split, Megatron-style), fsdp+tp, dp+fsdp",
+                                  "MLP split, Megatron-style), pp (the layers split into "
+                                  "pipeline stages; needs scan_layers, microbatches = "
+                                  "accumulate), and the combinations fsdp+tp, dp+fsdp, dp+pp, "
+                                  "fsdp+pp, tp+pp, fsdp+tp+pp",
                             flag="sharding", choices=tuple(SHARDING_STRATEGIES))
-    shape: str | None = setting(None, "mesh axis sizes as axis=size pairs, e.g. fsdp=4,tensor=2 "
-                                      "(-1: the remaining devices); default: the strategy's axes "
-                                      "share all devices (fsdp+tp: tensor=2; dp+fsdp: data = "
-                                      "hosts, or 2)", flag="mesh")
+    shape: str | None = setting(None, "mesh axis sizes as axis=size pairs over the axes stage, "
+                                      "data, fsdp, tensor, e.g. stage=4,fsdp=2 (-1: the "
+                                      "remaining devices); default: the strategy's axes share "
+                                      "all devices (fsdp+tp: tensor=2; dp+fsdp: data = hosts, or "
+                                      "2; a +pp combination: 2 devices on each other axis, the "
+                                      "rest as stages)", flag="mesh")
+    pipeline_schedule: str = setting("gpipe", "with a pp strategy: gpipe (all microbatches "
+                                              "forward, then backward) or 1f1b (one forward, one "
+                                              "backward: stage inputs kept bounded by the stage "
+                                              "count, not the microbatches)",
+                                     choices=tuple(PIPELINE_SCHEDULES))
     num_devices: int | None = setting(None, "train on the first N devices of this process "
                                             "(default: all devices of all processes)")
     axis_types: str = setting("auto", "mesh axis types: auto (XLA completes the shardings) or "

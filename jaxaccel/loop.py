@@ -36,10 +36,12 @@ from jaxaccel.metrics import BITS_PER_NAT, MetricsWriter, plot_loss_curve, read_
 from jaxaccel.model import count_params, describe_model, flops_per_token, make_apply
 from jaxaccel.optim import build_optimizer, state_bytes
 from jaxaccel.planner import choose_remat
+from jaxaccel.pipeline import bubble_fraction, check as check_pipeline, pipeline_eval_fn, \
+    pipeline_grad_fn
 from jaxaccel.sharding import (batch_shards, batch_sharding, build_mesh, bytes_per_device,
-                               format_mesh, initialize_distributed, replicated)
+                               format_mesh, initialize_distributed, pipelined, replicated)
 from jaxaccel.state import init_sharded_state
-from jaxaccel.train import lm_eval_step, lm_train_step
+from jaxaccel.train import lm_eval_step, lm_train_step, make_train_step
 
 RUNS_ROOT = "runs"
 
@@ -104,6 +106,8 @@ class RunSummary:
     optimizer_state_bytes: int
     sharding: str
     mesh: dict
+    pipeline_schedule: str | None
+    pipeline_bubble: float | None
     mesh_axis_types: str
     process_count: int
     param_opt_bytes_per_device: int
@@ -133,6 +137,8 @@ def train(cfg: TrainConfig, *, should_stop=None) -> RunSummary:
                                auto=m.distributed, timeout_s=m.distributed_timeout)
     cfg.validate()
     mesh, mesh_shape = build_mesh(m.strategy, m.shape, m.axis_types, cfg.model, m.num_devices)
+    if pipelined(m.strategy):
+        check_pipeline(m.pipeline_schedule, mesh_shape["stage"], cfg.optimizer.accumulate)
     with jax.default_matmul_precision(cfg.precision.matmul), jax.set_mesh(mesh):
         run = set_up(cfg, mesh, mesh_shape)
         steps = compile_steps(run)
@@ -200,7 +206,8 @@ def set_up(cfg: TrainConfig, mesh, mesh_shape) -> Setup:
         stream = DataStream(corpus.train, position=position, **stream_args)
     if jax.process_index() == 0:
         write_config(cfg, run_dir, shlex.join(sys.orig_argv))
-    eval_multiple = math.lcm(batch_shards(mesh_shape), jax.process_count())
+    eval_multiple = math.lcm(batch_shards(mesh_shape) * eval_microbatches(cfg),
+                             jax.process_count())
     eval_batch_size = cfg.run.eval_batch_size or cfg.batch_rows()
     eval_batch_size = -(-eval_batch_size // eval_multiple) * eval_multiple
     return Setup(cfg, mesh, mesh_shape, run_dir, corpus, stream, total_steps, optimizer,
@@ -251,8 +258,13 @@ def resume_settings(cfg: TrainConfig, stream_args: dict, total_steps: int, multi
 
 
 def train_step_of(cfg: TrainConfig, model_cfg, optimizer, schedule=None):
-    """The pure train step a config describes (``jaxaccel.train.lm_train_step``), for
-    ``model_cfg`` (the config's model, or a variant of it)."""
+    """The pure train step a config describes (``jaxaccel.train.lm_train_step``; with a pp
+    strategy the pipelined gradient function of ``jaxaccel.pipeline``, ``accumulate``
+    microbatches), for ``model_cfg`` (the config's model, or a variant of it)."""
+    if pipelined(cfg.mesh.strategy):
+        grad_fn = pipeline_grad_fn(model_cfg, cfg.optimizer.accumulate,
+                                   cfg.mesh.pipeline_schedule, policy=cfg.policy())
+        return make_train_step(grad_fn, optimizer, schedule)
     return lm_train_step(make_apply(model_cfg), optimizer, schedule, policy=cfg.policy(),
                          accumulate=cfg.optimizer.accumulate)
 
@@ -265,9 +277,18 @@ def sharded_steps(cfg: TrainConfig, optimizer, schedule, shardings, mesh):
     train_step = CompiledFn(train_step_of(cfg, cfg.model, optimizer, schedule),
                             in_shardings=(shardings, layout), out_shardings=(shardings, whole),
                             donate_argnums=0)
-    eval_step = CompiledFn(lm_eval_step(make_apply(cfg.model), cfg.policy()),
-                           in_shardings=(shardings, layout), out_shardings=whole)
+    if pipelined(cfg.mesh.strategy):
+        evaluate = pipeline_eval_fn(cfg.model, eval_microbatches(cfg), policy=cfg.policy())
+    else:
+        evaluate = lm_eval_step(make_apply(cfg.model), cfg.policy())
+    eval_step = CompiledFn(evaluate, in_shardings=(shardings, layout), out_shardings=whole)
     return train_step, eval_step
+
+
+def eval_microbatches(cfg: TrainConfig) -> int:
+    """Microbatches of an evaluation batch: the pipeline's (``accumulate``) with a pp strategy,
+    else 1 (the whole batch at once)."""
+    return cfg.optimizer.accumulate if pipelined(cfg.mesh.strategy) else 1
 
 
 # =============================================================================================
@@ -525,6 +546,9 @@ def finish(run: Setup, steps: Steps, progress: Progress, wall_start: float) -> R
         weight_decay=run.hyperparameters["weight_decay"], batch_rows=cfg.batch_rows(),
         accumulate=cfg.optimizer.accumulate, optimizer_state_bytes=state_bytes(state.opt_state),
         sharding=cfg.mesh.strategy, mesh=run.mesh_shape, mesh_axis_types=cfg.mesh.axis_types,
+        pipeline_schedule=cfg.mesh.pipeline_schedule if pipelined(cfg.mesh.strategy) else None,
+        pipeline_bubble=bubble_fraction(run.mesh_shape["stage"], cfg.optimizer.accumulate)
+        if pipelined(cfg.mesh.strategy) else None,
         process_count=jax.process_count(),
         param_opt_bytes_per_device=bytes_per_device((state.params, state.opt_state)),
         device=hardware.describe(), jax_version=jax.__version__)

@@ -24,6 +24,7 @@ constraints do nothing.
 """
 
 import dataclasses
+from typing import Callable, NamedTuple
 
 import jax
 import jax.numpy as jnp
@@ -274,24 +275,35 @@ class GPT(nnx.Module):
             self.head = Dense(cfg.d_model, cfg.vocab_size, 0.02, rngs, "head")
 
     def __call__(self, inputs_BT, positions_BT, segment_ids_BT, *, dropout_key=None):
-        cfg = self.cfg
+        x_BTD = self.embed_tokens(inputs_BT)
+        x_BTD = self.run_blocks(x_BTD, positions_BT, segment_ids_BT, dropout_key)
+        return self.logits(x_BTD)
+
+    def embed_tokens(self, inputs_BT):
+        """The token embeddings [B, T, D]."""
         # The table's own dtype (the policy's compute dtype when the caller cast the parameters):
         # nnx.Embed would promote it to its float32 default and take the whole model with it.
         table_VD = constrain(self.embed.embedding[...], PARAM_AXES["embed"])
-        x_BTD = take_rows(table_VD, inputs_BT, ACTIVATION_AXES)
-        sin_BTR, cos_BTR = rotary_sin_cos(positions_BT, cfg.head_dim, cfg.rope_base)
-        x_BTD = self._blocks(x_BTD, sin_BTR, cos_BTR, segment_ids_BT, dropout_key)
+        return take_rows(table_VD, inputs_BT, ACTIVATION_AXES)
+
+    def logits(self, x_BTD):
+        """The final norm and the output head: float32 logits [B, T, V]."""
         x_BTD = self.final_norm(x_BTD)
-        if cfg.tie_embeddings:
+        if self.cfg.tie_embeddings:
+            table_VD = constrain(self.embed.embedding[...], PARAM_AXES["embed"])
             logits_BTV = jnp.einsum("btd,vd->btv", x_BTD, table_VD)
         else:
             logits_BTV = self.head(x_BTD)
         return logits_BTV.astype(jnp.float32)
 
-    def _blocks(self, x_BTD, sin_BTR, cos_BTR, segment_ids_BT, dropout_key):
-        """The stack of blocks, each a pure function of (its parameters, x, layer index) under
-        the remat policy; layer i's dropout key is ``fold_in(dropout_key, i)`` in both layouts."""
+    def run_blocks(self, x_BTD, positions_BT, segment_ids_BT, dropout_key=None,
+                   first_layer=0):
+        """The stack of blocks this module holds, each a pure function of (its parameters, x,
+        layer index) under the remat policy. Layer i's dropout key is ``fold_in(dropout_key,
+        first_layer + i)`` in both layouts; a pipeline stage holding layers ``first_layer ..``
+        of a stacked model passes its first index, so every layer gets the key it has unsplit."""
         cfg = self.cfg
+        sin_BTR, cos_BTR = rotary_sin_cos(positions_BT, cfg.head_dim, cfg.rope_base)
         graphdef, _ = nnx.split(self.blocks if cfg.scan_layers else self.blocks[0])
 
         def block(state, x_BTD, index):
@@ -305,10 +317,11 @@ class GPT(nnx.Module):
                 return block(state, x_BTD, index), None
 
             stacked = nnx.state(self.blocks)
-            x_BTD, _ = jax.lax.scan(body, x_BTD, (stacked, jnp.arange(cfg.n_layers)))
+            layers = jax.tree.leaves(stacked)[0].shape[0]      # a stage may hold a slice
+            x_BTD, _ = jax.lax.scan(body, x_BTD, (stacked, first_layer + jnp.arange(layers)))
             return x_BTD
         for i, layer in enumerate(self.blocks):
-            x_BTD = block(nnx.state(layer), x_BTD, i)
+            x_BTD = block(nnx.state(layer), x_BTD, first_layer + i)
         return x_BTD
 
 
@@ -344,14 +357,49 @@ def init_params(cfg: ModelConfig, key) -> dict:
 def make_apply(cfg: ModelConfig):
     """``apply(params, batch, dropout_key=None) -> logits [B, T, V]``, a pure function; the key
     is used only when ``cfg.dropout`` > 0 (callers may always pass one)."""
-    graphdef, _ = nnx.split(nnx.eval_shape(lambda: GPT(cfg, rngs=nnx.Rngs(0))))
+    parts = model_parts(cfg)
 
     def apply(params, batch, dropout_key=None):
-        model = nnx.merge(graphdef, params)
-        return model(batch["inputs"], batch["positions"], batch["segment_ids"],
-                     dropout_key=dropout_key if cfg.dropout > 0 else None)
+        x_BTD = parts.embed(params, batch["inputs"])
+        x_BTD = parts.blocks(params, x_BTD, batch, dropout_key)
+        return parts.head(params, x_BTD)
 
     return apply
+
+
+class ModelParts(NamedTuple):
+    """The model as three pure functions of the parameter dict, for callers that run its pieces
+    apart (``make_apply`` in a row; ``jaxaccel.pipeline`` over stages):
+
+    - ``embed(params, inputs_BT) -> x_BTD``;
+    - ``blocks(params, x_BTD, batch, dropout_key=None, first_layer=0) -> x_BTD``: the blocks in
+      ``params["blocks"]`` (all of them, or a pipeline stage's slice of the stacked layers whose
+      first is layer ``first_layer``), with the batch's positions and segment ids;
+    - ``head(params, x_BTD) -> logits_BTV`` in float32.
+
+    Each reads only its own entries of ``params``; the others may be any placeholder arrays.
+    """
+
+    embed: Callable
+    blocks: Callable
+    head: Callable
+
+
+def model_parts(cfg: ModelConfig) -> ModelParts:
+    graphdef, _ = nnx.split(nnx.eval_shape(lambda: GPT(cfg, rngs=nnx.Rngs(0))))
+
+    def embed(params, inputs_BT):
+        return nnx.merge(graphdef, params).embed_tokens(inputs_BT)
+
+    def blocks(params, x_BTD, batch, dropout_key=None, first_layer=0):
+        key = dropout_key if cfg.dropout > 0 else None
+        return nnx.merge(graphdef, params).run_blocks(x_BTD, batch["positions"],
+                                                      batch["segment_ids"], key, first_layer)
+
+    def head(params, x_BTD):
+        return nnx.merge(graphdef, params).logits(x_BTD)
+
+    return ModelParts(embed, blocks, head)
 
 
 def count_params(params) -> int:

@@ -1,12 +1,15 @@
-"""Sharding the pure step over a device mesh: data parallel, FSDP (ZeRO-3) and tensor parallel.
+"""Sharding the pure step over a device mesh: data parallel, FSDP (ZeRO-3), tensor parallel and
+pipeline parallel.
 
-The mesh always has the three named axes ``data``, ``fsdp`` and ``tensor`` (unused ones have
-size 1), so one set of rules serves every strategy and only the mesh's shape changes:
+The mesh always has the four named axes ``stage``, ``data``, ``fsdp`` and ``tensor`` (unused
+ones have size 1), so one set of rules serves every strategy and only the mesh's shape changes:
 
 - every parameter dimension has a logical name (``embed``, ``heads``, ``mlp``, ...; see
   ``jaxaccel.model.param_axes``). ``PARAM_RULES`` map them to mesh axes for storage: parameters,
   gradients and optimizer state are split over ``fsdp`` along ``embed`` (ZeRO-3) and over
-  ``tensor`` along attention heads and the MLP's inner dimension (Megatron).
+  ``tensor`` along attention heads and the MLP's inner dimension (Megatron); the stacked
+  blocks' ``layers`` dimension is split over ``stage`` (each pipeline stage holds its layers;
+  ``jaxaccel.pipeline`` runs them).
 - ``COMPUTE_RULES`` say how tensors are laid out while the model computes: the batch over
   ``data`` x ``fsdp``, heads and MLP features over ``tensor``, and weights gathered over
   ``fsdp`` one layer at a time where they are used (``constrain``).
@@ -27,7 +30,7 @@ from jax.sharding import AxisType, NamedSharding, PartitionSpec
 
 from jaxaccel.errors import ConfigError
 
-MESH_AXES = ("data", "fsdp", "tensor")
+MESH_AXES = ("stage", "data", "fsdp", "tensor")
 BATCH_AXES = ("data", "fsdp")
 AXIS_TYPES = {"auto": AxisType.Auto, "explicit": AxisType.Explicit}
 
@@ -38,11 +41,27 @@ STRATEGIES = {
     "tp": ("tensor",),
     "fsdp+tp": ("fsdp", "tensor"),
     "dp+fsdp": ("data", "fsdp"),
+    "pp": ("stage",),
+    "dp+pp": ("data", "stage"),
+    "fsdp+pp": ("fsdp", "stage"),
+    "tp+pp": ("tensor", "stage"),
+    "fsdp+tp+pp": ("fsdp", "tensor", "stage"),
 }
+# The sizes a strategy gives its secondary axes when the mesh sets none of its axes (each only
+# where it divides the devices); the remaining devices go to its other axis (a pipeline's
+# stages).
+DEFAULT_SIZES = {"fsdp+tp": {"tensor": 2}, "dp+fsdp": {"data": 2}, "dp+pp": {"data": 2},
+                 "fsdp+pp": {"fsdp": 2}, "tp+pp": {"tensor": 2},
+                 "fsdp+tp+pp": {"tensor": 2, "fsdp": 2}}
+
+
+def pipelined(strategy: str) -> bool:
+    """Whether ``strategy`` splits the layers into pipeline stages."""
+    return "stage" in STRATEGIES.get(strategy, ())
 
 # Logical axis -> mesh axis (or None: replicated) for parameters and optimizer state at rest.
 PARAM_RULES = {
-    "layers": None, "vocab": None, "embed": "fsdp", "heads": "tensor", "kv_heads": "tensor",
+    "layers": "stage", "vocab": None, "embed": "fsdp", "heads": "tensor", "kv_heads": "tensor",
     "mlp": "tensor", "norm": None,
 }
 # ... and for tensors while the model computes: weights are gathered over fsdp, the batch is
@@ -81,7 +100,9 @@ def mesh_shape(strategy: str, device_count: int, sizes: dict[str, int] | None = 
     ``sizes`` (from ``mesh.shape``) fix some axes; one axis may be -1 (the remaining devices).
     Unset axes the strategy uses get defaults: a lone axis takes every device; ``fsdp+tp`` puts
     2 devices on ``tensor``; ``dp+fsdp`` replicates across hosts (``data`` = the process count,
-    or 2 on one host) and shards within them. Axes the strategy does not use must be 1.
+    or 2 on one host) and shards within them; a ``+pp`` combination puts 2 devices on each of
+    its other axes and makes the rest stages (``DEFAULT_SIZES``). Axes the strategy does not use
+    must be 1.
     """
     if strategy not in STRATEGIES:
         raise ConfigError(f"unknown sharding strategy {strategy!r}; choose one of "
@@ -94,13 +115,13 @@ def mesh_shape(strategy: str, device_count: int, sizes: dict[str, int] | None = 
                 f"strategy {strategy} does not use the {axis} axis but the mesh sets "
                 f"{axis}={size}; set it to 1 or choose a strategy that uses it "
                 f"({', '.join(STRATEGIES)})", field="mesh.shape")
-    if len(used) == 2 and not any(a in sizes for a in used):
-        first = used[0]
-        if strategy == "fsdp+tp":
-            sizes["tensor"] = 2 if device_count % 2 == 0 else 1
-        else:
-            sizes[first] = process_count if process_count > 1 else (
-                2 if device_count % 2 == 0 else 1)
+    if not any(a in sizes for a in used):
+        defaults = dict(DEFAULT_SIZES.get(strategy, {}))
+        if strategy == "dp+fsdp" and process_count > 1:
+            defaults["data"] = process_count
+        for axis, size in defaults.items():
+            rest = device_count // math.prod(sizes.values()) if sizes else device_count
+            sizes[axis] = size if rest % size == 0 else 1
     for axis in used:
         sizes.setdefault(axis, -1)
     free = [a for a in MESH_AXES if sizes.get(a) == -1]
@@ -148,12 +169,13 @@ def build_mesh(strategy: str, mesh: str | None = None, axis_types: str = "auto",
         raise ConfigError(
             f"mesh {format_mesh(shape)} splits the batch into {batch_shards(shape)} parts, fewer "
             f"than (or not a multiple of) the {jax.process_count()} processes that each load "
-            f"their own rows; keep the tensor axis within a host", field="mesh.shape")
+            f"their own rows; keep the tensor and stage axes within a host", field="mesh.shape")
     return make_mesh(shape, axis_types, devices), shape
 
 
 def make_mesh(shape: dict[str, int], axis_types: str = "auto", devices=None):
-    """A ``jax.sharding.Mesh`` with axes data, fsdp, tensor of these sizes, all of one type."""
+    """A ``jax.sharding.Mesh`` with axes stage, data, fsdp, tensor of these sizes, all of one
+    type."""
     if axis_types not in AXIS_TYPES:
         raise ConfigError(f"unknown mesh axis type {axis_types!r}; choose one of "
                           f"{', '.join(AXIS_TYPES)}", field="mesh.axis_types")
@@ -163,7 +185,7 @@ def make_mesh(shape: dict[str, int], axis_types: str = "auto", devices=None):
         raise ConfigError(
             f"mesh {format_mesh(shape)} has {math.prod(sizes)} devices but {len(devices)} are "
             f"available; make the mesh sizes multiply to {len(devices)}", field="mesh.shape")
-    return jax.make_mesh(sizes, MESH_AXES, axis_types=(AXIS_TYPES[axis_types],) * 3,
+    return jax.make_mesh(sizes, MESH_AXES, axis_types=(AXIS_TYPES[axis_types],) * len(MESH_AXES),
                          devices=devices)
 
 
@@ -184,7 +206,9 @@ def logical_spec(axes, rules: dict) -> PartitionSpec:
 
 
 def _explicit(mesh) -> bool:
-    return bool(mesh.axis_names) and all(t == AxisType.Explicit for t in mesh.axis_types)
+    """Whether the mesh's axes are Explicit (those a ``shard_map`` has not made Manual)."""
+    types = [t for t in mesh.axis_types if t != AxisType.Manual]
+    return bool(types) and all(t == AxisType.Explicit for t in types)
 
 
 def constrain(x, axes):
@@ -240,8 +264,12 @@ def per_shard(fn, in_axes, out_axes):
 
 
 def param_shardings(mesh, axes_tree):
-    """NamedShardings for a tree of logical-axes tuples (one per parameter)."""
-    return jax.tree.map(lambda axes: NamedSharding(mesh, logical_spec(axes, PARAM_RULES)),
+    """NamedShardings for a tree of logical-axes tuples (one per parameter). Without pipeline
+    stages the stacked layers are not split at all (a ``stage`` axis of size 1 in their type
+    would only keep Explicit axes from scanning over them)."""
+    rules = PARAM_RULES if dict(mesh.shape).get("stage", 1) > 1 else {**PARAM_RULES,
+                                                                      "layers": None}
+    return jax.tree.map(lambda axes: NamedSharding(mesh, logical_spec(axes, rules)),
                         axes_tree, is_leaf=lambda x: isinstance(x, tuple))
 
 
@@ -289,7 +317,22 @@ def batch_shards(shape: dict[str, int]) -> int:
 
 def check_model(shape: dict[str, int], cfg) -> None:
     """One clear line if the model's shape cannot be split over this mesh."""
-    tensor, fsdp = shape["tensor"], shape["fsdp"]
+    tensor, fsdp, stages = shape["tensor"], shape["fsdp"], shape.get("stage", 1)
+    if stages > 1:
+        if not cfg.scan_layers:
+            raise ConfigError(
+                f"pipeline stages split the stacked blocks, but scan_layers is off; turn "
+                f"scan_layers on to train on {stages} stages",
+                field="model.scan_layers")
+        if cfg.n_layers < stages:
+            raise ConfigError(
+                f"the mesh has {stages} pipeline stages but the model only {cfg.n_layers} "
+                f"layers; use at most {cfg.n_layers} stages (mesh stage=N)", field="mesh.shape")
+        if cfg.n_layers % stages:
+            raise ConfigError(
+                f"n_layers={cfg.n_layers} does not split evenly over {stages} pipeline stages; "
+                f"choose n_layers divisible by the stage axis or a stage count dividing "
+                f"{cfg.n_layers}", field="model.n_layers")
     for name, value, axis, size in (("n_heads", cfg.n_heads, "tensor", tensor),
                                     ("n_kv_heads", cfg.n_kv_heads, "tensor", tensor),
                                     ("d_ff", cfg.d_ff, "tensor", tensor),

@@ -1,10 +1,42 @@
-"""Fixtures shared by the tests that train."""
+"""Fixtures shared by the tests that train, and the run-wide compilation cache."""
 
 import json
 import os
+import shutil
+import subprocess
+import sys
+import tempfile
 
 import numpy as np
 import pytest
+
+# Many tests compile the same small programs again (a run, then its resumed half; every row of an
+# experiment subprocess): JAX's persistent compilation cache, shared by the test workers and
+# their subprocesses for this run only, serves the repeats. A hit is the executable XLA would
+# build for the same program and options, so nothing a test checks changes, only the time.
+RUN_ID = os.environ.get("PYTEST_XDIST_TESTRUNUID") or str(os.getpid())
+CACHE_DIR = os.path.join(tempfile.gettempdir(), f"jaxaccel-test-cache-{RUN_ID}")
+os.environ.setdefault("JAX_COMPILATION_CACHE_DIR", CACHE_DIR)
+os.environ.setdefault("JAX_PERSISTENT_CACHE_MIN_COMPILE_TIME_SECS", "0")
+
+REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+
+
+def pytest_sessionfinish(session):
+    if not hasattr(session.config, "workerinput"):     # the controller, after every worker
+        shutil.rmtree(CACHE_DIR, ignore_errors=True)
+
+
+def run_multidevice(path: str) -> None:
+    """Run the tests in ``path`` (under tests/multidevice) in a subprocess with 8 simulated CPU
+    devices, failing (not skipping) if any fails."""
+    env = {**os.environ, "JAXACCEL_MULTIDEVICE": "1", "JAX_PLATFORMS": "cpu",
+           "XLA_FLAGS": "--xla_force_host_platform_device_count=8"}
+    result = subprocess.run([sys.executable, "-m", "pytest", "-x", "-q", "-o", "addopts=",
+                             "-p", "no:cacheprovider", path], cwd=REPO, env=env,
+                            capture_output=True, text=True, timeout=900)
+    assert result.returncode == 0, result.stdout[-6000:] + result.stderr[-3000:]
+    assert " passed" in result.stdout and "skipped" not in result.stdout
 
 
 @pytest.fixture(scope="session")

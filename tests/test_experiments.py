@@ -13,7 +13,7 @@ def test_padding_experiment_writes_every_row(corpus_path, tmp_path, capsys):
     code = padding.main([
         "--data", corpus_path, "--d-model", "32", "--n-layers", "1", "--n-heads", "2",
         "--max-seq-len", "32", "--seq-len", "32", "--batch-size", "4", "--pad-multiple", "8",
-        "--buckets", "3", "--train-tokens", "400", "--no-progress", "--run-dir",
+        "--buckets", "3", "--train-tokens", "400", "--final-eval-batches", "2", "--no-progress", "--run-dir",
         str(tmp_path / "runs"), "--cache-dir", str(tmp_path / "cache"), "--json", str(out)])
     assert code == 0
     result = json.loads(out.read_text())

@@ -13,6 +13,7 @@ import numpy as np
 import pytest
 from jax.sharding import PartitionSpec
 
+from conftest import run_multidevice
 from jaxaccel.errors import ConfigError
 from jaxaccel.model import PARAM_AXES, ModelConfig, init_params, param_axes
 from jaxaccel.optim import make_optimizer
@@ -25,15 +26,17 @@ REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
 
 def test_strategies_fill_the_mesh_with_their_own_axes():
-    assert mesh_shape("dp", 8) == {"data": 8, "fsdp": 1, "tensor": 1}
-    assert mesh_shape("fsdp", 8) == {"data": 1, "fsdp": 8, "tensor": 1}
-    assert mesh_shape("tp", 4) == {"data": 1, "fsdp": 1, "tensor": 4}
-    assert mesh_shape("fsdp+tp", 8) == {"data": 1, "fsdp": 4, "tensor": 2}
-    assert mesh_shape("dp+fsdp", 8) == {"data": 2, "fsdp": 4, "tensor": 1}
-    assert mesh_shape("dp+fsdp", 16, process_count=2) == {"data": 2, "fsdp": 8, "tensor": 1}
-    assert mesh_shape("fsdp+tp", 8, parse_mesh("tensor=4,fsdp=-1")) == {
-        "data": 1, "fsdp": 2, "tensor": 4}
-    assert mesh_shape("dp", 1) == {"data": 1, "fsdp": 1, "tensor": 1}
+    def shape(stage=1, data=1, fsdp=1, tensor=1):
+        return {"stage": stage, "data": data, "fsdp": fsdp, "tensor": tensor}
+
+    assert mesh_shape("dp", 8) == shape(data=8)
+    assert mesh_shape("fsdp", 8) == shape(fsdp=8)
+    assert mesh_shape("tp", 4) == shape(tensor=4)
+    assert mesh_shape("fsdp+tp", 8) == shape(fsdp=4, tensor=2)
+    assert mesh_shape("dp+fsdp", 8) == shape(data=2, fsdp=4)
+    assert mesh_shape("dp+fsdp", 16, process_count=2) == shape(data=2, fsdp=8)
+    assert mesh_shape("fsdp+tp", 8, parse_mesh("tensor=4,fsdp=-1")) == shape(fsdp=2, tensor=4)
+    assert mesh_shape("dp", 1) == shape()
 
 
 @pytest.mark.parametrize("strategy, mesh, message", [
@@ -61,7 +64,7 @@ def test_make_mesh_checks_the_device_count():
     with pytest.raises(ConfigError, match="has 2 devices but 1 are available"):
         make_mesh({"data": 2, "fsdp": 1, "tensor": 1})
     mesh = make_mesh({"data": 1, "fsdp": 1, "tensor": 1}, "explicit")
-    assert mesh.axis_names == ("data", "fsdp", "tensor")
+    assert mesh.axis_names == ("stage", "data", "fsdp", "tensor")
     assert all(t == jax.sharding.AxisType.Explicit for t in mesh.axis_types)
 
 
@@ -153,14 +156,8 @@ def test_an_unreachable_coordinator_times_out_with_one_line():
 
 def test_eight_device_suite():
     """Every strategy against one device, the memory targets and checkpoints across meshes
-    (tests/multidevice), on 8 simulated CPU devices."""
-    env = {**os.environ, "JAXACCEL_MULTIDEVICE": "1", "JAX_PLATFORMS": "cpu",
-           "XLA_FLAGS": "--xla_force_host_platform_device_count=8"}
-    result = subprocess.run([sys.executable, "-m", "pytest", "-x", "-q", "-o", "addopts=",
-                             "-p", "no:cacheprovider", "tests/multidevice"], cwd=REPO, env=env, capture_output=True,
-                            text=True, timeout=900)
-    assert result.returncode == 0, result.stdout[-6000:] + result.stderr[-3000:]
-    assert " passed" in result.stdout and "skipped" not in result.stdout
+    (tests/multidevice/test_strategies.py), on 8 simulated CPU devices."""
+    run_multidevice("tests/multidevice/test_strategies.py")
 
 
 def test_two_processes_train_together_like_one(corpus_path, tmp_path):
@@ -197,7 +194,7 @@ def test_two_processes_train_together_like_one(corpus_path, tmp_path):
 
     summaries = [json.load(open(tmp_path / f"{i}.json")) for i in range(2)]
     assert [s["process_count"] for s in summaries] == [2, 2]
-    assert summaries[0]["mesh"] == {"data": 1, "fsdp": 2, "tensor": 1}
+    assert summaries[0]["mesh"] == {"stage": 1, "data": 1, "fsdp": 2, "tensor": 1}
     assert summaries[0]["compiles"] == 1
     assert sorted(os.listdir(tmp_path / "two" / "checkpoints")) == ["2", "4"]
     two = losses("two/metrics.jsonl")

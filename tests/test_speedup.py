@@ -96,7 +96,7 @@ def test_every_row_runs_with_its_technique_on(corpus_path, tmp_path, capsys):
         assert "mfu" in r and r["real_tokens"] > 1000
     base = rows["baseline"]
     assert base["speedup"] == 1 and base["quality_diff"] == 0 and base["batching"] == "fixed"
-    assert base["mesh"] == {"data": 1, "fsdp": 1, "tensor": 1} and base["precision"] == "fp32"
+    assert base["mesh"] == {"stage": 1, "data": 1, "fsdp": 1, "tensor": 1} and base["precision"] == "fp32"
     # Padding: each strategy's shapes and efficiency.
     assert rows["dynamic"]["batching"] == "dynamic" and rows["dynamic"]["shapes"] > 1
     assert 1 < rows["bucket"]["shapes"] <= 3

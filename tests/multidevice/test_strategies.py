@@ -19,7 +19,7 @@ from jaxaccel.loop import train
 from jaxaccel.model import ModelConfig, make_apply
 from jaxaccel.optim import make_optimizer
 from jaxaccel.sharding import (STRATEGIES, batch_sharding, bytes_per_device, make_mesh,
-                               mesh_shape, replicated)
+                               mesh_shape, pipelined, replicated)
 from jaxaccel.state import init_sharded_state
 from jaxaccel.train import lm_train_step
 
@@ -69,7 +69,7 @@ def single_losses():
 
 # Every strategy with Auto axes; with Explicit ones, the strategies that use each mesh axis.
 @pytest.mark.parametrize("strategy, axis_types", [
-    *((strategy, "auto") for strategy in STRATEGIES),
+    *((strategy, "auto") for strategy in STRATEGIES if not pipelined(strategy)),
     ("tp", "explicit"), ("fsdp+tp", "explicit"), ("dp+fsdp", "explicit")])
 def test_every_strategy_trains_like_one_device(strategy, axis_types, single_losses):
     mesh = make_mesh(mesh_shape(strategy, 8), axis_types)
@@ -141,17 +141,21 @@ def train_losses(summary):
 
 
 def test_training_loop_resumes_on_another_mesh(corpus_path, tmp_path):
-    dp_fsdp = {"mesh.strategy": "dp+fsdp", "mesh.shape": "data=2,fsdp=4"}
-    whole = train(loop_config(corpus_path, tmp_path / "whole", **dp_fsdp))
-    assert whole.mesh == {"data": 2, "fsdp": 4, "tensor": 1}
-    assert whole.compiles == 1
-    first = train(loop_config(corpus_path, tmp_path / "split", **dp_fsdp),
-                  should_stop=lambda step: step == 2)
-    assert first.interrupted == "requested"
-    second = train(loop_config(corpus_path, tmp_path / "split", **{
-        "mesh.strategy": "fsdp+tp", "mesh.shape": "fsdp=4,tensor=2",
-        "mesh.axis_types": "explicit", "run.resume": True}))
-    assert second.steps == 4
+    """A run on a dp+fsdp mesh, and the same run split: its first half pipelined (fsdp+pp, 1F1B),
+    its checkpoint resumed on one device without stages. The losses agree step by step."""
+    common = {"model.scan_layers": True, "optimizer.accumulate": 2, "data.batch_size": 16}
+    whole = train(loop_config(corpus_path, tmp_path / "whole", **common, **{
+        "mesh.strategy": "dp+fsdp", "mesh.shape": "data=2,fsdp=4"}))
+    assert whole.mesh == {"stage": 1, "data": 2, "fsdp": 4, "tensor": 1}
+    assert whole.compiles == 1 and whole.pipeline_schedule is None
+    first = train(loop_config(corpus_path, tmp_path / "split", **common, **{
+        "mesh.strategy": "fsdp+pp", "mesh.shape": "stage=2,fsdp=4",
+        "mesh.pipeline_schedule": "1f1b"}), should_stop=lambda step: step == 2)
+    assert first.interrupted == "requested" and first.mesh["stage"] == 2
+    assert first.pipeline_schedule == "1f1b" and first.pipeline_bubble == pytest.approx(1 / 3)
+    second = train(loop_config(corpus_path, tmp_path / "split", **common, **{
+        "mesh.num_devices": 1, "run.resume": True}))
+    assert second.steps == 4 and second.mesh["stage"] == 1
     np.testing.assert_allclose(train_losses(second), train_losses(whole), rtol=1e-5)
     assert second.val_loss == pytest.approx(whole.val_loss, rel=1e-5)
 
@@ -175,14 +179,19 @@ def test_pallas_attention_runs_per_shard_under_fsdp_and_tp():
 def test_sharding_experiment_writes_every_row(corpus_path, tmp_path):
     from experiments import sharding
     out = tmp_path / "sharding.json"
-    code = sharding.main(["--data", corpus_path, "--d-model", "64", "--n-layers", "1",
+    code = sharding.main(["--data", corpus_path, "--d-model", "64", "--n-layers", "4",
                           "--max-seq-len", "32", "--seq-len", "32", "--batch-size", "8",
-                          "--steps", "2", "--strategies", "fsdp,tp", "--cache-dir",
+                          "--steps", "2", "--strategies", "fsdp,fsdp+pp",
+                          "--pipeline-schedules", "1f1b", "--pipeline-microbatches", "4",
+                          "--cache-dir",
                           str(tmp_path / "cache"), "--json", str(out)])
     assert code == 0
     rows = {row["strategy"]: row for row in json.loads(out.read_text())["rows"]}
-    assert list(rows) == ["single", "fsdp", "tp"]
-    assert rows["fsdp"]["mesh"] == "1,8,1" and rows["tp"]["mesh"] == "1,1,8"
+    assert list(rows) == ["single", "fsdp", "fsdp+pp (1f1b)"]
+    assert rows["fsdp"]["mesh"] == "1,1,8,1"
+    assert rows["fsdp+pp (1f1b)"]["mesh"] == "4,1,2,1"
+    assert rows["fsdp+pp (1f1b)"]["bubble"] == pytest.approx(3 / 7)
+    assert rows["fsdp+pp (1f1b)"]["blocks_fraction"] <= 0.25 * 1.05
     single_bytes = rows["single"]["param_opt_bytes_per_device"]
     assert rows["fsdp"]["param_opt_bytes_per_device"] < single_bytes / 7
     assert all(row["loss_diff_vs_single"] < 1e-5 for row in rows.values())

@@ -1,0 +1,346 @@
+"""Pipeline parallelism: the stacked blocks split into stages over the mesh's ``stage`` axis, the
+batch into microbatches that flow through the stages on a schedule.
+
+Layout. The blocks' parameters are stacked ([L, ...], ``model.scan_layers``) and their ``layers``
+dimension is split over ``stage`` (``sharding.PARAM_RULES``): stage s holds layers
+``s * L/S .. (s+1) * L/S - 1``, and their optimizer state with them. The embedding runs on the
+first stage and the final norm, the output head and the loss on the last, one microbatch at a
+time, so logits never exist for the whole batch. Their weights, though, are *spread*: replicated
+over ``stage`` (and split over ``fsdp``/``tensor`` as in every strategy), their gradients summed
+over stages at the end of the step. Placing them on the end stages alone would make those
+stages' parameter shards differently shaped from the others', which one SPMD program over the
+``stage`` axis cannot express; the price is their bytes on every stage (stated apart in
+``experiments.sharding``), small next to the blocks of a deep model.
+
+Inside the pipeline only ``stage`` is a manual axis (``jax.shard_map(axis_names={"stage"})``):
+within a stage the blocks are still split over ``data``/``fsdp``/``tensor`` by the usual
+constraints. Activations go to the next stage and their gradients to the previous one with
+``lax.ppermute``, once per tick.
+
+Schedules. A schedule is two tables, ``forward[t, s]`` and ``backward[t, s]``: the microbatch
+stage s runs forward (or backward) at tick t, or -1. Every tick each stage does at most one
+forward and one backward, each chosen by ``lax.switch`` (idle, first, middle or last stage) so
+that idle slots cost nothing. A stage keeps the *input* of every microbatch it has run forward
+and not yet backward, and its backward recomputes the stage's forward from that input inside
+``jax.vjp``: what a schedule stores is its stage inputs (plus whatever the remat policy keeps
+while one microbatch is recomputed). The first stage keeps nothing (it re-embeds the token ids);
+the last runs no separate forward: its backward computes its blocks, the head and the loss of
+the microbatch, seeded with ``scale / real tokens of the batch``.
+
+- ``gpipe`` (Huang et al. 2019): every microbatch forward, then every microbatch backward; each
+  stage after the first keeps M inputs.
+- ``1f1b`` (PipeDream-Flush, Narayanan et al. 2021): a microbatch goes backward on the last
+  stage in the tick it arrives, so after 2(S - 1 - s) forward-only ticks stage s runs one forward
+  and one backward per tick and keeps at most 2(S - 1 - s) + 1 inputs (2(S - 2) + 1 on stage 1),
+  however many microbatches there are. In lockstep ticks the gradient needs as many ticks to
+  come back as the activation took to go, so this is more than an asynchronous 1F1B's S - s.
+
+Both have the bubble (S - 1) / (M + S - 1) of the step (``bubble_fraction``): 1F1B bounds the
+memory, not the idle time. Gradients, loss and aux are those of ``grads.accumulate`` over the
+same microbatches with ``weight="real_tokens"``: the whole batch's token mean.
+"""
+
+import dataclasses
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+from jax.sharding import PartitionSpec as P
+
+from jaxaccel import grads as grads_lib
+from jaxaccel.errors import ConfigError
+from jaxaccel.model import ACTIVATION_AXES, model_parts
+from jaxaccel.precision import POLICIES, Policy
+from jaxaccel.sharding import constrain
+from jaxaccel.train import weighted_cross_entropy
+
+SCHEDULES = ("gpipe", "1f1b")
+AXIS = "stage"
+
+
+@dataclasses.dataclass(frozen=True)
+class Schedule:
+    """Which microbatch each stage runs forward and backward at each tick (-1: none), and how
+    many stage inputs a stage keeps at once (``slots``)."""
+
+    name: str
+    stages: int
+    microbatches: int
+    forward: np.ndarray        # [ticks, S]
+    backward: np.ndarray       # [ticks, S]
+    slots: int
+
+    @property
+    def ticks(self) -> int:
+        return self.forward.shape[0]
+
+
+def check(name: str, stages: int, microbatches: int) -> None:
+    """One clear line if the schedule cannot run ``microbatches`` over ``stages``."""
+    if name not in SCHEDULES:
+        raise ConfigError(f"unknown pipeline schedule {name!r}; choose one of "
+                          f"{', '.join(SCHEDULES)}", field="mesh.pipeline_schedule")
+    if name == "1f1b" and microbatches < stages:
+        raise ConfigError(
+            f"1f1b needs at least as many microbatches as pipeline stages, got accumulate="
+            f"{microbatches} for {stages} stages; set accumulate to {stages} or more (or use "
+            f"the gpipe schedule)", field="optimizer.accumulate")
+
+
+def make_schedule(name: str, stages: int, microbatches: int) -> Schedule:
+    """The tick tables of ``name`` for S stages and M microbatches (see the module docstring)."""
+    check(name, stages, microbatches)
+    S, M = stages, microbatches
+    stage = np.arange(S)
+    if name == "gpipe":
+        # Forwards at m + s; the last stage starts backward as its last input arrives (tick
+        # M + S - 2) and the gradients flow back one stage per tick.
+        ticks = 2 * M + 2 * S - 3
+        backward_tick = lambda m: M + S - 2 + (S - 1 - stage) + m           # noqa: E731
+    else:
+        # Microbatch m reaches the last stage at m + S - 1 and goes backward there at once.
+        ticks = M + 2 * S - 2
+        backward_tick = lambda m: m + 2 * (S - 1) - stage                    # noqa: E731
+    forward = np.full((ticks, S), -1, np.int32)
+    backward = np.full((ticks, S), -1, np.int32)
+    for m in range(M):
+        forward[m + stage, stage] = m
+        backward[backward_tick(m), stage] = m
+    # The first stage recomputes from the token ids and keeps no inputs.
+    slots = int(max([1] + [_peak_alive(forward[:, s], backward[:, s]) for s in range(1, S)]))
+    return Schedule(name, S, M, forward, backward, slots)
+
+
+def _peak_alive(forward, backward) -> int:
+    """The most microbatches run forward and not yet backward at once (both counted in the tick
+    where they meet, since the forward stores before the backward reads)."""
+    alive = peak = 0
+    for f, b in zip(forward, backward):
+        alive += f >= 0
+        peak = max(peak, alive)
+        alive -= b >= 0
+    return peak
+
+
+def bubble_fraction(stages: int, microbatches: int) -> float:
+    """The idle share of a pipelined step: (S - 1) / (M + S - 1), for both schedules."""
+    return (stages - 1) / (microbatches + stages - 1)
+
+
+def _stage_kinds(stages: int):
+    """(first, last) of each kind of stage: index 0 for stage 0, 1 for the middle ones, 2 for the
+    last (one kind, both, for a single stage)."""
+    if stages == 1:
+        return ((True, True),)
+    return ((True, False), (False, False), (False, True))
+
+
+def _stage_function(parts, policy, mbs, keys):
+    """``stage_fn(kind, stage_blocks, rest, x_BTD, m, first_layer)``: stage ``kind`` (first?,
+    last?) on microbatch m of ``mbs``: the embedding on the first stage (``x_BTD`` unused), the
+    stage's blocks, and on the last the summed token loss and weight instead of activations."""
+
+    def stage_fn(kind, stage_blocks, rest, x_BTD, m, first_layer):
+        first, last = kind
+        mb = _select(mbs, m)
+        params = {**rest, "blocks": stage_blocks}
+        if first:
+            x_BTD = parts.embed(params, mb["inputs"])
+        y_BTD = parts.blocks(params, x_BTD, mb, None if keys is None else keys[m], first_layer)
+        if not last:
+            return y_BTD
+        logits_BTV = policy.cast_to_output(parts.head(params, y_BTD))
+        return weighted_cross_entropy(logits_BTV, mb["targets"], mb["weights"])
+
+    return stage_fn
+
+
+def stage_count() -> int:
+    """The size of the ``stage`` axis of the mesh in context (1 without one)."""
+    mesh = jax.sharding.get_abstract_mesh()
+    return 1 if mesh.empty or AXIS not in mesh.axis_names else mesh.shape[AXIS]
+
+
+def _split(params):
+    return {k: v for k, v in params.items() if k != "blocks"}, params["blocks"]
+
+
+def _zeros_like(tree, dtype=None):
+    """Zeros of each leaf's shape and sharding (its type, under Explicit axes)."""
+    return jax.tree.map(lambda x: jnp.zeros_like(x, dtype=dtype or x.dtype), tree)
+
+
+def _add(total, part):
+    return jax.tree.map(lambda t, p: t + p.astype(t.dtype), total, part)
+
+
+def _select(tree, index):
+    return jax.tree.map(lambda x: x[index], tree)
+
+
+def _shift(x, stages, direction):
+    """``x`` sent one stage on (+1) or back (-1); the end that receives nothing gets zeros."""
+    pairs = [(s, s + direction) for s in range(stages) if 0 <= s + direction < stages]
+    return jax.lax.ppermute(x, AXIS, pairs) if pairs else jnp.zeros_like(x)
+
+
+def pipeline_grad_fn(model_cfg, microbatches: int, schedule: str = "gpipe", *,
+                     policy: Policy = POLICIES["fp32"]):
+    """The gradient function (``jaxaccel.grads`` signature) of the language-model loss with the
+    blocks pipelined over the ``stage`` axis of the mesh in context, ``microbatches`` per step.
+
+    Its loss, aux (``real_tokens``, ``padded_tokens``) and gradients are those of
+    ``accumulate(value_and_grad(lm_loss(cast(apply, policy))), microbatches,
+    weight="real_tokens")``; microbatch i gets the key ``fold_in(key, i)`` (the key itself when
+    there is one microbatch), as there.
+    """
+    parts = model_parts(model_cfg)
+    check(schedule, 1, microbatches)
+
+    def grad_fn(params, batch, key, *, scale=None):
+        stages = stage_count()
+        plan = make_schedule(schedule, stages, microbatches)
+        layers = model_cfg.n_layers // stages
+        mbs = grads_lib.split_microbatches(batch, microbatches)
+        keys = (key[None] if microbatches == 1 else
+                jax.vmap(lambda i: jax.random.fold_in(key, i))(jnp.arange(microbatches)))
+        real_tokens = jnp.sum(batch["weights"].astype(jnp.float32))
+        seed = (1.0 if scale is None else scale) / jnp.maximum(real_tokens, 1.0)
+        rest, blocks = _split(policy.cast_to_compute(params))
+        kinds = _stage_kinds(stages)
+        B, T = mbs["inputs"].shape[1:]
+        x_shape = jax.ShapeDtypeStruct((B, T, model_cfg.d_model), policy.compute_dtype)
+
+        def run(stage_blocks, rest, seed, mbs, keys):
+            stage_fn = _stage_function(parts, policy, mbs, keys)
+            s = jax.lax.axis_index(AXIS) if stages > 1 else 0
+            kind = jnp.minimum(s, 1) + (s == stages - 1) if stages > 1 else 0
+            first_layer = s * layers
+            forward, backward = jnp.asarray(plan.forward), jnp.asarray(plan.backward)
+            x0 = constrain(jnp.zeros(x_shape.shape, x_shape.dtype), ACTIVATION_AXES)
+            carry = dict(sent=x0, returned=x0,
+                         inputs=constrain(jnp.zeros((plan.slots, *x0.shape), x0.dtype),
+                                          (None, *ACTIVATION_AXES)),
+                         d_blocks=_zeros_like(stage_blocks, jnp.float32),
+                         d_rest=_zeros_like(rest, jnp.float32),
+                         loss_sum=jnp.zeros((), jnp.float32))
+
+            def run_forward(k):
+                return lambda x, m: stage_fn(kinds[k], stage_blocks, rest, x, m, first_layer)
+
+            def run_backward(k):
+                def pull(x, m, returned):
+                    out, vjp = jax.vjp(
+                        lambda sb, r, x: stage_fn(kinds[k], sb, r, x, m, first_layer),
+                        stage_blocks, rest, x)
+                    if kinds[k][1]:       # the last stage: the loss, seeded
+                        loss_sum, weight_sum = out
+                        return (loss_sum, *vjp((seed.astype(loss_sum.dtype),
+                                                jnp.zeros_like(weight_sum))))
+                    return (jnp.zeros((), jnp.float32), *vjp(returned.astype(out.dtype)))
+                return pull
+
+            def idle_forward(x, m):
+                return x0
+
+            def idle_backward(x, m, returned):
+                return (jnp.zeros((), jnp.float32), _zeros_like(stage_blocks), _zeros_like(rest),
+                        x0)
+
+            # Forward branches: idle, then one per kind (the last stage computes nothing yet).
+            forwards = [idle_forward] + [idle_forward if last else run_forward(k)
+                                         for k, (_, last) in enumerate(kinds)]
+            backwards = [idle_backward] + [run_backward(k) for k in range(len(kinds))]
+
+            def tick(carry, t):
+                f, b = forward[t, s], backward[t, s]
+                # Forward: what the previous stage sent (the first stage embeds its own
+                # microbatch), kept for the backward and passed on.
+                mf = jnp.maximum(f, 0)
+                y = jax.lax.switch(jnp.where(f >= 0, 1 + kind, 0), forwards, carry["sent"], mf)
+                slot = mf % plan.slots
+                inputs = carry["inputs"].at[slot].set(
+                    jnp.where(f >= 0, carry["sent"], carry["inputs"][slot]))
+                # Backward: recompute from the kept input and pull the gradient through.
+                mb = jnp.maximum(b, 0)
+                loss, d_blocks, d_rest, d_x = jax.lax.switch(
+                    jnp.where(b >= 0, 1 + kind, 0), backwards, inputs[mb % plan.slots], mb,
+                    carry["returned"])
+                new = dict(sent=_shift(y, stages, +1), returned=_shift(d_x, stages, -1),
+                           inputs=inputs, d_blocks=_add(carry["d_blocks"], d_blocks),
+                           d_rest=_add(carry["d_rest"], d_rest),
+                           loss_sum=carry["loss_sum"] + loss)
+                return new, None
+
+            carry, _ = jax.lax.scan(tick, carry, jnp.arange(plan.ticks))
+            # The embedding's gradient is on the first stage, the head's and the loss on the last.
+            total = (carry["loss_sum"], carry["d_rest"])
+            if stages > 1:
+                total = jax.lax.psum(total, AXIS)
+            return (*total, carry["d_blocks"])
+
+        staged = run if stages == 1 else jax.shard_map(
+            run, in_specs=(P(AXIS), P(), P(), P(), P()), out_specs=(P(), P(), P(AXIS)),
+            axis_names={AXIS}, check_vma=False)
+        loss_sum, d_rest, d_blocks = staged(blocks, rest, seed, mbs, keys)
+        grads = jax.tree.map(lambda g, p: g.astype(p.dtype), {**d_rest, "blocks": d_blocks},
+                             params)
+        loss = loss_sum / jnp.maximum(real_tokens, 1.0)
+        aux = {"real_tokens": real_tokens,
+               "padded_tokens": jnp.sum(batch["segment_ids"] == 0).astype(jnp.float32)}
+        return (loss, aux), grads
+
+    return grad_fn
+
+
+def pipeline_eval_fn(model_cfg, microbatches: int, *, policy: Policy = POLICIES["fp32"]):
+    """``eval_step(state, batch) -> {"loss_sum", "weight_sum"}`` (``train.make_eval_step``'s
+    contract) with the blocks pipelined over the ``stage`` axis: every microbatch forward, one
+    stage per tick, the last stage adding up the loss. Nothing is kept for a backward pass."""
+    parts = model_parts(model_cfg)
+
+    def eval_step(state, batch):
+        stages = stage_count()
+        layers = model_cfg.n_layers // stages
+        mbs = grads_lib.split_microbatches(batch, microbatches)
+        rest, blocks = _split(policy.cast_to_compute(state.params))
+        kinds = _stage_kinds(stages)
+        B, T = mbs["inputs"].shape[1:]
+        zero = jnp.zeros((), jnp.float32)
+
+        def run(stage_blocks, rest, mbs):
+            x0 = constrain(jnp.zeros((B, T, model_cfg.d_model), policy.compute_dtype),
+                           ACTIVATION_AXES)
+            stage_fn = _stage_function(parts, policy, mbs, None)
+            s = jax.lax.axis_index(AXIS) if stages > 1 else 0
+            kind = jnp.minimum(s, 1) + (s == stages - 1) if stages > 1 else 0
+
+            def branch(k):
+                def forward(x, m):
+                    out = stage_fn(kinds[k], stage_blocks, rest, x, m, s * layers)
+                    return (x0, *out) if kinds[k][1] else (out, zero, zero)
+                return forward
+
+            branches = [lambda x, m: (x0, zero, zero)] + [branch(k) for k in range(len(kinds))]
+
+            def tick(carry, t):
+                sent, loss_sum, weight_sum = carry
+                m = t - s
+                y, loss, weight = jax.lax.switch(
+                    jnp.where((m >= 0) & (m < microbatches), 1 + kind, 0), branches, sent,
+                    jnp.clip(m, 0, microbatches - 1))
+                return (_shift(y, stages, +1), loss_sum + loss, weight_sum + weight), None
+
+            (_, loss_sum, weight_sum), _ = jax.lax.scan(
+                tick, (x0, zero, zero), jnp.arange(microbatches + stages - 1))
+            if stages > 1:
+                loss_sum, weight_sum = jax.lax.psum((loss_sum, weight_sum), AXIS)
+            return loss_sum, weight_sum
+
+        staged = run if stages == 1 else jax.shard_map(
+            run, in_specs=(P(AXIS), P(), P()), out_specs=(P(), P()), axis_names={AXIS},
+            check_vma=False)
+        loss_sum, weight_sum = staged(blocks, rest, mbs)
+        return {"loss_sum": loss_sum, "weight_sum": weight_sum}
+
+    return eval_step

@@ -1,0 +1,133 @@
+"""Pipeline schedules, the pipelined gradient and evaluation on one device (a single stage), and
+the settings a pipeline refuses; the stages over 8 simulated devices (tests/multidevice/
+test_pipeline.py) in a subprocess."""
+
+import dataclasses
+
+import jax
+import numpy as np
+import pytest
+
+from conftest import run_multidevice
+from jaxaccel import grads
+from jaxaccel.errors import ConfigError
+from jaxaccel.model import ModelConfig, init_params, make_apply
+from jaxaccel.pipeline import (bubble_fraction, check, make_schedule, pipeline_eval_fn,
+                               pipeline_grad_fn)
+from jaxaccel.sharding import check_model, mesh_shape, parse_mesh
+from jaxaccel.train import TrainState, lm_loss, make_eval_step
+
+CFG = ModelConfig(vocab_size=64, d_model=32, n_layers=2, n_heads=2, max_seq_len=16,
+                  scan_layers=True)
+
+
+def lm_batch(seed, B=8, T=16, vocab=64):
+    rng = np.random.default_rng(seed)
+    end = rng.integers(4, T + 1, size=B)
+    segment_ids = (np.arange(T) < end[:, None]).astype(np.int32)
+    return {"inputs": rng.integers(0, vocab, (B, T)).astype(np.int32),
+            "targets": rng.integers(0, vocab, (B, T)).astype(np.int32),
+            "weights": segment_ids.astype(np.float32), "segment_ids": segment_ids,
+            "positions": np.tile(np.arange(T, dtype=np.int32), (B, 1)) * segment_ids}
+
+
+@pytest.mark.parametrize("name", ["gpipe", "1f1b"])
+@pytest.mark.parametrize("stages, microbatches", [(1, 1), (1, 3), (2, 2), (3, 5), (4, 8), (8, 8)])
+def test_schedules_run_every_microbatch_once_in_dependency_order(name, stages, microbatches):
+    plan = make_schedule(name, stages, microbatches)
+    forward_at, backward_at = {}, {}
+    for t in range(plan.ticks):
+        for s in range(stages):
+            if plan.forward[t, s] >= 0:
+                forward_at[plan.forward[t, s], s] = t
+            if plan.backward[t, s] >= 0:
+                backward_at[plan.backward[t, s], s] = t
+    every = {(m, s) for m in range(microbatches) for s in range(stages)}
+    assert set(forward_at) == every and set(backward_at) == every
+    assert (plan.forward >= 0).sum() == (plan.backward >= 0).sum() == len(every)
+    for m, s in every:
+        if s > 0:     # the input comes from the previous stage's forward, a tick earlier
+            assert forward_at[m, s] > forward_at[m, s - 1]
+        if s < stages - 1:    # the gradient from the next stage's backward, a tick earlier
+            assert backward_at[m, s] > backward_at[m, s + 1]
+        assert backward_at[m, s] >= forward_at[m, s]
+
+
+def test_1f1b_keeps_inputs_bounded_by_the_stages_and_gpipe_one_per_microbatch():
+    for microbatches in (4, 8, 32):
+        assert make_schedule("gpipe", 4, microbatches).slots == microbatches
+        assert make_schedule("1f1b", 4, microbatches).slots == min(microbatches, 5)
+    assert make_schedule("1f1b", 2, 16).slots == 1     # the only later stage is the last
+    assert make_schedule("1f1b", 8, 64).slots == 13    # 2 (S - 2) + 1
+
+
+def test_bubble_fraction():
+    assert bubble_fraction(1, 8) == 0.0
+    assert bubble_fraction(4, 8) == pytest.approx(3 / 11)
+    assert bubble_fraction(8, 8) == pytest.approx(7 / 15)
+
+
+@pytest.mark.parametrize("schedule, microbatches, cfg", [
+    ("gpipe", 4, dataclasses.replace(CFG, dropout=0.1)),
+    ("1f1b", 2, dataclasses.replace(CFG, tie_embeddings=True, remat="full")),
+])
+def test_one_stage_gives_the_loss_and_gradients_of_accumulation(schedule, microbatches, cfg):
+    params = init_params(cfg, jax.random.PRNGKey(0))
+    batch, key = lm_batch(0), jax.random.PRNGKey(3)
+    reference = grads.accumulate(grads.value_and_grad(lm_loss(make_apply(cfg))), microbatches,
+                                 weight="real_tokens")
+    (loss, aux), g = jax.jit(pipeline_grad_fn(cfg, microbatches, schedule))(
+        params, batch, key, scale=8.0)
+    (ref_loss, ref_aux), ref_g = jax.jit(reference)(params, batch, key, scale=8.0)
+    np.testing.assert_allclose(loss, ref_loss, rtol=1e-6)
+    assert {k: float(v) for k, v in aux.items()} == {k: float(v) for k, v in ref_aux.items()}
+    jax.tree.map(lambda a, b: np.testing.assert_allclose(a, b, rtol=2e-5, atol=1e-7), g, ref_g)
+
+
+def test_pipelined_evaluation_sums_like_the_plain_one():
+    params = init_params(CFG, jax.random.PRNGKey(0))
+    state = TrainState(params=params, opt_state=None, step=0, rng=None, loss_scale=None)
+    sums = jax.jit(pipeline_eval_fn(CFG, 4))(state, lm_batch(2))
+    expected = make_eval_step(make_apply(CFG))(state, lm_batch(2))
+    assert sums["weight_sum"] == expected["weight_sum"]
+    np.testing.assert_allclose(sums["loss_sum"], expected["loss_sum"], rtol=1e-6)
+
+
+def test_pp_strategies_fill_the_mesh():
+    assert mesh_shape("pp", 8) == {"stage": 8, "data": 1, "fsdp": 1, "tensor": 1}
+    assert mesh_shape("fsdp+pp", 8) == {"stage": 4, "data": 1, "fsdp": 2, "tensor": 1}
+    assert mesh_shape("dp+pp", 8) == {"stage": 4, "data": 2, "fsdp": 1, "tensor": 1}
+    assert mesh_shape("fsdp+tp+pp", 8) == {"stage": 2, "data": 1, "fsdp": 2, "tensor": 2}
+    assert mesh_shape("fsdp+pp", 8, parse_mesh("stage=2,fsdp=4")) == {
+        "stage": 2, "data": 1, "fsdp": 4, "tensor": 1}
+
+
+@pytest.mark.parametrize("make_error, message, field", [
+    (lambda: check("1f1b", 4, 2), "1f1b needs at least as many microbatches as pipeline stages",
+     "optimizer.accumulate"),
+    (lambda: check("zigzag", 2, 2), "unknown pipeline schedule 'zigzag'",
+     "mesh.pipeline_schedule"),
+    (lambda: check_model({"stage": 4, "data": 1, "fsdp": 1, "tensor": 1},
+                         dataclasses.replace(CFG, scan_layers=False)),
+     "turn scan_layers on", "model.scan_layers"),
+    (lambda: check_model({"stage": 4, "data": 1, "fsdp": 1, "tensor": 1}, CFG),
+     "4 pipeline stages but the model only 2 layers", "mesh.shape"),
+    (lambda: check_model({"stage": 4, "data": 1, "fsdp": 1, "tensor": 1},
+                         dataclasses.replace(CFG, n_layers=6)),
+     "n_layers=6 does not split evenly over 4 pipeline stages", "model.n_layers"),
+    (lambda: mesh_shape("pp", 8, parse_mesh("stage=3")), "has 3 devices but 8 are available",
+     "mesh.shape"),
+    (lambda: mesh_shape("pp", 8, parse_mesh("fsdp=2")), "does not use the fsdp axis",
+     "mesh.shape"),
+])
+def test_a_pipeline_that_cannot_run_is_one_clear_error(make_error, message, field):
+    with pytest.raises(ConfigError, match=message) as info:
+        make_error()
+    assert info.value.field == field
+    assert "\n" not in str(info.value) and "--" not in str(info.value)
+
+
+def test_eight_device_pipeline_suite():
+    """Both schedules composed with dp, fsdp and tp against one device, bf16 with loss scaling
+    and remat in the stages, and the memory targets, on 8 simulated CPU devices."""
+    run_multidevice("tests/multidevice/test_pipeline.py")
