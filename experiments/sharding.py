@@ -1,7 +1,7 @@
 """Every sharding strategy on the same model and batches: memory per device, step time, and
 the loss against one device.
 
-    python -m experiments.sharding                     # on a CPU: 8 simulated devices, ~3 min
+    python -m experiments.sharding                     # on a CPU: 8 simulated devices, ~4 min
     python -m experiments.sharding --mesh-axis-types explicit --json sharding.json
     python -m experiments.sharding --model small --seq-len 1024 --batch-size 32   # 8 GPUs
     python -m experiments.sharding --model medium --strategies fsdp,fsdp+pp,tp+pp \
