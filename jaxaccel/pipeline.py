@@ -161,6 +161,24 @@ def stage_count() -> int:
     return 1 if mesh.empty or AXIS not in mesh.axis_names else mesh.shape[AXIS]
 
 
+def _position(stages: int):
+    """This stage's index on the ``stage`` axis and its kind (an index into ``_stage_kinds``),
+    inside ``_on_stages``."""
+    if stages == 1:
+        return 0, 0
+    s = jax.lax.axis_index(AXIS)
+    return s, jnp.minimum(s, 1) + (s == stages - 1)
+
+
+def _on_stages(run, stages: int, in_specs, out_specs):
+    """``run`` once per stage, manual over ``stage`` only (the other mesh axes stay as the mesh
+    has them); ``run`` itself for a single stage, which needs no mesh."""
+    if stages == 1:
+        return run
+    return jax.shard_map(run, in_specs=in_specs, out_specs=out_specs, axis_names={AXIS},
+                         check_vma=False)
+
+
 def _split(params):
     return {k: v for k, v in params.items() if k != "blocks"}, params["blocks"]
 
@@ -208,18 +226,16 @@ def pipeline_grad_fn(model_cfg, microbatches: int, schedule: str = "gpipe", *,
         seed = (1.0 if scale is None else scale) / jnp.maximum(real_tokens, 1.0)
         rest, blocks = _split(policy.cast_to_compute(params))
         kinds = _stage_kinds(stages)
-        B, T = mbs["inputs"].shape[1:]
-        x_shape = jax.ShapeDtypeStruct((B, T, model_cfg.d_model), policy.compute_dtype)
+        x_shape = (*mbs["inputs"].shape[1:], model_cfg.d_model)
 
         def run(stage_blocks, rest, seed, mbs, keys):
             stage_fn = _stage_function(parts, policy, mbs, keys)
-            s = jax.lax.axis_index(AXIS) if stages > 1 else 0
-            kind = jnp.minimum(s, 1) + (s == stages - 1) if stages > 1 else 0
+            s, kind = _position(stages)
             first_layer = s * layers
             forward, backward = jnp.asarray(plan.forward), jnp.asarray(plan.backward)
-            x0 = constrain(jnp.zeros(x_shape.shape, x_shape.dtype), ACTIVATION_AXES)
+            x0 = constrain(jnp.zeros(x_shape, policy.compute_dtype), ACTIVATION_AXES)
             carry = dict(sent=x0, returned=x0,
-                         inputs=constrain(jnp.zeros((plan.slots, *x0.shape), x0.dtype),
+                         inputs=constrain(jnp.zeros((plan.slots, *x_shape), x0.dtype),
                                           (None, *ACTIVATION_AXES)),
                          d_blocks=_zeros_like(stage_blocks, jnp.float32),
                          d_rest=_zeros_like(rest, jnp.float32),
@@ -228,26 +244,35 @@ def pipeline_grad_fn(model_cfg, microbatches: int, schedule: str = "gpipe", *,
             def run_forward(k):
                 return lambda x, m: stage_fn(kinds[k], stage_blocks, rest, x, m, first_layer)
 
-            def run_backward(k):
-                def pull(x, m, returned):
-                    out, vjp = jax.vjp(
-                        lambda sb, r, x: stage_fn(kinds[k], sb, r, x, m, first_layer),
-                        stage_blocks, rest, x)
-                    if kinds[k][1]:       # the last stage: the loss, seeded
-                        loss_sum, weight_sum = out
-                        return (loss_sum, *vjp((seed.astype(loss_sum.dtype),
-                                                jnp.zeros_like(weight_sum))))
-                    return (jnp.zeros((), jnp.float32), *vjp(returned.astype(out.dtype)))
-                return pull
-
             def idle_forward(x, m):
                 return x0
 
-            def idle_backward(x, m, returned):
-                return (jnp.zeros((), jnp.float32), _zeros_like(stage_blocks), _zeros_like(rest),
-                        x0)
+            # A backward branch adds its gradients to the running sums it is given, so a stage
+            # that has no such gradients (idle, or the middle ones for the embedding and head)
+            # passes them through instead of adding zeros every tick.
+            def run_backward(k):
+                first, last = kinds[k]
 
-            # Forward branches: idle, then one per kind (the last stage computes nothing yet).
+                def pull(x, m, returned, d_blocks, d_rest):
+                    out, vjp = jax.vjp(
+                        lambda sb, r, x: stage_fn(kinds[k], sb, r, x, m, first_layer),
+                        stage_blocks, rest, x)
+                    if last:       # the loss, seeded
+                        loss = out[0]
+                        grads = vjp((seed.astype(loss.dtype), jnp.zeros_like(out[1])))
+                    else:
+                        loss = jnp.zeros((), jnp.float32)
+                        grads = vjp(returned.astype(out.dtype))
+                    d_blocks_mb, d_rest_mb, d_x = grads
+                    if first or last:
+                        d_rest = _add(d_rest, d_rest_mb)
+                    return loss, _add(d_blocks, d_blocks_mb), d_rest, d_x
+                return pull
+
+            def idle_backward(x, m, returned, d_blocks, d_rest):
+                return jnp.zeros((), jnp.float32), d_blocks, d_rest, x0
+
+            # Branches: idle, then one per kind (the last stage computes nothing forward yet).
             forwards = [idle_forward] + [idle_forward if last else run_forward(k)
                                          for k, (_, last) in enumerate(kinds)]
             backwards = [idle_backward] + [run_backward(k) for k in range(len(kinds))]
@@ -265,10 +290,9 @@ def pipeline_grad_fn(model_cfg, microbatches: int, schedule: str = "gpipe", *,
                 mb = jnp.maximum(b, 0)
                 loss, d_blocks, d_rest, d_x = jax.lax.switch(
                     jnp.where(b >= 0, 1 + kind, 0), backwards, inputs[mb % plan.slots], mb,
-                    carry["returned"])
+                    carry["returned"], carry["d_blocks"], carry["d_rest"])
                 new = dict(sent=_shift(y, stages, +1), returned=_shift(d_x, stages, -1),
-                           inputs=inputs, d_blocks=_add(carry["d_blocks"], d_blocks),
-                           d_rest=_add(carry["d_rest"], d_rest),
+                           inputs=inputs, d_blocks=d_blocks, d_rest=d_rest,
                            loss_sum=carry["loss_sum"] + loss)
                 return new, None
 
@@ -279,9 +303,8 @@ def pipeline_grad_fn(model_cfg, microbatches: int, schedule: str = "gpipe", *,
                 total = jax.lax.psum(total, AXIS)
             return (*total, carry["d_blocks"])
 
-        staged = run if stages == 1 else jax.shard_map(
-            run, in_specs=(P(AXIS), P(), P(), P(), P()), out_specs=(P(), P(), P(AXIS)),
-            axis_names={AXIS}, check_vma=False)
+        staged = _on_stages(run, stages, in_specs=(P(AXIS), P(), P(), P(), P()),
+                            out_specs=(P(), P(), P(AXIS)))
         loss_sum, d_rest, d_blocks = staged(blocks, rest, seed, mbs, keys)
         grads = jax.tree.map(lambda g, p: g.astype(p.dtype), {**d_rest, "blocks": d_blocks},
                              params)
@@ -305,15 +328,13 @@ def pipeline_eval_fn(model_cfg, microbatches: int, *, policy: Policy = POLICIES[
         mbs = grads_lib.split_microbatches(batch, microbatches)
         rest, blocks = _split(policy.cast_to_compute(state.params))
         kinds = _stage_kinds(stages)
-        B, T = mbs["inputs"].shape[1:]
-        zero = jnp.zeros((), jnp.float32)
+        x_shape = (*mbs["inputs"].shape[1:], model_cfg.d_model)
 
         def run(stage_blocks, rest, mbs):
-            x0 = constrain(jnp.zeros((B, T, model_cfg.d_model), policy.compute_dtype),
-                           ACTIVATION_AXES)
             stage_fn = _stage_function(parts, policy, mbs, None)
-            s = jax.lax.axis_index(AXIS) if stages > 1 else 0
-            kind = jnp.minimum(s, 1) + (s == stages - 1) if stages > 1 else 0
+            s, kind = _position(stages)
+            x0 = constrain(jnp.zeros(x_shape, policy.compute_dtype), ACTIVATION_AXES)
+            zero = jnp.zeros((), jnp.float32)
 
             def branch(k):
                 def forward(x, m):
@@ -337,9 +358,7 @@ def pipeline_eval_fn(model_cfg, microbatches: int, *, policy: Policy = POLICIES[
                 loss_sum, weight_sum = jax.lax.psum((loss_sum, weight_sum), AXIS)
             return loss_sum, weight_sum
 
-        staged = run if stages == 1 else jax.shard_map(
-            run, in_specs=(P(AXIS), P(), P()), out_specs=(P(), P()), axis_names={AXIS},
-            check_vma=False)
+        staged = _on_stages(run, stages, in_specs=(P(AXIS), P(), P()), out_specs=(P(), P()))
         loss_sum, weight_sum = staged(blocks, rest, mbs)
         return {"loss_sum": loss_sum, "weight_sum": weight_sum}
 
