@@ -27,7 +27,7 @@ def format_summary(s: RunSummary) -> str:
         ("run dir", s.run_dir),
         ("device", f"{s.device}, jax {s.jax_version}"),
         ("steps", f"{s.steps} ({s.steps_this_run} this run)"),
-        ("model", f"{s.model}, {s.params:,} parameters"),
+        ("model", f"{s.model}, {s.params:,} parameters" + _techniques(s)),
         ("optimizer", f"{s.optimizer}, peak lr {s.learning_rate:.3g}, weight decay "
                       f"{s.weight_decay:.3g}, state {s.optimizer_state_bytes:,} bytes"),
         ("precision", f"{s.precision}, loss scale {s.loss_scale:g}, "
@@ -53,6 +53,24 @@ def format_summary(s: RunSummary) -> str:
     ]
     width = max(len(name) for name, _ in rows)
     return "\n".join(f"{name:<{width}}  {value}" for name, value in rows)
+
+
+def _techniques(s: RunSummary) -> str:
+    """The survey techniques the run used, for the model line."""
+    parts = []
+    if s.init != "default":
+        parts.append(f"init {s.init}")
+    if s.trainable_params != s.params:
+        parts.append(f"{s.trainable_params:,} trainable ({s.trainable_params / s.params:.2%})")
+    if s.init_from:
+        parts.append(f"from {s.init_from}")
+    if s.stochastic_depth:
+        parts.append(f"stochastic depth {s.stochastic_depth:g} (blocks compute "
+                     f"{s.stochastic_depth_kept:.1%} of their rows)")
+    if s.progressive_stages:
+        parts.append("stacked " + " -> ".join(f"{depth} layers at step {start}"
+                                              for start, depth in s.progressive_stages))
+    return "; " + "; ".join(parts) if parts else ""
 
 
 def _mesh(shape: dict) -> str:

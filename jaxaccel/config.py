@@ -33,6 +33,7 @@ import yaml
 from jaxaccel.attention import IMPLEMENTATIONS
 from jaxaccel.data import STRATEGIES
 from jaxaccel.errors import ConfigError
+from jaxaccel.init import INIT_SCHEMES
 from jaxaccel.model import MLP_KINDS, PRESETS, ModelConfig, preset
 from jaxaccel.optim import LR_SCALING, NO_DECAY_PATTERNS, OPTIMIZERS, SCHEDULES, describe_defaults
 from jaxaccel.precision import LOSS_SCALE_KINDS, get_policy, make_loss_scale
@@ -71,6 +72,21 @@ MODEL_HELP = {
               REMAT_POLICIES),
     "scan_layers": ("stack the blocks' parameters and apply them with one lax.scan (one block "
                     "to compile instead of n_layers)",),
+    "init": ("initialisation scheme (jaxaccel.init): default (GPT-2's, pre-norm blocks), rezero "
+             "(a learned gate per block starting at 0), skipinit (a learned multiplier per "
+             "residual branch starting at 0) or tfixup (Xavier weights scaled by (9L)^-1/4, for "
+             "training without warmup); the last three drop the blocks' norms", None,
+             INIT_SCHEMES),
+    "stochastic_depth": ("stochastic depth: the last block's skip rate P, block l of L skipped "
+                         "at l/L*P for a random set of rows, which it does not compute (0 = "
+                         "off)",),
+    "lora_rank": ("LoRA rank on the lora_targets projections; with it only the LoRA matrices "
+                  "(and adapters) train (0 = off)",),
+    "lora_alpha": ("LoRA scale numerator: the update is (lora_alpha / lora_rank) A B",),
+    "lora_targets": ("comma-separated projections that get LoRA: q, k, v, o (attention), in, "
+                     "gate, out (MLP)",),
+    "adapter_dim": ("bottleneck adapter width on every attention and MLP branch; with it only "
+                    "the adapters (and LoRA) train (0 = off)",),
 }
 MODEL_FIXED = ("vocab_size",)   # set by the tokenizer: a config file may hold it, no flag
 
@@ -203,6 +219,16 @@ class RunConfig:
     log_every: int = setting(10, "write metrics every N steps")
     progress: bool = setting(True, "show a progress bar")
     json: str | None = setting(None, "also write the summary as JSON to this path")
+    init_from: str | None = setting(None, "start from the weights of this trained run "
+                                          "directory (its latest checkpoint), e.g. to fine-tune "
+                                          "it with LoRA or adapters; the model's shape must "
+                                          "match its")
+    progressive_stack: int = setting(1, "progressive layer stacking: train in this many stages, "
+                                        "the depth doubling after each up to n_layers "
+                                        "(1 = off)")
+    stack_at: str | None = setting(None, "comma-separated steps at which progressive stacking "
+                                         "doubles the depth (default: equal shares of the "
+                                         "steps)")
 
 
 def _section(cls):
@@ -285,6 +311,34 @@ class TrainConfig:
             if value < 0:
                 raise ConfigError(f"{field.split('.')[1]} must be >= 0, got {value}", field=field)
         self.make_loss_scale()
+        self.validate_techniques()
+
+    def validate_techniques(self):
+        """The survey techniques' settings against each other and the mesh."""
+        from jaxaccel.sharding import pipelined
+        from jaxaccel.stacking import depths
+        model, run = self.model, self.run
+        depths(model.n_layers, run.progressive_stack)
+        if pipelined(self.mesh.strategy):
+            for field, on in (("model.stochastic_depth", model.stochastic_depth > 0),
+                              ("model.lora_rank", model.lora_rank > 0),
+                              ("model.adapter_dim", model.adapter_dim > 0),
+                              ("run.progressive_stack", run.progressive_stack > 1)):
+                if on:
+                    raise ConfigError(f"{field.split('.')[1]} does not run with the pipeline "
+                                      f"strategy {self.mesh.strategy}; choose a strategy without "
+                                      f"pp", field=field)
+        if run.progressive_stack > 1 and (model.lora_rank or model.adapter_dim):
+            raise ConfigError("progressive_stack grows a model being trained from scratch, not a "
+                              "LoRA/adapter fine-tune; leave one out", field="run.progressive_stack")
+        if (model.lora_rank or model.adapter_dim) and not run.init_from and not run.resume:
+            raise ConfigError("LoRA and adapters tune a trained model; pass the run directory "
+                              "whose weights they start from", field="run.init_from")
+        if run.init_from is not None and not os.path.isfile(
+                os.path.join(run.init_from, "config.yaml")):
+            raise ConfigError(f"init_from={run.init_from!r} is not a run directory (no "
+                              f"config.yaml in it); pass the run_dir of a trained run",
+                              field="run.init_from")
 
 
 # ---------------------------------------------------------------------------------------------

@@ -18,21 +18,73 @@ from jaxaccel.errors import ConfigError
 REDUCTIONS = ("mean", "sum")
 
 
-def value_and_grad(loss_fn):
+def value_and_grad(loss_fn, *, trainable=None):
     """The gradient function of ``loss_fn(params, batch, key) -> (loss, aux)``.
 
     The backward pass starts from ``scale`` (default 1) instead of 1: the gradient of
     ``scale * loss``, computed without changing the loss function, bit for bit what
     ``jax.grad(lambda p: scale * loss_fn(p, ...)[0])`` gives.
+
+    With ``trainable`` (a predicate on a parameter's path name, see ``partition``) only those
+    parameters are differentiated: the gradients are the trainable part of the tree alone, and
+    the others enter the forward pass as constants, so no gradient is computed for them at all
+    (LoRA and adapters, ``jaxaccel.lora``).
     """
 
     def grad_fn(params, batch, key, *, scale=None):
-        loss, backward, aux = jax.vjp(lambda p: loss_fn(p, batch, key), params, has_aux=True)
+        train, frozen = partition(params, trainable)
+        loss, backward, aux = jax.vjp(lambda t: loss_fn(combine(t, frozen), batch, key), train,
+                                      has_aux=True)
         seed = jnp.ones_like(loss) if scale is None else jnp.asarray(scale, loss.dtype)
         (grads,) = backward(seed)
         return (loss, aux), grads
 
     return grad_fn
+
+
+def partition(params, trainable=None):
+    """``(trainable part, frozen part)`` of a nested dict of parameters: two nested dicts
+    holding the leaves whose path name (``blocks/attn/wq/lora_a``) ``trainable`` accepts, and
+    the others; empty branches are left out. Without a predicate everything is trainable."""
+    if trainable is None:
+        return params, {}
+
+    def split(tree, prefix):
+        train, frozen = {}, {}
+        for key, value in tree.items():
+            name = f"{prefix}{key}"
+            if isinstance(value, dict):
+                t, f = split(value, name + "/")
+            elif trainable(name):
+                t, f = value, None
+            else:
+                t, f = None, value
+            if not (t is None or isinstance(t, dict) and not t):
+                train[key] = t
+            if not (f is None or isinstance(f, dict) and not f):
+                frozen[key] = f
+        return train, frozen
+
+    return split(params, "")
+
+
+def _matching(params, grads):
+    """The leaves of ``params`` that ``grads`` (all of params, or its trainable part) holds."""
+    if not isinstance(grads, dict) or not isinstance(params, dict):
+        return params
+    return {key: _matching(params[key], value) for key, value in grads.items()}
+
+
+def combine(train, frozen):
+    """The whole nested dict again from the two parts of ``partition``."""
+    if not frozen:
+        return train
+    if not train:
+        return frozen
+    merged = dict(frozen)
+    for key, value in train.items():
+        merged[key] = combine(value, frozen[key]) if key in frozen else value
+    return merged
 
 
 def split_microbatches(batch, microbatches: int):
@@ -94,11 +146,11 @@ def accumulate(grad_fn, microbatches: int, *, reduce: str = "mean", weight: str 
 
         parts = (jnp.arange(microbatches), split_microbatches(batch, microbatches))
         first = jax.tree.map(lambda x: x[0], parts[1])
-        (_, aux_shape), _ = jax.eval_shape(
+        (_, aux_shape), grads_shape = jax.eval_shape(
             lambda p, b: grad_fn(p, b, key, scale=scale), params, first)
         zeros = (jnp.zeros((), jnp.float32), jnp.zeros((), jnp.float32),
                  jax.tree.map(lambda s: jnp.zeros(s.shape, s.dtype), aux_shape),
-                 jax.tree.map(jnp.zeros_like, params))
+                 jax.tree.map(jnp.zeros_like, _matching(params, grads_shape)))
         (loss, total_weight, aux, grads), _ = jax.lax.scan(add_microbatch, zeros, parts)
         if reduce == "mean":
             divisor = jnp.maximum(total_weight, 1.0) if weight is not None else microbatches

@@ -24,23 +24,25 @@ import time
 import jax
 import numpy as np
 
-from jaxaccel import hardware
+from jaxaccel import hardware, lora, stacking
 from jaxaccel.checkpoint import Checkpointer
 from jaxaccel.compiled import CompiledFn, abstract, largest_memory_bytes
-from jaxaccel.config import TrainConfig, field_value, to_dict, write_config
+from jaxaccel.config import TrainConfig, build, field_value, flatten, read_config_file, to_dict, \
+    write_config
 from jaxaccel.corpus import load_corpus
 from jaxaccel.data import DataStream, batches
 from jaxaccel.errors import ConfigError
 from jaxaccel.loader import DevicePrefetcher, abstract_batch, place_batch
 from jaxaccel.metrics import BITS_PER_NAT, MetricsWriter, plot_loss_curve, read_metrics
-from jaxaccel.model import count_params, describe_model, flops_per_token, make_apply
+from jaxaccel.model import count_params, describe_model, flops_per_token, init_params, make_apply
 from jaxaccel.optim import build_optimizer, state_bytes
 from jaxaccel.planner import choose_remat
 from jaxaccel.pipeline import bubble_fraction, check as check_pipeline, pipeline_eval_fn, \
     pipeline_grad_fn
 from jaxaccel.sharding import (batch_shards, batch_sharding, build_mesh, bytes_per_device,
                                format_mesh, initialize_distributed, pipelined, replicated)
-from jaxaccel.state import init_sharded_state
+from jaxaccel.state import abstract_sharded_state, init_sharded_state, init_state
+from jaxaccel.stochastic_depth import kept_fraction
 from jaxaccel.train import lm_eval_step, lm_train_step, make_train_step
 
 RUNS_ROOT = "runs"
@@ -48,7 +50,8 @@ RUNS_ROOT = "runs"
 # Sections and fields a resumed run must share with its checkpoint: they shape the state, the
 # data order or the optimizer's trajectory, so changing them would silently break the run.
 RESUME_SECTIONS = ("model", "optimizer", "precision")
-RESUME_FIELDS = ("data.path", "data.batching", "run.seed")
+RESUME_FIELDS = ("data.path", "data.batching", "run.seed", "run.init_from",
+                 "run.progressive_stack")
 
 
 @dataclasses.dataclass
@@ -108,6 +111,12 @@ class RunSummary:
     mesh: dict
     pipeline_schedule: str | None
     pipeline_bubble: float | None
+    init: str
+    stochastic_depth: float
+    stochastic_depth_kept: float
+    progressive_stages: list | None
+    trainable_params: int
+    init_from: str | None
     mesh_axis_types: str
     process_count: int
     param_opt_bytes_per_device: int
@@ -141,9 +150,14 @@ def train(cfg: TrainConfig, *, should_stop=None) -> RunSummary:
         check_pipeline(m.pipeline_schedule, mesh_shape["stage"], cfg.optimizer.accumulate)
     with jax.default_matmul_precision(cfg.precision.matmul), jax.set_mesh(mesh):
         run = set_up(cfg, mesh, mesh_shape)
-        steps = compile_steps(run)
-        progress = run_steps(run, steps, should_stop)
-        return finish(run, steps, progress, wall_start)
+        progress, compiled = None, []
+        while True:         # one stage, unless progressive stacking grows the model
+            compiled.append(compile_steps(run))
+            progress = run_steps(run, compiled[-1], should_stop, previous=progress)
+            if progress.interrupted or int(progress.state.step) >= run.total_steps:
+                break
+            run = grow_run(run, progress)
+        return finish(run, compiled, progress, wall_start)
 
 
 # =============================================================================================
@@ -151,7 +165,8 @@ def train(cfg: TrainConfig, *, should_stop=None) -> RunSummary:
 
 @dataclasses.dataclass
 class Setup:
-    cfg: TrainConfig            # model.remat as the memory budget chose it
+    cfg: TrainConfig            # model.remat as the memory budget chose it; model.n_layers the
+                                # depth of this progressive-stacking stage
     mesh: object
     mesh_shape: dict
     run_dir: str
@@ -168,6 +183,10 @@ class Setup:
     resume_config: dict
     checkpointer: Checkpointer
     eval_batch_size: int
+    stream_args: dict
+    full_layers: int            # the model's depth when every stacking stage has grown
+    stack_ends: list            # the steps where progressive stacking doubles the depth
+    stages: list                # [first step, depth] of each stage this run has trained
 
 
 def set_up(cfg: TrainConfig, mesh, mesh_shape) -> Setup:
@@ -190,29 +209,82 @@ def set_up(cfg: TrainConfig, mesh, mesh_shape) -> Setup:
                                        / stream.stats["real_tokens_per_batch"]))
     optimizer, schedule, hyperparameters = build_optimizer(
         cfg.optimizer, batch_rows=cfg.batch_rows(), total_steps=total_steps)
+    checkpointer = Checkpointer(os.path.join(run_dir, "checkpoints"))
+    full_cfg, stages = cfg, cfg.run.progressive_stack
+    stack_ends = stacking.boundaries(total_steps, stages, cfg.run.stack_at)
+    first_step = (checkpointer.latest_step() or 0) if cfg.run.resume else 0
+    cfg = _with_layers(cfg, stacking.depth_at(first_step, full_cfg.model.n_layers, stages,
+                                              stack_ends))
     state, shardings = init_sharded_state(cfg.model, optimizer, cfg.run.seed,
                                           cfg.make_loss_scale(), mesh, cfg.policy())
+    if cfg.run.init_from is not None and not cfg.run.resume:
+        state = state.replace(params=jax.device_put(
+            lora.attach(load_trained_params(cfg.run.init_from, cfg.model), state.params),
+            shardings.params))
     batch_layout = batch_sharding(mesh)
     plan = None
     if cfg.run.memory_budget is not None:
-        remat, plan = choose_remat(lambda model: train_step_of(cfg, model, optimizer),
-                                   cfg.model, abstract(state), stream.global_shapes,
-                                   cfg.run.memory_budget, batch_layout)
-        cfg = dataclasses.replace(cfg, model=dataclasses.replace(cfg.model, remat=remat))
-    resume_config = resume_settings(cfg, stream_args, total_steps, multiple)
-    checkpointer = Checkpointer(os.path.join(run_dir, "checkpoints"))
+        cfg, plan = _plan_remat(cfg, optimizer, state, stream, batch_layout)
+    resume_config = resume_settings(full_cfg, stream_args, total_steps, multiple)
     if cfg.run.resume:
         state, position, _ = checkpointer.restore(state, config=resume_config)
         stream = DataStream(corpus.train, position=position, **stream_args)
     if jax.process_index() == 0:
-        write_config(cfg, run_dir, shlex.join(sys.orig_argv))
+        write_config(_with_layers(cfg, full_cfg.model.n_layers), run_dir,
+                     shlex.join(sys.orig_argv))
     eval_multiple = math.lcm(batch_shards(mesh_shape) * eval_microbatches(cfg),
                              jax.process_count())
     eval_batch_size = cfg.run.eval_batch_size or cfg.batch_rows()
     eval_batch_size = -(-eval_batch_size // eval_multiple) * eval_multiple
     return Setup(cfg, mesh, mesh_shape, run_dir, corpus, stream, total_steps, optimizer,
                  schedule, hyperparameters, state, shardings, batch_layout, plan, resume_config,
-                 checkpointer, eval_batch_size)
+                 checkpointer, eval_batch_size, stream_args, full_cfg.model.n_layers, stack_ends,
+                 [[int(state.step), cfg.model.n_layers]])
+
+
+def _with_layers(cfg: TrainConfig, n_layers: int) -> TrainConfig:
+    return dataclasses.replace(cfg, model=dataclasses.replace(cfg.model, n_layers=n_layers))
+
+
+def _plan_remat(cfg: TrainConfig, optimizer, state, stream, batch_layout):
+    """``cfg`` with the remat policy its memory budget chooses for this model, and the plan."""
+    remat, plan = choose_remat(lambda model: train_step_of(cfg, model, optimizer),
+                               cfg.model, abstract(state), stream.global_shapes,
+                               cfg.run.memory_budget, batch_layout)
+    return dataclasses.replace(cfg, model=dataclasses.replace(cfg.model, remat=remat)), plan
+
+
+# Model fields that shape the weights a run can start from (``run.init_from``).
+SHAPE_FIELDS = ("vocab_size", "d_model", "n_layers", "n_heads", "n_kv_heads", "d_ff", "mlp",
+                "tie_embeddings", "init", "scan_layers")
+
+
+def load_trained_params(run_dir: str, model_cfg):
+    """The parameters of the latest checkpoint of the trained run ``run_dir``, for a model of
+    ``model_cfg``'s shape (LoRA and adapters aside); one clear line if the shapes differ."""
+    trained = build(TrainConfig, read_config_file(os.path.join(run_dir, "config.yaml")))
+    base = lora.base_config(trained.model)
+    mismatched = [f"{name}={getattr(base, name)!r} (here {getattr(model_cfg, name)!r})"
+                  for name in SHAPE_FIELDS if getattr(base, name) != getattr(model_cfg, name)]
+    if mismatched:
+        raise ConfigError(f"init_from={run_dir} trained another model shape: "
+                          f"{', '.join(mismatched)}; use the same model settings as that run",
+                          field="run.init_from")
+    optimizer, _, _ = build_optimizer(trained.optimizer, batch_rows=trained.batch_rows(),
+                                      total_steps=trained.run.steps)
+    template = jax.eval_shape(
+        lambda key: init_state(init_params(trained.model, key), optimizer, 0,
+                               trained.make_loss_scale(), trained.policy(),
+                               lora.trainable(trained.model)), jax.random.PRNGKey(0))
+    checkpointer = Checkpointer(os.path.join(run_dir, "checkpoints"))
+    try:
+        state, _, _ = checkpointer.restore(template, config={})
+    finally:
+        checkpointer.close()
+    params = state.params
+    if trained.model.lora_rank:
+        params = lora.merge(params, trained.model)
+    return params
 
 
 def resolve_run_dir(cfg: TrainConfig) -> str:
@@ -250,6 +322,9 @@ def resume_settings(cfg: TrainConfig, stream_args: dict, total_steps: int, multi
     settings = {f"{section}.{name}": value for section, fields in to_dict(cfg).items()
                 if section in RESUME_SECTIONS for name, value in fields.items()}
     settings.update({path: field_value(cfg, path) for path in RESUME_FIELDS})
+    if cfg.run.progressive_stack > 1:
+        settings["run.stack_at"] = stacking.boundaries(total_steps, cfg.run.progressive_stack,
+                                                       cfg.run.stack_at)
     settings.update({f"data.{k}": v for k, v in cfg.batching_options().items()},
                     **{"data.seq_len": stream_args["seq_len"], "run.steps": total_steps})
     if cfg.data.tokens_per_batch is not None:   # token budgets round batches to this multiple
@@ -266,7 +341,8 @@ def train_step_of(cfg: TrainConfig, model_cfg, optimizer, schedule=None):
                                    cfg.mesh.pipeline_schedule, policy=cfg.policy())
         return make_train_step(grad_fn, optimizer, schedule)
     return lm_train_step(make_apply(model_cfg), optimizer, schedule, policy=cfg.policy(),
-                         accumulate=cfg.optimizer.accumulate)
+                         accumulate=cfg.optimizer.accumulate,
+                         trainable=lora.trainable(model_cfg))
 
 
 def sharded_steps(cfg: TrainConfig, optimizer, schedule, shardings, mesh):
@@ -324,16 +400,25 @@ class Progress:
     data_wait_s: float
     interrupted: str | None
     writer: MetricsWriter
+    position: dict              # the loader's position after the last step
 
 
-def run_steps(run: Setup, steps: Steps, should_stop=None) -> Progress:
+def run_steps(run: Setup, steps: Steps, should_stop=None, previous: Progress | None = None
+              ) -> Progress:
+    """Train from the state's step to the end of the run, or of its progressive-stacking
+    stage; ``previous`` is the progress of the stages before, which this one continues."""
     cfg = run.cfg
     state = run.state
-    writer = MetricsWriter(run.run_dir, jax.process_index())
-    first_step = int(state.step)
-    watch = Stopwatch()
-    window, history = [], []
-    totals = {"real": 0, "positions": 0}
+    start = int(state.step)
+    end = stacking.stage_end(start, run.total_steps, run.stack_ends)
+    if previous is None:
+        writer = MetricsWriter(run.run_dir, jax.process_index())
+        first_step, history, totals = start, [], {"real": 0, "positions": 0}
+    else:
+        writer, first_step = previous.writer, previous.first_step
+        history, totals = previous.history, previous.totals
+    watch = Stopwatch(previous.train_s if previous else 0.0)
+    window = []
     interrupted = None
     feed = DevicePrefetcher(run.stream, sharding=run.batch_layout, depth=cfg.data.prefetch)
     progress = _progress_bar(run.total_steps, first_step, cfg.run.progress)
@@ -344,7 +429,7 @@ def run_steps(run: Setup, steps: Steps, should_stop=None) -> Progress:
 
     watch.start()
     with stop_on_signals() as received:
-        for step in range(first_step, run.total_steps):
+        for step in range(start, end):
             batch, _ = next(feed)
             state, metrics = steps.train(state, batch)
             window.append(metrics)
@@ -373,8 +458,27 @@ def run_steps(run: Setup, steps: Steps, should_stop=None) -> Progress:
     feed.close()
     if progress is not None:
         progress.close()
-    return Progress(state, first_step, totals, history, watch.seconds, feed.wait_seconds,
-                    interrupted, writer)
+    waited = feed.wait_seconds + (previous.data_wait_s if previous else 0.0)
+    return Progress(state, first_step, totals, history, watch.seconds, waited, interrupted,
+                    writer, feed.position)
+
+
+def grow_run(run: Setup, progress: Progress) -> Setup:
+    """The next progressive-stacking stage: the model twice as deep, its state grown from the
+    trained one (``stacking.grow``), the loader continuing from its position."""
+    cfg = _with_layers(run.cfg, 2 * run.cfg.model.n_layers)
+    state, shardings = abstract_sharded_state(cfg.model, run.optimizer, cfg.run.seed,
+                                              cfg.make_loss_scale(), run.mesh, cfg.policy())
+    state = jax.device_put(stacking.grow(progress.state, state, run.cfg.model.n_layers),
+                           shardings)
+    stream = DataStream(run.corpus.train, position=progress.position, **run.stream_args)
+    plan = run.plan
+    if cfg.run.memory_budget is not None:
+        cfg, plan = _plan_remat(cfg, run.optimizer, state, stream, run.batch_layout)
+    progress.writer.write(int(state.step), "stack", {"n_layers": cfg.model.n_layers})
+    return dataclasses.replace(run, cfg=cfg, state=state, shardings=shardings, stream=stream,
+                               plan=plan, stages=[*run.stages, [int(state.step),
+                                                                cfg.model.n_layers]])
 
 
 def run_eval(run: Setup, steps: Steps, state, writer, step: int, max_batches):
@@ -434,8 +538,8 @@ def stop_on_signals():
 class Stopwatch:
     """Seconds of training only: paused around evaluation and checkpoints."""
 
-    def __init__(self):
-        self.seconds, self._start = 0.0, None
+    def __init__(self, seconds: float = 0.0):
+        self.seconds, self._start = seconds, None
 
     def start(self):
         self._start = time.perf_counter()
@@ -482,6 +586,7 @@ def _log_window(writer, step, window, totals, seconds, progress) -> list[tuple[f
         "real_tokens": int(tokens.sum()),
         "padding_efficiency": float(tokens.sum() / max(tokens.sum() + padded.sum(), 1.0)),
         "real_tokens_per_s": tokens_per_s,
+        "train_s": seconds,
     }
     writer.write(step, "train", record)
     if progress is not None:
@@ -494,8 +599,10 @@ def _log_window(writer, step, window, totals, seconds, progress) -> list[tuple[f
 # =============================================================================================
 # Phase 4: finish. Final evaluation, loss plot, the summary.
 
-def finish(run: Setup, steps: Steps, progress: Progress, wall_start: float) -> RunSummary:
-    cfg, state = run.cfg, progress.state
+def finish(run: Setup, compiled: list, progress: Progress, wall_start: float) -> RunSummary:
+    """The final evaluation, the plot and the summary; ``compiled`` holds the steps of every
+    progressive-stacking stage (one without), the last being the model's final depth."""
+    cfg, state, steps = run.cfg, progress.state, compiled[-1]
     final_step = int(state.step)
     if progress.interrupted:
         val_loss, val_tokens = float("nan"), 0
@@ -511,7 +618,8 @@ def finish(run: Setup, steps: Steps, progress: Progress, wall_start: float) -> R
                         title=f"{describe_model(cfg.model)} on {cfg.data.path}, "
                               f"{cfg.data.batching}")
     totals, train_s = progress.totals, progress.train_s
-    flops_token = flops_per_token(cfg.model, cfg.seq_len)
+    kept = sd_kept_fraction(cfg, run.mesh_shape)
+    flops_token = run_flops_per_token(run, final_step, progress.first_step, kept)
     tokens_per_s = totals["real"] / train_s if train_s > 0 else float("nan")
     peak = hardware.peak_flops()
     stats = run.stream.stats
@@ -530,9 +638,10 @@ def finish(run: Setup, steps: Steps, progress: Progress, wall_start: float) -> R
         real_tokens_per_s=tokens_per_s, flops_per_token=flops_token,
         achieved_flops_per_s=tokens_per_s * flops_token,
         mfu=tokens_per_s * flops_token / peak if peak else None,
-        compiles=steps.train.compiles, compiles_after_warmup=steps.train.compiles
-        - steps.warm_compiles, compile_s=steps.train.compile_seconds,
-        eval_compiles=steps.eval.compiles, step_memory_bytes=largest_memory_bytes(steps.train),
+        compiles=sum(c.train.compiles for c in compiled),
+        compiles_after_warmup=sum(c.train.compiles - c.warm_compiles for c in compiled),
+        compile_s=sum(c.train.compile_seconds for c in compiled),
+        eval_compiles=sum(c.eval.compiles for c in compiled), step_memory_bytes=largest_memory_bytes(steps.train),
         peak_memory_bytes=hardware.peak_memory_bytes(),
         wall_s=time.perf_counter() - wall_start, train_s=train_s,
         model=describe_model(cfg.model), params=count_params(state.params),
@@ -549,9 +658,35 @@ def finish(run: Setup, steps: Steps, progress: Progress, wall_start: float) -> R
         pipeline_schedule=cfg.mesh.pipeline_schedule if pipelined(cfg.mesh.strategy) else None,
         pipeline_bubble=bubble_fraction(run.mesh_shape["stage"], cfg.optimizer.accumulate)
         if pipelined(cfg.mesh.strategy) else None,
+        init=cfg.model.init, stochastic_depth=cfg.model.stochastic_depth,
+        stochastic_depth_kept=kept,
+        progressive_stages=run.stages if cfg.run.progressive_stack > 1 else None,
+        trainable_params=lora.count(state.params, cfg.model)[0], init_from=cfg.run.init_from,
         process_count=jax.process_count(),
         param_opt_bytes_per_device=bytes_per_device((state.params, state.opt_state)),
         device=hardware.describe(), jax_version=jax.__version__)
+
+
+def sd_kept_fraction(cfg: TrainConfig, mesh_shape: dict) -> float:
+    """The share of block computation stochastic depth keeps, at the rows a step's model call
+    sees (a microbatch), chosen per batch shard."""
+    return kept_fraction(cfg.model.stochastic_depth, cfg.model.n_layers,
+                         cfg.batch_rows() // cfg.optimizer.accumulate, batch_shards(mesh_shape))
+
+
+def run_flops_per_token(run: Setup, final_step: int, first_step: int, kept: float) -> float:
+    """Training FLOPs per token of this run's steps: a progressive-stacking run's stages each
+    count at their depth, weighted by their steps."""
+    starts = [start for start, _ in run.stages] + [final_step]
+    weighted, total = 0.0, 0
+    for (start, depth), end in zip(run.stages, starts[1:]):
+        steps = max(end - max(start, first_step), 0)
+        weighted += steps * flops_per_token(_with_layers(run.cfg, depth).model, run.cfg.seq_len,
+                                            kept)
+        total += steps
+    if total == 0:
+        return flops_per_token(run.cfg.model, run.cfg.seq_len, kept)
+    return weighted / total
 
 
 def _recent_bpb(history: list[tuple[float, float]]) -> float:

@@ -32,12 +32,17 @@ from flax import nnx
 from jax.ad_checkpoint import checkpoint_name
 
 from jaxaccel import remat as remat_lib
+from jaxaccel import stochastic_depth as sd_lib
+from jaxaccel.init import INIT_SCHEMES, initialize
 from jaxaccel.attention import IMPLEMENTATIONS, dot_product_attention
 from jaxaccel.errors import ConfigError
 from jaxaccel.sharding import constrain, matmul, take_rows
 from jaxaccel.tokenizer import ByteTokenizer
 
 MLP_KINDS = ("swiglu", "gelu")
+# LoRA targets by their short name, and the layer each names.
+LORA_TARGETS = {"q": "wq", "k": "wk", "v": "wv", "o": "wo", "in": "w_in", "gate": "w_gate",
+                "out": "w_out"}
 
 
 @dataclasses.dataclass(frozen=True)
@@ -58,6 +63,12 @@ class ModelConfig:
     attention: str = "xla"
     remat: str = "none"
     scan_layers: bool = False
+    init: str = "default"
+    stochastic_depth: float = 0.0
+    lora_rank: int = 0
+    lora_alpha: float = 16.0
+    lora_targets: str = "q,v"
+    adapter_dim: int = 0
 
     def __post_init__(self):
         if self.n_kv_heads is None:
@@ -100,6 +111,52 @@ class ModelConfig:
         if not 0.0 <= self.dropout < 1.0:
             raise ConfigError(f"dropout must be in [0, 1), got {self.dropout}",
                               field="model.dropout")
+        if self.init not in INIT_SCHEMES:
+            raise ConfigError(f"unknown init {self.init!r}; choose one of "
+                              f"{', '.join(INIT_SCHEMES)}", field="model.init")
+        if not 0.0 <= self.stochastic_depth < 1.0:
+            raise ConfigError(f"stochastic_depth must be in [0, 1), got "
+                              f"{self.stochastic_depth}", field="model.stochastic_depth")
+        if self.lora_rank < 0 or self.adapter_dim < 0:
+            field = "model.lora_rank" if self.lora_rank < 0 else "model.adapter_dim"
+            raise ConfigError(f"{field.split('.')[1]} must be >= 0 (0 = off), got "
+                              f"{getattr(self, field.split('.')[1])}", field=field)
+        if self.lora_rank:
+            widths = {"wq": (self.d_model, self.n_heads * self.head_dim),
+                      "wk": (self.d_model, self.n_kv_heads * self.head_dim),
+                      "wv": (self.d_model, self.n_kv_heads * self.head_dim),
+                      "wo": (self.n_heads * self.head_dim, self.d_model),
+                      "w_in": (self.d_model, self.d_ff), "w_gate": (self.d_model, self.d_ff),
+                      "w_out": (self.d_ff, self.d_model)}
+            for layer in self.lora_layers:
+                if self.lora_rank > min(widths[layer]):
+                    raise ConfigError(
+                        f"lora_rank={self.lora_rank} exceeds the width {min(widths[layer])} of "
+                        f"{layer}; choose a rank of at most the layer's smaller dimension",
+                        field="model.lora_rank")
+            if not self.lora_alpha > 0 or self.lora_alpha == float("inf"):
+                raise ConfigError(f"lora_alpha must be a positive finite number, got "
+                                  f"{self.lora_alpha}", field="model.lora_alpha")
+
+    @property
+    def lora_layers(self) -> tuple[str, ...]:
+        """The layers (``wq``, ...) that carry LoRA updates: ``lora_targets`` resolved."""
+        names = [t.strip() for t in self.lora_targets.split(",") if t.strip()]
+        unknown = [t for t in names if t not in LORA_TARGETS]
+        if unknown or not names:
+            raise ConfigError(f"unknown lora_targets {unknown or self.lora_targets!r}; choose "
+                              f"comma-separated from {', '.join(LORA_TARGETS)}",
+                              field="model.lora_targets")
+        layers = tuple(LORA_TARGETS[t] for t in names)
+        if "w_gate" in layers and self.mlp != "swiglu":
+            raise ConfigError("lora target gate needs mlp=swiglu (a GELU MLP has no gate); "
+                              "leave it out", field="model.lora_targets")
+        return layers
+
+    @property
+    def block_norms(self) -> bool:
+        """Whether the blocks normalise their branches' inputs: the Fixup family removes it."""
+        return self.init == "default"
 
 
 def default_d_ff(d_model: int, mlp: str) -> int:
@@ -164,7 +221,8 @@ PARAM_AXES = {
     "wq": ("embed", "heads"), "wk": ("embed", "kv_heads"), "wv": ("embed", "kv_heads"),
     "wo": ("heads", "embed"), "w_in": ("embed", "mlp"), "w_gate": ("embed", "mlp"),
     "w_out": ("mlp", "embed"), "attn_norm": ("norm",), "mlp_norm": ("norm",),
-    "final_norm": ("norm",),
+    "final_norm": ("norm",), "alpha": (), "attn_alpha": (), "mlp_alpha": (),
+    "adapter_down": ("embed", "adapter"), "adapter_up": ("adapter", "embed"),
 }
 # Logical names of the main activations.
 ACTIVATION_AXES = ("batch", "seq", "embed")
@@ -175,15 +233,59 @@ KV_AXES = ("batch", "seq", "kv_heads", "head_dim")
 class Dense(nnx.Module):
     """``x @ kernel`` without bias. Under a mesh the kernel is gathered to its compute layout
     where it is used (FSDP's all-gather, one layer at a time) and the output's features take the
-    kernel's output axis (split over ``tensor`` for heads and the MLP's inner dimension)."""
+    kernel's output axis (split over ``tensor`` for heads and the MLP's inner dimension).
 
-    def __init__(self, d_in, d_out, std, rngs, name):
+    With ``lora`` = (rank, alpha) the layer adds a low-rank update, ``x kernel + (alpha / rank)
+    (x lora_a) lora_b`` (``jaxaccel.lora``): ``lora_a`` [d_in, r] starts Gaussian, ``lora_b``
+    [r, d_out] at zero, so the layer starts as its kernel alone."""
+
+    def __init__(self, d_in, d_out, std, rngs, name, lora=None):
         self.kernel = nnx.Param(nnx.initializers.normal(stddev=std)(rngs.params(), (d_in, d_out)))
         self.axes = PARAM_AXES[name]
+        self.lora_scale = None
+        if lora:
+            rank, alpha = lora
+            self.lora_scale = alpha / rank
+            self.lora_a = nnx.Param(nnx.initializers.normal(stddev=d_in ** -0.5)(
+                rngs.params(), (d_in, rank)))
+            self.lora_b = nnx.Param(jnp.zeros((rank, d_out)))
 
     def __call__(self, x):
         kernel = constrain(self.kernel[...], self.axes)
-        return matmul(x, kernel, ("batch", "seq", self.axes[1]))
+        y = matmul(x, kernel, ("batch", "seq", self.axes[1]))
+        if self.lora_scale is None:
+            return y
+        low_BTR = x @ self.lora_a[...].astype(x.dtype)
+        update = matmul(low_BTR, self.lora_b[...].astype(x.dtype), ("batch", "seq", self.axes[1]))
+        return y + (self.lora_scale * update).astype(y.dtype)
+
+
+def _lora(cfg, name):
+    """The ``lora`` argument of ``Dense`` for layer ``name`` under ``cfg``."""
+    return (cfg.lora_rank, cfg.lora_alpha) if cfg.lora_rank and name in cfg.lora_layers else None
+
+
+class Scalar(nnx.Module):
+    """One learned scalar (a residual branch's gate), starting at ``value``."""
+
+    def __init__(self, value: float):
+        self.value = nnx.Param(jnp.full((), value, jnp.float32))
+
+    def __call__(self):
+        return self.value[...]
+
+
+class Adapter(nnx.Module):
+    """A bottleneck adapter (Houlsby et al. 2019): ``h + up(gelu(down(h)))`` on a branch's output,
+    ``up`` starting at zero so the adapter starts as the identity."""
+
+    def __init__(self, d_model: int, dim: int, rngs):
+        self.adapter_down = Dense(d_model, dim, 0.02, rngs, "adapter_down")
+        self.adapter_up = Dense(dim, d_model, 0.02, rngs, "adapter_up")
+        self.adapter_up.kernel[...] = jnp.zeros_like(self.adapter_up.kernel[...])
+
+    def __call__(self, h_BTD):
+        return h_BTD + self.adapter_up(jax.nn.gelu(self.adapter_down(h_BTD)))
 
 
 class Attention(nnx.Module):
@@ -193,10 +295,10 @@ class Attention(nnx.Module):
         self.cfg = cfg
         d, hd = cfg.d_model, cfg.head_dim
         out_std = 0.02 / (2 * cfg.n_layers) ** 0.5
-        self.wq = Dense(d, cfg.n_heads * hd, 0.02, rngs, "wq")
-        self.wk = Dense(d, cfg.n_kv_heads * hd, 0.02, rngs, "wk")
-        self.wv = Dense(d, cfg.n_kv_heads * hd, 0.02, rngs, "wv")
-        self.wo = Dense(cfg.n_heads * hd, d, out_std, rngs, "wo")
+        self.wq = Dense(d, cfg.n_heads * hd, 0.02, rngs, "wq", _lora(cfg, "wq"))
+        self.wk = Dense(d, cfg.n_kv_heads * hd, 0.02, rngs, "wk", _lora(cfg, "wk"))
+        self.wv = Dense(d, cfg.n_kv_heads * hd, 0.02, rngs, "wv", _lora(cfg, "wv"))
+        self.wo = Dense(cfg.n_heads * hd, d, out_std, rngs, "wo", _lora(cfg, "wo"))
 
     def __call__(self, x_BTD, sin_BTR, cos_BTR, segment_ids_BT):
         cfg = self.cfg
@@ -220,10 +322,10 @@ class MLP(nnx.Module):
     def __init__(self, cfg: ModelConfig, *, rngs: nnx.Rngs):
         self.kind = cfg.mlp
         out_std = 0.02 / (2 * cfg.n_layers) ** 0.5
-        self.w_in = Dense(cfg.d_model, cfg.d_ff, 0.02, rngs, "w_in")
+        self.w_in = Dense(cfg.d_model, cfg.d_ff, 0.02, rngs, "w_in", _lora(cfg, "w_in"))
         if cfg.mlp == "swiglu":
-            self.w_gate = Dense(cfg.d_model, cfg.d_ff, 0.02, rngs, "w_gate")
-        self.w_out = Dense(cfg.d_ff, cfg.d_model, out_std, rngs, "w_out")
+            self.w_gate = Dense(cfg.d_model, cfg.d_ff, 0.02, rngs, "w_gate", _lora(cfg, "w_gate"))
+        self.w_out = Dense(cfg.d_ff, cfg.d_model, out_std, rngs, "w_out", _lora(cfg, "w_out"))
 
     def __call__(self, x_BTD):
         in_BTF = checkpoint_name(self.w_in(x_BTD), remat_lib.MLP_IN)
@@ -236,14 +338,40 @@ class MLP(nnx.Module):
 
 
 class Block(nnx.Module):
-    """Pre-norm transformer block: x + attn(norm(x)), then x + mlp(norm(x))."""
+    """Pre-norm transformer block: x + attn(norm(x)), then x + mlp(norm(x)).
+
+    The Fixup family (``jaxaccel.init``) drops the norms; ReZero multiplies both branches by one
+    learned scalar ``alpha`` per block, SkipInit each branch by its own (``attn_alpha``,
+    ``mlp_alpha``), all starting at 0. Adapters (``adapter_dim``) sit on each branch's output.
+    """
 
     def __init__(self, cfg: ModelConfig, *, rngs: nnx.Rngs):
         self.dropout = cfg.dropout
-        self.attn_norm = nnx.RMSNorm(cfg.d_model, rngs=rngs)
+        self.init = cfg.init
+        if cfg.block_norms:
+            self.attn_norm = nnx.RMSNorm(cfg.d_model, rngs=rngs)
+            self.mlp_norm = nnx.RMSNorm(cfg.d_model, rngs=rngs)
         self.attn = Attention(cfg, rngs=rngs)
-        self.mlp_norm = nnx.RMSNorm(cfg.d_model, rngs=rngs)
         self.mlp = MLP(cfg, rngs=rngs)
+        if cfg.init == "rezero":
+            self.alpha = Scalar(0.0)
+        elif cfg.init == "skipinit":
+            self.attn_alpha, self.mlp_alpha = Scalar(0.0), Scalar(0.0)
+        if cfg.adapter_dim:
+            self.attn_adapter = Adapter(cfg.d_model, cfg.adapter_dim, rngs)
+            self.mlp_adapter = Adapter(cfg.d_model, cfg.adapter_dim, rngs)
+
+    def _norm(self, which, x_BTD):
+        return getattr(self, which)(x_BTD) if hasattr(self, which) else x_BTD
+
+    def _branch(self, which, h_BTD):
+        """A branch's output: through its adapter, times its gate."""
+        if hasattr(self, f"{which}_adapter"):
+            h_BTD = getattr(self, f"{which}_adapter")(h_BTD)
+        gate = {"rezero": "alpha", "skipinit": f"{which}_alpha"}.get(self.init)
+        if gate is not None:
+            h_BTD = h_BTD * getattr(self, gate)().astype(h_BTD.dtype)
+        return h_BTD
 
     def _drop(self, x, key):
         if key is None or self.dropout == 0.0:
@@ -253,10 +381,10 @@ class Block(nnx.Module):
 
     def __call__(self, x_BTD, sin_BTR, cos_BTR, segment_ids_BT, dropout_key=None):
         keys = (None, None) if dropout_key is None else jax.random.split(dropout_key)
-        h_BTD = self.attn(self.attn_norm(x_BTD), sin_BTR, cos_BTR, segment_ids_BT)
-        x_BTD = x_BTD + self._drop(h_BTD, keys[0])
-        h_BTD = self.mlp(self.mlp_norm(x_BTD))
-        return x_BTD + self._drop(h_BTD, keys[1])
+        h_BTD = self.attn(self._norm("attn_norm", x_BTD), sin_BTR, cos_BTR, segment_ids_BT)
+        x_BTD = x_BTD + self._drop(self._branch("attn", h_BTD), keys[0])
+        h_BTD = self.mlp(self._norm("mlp_norm", x_BTD))
+        return x_BTD + self._drop(self._branch("mlp", h_BTD), keys[1])
 
 
 class GPT(nnx.Module):
@@ -301,28 +429,62 @@ class GPT(nnx.Module):
         """The stack of blocks this module holds, each a pure function of (its parameters, x,
         layer index) under the remat policy. Layer i's dropout key is ``fold_in(dropout_key,
         first_layer + i)`` in both layouts; a pipeline stage holding layers ``first_layer ..``
-        of a stacked model passes its first index, so every layer gets the key it has unsplit."""
+        of a stacked model passes its first index, so every layer gets the key it has unsplit.
+
+        With ``stochastic_depth`` and a key (training), layer i computes only the rows
+        ``jaxaccel.stochastic_depth`` keeps for it; stacked layers are scanned in runs of equal
+        kept rows, one scan per run."""
         cfg = self.cfg
         sin_BTR, cos_BTR = rotary_sin_cos(positions_BT, cfg.head_dim, cfg.rope_base)
         graphdef, _ = nnx.split(self.blocks if cfg.scan_layers else self.blocks[0])
 
-        def block(state, x_BTD, index):
+        def block(state, x_BTD, sin_BTR, cos_BTR, segment_ids_BT, index):
             key = None if dropout_key is None else jax.random.fold_in(dropout_key, index)
             return nnx.merge(graphdef, state)(x_BTD, sin_BTR, cos_BTR, segment_ids_BT, key)
 
         block = remat_lib.remat(block, cfg.remat, prevent_cse=not cfg.scan_layers)
-        if cfg.scan_layers:
-            def body(x_BTD, layer):
-                state, index = layer
-                return block(state, x_BTD, index), None
+        rows = x_BTD.shape[0]
+        layers = (jax.tree.leaves(nnx.state(self.blocks))[0].shape[0] if cfg.scan_layers
+                  else len(self.blocks))           # a stage may hold a slice
+        kept = [rows] * layers
+        if cfg.stochastic_depth and dropout_key is not None:
+            groups = sd_lib.row_groups()
+            rates = sd_lib.drop_rates(cfg.stochastic_depth, cfg.n_layers)
+            kept = [sd_lib.kept_rows(rows, rates[first_layer + i], groups)
+                    for i in range(layers)]
 
-            stacked = nnx.state(self.blocks)
-            layers = jax.tree.leaves(stacked)[0].shape[0]      # a stage may hold a slice
-            x_BTD, _ = jax.lax.scan(body, x_BTD, (stacked, first_layer + jnp.arange(layers)))
+        def layer(state, x_BTD, index, kept_rows):
+            if kept_rows >= rows:
+                return block(state, x_BTD, sin_BTR, cos_BTR, segment_ids_BT, index)
+            key = jax.random.fold_in(jax.random.fold_in(dropout_key, index), SKIP_KEY)
+            return sd_lib.skip_rows(
+                lambda x, sin, cos, seg: block(state, x, sin, cos, seg, index), x_BTD,
+                (sin_BTR, cos_BTR, segment_ids_BT), key, kept_rows, sd_lib.row_groups())
+
+        if not cfg.scan_layers:
+            for i, module in enumerate(self.blocks):
+                x_BTD = layer(nnx.state(module), x_BTD, first_layer + i, kept[i])
             return x_BTD
-        for i, layer in enumerate(self.blocks):
-            x_BTD = block(nnx.state(layer), x_BTD, first_layer + i)
+        stacked = nnx.state(self.blocks)
+        start = 0
+        while start < layers:                        # one scan per run of equal kept rows
+            end = start
+            while end < layers and kept[end] == kept[start]:
+                end += 1
+            part = jax.tree.map(lambda a: a[start:end], stacked) if (start, end) != (0, layers) \
+                else stacked
+
+            def body(x_BTD, layer_slice, kept_rows=kept[start]):
+                state, index = layer_slice
+                return layer(state, x_BTD, index, kept_rows), None
+
+            x_BTD, _ = jax.lax.scan(body, x_BTD, (part, first_layer + jnp.arange(start, end)))
+            start = end
         return x_BTD
+
+
+# Folded into a layer's key for its stochastic-depth rows (its dropout uses the key itself).
+SKIP_KEY = 0x5D
 
 
 def _stack_modules(modules):
@@ -342,16 +504,26 @@ def param_axes(params: dict) -> dict:
         if names is None:
             raise ValueError(f"parameter {jax.tree_util.keystr(path)} has no logical axes; add "
                              f"its layer to model.PARAM_AXES")
+        leaf_name = str(getattr(path[-1], "key", path[-1]))
+        if leaf_name == "lora_a":           # [d_in, rank] and [rank, d_out] of a LoRA update
+            names = (names[0], "lora")
+        elif leaf_name == "lora_b":
+            names = ("lora", names[1])
         return ("layers", *names) if leaf.ndim == len(names) + 1 else names
 
     return jax.tree_util.tree_map_with_path(axes, params)
 
 
 def init_params(cfg: ModelConfig, key) -> dict:
-    """Fresh parameters as a plain nested dict of arrays (blocks stacked with ``scan_layers``);
-    the same values in both layouts for the same key."""
+    """Fresh parameters as a plain nested dict of arrays (blocks stacked with ``scan_layers``),
+    initialised by ``cfg.init``'s scheme (``jaxaccel.init``); the same values in both layouts
+    for the same key."""
     model = GPT(cfg, rngs=nnx.Rngs(params=key))
-    return nnx.to_pure_dict(nnx.state(model, nnx.Param))
+    params = nnx.to_pure_dict(nnx.state(model, nnx.Param))
+    return initialize(params, cfg, jax.random.fold_in(key, INIT_KEY))
+
+
+INIT_KEY = 0x1417     # folded into the key for the init scheme's own draws
 
 
 def make_apply(cfg: ModelConfig):
@@ -392,7 +564,7 @@ def model_parts(cfg: ModelConfig) -> ModelParts:
         return nnx.merge(graphdef, params).embed_tokens(inputs_BT)
 
     def blocks(params, x_BTD, batch, dropout_key=None, first_layer=0):
-        key = dropout_key if cfg.dropout > 0 else None
+        key = dropout_key if cfg.dropout > 0 or cfg.stochastic_depth > 0 else None
         return nnx.merge(graphdef, params).run_blocks(x_BTD, batch["positions"],
                                                       batch["segment_ids"], key, first_layer)
 
@@ -417,10 +589,15 @@ def matmul_params(cfg: ModelConfig) -> int:
     return cfg.n_layers * (attn + mlp) + d * cfg.vocab_size
 
 
-def flops_per_token(cfg: ModelConfig, seq_len: int) -> float:
+def flops_per_token(cfg: ModelConfig, seq_len: int, blocks_kept: float = 1.0) -> float:
     """Training FLOPs per token: 6 N for the matmuls plus 12 L d T for attention scores and values.
 
     N is ``matmul_params``; the attention term is the PaLM accounting (forward 4 L d T, backward
     twice that), counting the full T x T score matrix as implementations without tile skipping do.
+    ``blocks_kept`` is the share of the blocks' work done (stochastic depth skips the rest,
+    ``jaxaccel.stochastic_depth.kept_fraction``); the output head's is always done.
     """
-    return 6.0 * matmul_params(cfg) + 12.0 * cfg.n_layers * cfg.d_model * seq_len
+    head = 6.0 * cfg.d_model * cfg.vocab_size
+    blocks = 6.0 * (matmul_params(cfg) - cfg.d_model * cfg.vocab_size) \
+        + 12.0 * cfg.n_layers * cfg.d_model * seq_len
+    return head + blocks_kept * blocks

@@ -62,13 +62,14 @@ def pipelined(strategy: str) -> bool:
 # Logical axis -> mesh axis (or None: replicated) for parameters and optimizer state at rest.
 PARAM_RULES = {
     "layers": "stage", "vocab": None, "embed": "fsdp", "heads": "tensor", "kv_heads": "tensor",
-    "mlp": "tensor", "norm": None,
+    "mlp": "tensor", "norm": None, "lora": None, "adapter": None,
 }
 # ... and for tensors while the model computes: weights are gathered over fsdp, the batch is
 # split over data x fsdp.
 COMPUTE_RULES = {
     "batch": BATCH_AXES, "seq": None, "embed": None, "heads": "tensor", "kv_heads": "tensor",
     "head_dim": None, "mlp": "tensor", "vocab": None, "layers": None, "norm": None,
+    "lora": None, "adapter": None,
 }
 
 

@@ -65,7 +65,8 @@ def lm_loss(apply_fn):
     return loss_fn
 
 
-def make_train_step(grad_fn, optimizer: optax.GradientTransformation, schedule=None):
+def make_train_step(grad_fn, optimizer: optax.GradientTransformation, schedule=None, *,
+                    trainable=None):
     """Build the pure ``train_step(state, batch) -> (state, metrics)``.
 
     Each step gets the key ``fold_in(state.rng, state.step)``. The loss scale in the state
@@ -75,6 +76,11 @@ def make_train_step(grad_fn, optimizer: optax.GradientTransformation, schedule=N
     scale and the skip count. The finiteness test reduces the global gradient, so under a
     sharded jit every device takes the same decision. ``schedule(step)``, when given, puts the
     learning rate into the metrics; ``grad_fn``'s aux statistics go into them too.
+
+    With ``trainable`` (a predicate on parameter path names, ``grads.partition``) ``grad_fn``
+    must return the gradients of the trainable part only (``grads.value_and_grad(...,
+    trainable=...)``); the optimizer's state covers that part (``state.init_state``) and the
+    other parameters pass through the step untouched, bit for bit.
     """
     scaled_grad_fn = precision.loss_scaled(grad_fn)
     always = optax.with_extra_args_support(optimizer)
@@ -87,9 +93,9 @@ def make_train_step(grad_fn, optimizer: optax.GradientTransformation, schedule=N
         aux = dict(aux)
         finite = aux.pop("grads_finite")
         update = always if isinstance(state.loss_scale, precision.NoLossScale) else skipping
-        updates, opt_state = update.update(grads_, state.opt_state, state.params,
-                                           grads_finite=finite)
-        params = optax.apply_updates(state.params, updates)
+        train, frozen = grads.partition(state.params, trainable)
+        updates, opt_state = update.update(grads_, state.opt_state, train, grads_finite=finite)
+        params = grads.combine(optax.apply_updates(train, updates), frozen)
         metrics = {
             "loss": loss,
             **aux,
@@ -120,14 +126,16 @@ def make_eval_step(apply_fn):
 
 
 def lm_train_step(apply_fn, optimizer, schedule=None, *, policy=precision.POLICIES["fp32"],
-                  accumulate: int = 1):
+                  accumulate: int = 1, trainable=None):
     """The train step of a language model (``jaxaccel.model.make_apply``): the model under
-    ``policy``, the token-mean loss, ``accumulate`` microbatches weighted by their real tokens.
+    ``policy``, the token-mean loss, ``accumulate`` microbatches weighted by their real tokens,
+    only the ``trainable`` parameters trained when given (``jaxaccel.lora.trainable``).
     Every caller that trains builds its step here, so a setting cannot reach one step and miss
     another."""
     loss_fn = lm_loss(precision.cast(apply_fn, policy))
-    grad_fn = grads.accumulate(grads.value_and_grad(loss_fn), accumulate, weight="real_tokens")
-    return make_train_step(grad_fn, optimizer, schedule)
+    grad_fn = grads.accumulate(grads.value_and_grad(loss_fn, trainable=trainable), accumulate,
+                               weight="real_tokens")
+    return make_train_step(grad_fn, optimizer, schedule, trainable=trainable)
 
 
 def lm_eval_step(apply_fn, policy=precision.POLICIES["fp32"]):

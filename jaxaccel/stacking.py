@@ -1,0 +1,91 @@
+"""Progressive layer stacking (Gong et al. 2019, "Efficient Training of BERT by Progressively
+Stacking"): train a shallow model, then double its depth by stacking a copy of its trained
+blocks on top (new block ``L + i`` starts as block ``i``), and go on training.
+
+``run.progressive_stack = S`` trains in S stages of depth ``n_layers / 2^(S-1)``, twice that, ...,
+``n_layers``; the stages end at ``run.stack_at`` (the steps where the depth doubles, default
+equal shares of the run). The optimizer continues across a growth: its schedule (the step
+count), and its moments, copied along with the blocks they belong to, so the new blocks
+continue from their originals' statistics. The loader continues from its position, and the
+checkpoint written at the end of a stage holds the shallow state, so a run resumed at any step
+rebuilds the depth of that step's stage (``depth_at``) and grows again where it should.
+"""
+
+import re
+
+import jax
+import jax.numpy as jnp
+
+from jaxaccel.errors import ConfigError
+
+
+def depths(n_layers: int, stages: int) -> list[int]:
+    """The depth of each stage: halvings of ``n_layers``, the last being ``n_layers``."""
+    if stages < 1:
+        raise ConfigError(f"progressive_stack must be at least 1 (1 = off), got {stages}",
+                          field="run.progressive_stack")
+    first = n_layers // 2 ** (stages - 1)
+    if first < 1 or first * 2 ** (stages - 1) != n_layers:
+        raise ConfigError(
+            f"progressive_stack={stages} halves n_layers={n_layers} {stages - 1} times, which "
+            f"does not divide it; use n_layers divisible by {2 ** (stages - 1)} or fewer stages",
+            field="run.progressive_stack")
+    return [first * 2 ** s for s in range(stages)]
+
+
+def boundaries(total_steps: int, stages: int, stack_at: str | None = None) -> list[int]:
+    """The steps at which the depth doubles (``stages - 1`` of them, increasing, inside the
+    run): ``stack_at``'s comma-separated steps, or equal shares of ``total_steps``."""
+    if stages == 1:
+        return []
+    if stack_at:
+        try:
+            steps = [int(s) for s in stack_at.split(",") if s.strip()]
+        except ValueError:
+            steps = []
+    else:
+        steps = [round(total_steps * s / stages) for s in range(1, stages)]
+    if (len(steps) != stages - 1 or sorted(set(steps)) != steps or steps[0] < 1
+            or steps[-1] >= total_steps):
+        raise ConfigError(
+            f"stack_at={stack_at!r} must give {stages - 1} increasing steps between 1 and "
+            f"{total_steps - 1} (the run has {total_steps} steps); e.g. "
+            f"{','.join(str(round(total_steps * s / stages)) for s in range(1, stages))}",
+            field="run.stack_at")
+    return steps
+
+
+def depth_at(step: int, n_layers: int, stages: int, ends: list[int]) -> int:
+    """The depth of the state at ``step``: a stage's end step still holds its (shallow) state."""
+    return depths(n_layers, stages)[sum(step > end for end in ends)]
+
+
+def stage_end(step: int, total_steps: int, ends: list[int]) -> int:
+    """The step at which the stage training ``step`` ends (the next growth, or the run's end)."""
+    return next((end for end in ends if end > step), total_steps)
+
+
+_INDEXED = re.compile(r"\['blocks'\]\[(\d+)\]")
+
+
+def grow(old_state, new_abstract, old_depth: int):
+    """The state of the model twice as deep, from ``old_state``: every leaf of ``new_abstract``
+    (an abstract TrainState of the deeper model) taken from the leaf at the same path, unrolled
+    block ``i`` from old block ``i mod old_depth`` and stacked blocks concatenated with a copy
+    of themselves; the optimizer state goes along with the parameters, scalars are kept."""
+    old = {jax.tree_util.keystr(path): leaf
+           for path, leaf in jax.tree_util.tree_flatten_with_path(old_state)[0]}
+    new_leaves, treedef = jax.tree_util.tree_flatten_with_path(new_abstract)
+
+    def take(path, target):
+        name = _INDEXED.sub(lambda m: f"['blocks'][{int(m.group(1)) % old_depth}]",
+                            jax.tree_util.keystr(path))
+        leaf = old[name]
+        if leaf.shape != target.shape:                     # stacked blocks [L, ...] -> [2L, ...]
+            if leaf.shape[1:] != target.shape[1:] or target.shape[0] != 2 * leaf.shape[0]:
+                raise ValueError(f"cannot grow {name}: {leaf.shape} -> {target.shape}")
+            leaf = jnp.concatenate([leaf, leaf])
+        return leaf
+
+    return jax.tree_util.tree_unflatten(treedef,
+                                        [take(path, target) for path, target in new_leaves])
