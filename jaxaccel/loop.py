@@ -27,7 +27,7 @@ import numpy as np
 from jaxaccel import hardware, lora, stacking
 from jaxaccel.checkpoint import Checkpointer
 from jaxaccel.compiled import CompiledFn, abstract, largest_memory_bytes
-from jaxaccel.config import TrainConfig, build, field_value, flatten, read_config_file, to_dict, \
+from jaxaccel.config import TrainConfig, build, field_value, read_config_file, to_dict, \
     write_config
 from jaxaccel.corpus import load_corpus
 from jaxaccel.data import DataStream, batches
@@ -261,8 +261,9 @@ SHAPE_FIELDS = ("vocab_size", "d_model", "n_layers", "n_heads", "n_kv_heads", "d
 
 def load_trained_params(run_dir: str, model_cfg):
     """The parameters of the latest checkpoint of the trained run ``run_dir``, for a model of
-    ``model_cfg``'s shape (LoRA and adapters aside); one clear line if the shapes differ."""
-    trained = build(TrainConfig, read_config_file(os.path.join(run_dir, "config.yaml")))
+    ``model_cfg``'s shape (LoRA and adapters aside; a LoRA run's updates come merged into its
+    weights); one clear line if the shapes differ."""
+    trained, params, _ = read_trained_run(run_dir)
     base = lora.base_config(trained.model)
     mismatched = [f"{name}={getattr(base, name)!r} (here {getattr(model_cfg, name)!r})"
                   for name in SHAPE_FIELDS if getattr(base, name) != getattr(model_cfg, name)]
@@ -270,6 +271,18 @@ def load_trained_params(run_dir: str, model_cfg):
         raise ConfigError(f"init_from={run_dir} trained another model shape: "
                           f"{', '.join(mismatched)}; use the same model settings as that run",
                           field="run.init_from")
+    return lora.merge(params, trained.model) if trained.model.lora_rank else params
+
+
+def read_trained_run(run_dir: str):
+    """``(config, parameters, step)`` of a run directory: its ``config.yaml``, and the
+    parameters and step of its latest checkpoint (restored into the state that config
+    describes)."""
+    try:
+        trained = build(TrainConfig, read_config_file(os.path.join(run_dir, "config.yaml")))
+    except ConfigError as e:
+        raise ConfigError(f"{run_dir} is not a readable run directory ({e}); pass the run_dir "
+                          f"of a trained run", field="run.init_from") from None
     optimizer, _, _ = build_optimizer(trained.optimizer, batch_rows=trained.batch_rows(),
                                       total_steps=trained.run.steps)
     template = jax.eval_shape(
@@ -278,13 +291,10 @@ def load_trained_params(run_dir: str, model_cfg):
                                lora.trainable(trained.model)), jax.random.PRNGKey(0))
     checkpointer = Checkpointer(os.path.join(run_dir, "checkpoints"))
     try:
-        state, _, _ = checkpointer.restore(template, config={})
+        state, _, step = checkpointer.restore(template, config={})
     finally:
         checkpointer.close()
-    params = state.params
-    if trained.model.lora_rank:
-        params = lora.merge(params, trained.model)
-    return params
+    return trained, state.params, step
 
 
 def resolve_run_dir(cfg: TrainConfig) -> str:

@@ -90,3 +90,33 @@ def count(params, cfg) -> tuple[int, int]:
     from jaxaccel.grads import partition
     total = sum(x.size for x in jax.tree.leaves(params))
     return sum(x.size for x in jax.tree.leaves(partition(params, trainable(cfg))[0])), total
+
+
+def export_merged(run_dir: str, out_dir: str) -> str:
+    """Write the model of the LoRA run ``run_dir`` (its latest checkpoint) with its LoRA merged
+    into the base weights as a run directory ``out_dir``: ``config.yaml`` (the merged model,
+    ``lora_rank`` 0) and an orbax checkpoint of its TrainState at the same step (with a fresh
+    optimizer state), which ``run.init_from``, evaluation and further training read like any
+    run's."""
+    import os
+
+    from jaxaccel.checkpoint import Checkpointer
+    from jaxaccel.config import write_config
+    from jaxaccel.loop import read_trained_run
+    from jaxaccel.optim import build_optimizer
+    from jaxaccel.state import init_state
+
+    trained, params, step = read_trained_run(run_dir)
+    cfg = dataclasses.replace(trained, model=merged_config(trained.model))
+    optimizer, _, _ = build_optimizer(cfg.optimizer, batch_rows=cfg.batch_rows(),
+                                      total_steps=cfg.run.steps)
+    state = init_state(merge(params, trained.model), optimizer, cfg.run.seed,
+                       cfg.make_loss_scale(), cfg.policy(), trainable(cfg.model))
+    os.makedirs(out_dir, exist_ok=True)
+    write_config(cfg, out_dir)
+    checkpointer = Checkpointer(os.path.join(out_dir, "checkpoints"))
+    try:
+        checkpointer.save(step, state, loader_position={}, config={})
+    finally:
+        checkpointer.close()
+    return out_dir

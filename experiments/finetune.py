@@ -1,0 +1,273 @@
+"""Fine-tuning a trained model: all weights, LoRA, or bottleneck adapters, side by side on the
+same tokens of a corpus the model has not seen.
+
+    python -m experiments.finetune                          # trains a base first; ~8 CPU minutes
+    python -m experiments.finetune --from runs/train-...    # tune that run's model
+    python -m experiments.finetune --from R --lora-rank 8 --lora-targets q,v --data DIR
+    python -m experiments.finetune --rows lora --json finetune.json
+
+Without ``--from`` the experiment first trains a base model on the stdlib corpus
+(``--base-steps``). Each row then starts from the base's weights (``run.init_from``) and trains
+the same steps on the same batches of ``--data``: by default ``stdlib-text``, the standard
+library's ``.txt`` files (prose, data and notes that the base, trained on its Python files, never
+saw), gathered into a text directory in the run root. Rows (``--rows``):
+
+- ``full``: every weight trains (``--learning-rate``);
+- ``lora``: LoRA of ``--lora-rank`` on ``--lora-targets``, the base frozen
+  (``--lora-learning-rate``); after training its LoRA is merged into the base weights, the
+  merged model exported as a run directory (``merged/`` in the row's directory) and evaluated
+  again: the ``merged val`` column, which must equal the row's own;
+- ``adapters``: bottleneck adapters of ``--adapter-dim`` on every branch, the base frozen
+  (``--lora-learning-rate``).
+
+The table reports trainable parameters (and their share of the model), the optimizer state's
+bytes (and its share of full fine-tuning's), the step time, the compiled step's device bytes
+(parameters, optimizer state, gradients and activations: what the device must hold), the
+device's measured peak where the backend reports one (GPUs), and the validation loss against
+full fine-tuning's; the base model's loss on the same validation split, before tuning, heads the
+table.
+"""
+
+import dataclasses
+import os
+import shutil
+import signal
+import sys
+import sysconfig
+import time
+
+import jax
+import optax
+
+from experiments.common import command, environment, parse_list, plot_loss_curves, write_json
+from jaxaccel import lora
+from jaxaccel.config import TrainConfig, build, override, parse, read_config_file, setting
+from jaxaccel.corpus import load_corpus
+from jaxaccel.errors import ConfigError
+from jaxaccel.loop import evaluate, load_trained_params, train
+from jaxaccel.model import describe_model, make_apply
+from jaxaccel.report import format_table
+from jaxaccel.state import init_state
+from jaxaccel.train import lm_eval_step
+
+ROWS = ("full", "lora", "adapters")
+STDLIB_TEXT = "stdlib-text"
+
+
+@dataclasses.dataclass
+class FinetuneSettings:
+    from_run: str | None = setting(None, "run directory of the trained model to tune (default: "
+                                         "train a base model on the stdlib first)", flag="from")
+    rows: str = setting(",".join(ROWS), "comma-separated rows: full, lora, adapters")
+    lora_learning_rate: float = setting(3e-3, "peak learning rate of the lora and adapters rows "
+                                              "(the full row uses --learning-rate)")
+    base_steps: int = setting(400, "steps of the base model trained when --from is not given")
+
+
+@dataclasses.dataclass
+class FinetuneConfig(TrainConfig):
+    """The fine-tuning config (the model's shape comes from the base run) plus what to compare."""
+
+    experiment: FinetuneSettings = dataclasses.field(default_factory=FinetuneSettings)
+
+
+# The fine-tuning runs' defaults; the base run (without --from) trains on the stdlib with the
+# same batches for --base-steps.
+DEFAULTS = {"data.path": STDLIB_TEXT, "data.batching": "pack", "data.seq_len": 256,
+            "data.batch_size": 8, "run.steps": 150, "optimizer.learning_rate": 1e-3,
+            "optimizer.warmup_steps": 10, "run.eval_every": 0, "run.checkpoint_every": 0,
+            "model.lora_rank": 8, "model.adapter_dim": 16, "run.final_eval_batches": 40}
+FIXED = ("run.init_from", "run.progressive_stack")
+
+COLUMNS = [
+    ("label", "row", ""),
+    ("trainable_params", "trainable", ",d"),
+    ("trainable_share", "of model", ".2%"),
+    ("state_bytes", "opt state B", ",d"),
+    ("state_share", "of full's", ".2%"),
+    ("step_ms", "step ms", ".1f"),
+    ("step_bytes", "step device B", ",d"),
+    ("peak_bytes", "peak B", ",d"),
+    ("val_loss", "val loss", ".4f"),
+    ("merged_val_loss", "merged val", ".4f"),
+    ("vs_full", "vs full", "+.2%"),
+]
+
+
+class Interrupted(Exception):
+    """A row (or the base) was stopped by a signal; the experiment stops as a whole."""
+
+
+def stdlib_text(directory: str) -> str:
+    """The standard library's ``.txt`` files copied into ``directory`` (a text-directory
+    corpus), their paths flattened into the names."""
+    root = sysconfig.get_paths()["stdlib"]
+    os.makedirs(directory, exist_ok=True)
+    for dirpath, dirnames, filenames in os.walk(root):
+        dirnames[:] = [d for d in dirnames if d not in ("site-packages", "__pycache__")]
+        for name in filenames:
+            if name.endswith(".txt"):
+                source = os.path.join(dirpath, name)
+                target = os.path.relpath(source, root).replace(os.sep, "__")
+                shutil.copyfile(source, os.path.join(directory, target))
+    return directory
+
+
+def base_model_fields(run_dir: str) -> dict:
+    """The model fields of the run in ``run_dir`` as overrides, LoRA, adapters and the
+    run-time choices (dropout, remat, attention, stochastic depth) left to this config."""
+    trained = build(TrainConfig, read_config_file(os.path.join(run_dir, "config.yaml")))
+    keep = ("lora_rank", "lora_alpha", "lora_targets", "adapter_dim", "dropout",
+            "stochastic_depth", "remat", "attention")
+    return {f"model.{k}": v for k, v in dataclasses.asdict(lora.base_config(trained.model)).items()
+            if k not in keep}
+
+
+def row_config(cfg: FinetuneConfig, row: str, base_fields: dict, base_dir: str | None):
+    """The training config of one row: the base's model with the row's LoRA or adapters."""
+    exp, model = cfg.experiment, cfg.model
+    settings = {"full": {"model.lora_rank": 0, "model.adapter_dim": 0},
+                "lora": {"model.adapter_dim": 0,
+                         "optimizer.learning_rate": exp.lora_learning_rate},
+                "adapters": {"model.lora_rank": 0,
+                             "optimizer.learning_rate": exp.lora_learning_rate}}[row]
+    return override(cfg, {**base_fields, **settings, "run.init_from": base_dir,
+                          "run.run_dir": None, "run.json": None,
+                          "model.lora_targets": model.lora_targets})
+
+
+def train_base(cfg: FinetuneConfig, run_root: str) -> str:
+    """Train the base model on the stdlib corpus; its run directory."""
+    run_dir = os.path.join(run_root, "base")
+    summary = train(override(cfg, {
+        "data.path": "stdlib", "run.steps": cfg.experiment.base_steps,
+        "optimizer.learning_rate": None, "optimizer.warmup_steps": 50, "model.lora_rank": 0,
+        "model.adapter_dim": 0, "run.run_dir": run_dir, "run.json": None}))
+    if summary.interrupted:
+        raise Interrupted(summary.interrupted)
+    return run_dir
+
+
+def run_row(row_cfg, row: str, label: str, run_dir: str, full: dict | None) -> dict:
+    """Fine-tune one row from the base and reduce its summary to a table row."""
+    summary = train(override(row_cfg, {"run.run_dir": run_dir}))
+    if summary.interrupted:
+        raise Interrupted(summary.interrupted)
+    result = {
+        "row": row, "label": label, "params": summary.params,
+        "trainable_params": summary.trainable_params,
+        "trainable_share": summary.trainable_params / summary.params,
+        "state_bytes": summary.optimizer_state_bytes,
+        "state_share": summary.optimizer_state_bytes / (full or {}).get(
+            "state_bytes", summary.optimizer_state_bytes),
+        "step_ms": 1e3 * summary.train_s / max(summary.steps_this_run, 1),
+        "step_bytes": (summary.step_memory_bytes or {}).get("total"),
+        "peak_bytes": summary.peak_memory_bytes, "val_loss": summary.val_loss,
+        "val_bpb": summary.val_bpb, "val_tokens": summary.val_tokens,
+        "real_tokens": summary.real_tokens, "steps": summary.steps,
+        "learning_rate": summary.learning_rate, "run_dir": run_dir,
+        "merged_val_loss": None, "merged_dir": None,
+        "vs_full": summary.val_loss / full["val_loss"] - 1 if full else None,
+    }
+    if row == "lora":        # merge, export, read the export back and evaluate it
+        merged_dir = lora.export_merged(run_dir, os.path.join(run_dir, "merged"))
+        merged_cfg = lora.merged_config(row_cfg.model)
+        result["merged_dir"] = merged_dir
+        result["merged_val_loss"] = evaluate_params(
+            row_cfg, merged_cfg, load_trained_params(merged_dir, merged_cfg))
+    return result
+
+
+def evaluate_params(cfg, model_cfg, params) -> float:
+    """Validation loss of ``params`` (a model of ``model_cfg``) on ``cfg``'s corpus, over the
+    batches a run's final evaluation takes."""
+    corpus = load_corpus(cfg.data.path, cache_dir=cfg.data.cache_dir)
+    eval_step = jax.jit(lm_eval_step(make_apply(model_cfg), cfg.policy()))
+    loss, _ = evaluate(eval_step, init_state(params, optax.identity(), cfg.run.seed), corpus.val,
+                       seq_len=cfg.seq_len, batch_size=cfg.run.eval_batch_size or cfg.batch_rows(),
+                       max_batches=cfg.run.final_eval_batches)
+    return loss
+
+
+def check_settings(cfg: FinetuneConfig, rows: list[str]):
+    """Every setting the rows use, before any work (one ConfigError line otherwise)."""
+    exp = cfg.experiment
+    if "lora" in rows and cfg.model.lora_rank < 1:
+        raise ConfigError(f"lora_rank must be at least 1 for the lora row, got "
+                          f"{cfg.model.lora_rank}", field="model.lora_rank")
+    if "adapters" in rows and cfg.model.adapter_dim < 1:
+        raise ConfigError(f"adapter_dim must be at least 1 for the adapters row, got "
+                          f"{cfg.model.adapter_dim}", field="model.adapter_dim")
+    if not 0 < exp.lora_learning_rate < float("inf"):
+        raise ConfigError(f"lora_learning_rate must be a positive finite number, got "
+                          f"{exp.lora_learning_rate}", field="experiment.lora_learning_rate")
+    if exp.base_steps < 1:
+        raise ConfigError(f"base_steps must be at least 1, got {exp.base_steps}",
+                          field="experiment.base_steps")
+    if exp.from_run is not None and not os.path.isfile(os.path.join(exp.from_run,
+                                                                    "config.yaml")):
+        raise ConfigError(f"--from {exp.from_run!r} is not a run directory (no config.yaml in "
+                          f"it); pass the run_dir of a trained run", field="experiment.from_run")
+    base_fields = base_model_fields(exp.from_run) if exp.from_run else {}
+    for row in rows:
+        row_cfg = row_config(cfg, row, base_fields, exp.from_run)   # the model's shape checks
+        if exp.from_run is not None:
+            row_cfg.validate()
+        else:
+            override(row_cfg, {"model.lora_rank": 0, "model.adapter_dim": 0}).validate()
+
+
+@command(FinetuneConfig)
+def main(argv=None) -> int:
+    cfg = parse(argv, FinetuneConfig, defaults=DEFAULTS, fixed=FIXED,
+                description=__doc__.split("\n\n")[0])
+    exp = cfg.experiment
+    rows = sorted(parse_list(exp.rows, "experiment.rows", valid=ROWS), key=ROWS.index)
+    check_settings(cfg, rows)
+    run_root = cfg.run.run_dir or os.path.join("runs", time.strftime("finetune-%Y%m%d-%H%M%S"))
+    if cfg.data.path == STDLIB_TEXT:
+        cfg = override(cfg, {"data.path": stdlib_text(os.path.join(run_root, "stdlib-text"))})
+
+    results, partial, base_dir = [], None, exp.from_run
+    try:
+        base_dir = base_dir or train_base(cfg, run_root)
+        base_fields = base_model_fields(base_dir)
+        base_cfg = override(cfg, {**base_fields, "model.lora_rank": 0, "model.adapter_dim": 0})
+        results.append({"row": "base", "label": "base, not tuned", "run_dir": base_dir,
+                        "val_loss": evaluate_params(base_cfg, base_cfg.model, load_trained_params(
+                            base_dir, base_cfg.model))})
+        full = None
+        for row in rows:
+            model = cfg.model
+            label = {"full": "full fine-tuning",
+                     "lora": f"LoRA r{model.lora_rank} {model.lora_targets}",
+                     "adapters": f"adapters {model.adapter_dim}"}[row]
+            result = run_row(row_config(cfg, row, base_fields, base_dir), row, label,
+                             os.path.join(run_root, row), full)
+            full = result if row == "full" else full
+            results.append(result)
+    except Interrupted as stop:
+        partial = str(stop)
+
+    model = describe_model(base_cfg.model) if results else describe_model(cfg.model)
+    meta = {"model": model, "base": base_dir, "data": cfg.data.path, "steps": cfg.run.steps,
+            "seq_len": cfg.seq_len, "batch_size": cfg.data.batch_size, **environment(),
+            "run_dir": run_root, "interrupted": partial}
+    print(f"\n{model} model from {base_dir}, fine-tuned {cfg.run.steps} steps on "
+          f"{cfg.data.path}, seq_len {cfg.seq_len}, {meta['device']}, jax {meta['jax_version']}"
+          + (f" (PARTIAL: stopped by {partial})" if partial else ""))
+    if results:
+        print(format_table(results, COLUMNS))
+    tuned = [r for r in results if r["row"] != "base"]
+    if tuned:
+        plot_loss_curves(os.path.join(run_root, "finetune.png"),
+                         {r["label"]: r["run_dir"] for r in tuned},
+                         title=f"fine-tuning {model} on {os.path.basename(cfg.data.path)}")
+    write_json(cfg.run.json, results, meta)
+    if partial:
+        return 128 + getattr(signal.Signals, partial, signal.SIGINT)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
