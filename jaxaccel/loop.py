@@ -52,6 +52,11 @@ RUNS_ROOT = "runs"
 RESUME_SECTIONS = ("model", "optimizer", "precision")
 RESUME_FIELDS = ("data.path", "data.batching", "run.seed", "run.init_from",
                  "run.progressive_stack")
+# Settings added after checkpoints were first written, with the value that means "not used":
+# recorded only when used, so a checkpoint from before them still resumes.
+ADDED_SETTINGS = {"model.init": "default", "model.stochastic_depth": 0.0, "model.lora_rank": 0,
+                  "model.lora_alpha": 16.0, "model.lora_targets": "q,v", "model.adapter_dim": 0,
+                  "run.init_from": None, "run.progressive_stack": 1}
 
 
 @dataclasses.dataclass
@@ -332,6 +337,8 @@ def resume_settings(cfg: TrainConfig, stream_args: dict, total_steps: int, multi
     settings = {f"{section}.{name}": value for section, fields in to_dict(cfg).items()
                 if section in RESUME_SECTIONS for name, value in fields.items()}
     settings.update({path: field_value(cfg, path) for path in RESUME_FIELDS})
+    settings = {k: v for k, v in settings.items()
+                if k not in ADDED_SETTINGS or v != ADDED_SETTINGS[k]}
     if cfg.run.progressive_stack > 1:
         settings["run.stack_at"] = stacking.boundaries(total_steps, cfg.run.progressive_stack,
                                                        cfg.run.stack_at)

@@ -320,3 +320,14 @@ def test_fine_tune_from_a_run_and_bad_runs(corpus_path, tmp_path, capsys):
                            *args])
         err = capsys.readouterr().err.strip().splitlines()
         assert code == 2 and len(err) == 1 and message in err[0], err
+
+
+def test_checkpoints_from_before_these_settings_still_resume(corpus_path, tmp_path):
+    """The resume settings leave out the new fields while they are unused, so a checkpoint
+    recorded without them matches; used, they are recorded."""
+    from jaxaccel.loop import ADDED_SETTINGS, resume_settings
+    plain = resume_settings(small_config(corpus_path, tmp_path), {"seq_len": 32}, 8, 1)
+    assert not set(ADDED_SETTINGS) & set(plain)
+    cfg = small_config(corpus_path, tmp_path)
+    used = dataclasses.replace(cfg, model=dataclasses.replace(cfg.model, init="tfixup"))
+    assert resume_settings(used, {"seq_len": 32}, 8, 1)["model.init"] == "tfixup"
