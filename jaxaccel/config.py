@@ -498,7 +498,7 @@ def build_parser(cls=None, *, defaults: dict | None = None, fixed: tuple = (),
     experiment sets them). Defaults shown are ``defaults`` over the fields' own."""
     cls = cls or TrainConfig
     shown = to_dict(build(cls, defaults))
-    parser = argparse.ArgumentParser(description=description,
+    parser = argparse.ArgumentParser(description=description, allow_abbrev=False,
                                      formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--config", metavar="FILE.yaml", help="read settings from this YAML "
                         "file (sections of fields; flags and overrides win)")

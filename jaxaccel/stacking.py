@@ -84,8 +84,8 @@ def grow(old_state, new_abstract, old_depth: int):
         if leaf.shape != target.shape:                     # stacked blocks [L, ...] -> [2L, ...]
             if leaf.shape[1:] != target.shape[1:] or target.shape[0] != 2 * leaf.shape[0]:
                 raise ValueError(f"cannot grow {name}: {leaf.shape} -> {target.shape}")
-            leaf = jnp.concatenate([leaf, leaf])
-        return leaf
+            return jnp.concatenate([leaf, leaf])
+        return jnp.array(leaf, copy=True)    # a block's copies are separate (donated) buffers
 
     return jax.tree_util.tree_unflatten(treedef,
                                         [take(path, target) for path, target in new_leaves])

@@ -216,7 +216,8 @@ def test_progressive_run_resumes_mid_stage_bitwise(corpus_path, tmp_path):
     def cfg(name, **extra):
         base = small_config(corpus_path, tmp_path, name, steps=9, checkpoint_every=0,
                             eval_every=0, **extra)
-        model = dataclasses.replace(base.model, n_layers=4, scan_layers=True)
+        model = dataclasses.replace(base.model, n_layers=4)   # unrolled: grown blocks are
+        # copies in separate buffers (the scanned layout is experiments.depth's test)
         return dataclasses.replace(base, model=model, run=dataclasses.replace(
             base.run, progressive_stack=3))
 
