@@ -10,7 +10,7 @@ from experiments import depth
 def test_depth_experiment_runs_every_row(corpus_path, tmp_path, capsys):
     out = tmp_path / "depth.json"
     code = depth.main([
-        "--data", corpus_path, "--d-model", "64", "--n-layers", "4", "--n-heads", "2",
+        "--data", corpus_path, "--d-model", "32", "--n-layers", "2", "--n-heads", "2",
         "--max-seq-len", "64", "--seq-len", "64", "--batch-size", "8", "--steps", "8",
         "--warmup-steps", "2", "--eval-every", "4", "--log-every", "2", "--eval-batches", "2",
         "--stochastic-depth-rates", "0.5", "--stacking-stages", "2", "--no-progress",
@@ -29,7 +29,7 @@ def test_depth_experiment_runs_every_row(corpus_path, tmp_path, capsys):
     assert base["step_vs_baseline"] == 1.0 and base["reached"] and base["reach_step"] <= 8
     assert base["stochastic_depth_kept"] == 1.0 and base["progressive_stages"] is None
     assert sd["stochastic_depth_kept"] < 1.0 and sd["flops_per_token"] < base["flops_per_token"]
-    assert stack["progressive_stages"] == [[0, 2], [4, 4]]
+    assert stack["progressive_stages"] == [[0, 1], [4, 2]]
     assert stack["flops_per_token"] < base["flops_per_token"]
     assert result["meta"]["baseline_val_loss"] == base["val_loss"]
     assert result["meta"]["final_eval_batches"] == 2 and result["meta"]["interrupted"] is None
