@@ -31,7 +31,6 @@ table.
 import dataclasses
 import json
 import os
-import shutil
 import signal
 import sys
 import sysconfig

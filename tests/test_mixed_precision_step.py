@@ -11,6 +11,7 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
+from conftest import xla_flags
 from jaxaccel import grads
 from jaxaccel.model import init_params, make_apply
 from jaxaccel.optim import make_optimizer
@@ -212,7 +213,7 @@ TWO_DEVICE_SCRIPT = textwrap.dedent("""
 
 
 def test_two_devices_agree_on_skipping_when_only_one_sees_an_inf():
-    env = {**os.environ, "XLA_FLAGS": "--xla_force_host_platform_device_count=2",
+    env = {**os.environ, "XLA_FLAGS": xla_flags("--xla_force_host_platform_device_count=2"),
            "PYTHONPATH": REPO, "JAX_PLATFORMS": "cpu"}
     result = subprocess.run([sys.executable, "-c", TWO_DEVICE_SCRIPT], cwd=REPO, env=env,
                             capture_output=True, text=True, timeout=300)

@@ -9,6 +9,7 @@ import sys
 import numpy as np
 import pytest
 
+from conftest import xla_flags
 from jaxaccel.data import DataStream
 
 sys.path.insert(0, os.path.dirname(__file__))
@@ -25,7 +26,7 @@ def free_port() -> int:
 def test_two_processes_build_the_single_process_batches(strategy, tmp_path):
     worker = os.path.join(os.path.dirname(__file__), "multiprocess_loader_worker.py")
     port = str(free_port())
-    env = {**os.environ, "JAX_PLATFORMS": "cpu", "XLA_FLAGS": ""}
+    env = {**os.environ, "JAX_PLATFORMS": "cpu", "XLA_FLAGS": xla_flags()}
     procs = [subprocess.Popen([sys.executable, worker, port, str(i), str(tmp_path / f"{i}.json"),
                                strategy], env=env, stdout=subprocess.PIPE,
                               stderr=subprocess.STDOUT, text=True) for i in range(2)]

@@ -11,6 +11,7 @@ import numpy as np
 import orbax.checkpoint as ocp
 import pytest
 
+from conftest import xla_flags
 from jaxaccel.errors import ConfigError
 from jaxaccel.precision import (POLICIES, DynamicLossScale, NoLossScale, Policy, StaticLossScale,
                                 all_finite, get_policy, make_loss_scale, select_tree)
@@ -240,7 +241,7 @@ TWO_DEVICE_SCRIPT = textwrap.dedent("""
 
 
 def test_two_devices_agree_to_skip_when_one_sees_inf():
-    env = {**os.environ, "XLA_FLAGS": "--xla_force_host_platform_device_count=2",
+    env = {**os.environ, "XLA_FLAGS": xla_flags("--xla_force_host_platform_device_count=2"),
            "JAX_PLATFORMS": "cpu", "PYTHONPATH": REPO}
     proc = subprocess.run([sys.executable, "-c", TWO_DEVICE_SCRIPT], cwd=REPO, env=env,
                           capture_output=True, text=True, timeout=120)

@@ -13,7 +13,7 @@ import numpy as np
 import pytest
 from jax.sharding import PartitionSpec
 
-from conftest import run_multidevice
+from conftest import run_multidevice, xla_flags
 from jaxaccel.errors import ConfigError
 from jaxaccel.model import PARAM_AXES, ModelConfig, init_params, param_axes
 from jaxaccel.optim import make_optimizer
@@ -167,7 +167,7 @@ def test_two_processes_train_together_like_one(corpus_path, tmp_path):
               "--max-seq-len", "32", "--steps", "4", "--batch-size", "4", "--log-every", "1",
               "--eval-every", "0", "--checkpoint-every", "2", "--no-progress", "--sharding",
               "fsdp", "--cache-dir", str(tmp_path / "cache")]
-    env = {**os.environ, "JAX_PLATFORMS": "cpu", "XLA_FLAGS": ""}
+    env = {**os.environ, "JAX_PLATFORMS": "cpu", "XLA_FLAGS": xla_flags()}
     port = free_port()
     procs = [subprocess.Popen(
         [sys.executable, "-m", "experiments.train", *common, "--coordinator", f"127.0.0.1:{port}",
