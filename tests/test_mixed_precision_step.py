@@ -214,7 +214,8 @@ TWO_DEVICE_SCRIPT = textwrap.dedent("""
 
 def test_two_devices_agree_on_skipping_when_only_one_sees_an_inf():
     env = {**os.environ, "XLA_FLAGS": xla_flags("--xla_force_host_platform_device_count=2"),
-           "PYTHONPATH": REPO, "JAX_PLATFORMS": "cpu"}
+           "PYTHONPATH": os.pathsep.join([REPO, os.path.join(REPO, "tests")]),
+           "JAX_PLATFORMS": "cpu"}
     result = subprocess.run([sys.executable, "-c", TWO_DEVICE_SCRIPT], cwd=REPO, env=env,
                             capture_output=True, text=True, timeout=300)
     assert result.returncode == 0, result.stderr[-3000:]
