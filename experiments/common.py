@@ -99,6 +99,8 @@ def matched_batch(documents, cfg: TrainConfig, strategy: str, match: bool = True
         for _ in range(2 if match else 0):  # batch sizes per bucket round down
             budget = round(budget * target / real_per_batch(strategy="bucket",
                                                             tokens_per_batch=budget))
+            # every bucket needs `multiple` rows of its length, the longest at most seq_len
+            budget = max(budget, cfg.seq_len * multiple)
         return {"data.batch_size": None, "data.tokens_per_batch": budget}
     batch_size = data.batch_size
     if match:

@@ -144,3 +144,18 @@ def test_every_row_runs_with_its_technique_on(corpus_path, tmp_path, capsys):
                                        f"{rows['pack']['run_dir']}/config.yaml")
     printed = capsys.readouterr().out
     assert "| row" in printed and "best = " in printed
+
+
+def test_a_bucket_budget_matched_under_a_batch_multiple_stays_valid(corpus_path):
+    """The bucket row's token budget, re-matched for a combination whose rows must be a
+    multiple of 4 (2 devices x 2 microbatches), still holds 4 rows of the longest bucket."""
+    from experiments.common import matched_batch
+    from jaxaccel.corpus import load_corpus
+    from jaxaccel.data import DataStream
+    cfg = build(values={"data.path": corpus_path, "model.max_seq_len": 128, "data.seq_len": 128,
+                        "data.batch_size": 4, "data.pad_multiple": 32, "data.buckets": 3})
+    documents = load_corpus(corpus_path).train
+    budget = matched_batch(documents, cfg, "bucket", multiple=4)["data.tokens_per_batch"]
+    assert budget >= 4 * 128
+    DataStream(documents, strategy="bucket", seq_len=128, tokens_per_batch=budget,
+               pad_multiple=32, num_buckets=3, data_parallel=4)
