@@ -30,8 +30,8 @@ def format_summary(s: RunSummary) -> str:
         ("model", f"{s.model}, {s.params:,} parameters" + _techniques(s)),
         ("optimizer", f"{s.optimizer}, peak lr {s.learning_rate:.3g}, weight decay "
                       f"{s.weight_decay:.3g}, state {s.optimizer_state_bytes:,} bytes"),
-        ("precision", f"{s.precision}, loss scale {s.loss_scale:g}, "
-                      f"{s.skipped_steps} skipped steps"),
+        ("precision", f"{s.precision}" + (f" ({s.fp8})" if s.fp8 else "")
+                      + f", loss scale {s.loss_scale:g}, {s.skipped_steps} skipped steps"),
         ("remat", _remat_line(s)),
         ("sharding", f"{s.sharding} over mesh {_mesh(s.mesh)} ({s.mesh_axis_types} axes), "
                      f"{s.process_count} process(es); parameters + optimizer state "
@@ -67,6 +67,9 @@ def _techniques(s: RunSummary) -> str:
     if s.stochastic_depth:
         parts.append(f"stochastic depth {s.stochastic_depth:g} (blocks compute "
                      f"{s.stochastic_depth_kept:.1%} of their rows)")
+    if s.sparsity != "none":
+        parts.append(f"{s.sparsity} sparse ({s.sparsity_density:.1%} of the masked weights "
+                     f"kept)")
     if s.progressive_stages:
         parts.append("stacked " + " -> ".join(f"{depth} layers at step {start}"
                                               for start, depth in s.progressive_stages))

@@ -87,8 +87,23 @@ MODEL_HELP = {
                      "gate, out (MLP)",),
     "adapter_dim": ("bottleneck adapter width on every attention and MLP branch; with it only "
                     "the adapters (and LoRA) train (0 = off)",),
+    "sparsity": ("N:M structured sparsity of the blocks' dense weights, e.g. 2:4 (keep the 2 "
+                 "largest of every 4 input weights), masks from the weights' magnitudes, "
+                 "SR-STE gradients (none = off)",),
+    "sparsity_every": ("recompute the N:M masks from the weights every this many steps",),
+    "sparsity_decay": ("SR-STE decay of the pruned weights (lambda_W; 0 = plain "
+                       "straight-through)",),
+    "token_keep": ("token dropping: share of each row's tokens the token_drop_layers process "
+                   "(1 = off)",),
+    "token_drop_layers": ("token dropping: layers START:END that see only the kept tokens "
+                          "(default: the middle half)",),
+    "token_drop_score": ("token dropping: which tokens the middle layers keep: random, or loss "
+                         "(the highest running loss of each token's id)", None,
+                         ("random", "loss")),
 }
-MODEL_FIXED = ("vocab_size",)   # set by the tokenizer: a config file may hold it, no flag
+# Set by other settings (the tokenizer; the precision policy): a config file may hold them, no
+# flag sets them, and ``build`` derives them.
+MODEL_FIXED = ("vocab_size", "fp8")
 
 
 @dataclasses.dataclass
@@ -141,7 +156,8 @@ class OptimizerConfig:
 @dataclasses.dataclass
 class PrecisionConfig:
     policy: str = setting("fp32", "dtype policy: fp32, bf16, fp16 (float32 master weights, "
-                                  "compute in the named dtype), or params=<dtype>,compute="
+                                  "compute in the named dtype), fp8 (bf16, with the blocks' "
+                                  "matmuls in float8, delayed scaling), or params=<dtype>,compute="
                                   "<dtype>,output=<dtype>", flag="precision")
     loss_scale: str = setting("auto", "loss scaling: auto (dynamic for float16 compute, else "
                                       "none), dynamic, static or none", choices=LOSS_SCALE_KINDS)
@@ -320,14 +336,18 @@ class TrainConfig:
         model, run = self.model, self.run
         depths(model.n_layers, run.progressive_stack)
         if pipelined(self.mesh.strategy):
-            for field, on in (("model.stochastic_depth", model.stochastic_depth > 0),
-                              ("model.lora_rank", model.lora_rank > 0),
-                              ("model.adapter_dim", model.adapter_dim > 0),
-                              ("run.progressive_stack", run.progressive_stack > 1)):
+            for field, name, on in (
+                    ("model.stochastic_depth", "stochastic_depth", model.stochastic_depth > 0),
+                    ("model.lora_rank", "lora_rank", model.lora_rank > 0),
+                    ("model.adapter_dim", "adapter_dim", model.adapter_dim > 0),
+                    ("run.progressive_stack", "progressive_stack", run.progressive_stack > 1),
+                    ("precision.policy", "the fp8 policy", model.fp8),
+                    ("model.sparsity", "sparsity", model.sparsity != "none"),
+                    ("model.token_keep", "token dropping", model.token_keep < 1.0)):
                 if on:
-                    raise ConfigError(f"{field.split('.')[1]} does not run with the pipeline "
-                                      f"strategy {self.mesh.strategy}; choose a strategy without "
-                                      f"pp", field=field)
+                    raise ConfigError(f"{name} does not run with the pipeline strategy "
+                                      f"{self.mesh.strategy}; choose a strategy without pp",
+                                      field=field)
         if run.progressive_stack > 1 and (model.lora_rank or model.adapter_dim):
             raise ConfigError("progressive_stack grows a model being trained from scratch, not a "
                               "LoRA/adapter fine-tune; leave one out", field="run.progressive_stack")
@@ -435,6 +455,9 @@ def build(cls=None, values: dict | None = None):
             sections[section] = preset(given.pop("preset", None) or "tiny", **given)
         else:
             sections[section] = section_cls(**given)
+    if "model" in sections and "precision" in sections:   # fp8 matmuls follow the policy
+        fp8 = get_policy(sections["precision"].policy).fp8
+        sections["model"] = dataclasses.replace(sections["model"], fp8=fp8)
     return cls(**sections)
 
 

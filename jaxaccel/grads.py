@@ -16,9 +16,12 @@ import jax.numpy as jnp
 from jaxaccel.errors import ConfigError
 
 REDUCTIONS = ("mean", "sum")
+# aux entries that are not additive: maxima over microbatches, and per-row values.
+OBSERVED_MAX = "observed_max"
+ROWS = "rows"
 
 
-def value_and_grad(loss_fn, *, trainable=None):
+def value_and_grad(loss_fn, *, trainable=None, observed=None):
     """The gradient function of ``loss_fn(params, batch, key) -> (loss, aux)``.
 
     The backward pass starts from ``scale`` (default 1) instead of 1: the gradient of
@@ -29,14 +32,24 @@ def value_and_grad(loss_fn, *, trainable=None):
     parameters are differentiated: the gradients are the trainable part of the tree alone, and
     the others enter the forward pass as constants, so no gradient is computed for them at all
     (LoRA and adapters, ``jaxaccel.lora``).
+
+    With ``observed`` (a predicate on path names) the frozen leaves it accepts are probes: they
+    are differentiated too, but their cotangents are observations the backward pass reports
+    (FP8's amax, ``jaxaccel.fp8``), not gradients. They come back as ``aux["observed_max"]`` (a
+    nested dict shaped like those leaves, combined across microbatches by maximum), never in the
+    gradients.
     """
 
     def grad_fn(params, batch, key, *, scale=None):
         train, frozen = partition(params, trainable)
-        loss, backward, aux = jax.vjp(lambda t: loss_fn(combine(t, frozen), batch, key), train,
-                                      has_aux=True)
+        probes, frozen = partition(frozen, observed) if observed else ({}, frozen)
+        loss, backward, aux = jax.vjp(
+            lambda t, p: loss_fn(combine(combine(t, p), frozen), batch, key), train, probes,
+            has_aux=True)
         seed = jnp.ones_like(loss) if scale is None else jnp.asarray(scale, loss.dtype)
-        (grads,) = backward(seed)
+        grads, observations = backward(seed)
+        if observed:
+            aux = {**aux, OBSERVED_MAX: observations}
         return (loss, aux), grads
 
     return grad_fn
@@ -87,6 +100,12 @@ def combine(train, frozen):
     return merged
 
 
+def _add_aux(total, aux):
+    """Microbatch statistics combined: summed, ``observed_max`` by maximum."""
+    return {key: jax.tree.map(jnp.maximum if key == OBSERVED_MAX else jnp.add, total[key], value)
+            for key, value in aux.items()}
+
+
 def split_microbatches(batch, microbatches: int):
     """Every ``[B, ...]`` leaf of ``batch`` as ``[M, B / M, ...]``, taking every M-th row.
 
@@ -121,7 +140,10 @@ def accumulate(grad_fn, microbatches: int, *, reduce: str = "mean", weight: str 
       ``weight="real_tokens"`` the result is the whole batch's token mean, however unevenly the
       real tokens fall into microbatches.
 
-    ``aux`` entries are additive statistics and are summed.
+    ``aux`` entries are additive statistics and are summed, except ``aux["observed_max"]``
+    (``value_and_grad``'s observations), whose leaves combine by maximum, and ``aux["rows"]``, a
+    dict of per-row values ``[rows of the microbatch, ...]``, which come back as the whole
+    batch's rows in the batch's order.
     """
     if microbatches < 1:
         raise ConfigError(f"accumulate must be >= 1, got {microbatches}",
@@ -140,18 +162,24 @@ def accumulate(grad_fn, microbatches: int, *, reduce: str = "mean", weight: str 
                                          scale=scale)
             w = aux[weight].astype(jnp.float32) if weight is not None else 1.0
             total_loss, total_weight, total_aux, total_grads = carry
-            return (total_loss + w * loss, total_weight + w,
-                    jax.tree.map(jnp.add, total_aux, aux),
-                    jax.tree.map(lambda t, g: (t + w * g).astype(t.dtype), total_grads, grads)), None
+            aux = dict(aux)
+            rows = aux.pop(ROWS, None)
+            return (total_loss + w * loss, total_weight + w, _add_aux(total_aux, aux),
+                    jax.tree.map(lambda t, g: (t + w * g).astype(t.dtype), total_grads,
+                                 grads)), rows
 
         parts = (jnp.arange(microbatches), split_microbatches(batch, microbatches))
         first = jax.tree.map(lambda x: x[0], parts[1])
         (_, aux_shape), grads_shape = jax.eval_shape(
             lambda p, b: grad_fn(p, b, key, scale=scale), params, first)
+        aux_shape = {k: v for k, v in aux_shape.items() if k != ROWS}
         zeros = (jnp.zeros((), jnp.float32), jnp.zeros((), jnp.float32),
                  jax.tree.map(lambda s: jnp.zeros(s.shape, s.dtype), aux_shape),
                  jax.tree.map(jnp.zeros_like, _matching(params, grads_shape)))
-        (loss, total_weight, aux, grads), _ = jax.lax.scan(add_microbatch, zeros, parts)
+        (loss, total_weight, aux, grads), rows = jax.lax.scan(add_microbatch, zeros, parts)
+        if rows is not None:     # [M, B / M, ...] back to the batch's rows (split_microbatches)
+            aux[ROWS] = jax.tree.map(
+                lambda x: x.swapaxes(0, 1).reshape(-1, *x.shape[2:]), rows)
         if reduce == "mean":
             divisor = jnp.maximum(total_weight, 1.0) if weight is not None else microbatches
             loss = loss / divisor

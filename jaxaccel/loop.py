@@ -24,7 +24,7 @@ import time
 import jax
 import numpy as np
 
-from jaxaccel import hardware, lora, stacking
+from jaxaccel import buffers, fp8, hardware, lora, sparsity, stacking
 from jaxaccel.checkpoint import Checkpointer
 from jaxaccel.compiled import CompiledFn, abstract, largest_memory_bytes
 from jaxaccel.config import TrainConfig, build, field_value, read_config_file, to_dict, \
@@ -56,6 +56,9 @@ RESUME_FIELDS = ("data.path", "data.batching", "run.seed", "run.init_from",
 # recorded only when used, so a checkpoint from before them still resumes.
 ADDED_SETTINGS = {"model.init": "default", "model.stochastic_depth": 0.0, "model.lora_rank": 0,
                   "model.lora_alpha": 16.0, "model.lora_targets": "q,v", "model.adapter_dim": 0,
+                  "model.fp8": False, "model.sparsity": "none", "model.sparsity_every": 100,
+                  "model.sparsity_decay": 2e-4, "model.token_keep": 1.0,
+                  "model.token_drop_layers": None, "model.token_drop_score": "random",
                   "run.init_from": None, "run.progressive_stack": 1}
 
 
@@ -127,6 +130,9 @@ class RunSummary:
     param_opt_bytes_per_device: int
     device: str
     jax_version: str
+    fp8: str | None = None              # how the FP8 matmuls ran (jaxaccel.fp8.check_device)
+    sparsity: str = "none"
+    sparsity_density: float | None = None  # share of the masked weights the N:M masks keep
 
     @classmethod
     def read(cls, path: str) -> "RunSummary":
@@ -150,6 +156,7 @@ def train(cfg: TrainConfig, *, should_stop=None) -> RunSummary:
         initialize_distributed(m.coordinator, m.num_processes, m.process_id,
                                auto=m.distributed, timeout_s=m.distributed_timeout)
     cfg.validate()
+    fp8_note = fp8.check_device() if cfg.model.fp8 else None
     mesh, mesh_shape = build_mesh(m.strategy, m.shape, m.axis_types, cfg.model, m.num_devices)
     if pipelined(m.strategy):
         check_pipeline(m.pipeline_schedule, mesh_shape["stage"], cfg.optimizer.accumulate)
@@ -162,7 +169,7 @@ def train(cfg: TrainConfig, *, should_stop=None) -> RunSummary:
             if progress.interrupted or int(progress.state.step) >= run.total_steps:
                 break
             run = grow_run(run, progress)
-        return finish(run, compiled, progress, wall_start)
+        return finish(run, compiled, progress, wall_start, fp8_note)
 
 
 # =============================================================================================
@@ -359,7 +366,9 @@ def train_step_of(cfg: TrainConfig, model_cfg, optimizer, schedule=None):
         return make_train_step(grad_fn, optimizer, schedule)
     return lm_train_step(make_apply(model_cfg), optimizer, schedule, policy=cfg.policy(),
                          accumulate=cfg.optimizer.accumulate,
-                         trainable=lora.trainable(model_cfg))
+                         trainable=lora.trainable(model_cfg),
+                         observed=buffers.observed if model_cfg.fp8 else None,
+                         update_buffers=buffers.updater(model_cfg))
 
 
 def sharded_steps(cfg: TrainConfig, optimizer, schedule, shardings, mesh):
@@ -616,7 +625,8 @@ def _log_window(writer, step, window, totals, seconds, progress) -> list[tuple[f
 # =============================================================================================
 # Phase 4: finish. Final evaluation, loss plot, the summary.
 
-def finish(run: Setup, compiled: list, progress: Progress, wall_start: float) -> RunSummary:
+def finish(run: Setup, compiled: list, progress: Progress, wall_start: float,
+           fp8_note: str | None = None) -> RunSummary:
     """The final evaluation, the plot and the summary; ``compiled`` holds the steps of every
     progressive-stacking stage (one without), the last being the model's final depth."""
     cfg, state, steps = run.cfg, progress.state, compiled[-1]
@@ -681,7 +691,9 @@ def finish(run: Setup, compiled: list, progress: Progress, wall_start: float) ->
         trainable_params=lora.count(state.params, cfg.model)[0], init_from=cfg.run.init_from,
         process_count=jax.process_count(),
         param_opt_bytes_per_device=bytes_per_device((state.params, state.opt_state)),
-        device=hardware.describe(), jax_version=jax.__version__)
+        device=hardware.describe(), jax_version=jax.__version__, fp8=fp8_note,
+        sparsity=cfg.model.sparsity,
+        sparsity_density=sparsity.density(state.params) if cfg.model.sparsity != "none" else None)
 
 
 def sd_kept_fraction(cfg: TrainConfig, mesh_shape: dict) -> float:

@@ -22,20 +22,25 @@ from a trained run's weights with ``run.init_from`` (``python -m experiments.fin
 
 import dataclasses
 
-import jax
 import jax.numpy as jnp
+
+from jaxaccel import buffers
 
 TRAINABLE_NAMES = ("lora_a", "lora_b", "attn_adapter", "mlp_adapter")
 
 
 def trainable(cfg):
     """The predicate on parameter path names of what trains under ``cfg``, or None (everything)
-    when the model has neither LoRA nor adapters."""
-    if not cfg.lora_rank and not cfg.adapter_dim:
+    when the model has neither LoRA nor adapters nor buffers (``jaxaccel.buffers``, never
+    trained)."""
+    tuned = bool(cfg.lora_rank or cfg.adapter_dim)
+    if not tuned and not buffers.present(cfg):
         return None
 
     def is_trainable(name: str) -> bool:
-        return any(part in TRAINABLE_NAMES for part in name.split("/"))
+        if buffers.is_buffer(name):
+            return False
+        return not tuned or any(part in TRAINABLE_NAMES for part in name.split("/"))
 
     return is_trainable
 
@@ -86,10 +91,10 @@ def attach(base_params, fresh_params):
 
 
 def count(params, cfg) -> tuple[int, int]:
-    """(trainable, total) parameter counts under ``cfg``."""
+    """(trainable, total) parameter counts under ``cfg`` (buffers are neither)."""
     from jaxaccel.grads import partition
-    total = sum(x.size for x in jax.tree.leaves(params))
-    return sum(x.size for x in jax.tree.leaves(partition(params, trainable(cfg))[0])), total
+    from jaxaccel.model import count_params
+    return count_params(partition(params, trainable(cfg))[0]), count_params(params)
 
 
 def export_merged(run_dir: str, out_dir: str) -> str:

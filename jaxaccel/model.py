@@ -31,12 +31,15 @@ import jax.numpy as jnp
 from flax import nnx
 from jax.ad_checkpoint import checkpoint_name
 
+from jaxaccel import buffers as buffers_lib
+from jaxaccel import fp8 as fp8_lib
 from jaxaccel import remat as remat_lib
 from jaxaccel import stochastic_depth as sd_lib
 from jaxaccel.init import INIT_SCHEMES, initialize
 from jaxaccel.attention import IMPLEMENTATIONS, dot_product_attention
 from jaxaccel.errors import ConfigError
 from jaxaccel.sharding import constrain, matmul, take_rows
+from jaxaccel.sparsity import init_masks, sparse_weight
 from jaxaccel.tokenizer import ByteTokenizer
 
 MLP_KINDS = ("swiglu", "gelu")
@@ -69,6 +72,13 @@ class ModelConfig:
     lora_alpha: float = 16.0
     lora_targets: str = "q,v"
     adapter_dim: int = 0
+    fp8: bool = False
+    sparsity: str = "none"
+    sparsity_every: int = 100
+    sparsity_decay: float = 2e-4
+    token_keep: float = 1.0
+    token_drop_layers: str | None = None
+    token_drop_score: str = "random"
 
     def __post_init__(self):
         if self.n_kv_heads is None:
@@ -137,6 +147,24 @@ class ModelConfig:
             if not self.lora_alpha > 0 or self.lora_alpha == float("inf"):
                 raise ConfigError(f"lora_alpha must be a positive finite number, got "
                                   f"{self.lora_alpha}", field="model.lora_alpha")
+
+        if self.sparsity != "none":
+            from jaxaccel.sparsity import parse_pattern
+            n, m = parse_pattern(self.sparsity)
+            for name, d_in in (("d_model", self.d_model), ("d_ff", self.d_ff)):
+                if d_in % m:
+                    raise ConfigError(
+                        f"sparsity {self.sparsity} groups {m} input features, but {name}="
+                        f"{d_in} is not a multiple of {m}; choose a width divisible by {m}",
+                        field="model.sparsity")
+            if self.sparsity_every < 1:
+                raise ConfigError(f"sparsity_every must be >= 1, got {self.sparsity_every}",
+                                  field="model.sparsity_every")
+            if not 0.0 <= self.sparsity_decay < float("inf"):
+                raise ConfigError(f"sparsity_decay must be a finite number >= 0, got "
+                                  f"{self.sparsity_decay}", field="model.sparsity_decay")
+        from jaxaccel.token_drop import validate as validate_token_drop
+        validate_token_drop(self)
 
     @property
     def lora_layers(self) -> tuple[str, ...]:
@@ -237,9 +265,13 @@ class Dense(nnx.Module):
 
     With ``lora`` = (rank, alpha) the layer adds a low-rank update, ``x kernel + (alpha / rank)
     (x lora_a) lora_b`` (``jaxaccel.lora``): ``lora_a`` [d_in, r] starts Gaussian, ``lora_b``
-    [r, d_out] at zero, so the layer starts as its kernel alone."""
+    [r, d_out] at zero, so the layer starts as its kernel alone.
 
-    def __init__(self, d_in, d_out, std, rngs, name, lora=None):
+    With ``sparsity`` = (n, m, decay) the kernel is used through its N:M mask ``nm_mask``
+    (``jaxaccel.sparsity``); with ``fp8`` the product runs in float8, scaled by the amax history
+    ``fp8_amax`` (``jaxaccel.fp8``). Both are buffers: state in the parameter dict, not weights."""
+
+    def __init__(self, d_in, d_out, std, rngs, name, lora=None, *, fp8=False, sparsity=None):
         self.kernel = nnx.Param(nnx.initializers.normal(stddev=std)(rngs.params(), (d_in, d_out)))
         self.axes = PARAM_AXES[name]
         self.lora_scale = None
@@ -249,15 +281,36 @@ class Dense(nnx.Module):
             self.lora_a = nnx.Param(nnx.initializers.normal(stddev=d_in ** -0.5)(
                 rngs.params(), (d_in, rank)))
             self.lora_b = nnx.Param(jnp.zeros((rank, d_out)))
+        self.sparsity_decay = None
+        if sparsity:
+            self.sparsity_decay = sparsity
+            self.nm_mask = nnx.Param(jnp.ones((d_in, d_out), jnp.bool_))
+        self.fp8 = fp8
+        if fp8:
+            self.fp8_amax = nnx.Param(fp8_lib.new_history())
 
     def __call__(self, x):
-        kernel = constrain(self.kernel[...], self.axes)
-        y = matmul(x, kernel, ("batch", "seq", self.axes[1]))
+        kernel = self.kernel[...]
+        if self.sparsity_decay is not None:
+            kernel = sparse_weight(kernel, self.nm_mask[...], self.sparsity_decay)
+        kernel = constrain(kernel, self.axes)
+        out_axes = ("batch", "seq", self.axes[1])
+        if self.fp8:
+            y = fp8_lib.matmul(x, kernel, self.fp8_amax[...], self.axes)
+        else:
+            y = matmul(x, kernel, out_axes)
         if self.lora_scale is None:
             return y
         low_BTR = x @ self.lora_a[...].astype(x.dtype)
-        update = matmul(low_BTR, self.lora_b[...].astype(x.dtype), ("batch", "seq", self.axes[1]))
+        update = matmul(low_BTR, self.lora_b[...].astype(x.dtype), out_axes)
         return y + (self.lora_scale * update).astype(y.dtype)
+
+
+def _projection(cfg, name, d_in, d_out, std, rngs):
+    """A block's projection ``name`` (wq, ..., w_out) with the options ``cfg`` gives it: LoRA,
+    N:M sparsity, FP8."""
+    return Dense(d_in, d_out, std, rngs, name, _lora(cfg, name), fp8=cfg.fp8,
+                 sparsity=cfg.sparsity_decay if cfg.sparsity != "none" else None)
 
 
 def _lora(cfg, name):
@@ -295,10 +348,10 @@ class Attention(nnx.Module):
         self.cfg = cfg
         d, hd = cfg.d_model, cfg.head_dim
         out_std = 0.02 / (2 * cfg.n_layers) ** 0.5
-        self.wq = Dense(d, cfg.n_heads * hd, 0.02, rngs, "wq", _lora(cfg, "wq"))
-        self.wk = Dense(d, cfg.n_kv_heads * hd, 0.02, rngs, "wk", _lora(cfg, "wk"))
-        self.wv = Dense(d, cfg.n_kv_heads * hd, 0.02, rngs, "wv", _lora(cfg, "wv"))
-        self.wo = Dense(cfg.n_heads * hd, d, out_std, rngs, "wo", _lora(cfg, "wo"))
+        self.wq = _projection(cfg, "wq", d, cfg.n_heads * hd, 0.02, rngs)
+        self.wk = _projection(cfg, "wk", d, cfg.n_kv_heads * hd, 0.02, rngs)
+        self.wv = _projection(cfg, "wv", d, cfg.n_kv_heads * hd, 0.02, rngs)
+        self.wo = _projection(cfg, "wo", cfg.n_heads * hd, d, out_std, rngs)
 
     def __call__(self, x_BTD, sin_BTR, cos_BTR, segment_ids_BT):
         cfg = self.cfg
@@ -322,10 +375,10 @@ class MLP(nnx.Module):
     def __init__(self, cfg: ModelConfig, *, rngs: nnx.Rngs):
         self.kind = cfg.mlp
         out_std = 0.02 / (2 * cfg.n_layers) ** 0.5
-        self.w_in = Dense(cfg.d_model, cfg.d_ff, 0.02, rngs, "w_in", _lora(cfg, "w_in"))
+        self.w_in = _projection(cfg, "w_in", cfg.d_model, cfg.d_ff, 0.02, rngs)
         if cfg.mlp == "swiglu":
-            self.w_gate = Dense(cfg.d_model, cfg.d_ff, 0.02, rngs, "w_gate", _lora(cfg, "w_gate"))
-        self.w_out = Dense(cfg.d_ff, cfg.d_model, out_std, rngs, "w_out", _lora(cfg, "w_out"))
+            self.w_gate = _projection(cfg, "w_gate", cfg.d_model, cfg.d_ff, 0.02, rngs)
+        self.w_out = _projection(cfg, "w_out", cfg.d_ff, cfg.d_model, out_std, rngs)
 
     def __call__(self, x_BTD):
         in_BTF = checkpoint_name(self.w_in(x_BTD), remat_lib.MLP_IN)
@@ -505,7 +558,9 @@ def param_axes(params: dict) -> dict:
             raise ValueError(f"parameter {jax.tree_util.keystr(path)} has no logical axes; add "
                              f"its layer to model.PARAM_AXES")
         leaf_name = str(getattr(path[-1], "key", path[-1]))
-        if leaf_name == "lora_a":           # [d_in, rank] and [rank, d_out] of a LoRA update
+        if leaf_name == "fp8_amax":         # [3, HISTORY] amaxes of an fp8 layer, replicated
+            names = ("fp8", "fp8_history")
+        elif leaf_name == "lora_a":         # [d_in, rank] and [rank, d_out] of a LoRA update
             names = (names[0], "lora")
         elif leaf_name == "lora_b":
             names = ("lora", names[1])
@@ -520,7 +575,8 @@ def init_params(cfg: ModelConfig, key) -> dict:
     for the same key."""
     model = GPT(cfg, rngs=nnx.Rngs(params=key))
     params = nnx.to_pure_dict(nnx.state(model, nnx.Param))
-    return initialize(params, cfg, jax.random.fold_in(key, INIT_KEY))
+    params = initialize(params, cfg, jax.random.fold_in(key, INIT_KEY))
+    return init_masks(params, cfg) if cfg.sparsity != "none" else params
 
 
 INIT_KEY = 0x1417     # folded into the key for the init scheme's own draws
@@ -575,7 +631,10 @@ def model_parts(cfg: ModelConfig) -> ModelParts:
 
 
 def count_params(params) -> int:
-    return sum(x.size for x in jax.tree.leaves(params))
+    """Weights in ``params``, not counting buffers (``jaxaccel.buffers``)."""
+    leaves = jax.tree_util.tree_leaves_with_path(params)
+    return sum(x.size for path, x in leaves
+               if str(getattr(path[-1], "key", "")) not in buffers_lib.NAMES)
 
 
 def matmul_params(cfg: ModelConfig) -> int:

@@ -62,14 +62,15 @@ def pipelined(strategy: str) -> bool:
 # Logical axis -> mesh axis (or None: replicated) for parameters and optimizer state at rest.
 PARAM_RULES = {
     "layers": "stage", "vocab": None, "embed": "fsdp", "heads": "tensor", "kv_heads": "tensor",
-    "mlp": "tensor", "norm": None, "lora": None, "adapter": None,
+    "mlp": "tensor", "norm": None, "lora": None, "adapter": None, "fp8": None,
+    "fp8_history": None,
 }
 # ... and for tensors while the model computes: weights are gathered over fsdp, the batch is
 # split over data x fsdp.
 COMPUTE_RULES = {
     "batch": BATCH_AXES, "seq": None, "embed": None, "heads": "tensor", "kv_heads": "tensor",
     "head_dim": None, "mlp": "tensor", "vocab": None, "layers": None, "norm": None,
-    "lora": None, "adapter": None,
+    "lora": None, "adapter": None, "fp8": None, "fp8_history": None,
 }
 
 
@@ -236,6 +237,18 @@ def matmul(x, w, out_axes):
     if _explicit(mesh):
         return jnp.matmul(x, w, out_sharding=spec)
     return jax.lax.with_sharding_constraint(x @ w, spec)
+
+
+def einsum(subscripts: str, a, b, out_axes, **kwargs):
+    """``jnp.einsum(subscripts, a, b, **kwargs)`` with the result laid out as ``out_axes`` (given
+    to the contraction itself under Explicit axes, as ``matmul`` does)."""
+    mesh = jax.sharding.get_abstract_mesh()
+    if mesh.empty:
+        return jnp.einsum(subscripts, a, b, **kwargs)
+    spec = logical_spec(out_axes, COMPUTE_RULES)
+    if _explicit(mesh):
+        return jnp.einsum(subscripts, a, b, out_sharding=spec, **kwargs)
+    return jax.lax.with_sharding_constraint(jnp.einsum(subscripts, a, b, **kwargs), spec)
 
 
 def take_rows(table, ids, out_axes):

@@ -65,8 +65,13 @@ def lm_loss(apply_fn):
     return loss_fn
 
 
+# aux entries that feed the model's buffers rather than the metrics: observations (``grads``)
+# and additive statistics a technique keeps (``buffer_stats``).
+BUFFER_STATS = "buffer_stats"
+
+
 def make_train_step(grad_fn, optimizer: optax.GradientTransformation, schedule=None, *,
-                    trainable=None):
+                    trainable=None, update_buffers=None):
     """Build the pure ``train_step(state, batch) -> (state, metrics)``.
 
     Each step gets the key ``fold_in(state.rng, state.step)``. The loss scale in the state
@@ -81,6 +86,11 @@ def make_train_step(grad_fn, optimizer: optax.GradientTransformation, schedule=N
     must return the gradients of the trainable part only (``grads.value_and_grad(...,
     trainable=...)``); the optimizer's state covers that part (``state.init_state``) and the
     other parameters pass through the step untouched, bit for bit.
+
+    ``update_buffers(params, step, stats) -> params``, when given, updates the model's buffers
+    (leaves of the parameters that hold state, not weights: ``jaxaccel.buffers``) after the
+    optimizer's update, from ``stats``: the aux entries ``observed_max`` and ``buffer_stats``,
+    which are taken out of the metrics.
     """
     scaled_grad_fn = precision.loss_scaled(grad_fn)
     always = optax.with_extra_args_support(optimizer)
@@ -92,10 +102,13 @@ def make_train_step(grad_fn, optimizer: optax.GradientTransformation, schedule=N
                                                          state.loss_scale)
         aux = dict(aux)
         finite = aux.pop("grads_finite")
+        stats = {k: aux.pop(k) for k in (grads.OBSERVED_MAX, BUFFER_STATS) if k in aux}
         update = always if isinstance(state.loss_scale, precision.NoLossScale) else skipping
         train, frozen = grads.partition(state.params, trainable)
         updates, opt_state = update.update(grads_, state.opt_state, train, grads_finite=finite)
         params = grads.combine(optax.apply_updates(train, updates), frozen)
+        if update_buffers is not None:
+            params = update_buffers(params, state.step, stats)
         metrics = {
             "loss": loss,
             **aux,
@@ -126,16 +139,20 @@ def make_eval_step(apply_fn):
 
 
 def lm_train_step(apply_fn, optimizer, schedule=None, *, policy=precision.POLICIES["fp32"],
-                  accumulate: int = 1, trainable=None):
+                  accumulate: int = 1, trainable=None, observed=None, update_buffers=None):
     """The train step of a language model (``jaxaccel.model.make_apply``): the model under
     ``policy``, the token-mean loss, ``accumulate`` microbatches weighted by their real tokens,
-    only the ``trainable`` parameters trained when given (``jaxaccel.lora.trainable``).
+    only the ``trainable`` parameters trained when given (``jaxaccel.lora.trainable``), the
+    model's buffers updated by ``update_buffers`` from the ``observed`` leaves' observations
+    (``jaxaccel.buffers``: ``observed`` and ``updater(model_cfg)``).
     Every caller that trains builds its step here, so a setting cannot reach one step and miss
     another."""
     loss_fn = lm_loss(precision.cast(apply_fn, policy))
-    grad_fn = grads.accumulate(grads.value_and_grad(loss_fn, trainable=trainable), accumulate,
-                               weight="real_tokens")
-    return make_train_step(grad_fn, optimizer, schedule, trainable=trainable)
+    grad_fn = grads.accumulate(
+        grads.value_and_grad(loss_fn, trainable=trainable, observed=observed), accumulate,
+        weight="real_tokens")
+    return make_train_step(grad_fn, optimizer, schedule, trainable=trainable,
+                           update_buffers=update_buffers)
 
 
 def lm_eval_step(apply_fn, policy=precision.POLICIES["fp32"]):

@@ -85,7 +85,7 @@ def test_precision_experiment_runs_every_row_and_the_probe(corpus_path, tmp_path
     assert code == 0
     result = json.loads(out.read_text())
     rows = {r["precision"]: r for r in result["rows"]}
-    assert list(rows) == ["fp32", "tf32", "bf16", "fp16", "fp16-noscale"]
+    assert list(rows) == ["fp32", "tf32", "bf16", "fp16", "fp16-noscale", "fp8"]
     for row in rows.values():
         for key in ("step_s", "real_tokens_per_s", "memory_bytes", "val_loss", "skipped_steps",
                     "speedup_vs_fp32"):
@@ -94,6 +94,9 @@ def test_precision_experiment_runs_every_row_and_the_probe(corpus_path, tmp_path
     assert rows["fp16"]["policy"] == "fp16" and rows["fp16"]["loss_scale"] > 1
     assert rows["fp16-noscale"]["loss_scale"] == 1 and rows["bf16"]["policy"] == "bf16"
     assert rows["fp32"]["matmul_precision"] == "highest"
+    assert rows["fp8"]["policy"] == "fp8" and "emulated" in rows["fp8"]["fp8"]
+    assert rows["fp8"]["speedup_vs_bf16"] > 0 and rows["bf16"]["speedup_vs_bf16"] is None
+    assert abs(rows["fp8"]["val_loss_vs_bf16"]) < 0.05
     probe = {(p["params"], p["accumulate"], p["case"]): p
              for p in result["meta"]["underflow_probe"]}
     assert len(probe) == 2 * 2 * 2

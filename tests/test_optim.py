@@ -211,7 +211,7 @@ def test_accumulate_reduces_sums_and_means_as_told():
     """Any pytree batch: a mean loss averages over microbatches, a sum loss adds up, and each
     microbatch gets its own key."""
     def loss_fn(w, batch, key):
-        return jnp.mean(batch["x"] * w), {"rows": jnp.float32(batch["x"].shape[0]),
+        return jnp.mean(batch["x"] * w), {"row_count": jnp.float32(batch["x"].shape[0]),
                                           "noise": jax.random.normal(key, ())}
 
     def sum_fn(w, batch, key):
@@ -222,11 +222,45 @@ def test_accumulate_reduces_sums_and_means_as_told():
     (loss, aux), g = grads.accumulate(mean, 4)(2.0, batch, jax.random.PRNGKey(0))
     (whole, _), g_whole = mean(2.0, batch, jax.random.PRNGKey(0))
     assert float(loss) == pytest.approx(float(whole)) and float(g) == pytest.approx(float(g_whole))
-    assert float(aux["rows"]) == 8
+    assert float(aux["row_count"]) == 8
     noises = [jax.random.normal(jax.random.fold_in(jax.random.PRNGKey(0), i), ()) for i in range(4)]
     assert float(aux["noise"]) == pytest.approx(float(sum(noises)), rel=1e-6)
     (total, _), g_sum = grads.accumulate(grads.value_and_grad(sum_fn), 4, reduce="sum")(
         2.0, batch, jax.random.PRNGKey(0))
     assert float(total) == 2.0 * 28 and float(g_sum) == 28
     with pytest.raises(ConfigError, match="weight only applies"):
-        grads.accumulate(mean, 2, reduce="sum", weight="rows")
+        grads.accumulate(mean, 2, reduce="sum", weight="row_count")
+
+
+def test_accumulate_keeps_per_row_values_in_row_order_and_maxima_by_maximum():
+    """``aux["rows"]`` comes back as the whole batch's rows (microbatches are strided), and
+    ``aux["observed_max"]`` combines by maximum, not by sum."""
+    def loss_fn(w, batch, key):
+        return jnp.mean(batch["x"] * w), {"rows": {"scaled": 10 * batch["x"]},
+                                          "observed_max": {"m": jnp.max(batch["x"])}}
+
+    batch = {"x": jnp.arange(8.0) ** 2}
+    (_, aux), _ = grads.accumulate(grads.value_and_grad(loss_fn), 4)(2.0, batch,
+                                                                   jax.random.PRNGKey(0))
+    np.testing.assert_array_equal(aux["rows"]["scaled"], 10 * batch["x"])
+    assert float(aux["observed_max"]["m"]) == 49.0
+
+
+def test_observed_leaves_report_their_cotangent_and_get_no_gradient():
+    """``value_and_grad(observed=)``: a frozen leaf's cotangent comes back in aux, not in the
+    gradients (FP8's amax histories use it)."""
+    @jax.custom_vjp
+    def probe(x, p):
+        return x
+
+    probe.defvjp(lambda x, p: (x, x), lambda x, g: (g, jnp.max(jnp.abs(x))))
+
+    def loss_fn(params, batch, key):
+        return jnp.sum(probe(params["w"] * batch, params["probe"])), {}
+
+    params = {"w": jnp.float32(3.0), "probe": jnp.float32(0.0)}
+    grad_fn = grads.value_and_grad(loss_fn, trainable=lambda name: name == "w",
+                                   observed=lambda name: name == "probe")
+    (_, aux), g = grad_fn(params, jnp.array([1.0, -2.0]), None, scale=8.0)
+    assert set(g) == {"w"} and float(g["w"]) == 8.0 * -1.0
+    assert float(aux["observed_max"]["probe"]) == 6.0       # max |3 * batch|, not scaled by 8

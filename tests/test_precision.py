@@ -43,11 +43,12 @@ def test_policy_names():
     assert [str(p) for p in POLICIES.values()] == list(POLICIES)
     assert get_policy("params=float16,compute=float16,output=float32").name == \
         "params=float16,compute=float16,output=float32"
-    assert [p.needs_loss_scaling for p in POLICIES.values()] == [False, False, True]
+    assert [p.needs_loss_scaling for p in POLICIES.values()] == [False, False, True, False]
+    assert [p.fp8 for p in POLICIES.values()] == [False, False, False, True]
 
 
 @pytest.mark.parametrize("spec, bad", [
-    ("fp8", "'fp8'"),
+    ("fp4", "'fp4'"),
     ("params=float32,compute=int8,output=float32", "'int8'"),
     ("params=float32,compute=bf16", "lacks output"),
     ("params=float32,compute=bf16,output=f32,compute=f16", "'compute=f16'"),

@@ -160,6 +160,20 @@ def test_training_loop_resumes_on_another_mesh(corpus_path, tmp_path):
     assert second.val_loss == pytest.approx(whole.val_loss, rel=1e-5)
 
 
+def test_fp8_and_nm_sparsity_train_on_fsdp_tp_like_one_device(corpus_path, tmp_path):
+    """FP8's products and their gradients are laid out by the kernels' logical axes, so the
+    model runs split over fsdp x tensor (a contraction split on both sides needs its output
+    sharding under explicit axes); amaxes and masks are global, so the losses agree with one
+    device's up to float8 rounding of differently reduced sums."""
+    common = {"precision.policy": "fp8", "model.sparsity": "2:4", "model.sparsity_every": 2}
+    one = train(loop_config(corpus_path, tmp_path / "one", **common, **{"mesh.num_devices": 1}))
+    split = train(loop_config(corpus_path, tmp_path / "split", **common, **{
+        "mesh.strategy": "fsdp+tp", "mesh.axis_types": "explicit"}))
+    assert split.mesh["tensor"] == 2 and split.fp8.startswith("emulated")
+    np.testing.assert_allclose(train_losses(split), train_losses(one), rtol=2e-2)
+    assert split.sparsity_density == one.sparsity_density == 0.5
+
+
 def test_loop_rejects_a_batch_the_data_axes_do_not_divide(corpus_path, tmp_path):
     with pytest.raises(ConfigError, match="batch_size=12 does not split over the mesh"):
         train(loop_config(corpus_path, tmp_path / "run", **{"data.batch_size": 12,

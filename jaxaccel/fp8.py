@@ -1,0 +1,162 @@
+"""FP8 matmuls with delayed scaling (``--precision fp8``).
+
+Hopper's tensor cores multiply float8 at twice bfloat16's rate. The blocks' dense layers (q, k,
+v, o and the MLP's) compute ``x @ w`` with both operands in ``float8_e4m3fn`` (3 mantissa bits,
+largest 448) and the backward pass's output gradient in ``float8_e5m2`` (2 mantissa bits,
+largest 57,344: range rather than precision), accumulating in float32. Everything numerically
+sensitive stays out of FP8: the embedding and the output head, norms, softmax, rotary angles and
+the loss run in the policy's bfloat16/float32, and the master weights are float32.
+
+float8 has too little range for raw tensors, so each is scaled per tensor before the cast: a
+tensor ``t`` is stored as ``cast(clip(t * s))`` and read back as ``cast(...) / s``. The scale
+comes from the tensor's largest magnitude (amax): ``s = 2^floor(log2(max_format / amax))``, the
+largest power of two that keeps the tensor in range (powers of two scale without rounding).
+Computing a tensor's amax before casting it costs a pass over it, so, as Transformer Engine does,
+the scale is *delayed*: it comes from the largest amax seen in the last ``HISTORY`` steps, and the
+amax of this step's tensor is recorded for the next. Values beyond the range saturate at the
+format's largest value (never inf or NaN); until a tensor has a history (the first step) its own
+amax is used.
+
+The histories are buffers (``jaxaccel.buffers``): each fp8 layer holds ``fp8_amax`` [3, HISTORY]
+(rows: input, weight, output gradient; column 0 the newest) in the parameter dict, stacked with
+``scan_layers``, sharded, checkpointed and restored with the weights, never trained. The step
+reads the new amaxes as the cotangent of that leaf: ``matmul``'s backward pass returns them in
+column 0 instead of a gradient, ``grads.value_and_grad(observed=...)`` takes them out of the
+gradients (the maximum over microbatches), and ``update_histories`` shifts them into the history
+after the optimizer's update.
+
+The matmul is written as quantise, dequantise, ``dot`` (the "QDQ" form): XLA's GPU compiler
+rewrites ``dot(dequantise(f8), dequantise(f8))`` into one cuBLASLt FP8 GEMM with the scales as
+operands on sm89+ GPUs; elsewhere (the CPU) the same program runs emulated, with FP8's rounding
+and saturation but at the compute dtype's speed. We wrote this rather than use flax's
+``Fp8DotGeneralOp`` (whose amax histories are variables updated through the optimizer, with a
+special "overwrite with gradient" rule) or qwix (quantisation-aware training by rules over
+modules): the model is a pure function of a parameter dict here, and a buffer updated by the step
+keeps the optimizer, LoRA's trainable predicate and the checkpoint unchanged.
+"""
+
+import functools
+
+import jax
+import jax.numpy as jnp
+
+from jaxaccel.buffers import map_parents
+from jaxaccel.sharding import einsum
+
+E4M3, E5M2 = jnp.float8_e4m3fn, jnp.float8_e5m2
+HISTORY = 16             # steps of amax history a scale looks back over
+BUFFER = "fp8_amax"      # the history leaf of an fp8 layer, [3, HISTORY]
+INPUT, WEIGHT, GRAD = 0, 1, 2
+
+
+def format_max(dtype) -> float:
+    return float(jnp.finfo(dtype).max)
+
+
+def amax(x) -> jax.Array:
+    """The largest magnitude of ``x``, in float32."""
+    return jnp.max(jnp.abs(x)).astype(jnp.float32)
+
+
+def scale_for(history_amax, current_amax, dtype) -> jax.Array:
+    """The power-of-two scale that maps the larger of the history's amaxes (or, with no history,
+    ``current_amax``) inside ``dtype``'s range; 1 for an all-zero tensor."""
+    seen = jnp.max(history_amax).astype(jnp.float32)
+    reference = jnp.where(seen > 0, seen, current_amax)
+    exponent = jnp.floor(jnp.log2(format_max(dtype) / reference))
+    return jnp.where(reference > 0, jnp.exp2(jnp.clip(exponent, -126.0, 126.0)), 1.0)
+
+
+def quantize(x, scale, dtype):
+    """``x * scale`` saturated to ``dtype``'s range and cast to it."""
+    limit = format_max(dtype)
+    scaled = x.astype(jnp.float32) * scale
+    return jnp.clip(scaled, -limit, limit).astype(dtype)
+
+
+def dequantize(q, scale, dtype):
+    return (q.astype(jnp.float32) / scale).astype(dtype)
+
+
+def qdq(x, scale, fp8_dtype):
+    """``x`` rounded through float8 and back to its own dtype: FP8's rounding and saturation."""
+    return dequantize(quantize(x, scale, fp8_dtype), scale, x.dtype)
+
+
+def matmul(x, w, history, axes=(None, None)):
+    """``x [B, T, K] @ w [K, N]`` with both operands through float8 e4m3, scaled by ``history``
+    ([3, HISTORY] amaxes of input, weight, output gradient); the output in ``x``'s dtype.
+    Differentiating it gives the e5m2 backward pass for x and w, and for ``history`` the
+    observed amaxes in column 0 (zeros elsewhere), not a gradient (module docstring). ``axes``
+    are the kernel's logical axes (``model.PARAM_AXES``): each product is laid out by them under
+    a mesh (``sharding.einsum``)."""
+    return _matmul(x, w.astype(x.dtype), history, tuple(axes))
+
+
+def _contract(subscripts, a, b, out_axes):
+    """A product of two dequantised operands, accumulated in float32, in ``a``'s dtype."""
+    return einsum(subscripts, a, b, out_axes,
+                  preferred_element_type=jnp.float32).astype(a.dtype)
+
+
+@functools.partial(jax.custom_vjp, nondiff_argnums=(3,))
+def _matmul(x, w, history, axes):
+    return _forward(x, w, history, axes)[0]
+
+
+def _forward(x, w, history, axes):
+    x_amax, w_amax = amax(x), amax(w)
+    x_q = qdq(x, scale_for(history[INPUT], x_amax, E4M3), E4M3)
+    w_q = qdq(w, scale_for(history[WEIGHT], w_amax, E4M3), E4M3)
+    y = _contract("btk,kn->btn", x_q, w_q, ("batch", "seq", axes[1]))
+    return y, (x_q, w_q, history, x_amax, w_amax)
+
+
+def _matmul_bwd(axes, residuals, g):
+    x_q, w_q, history, x_amax, w_amax = residuals
+    g_amax = amax(g)
+    g_q = qdq(g, scale_for(history[GRAD], g_amax, E5M2), E5M2)
+    dx = _contract("btn,kn->btk", g_q, w_q, ("batch", "seq", axes[0]))
+    dw = _contract("btk,btn->kn", x_q, g_q, axes)
+    observed = jnp.zeros(history.shape, jnp.float32).at[:, 0].set(
+        jnp.stack([x_amax, w_amax, g_amax]))
+    return dx, dw, observed.astype(history.dtype)
+
+
+_matmul.defvjp(_forward, _matmul_bwd)
+
+
+def new_history() -> jax.Array:
+    """A layer's empty history (zeros: no amax seen yet)."""
+    return jnp.zeros((3, HISTORY), jnp.float32)
+
+
+def record(history, observed):
+    """``history`` [..., 3, HISTORY] shifted one step older, with ``observed``'s column 0 (the
+    step's amaxes, the cotangent ``matmul`` returns) as the newest."""
+    shifted = jnp.roll(history, 1, axis=-1)
+    return shifted.at[..., 0].set(observed[..., 0].astype(history.dtype))
+
+
+def update_histories(params, observed):
+    """``params`` with every ``fp8_amax`` history advanced by the step's observations
+    (``aux["observed_max"]``, shaped like those leaves)."""
+    return map_parents(params, BUFFER,
+                       lambda layer, seen: {**layer, BUFFER: record(layer[BUFFER], seen[BUFFER])},
+                       observed)
+
+
+def check_device(device=None) -> str:
+    """How FP8 matmuls run on ``device`` (default: the first): a note for the run's output;
+    ConfigError on a GPU without FP8 tensor cores, where emulation would only be slower than
+    bf16. Off GPUs (the CPU) FP8 runs emulated: the same numerics, no speed-up."""
+    from jaxaccel.errors import ConfigError
+    device = device or jax.devices()[0]
+    if device.platform != "gpu":
+        return f"emulated on {device.platform}: FP8's rounding, not its speed"
+    capability = str(getattr(device, "compute_capability", "0"))
+    if float(capability) < 8.9:
+        raise ConfigError(f"{device.device_kind} (compute capability {capability}) has no FP8 "
+                          f"tensor cores (Ada 8.9 or Hopper 9.0 needed); use --precision bf16",
+                          field="precision.policy")
+    return f"FP8 tensor cores of the {device.device_kind}"
