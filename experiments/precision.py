@@ -127,6 +127,7 @@ def run_row(cfg: PrecisionConfig, name: str, run_root: str) -> dict:
         "compile_s": summary.compile_s,
         "run_dir": summary.run_dir,
         "fp8": summary.fp8,
+        "fp8_gemms": summary.fp8_gemms,
     }
 
 

@@ -31,6 +31,8 @@ def format_summary(s: RunSummary) -> str:
         ("optimizer", f"{s.optimizer}, peak lr {s.learning_rate:.3g}, weight decay "
                       f"{s.weight_decay:.3g}, state {s.optimizer_state_bytes:,} bytes"),
         ("precision", f"{s.precision}" + (f" ({s.fp8})" if s.fp8 else "")
+                      + (f", {s.fp8_gemms} FP8 GEMMs in the step" if s.fp8_gemms is not None
+                         else "")
                       + f", loss scale {s.loss_scale:g}, {s.skipped_steps} skipped steps"),
         ("remat", _remat_line(s)),
         ("sharding", f"{s.sharding} over mesh {_mesh(s.mesh)} ({s.mesh_axis_types} axes), "

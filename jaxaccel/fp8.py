@@ -75,7 +75,9 @@ def quantize(x, scale, dtype):
 
 
 def dequantize(q, scale, dtype):
-    return (q.astype(jnp.float32) / scale).astype(dtype)
+    """``q`` back in ``dtype``, divided by its scale: a convert and a multiply by the (exact,
+    power-of-two) inverse scale, the form XLA folds into an FP8 GEMM's operand."""
+    return q.astype(dtype) * (1.0 / scale).astype(dtype)
 
 
 def qdq(x, scale, fp8_dtype):
@@ -160,3 +162,15 @@ def check_device(device=None) -> str:
                           f"tensor cores (Ada 8.9 or Hopper 9.0 needed); use --precision bf16",
                           field="precision.policy")
     return f"FP8 tensor cores of the {device.device_kind}"
+
+
+FP8_GEMM = "__cublas$lt$matmul$f8"     # XLA:GPU's custom call for a cuBLASLt FP8 GEMM
+
+
+def fp8_gemms(executables) -> int | None:
+    """How many FP8 GEMMs XLA emitted in the compiled step (``CompiledFn.executables``): on a
+    GPU, whether the QDQ matmuls became FP8 tensor-core GEMMs (0: they run in the compute
+    dtype); None off GPUs, where FP8 is emulated by design."""
+    if jax.devices()[0].platform != "gpu" or not executables:
+        return None
+    return max(executable.as_text().count(FP8_GEMM) for executable in executables)

@@ -131,6 +131,7 @@ class RunSummary:
     device: str
     jax_version: str
     fp8: str | None = None              # how the FP8 matmuls ran (jaxaccel.fp8.check_device)
+    fp8_gemms: int | None = None        # FP8 GEMMs in the compiled step (GPUs; fp8.fp8_gemms)
     sparsity: str = "none"
     sparsity_density: float | None = None  # share of the masked weights the N:M masks keep
 
@@ -692,6 +693,7 @@ def finish(run: Setup, compiled: list, progress: Progress, wall_start: float,
         process_count=jax.process_count(),
         param_opt_bytes_per_device=bytes_per_device((state.params, state.opt_state)),
         device=hardware.describe(), jax_version=jax.__version__, fp8=fp8_note,
+        fp8_gemms=fp8.fp8_gemms(steps.train.executables) if cfg.model.fp8 else None,
         sparsity=cfg.model.sparsity,
         sparsity_density=sparsity.density(state.params) if cfg.model.sparsity != "none" else None)
 
