@@ -38,6 +38,7 @@ from jaxaccel.model import MLP_KINDS, PRESETS, ModelConfig, preset
 from jaxaccel.optim import LR_SCALING, NO_DECAY_PATTERNS, OPTIMIZERS, SCHEDULES, describe_defaults
 from jaxaccel.precision import LOSS_SCALE_KINDS, get_policy, make_loss_scale
 from jaxaccel.remat import REMAT_POLICIES
+from jaxaccel.sampling import SAMPLING
 from jaxaccel.pipeline import SCHEDULES as PIPELINE_SCHEDULES
 from jaxaccel.sharding import AXIS_TYPES, STRATEGIES as SHARDING_STRATEGIES
 
@@ -93,12 +94,15 @@ MODEL_HELP = {
     "sparsity_every": ("recompute the N:M masks from the weights every this many steps",),
     "sparsity_decay": ("SR-STE decay of the pruned weights (lambda_W; 0 = plain "
                        "straight-through)",),
-    "token_keep": ("token dropping: share of each row's tokens the token_drop_layers process "
-                   "(1 = off)",),
-    "token_drop_layers": ("token dropping: layers START:END that see only the kept tokens "
-                          "(default: the middle half)",),
-    "token_drop_score": ("token dropping: which tokens the middle layers keep: random, or loss "
-                         "(the highest running loss of each token's id)", None,
+    "token_keep": ("token dropping: share of each row's tokens the token_drop_layers compute "
+                   "in training, K = keep x seq_len rounded to a multiple of 8; the others skip "
+                   "those layers unchanged, evaluation runs every token (1 = off)",),
+    "token_drop_layers": ("token dropping: layers START:END (0-based, END excluded) that see "
+                          "only the kept tokens (default: the middle half, e.g. 3:9 of 12; a model of fewer "
+                          "than 3 layers must name them)",),
+    "token_drop_score": ("token dropping: how the middle layers' tokens are drawn each step: "
+                         "random (uniformly), or loss (weighted by the running loss of the "
+                         "token's target id); padding is dropped first", None,
                          ("random", "loss")),
 }
 # Set by other settings (the tokenizer; the precision policy): a config file may hold them, no
@@ -123,6 +127,17 @@ class DataConfig:
     pack_window: int | None = setting(None, "documents packed together per window (pack "
                                             "batching; default: the data module's)")
     prefetch: int = setting(2, "batches the loader thread keeps ready on the devices")
+    sampling: str = setting("uniform", "importance sampling of documents (fixed batching): "
+                                       "uniform (off), loss (documents drawn by their last seen "
+                                       "loss) or grad-norm (by a bound of their gradient norm), "
+                                       "the loss reweighted by 1/(N p) to stay unbiased",
+                            choices=SAMPLING)
+    sampling_power: float = setting(1.0, "importance sampling: probabilities proportional to "
+                                         "the documents' relative scores to this power (0 = "
+                                         "uniform)")
+    sampling_floor: float = setting(0.1, "importance sampling: share of the probability spread "
+                                         "uniformly over all rows, so every document stays "
+                                         "reachable (0 < floor <= 1)")
     cache_dir: str | None = setting(None, "tokenized corpus cache (default $JAXACCEL_CACHE_DIR "
                                           "or ~/.cache/jaxaccel)")
 
@@ -327,7 +342,23 @@ class TrainConfig:
             if value < 0:
                 raise ConfigError(f"{field.split('.')[1]} must be >= 0, got {value}", field=field)
         self.make_loss_scale()
+        self.validate_sampling()
         self.validate_techniques()
+
+    def validate_sampling(self):
+        """Importance sampling's settings (``jaxaccel.sampling``)."""
+        data = self.data
+        if data.sampling != "uniform" and data.batching != "fixed":
+            raise ConfigError(f"importance sampling draws rows of fixed batching, not "
+                              f"{data.batching!r}; use --batching fixed or --sampling uniform",
+                              field="data.sampling")
+        if not 0 <= data.sampling_power < float("inf"):
+            raise ConfigError(f"sampling_power must be a finite number >= 0, got "
+                              f"{data.sampling_power}",
+                              field="data.sampling_power")
+        if not 0 < data.sampling_floor <= 1:
+            raise ConfigError(f"sampling_floor must be in (0, 1] so that every document stays "
+                              f"reachable, got {data.sampling_floor}", field="data.sampling_floor")
 
     def validate_techniques(self):
         """The survey techniques' settings against each other and the mesh."""
@@ -343,11 +374,21 @@ class TrainConfig:
                     ("run.progressive_stack", "progressive_stack", run.progressive_stack > 1),
                     ("precision.policy", "the fp8 policy", model.fp8),
                     ("model.sparsity", "sparsity", model.sparsity != "none"),
-                    ("model.token_keep", "token dropping", model.token_keep < 1.0)):
+                    ("model.token_keep", "token dropping", model.token_keep < 1.0),
+                    ("data.sampling", "importance sampling", self.data.sampling != "uniform")):
                 if on:
                     raise ConfigError(f"{name} does not run with the pipeline strategy "
                                       f"{self.mesh.strategy}; choose a strategy without pp",
                                       field=field)
+        if model.token_keep < 1.0:
+            from jaxaccel.token_drop import layer_range
+            start, end = layer_range(model)
+            if start >= end:
+                raise ConfigError(
+                    f"token_keep={model.token_keep} would drop no tokens: the default layers "
+                    f"(the middle half) of n_layers={model.n_layers} are none; name them with "
+                    f"--token-drop-layers START:END or use at least 3 layers",
+                    field="model.token_drop_layers")
         if run.progressive_stack > 1 and (model.lora_rank or model.adapter_dim):
             raise ConfigError("progressive_stack grows a model being trained from scratch, not a "
                               "LoRA/adapter fine-tune; leave one out", field="run.progressive_stack")

@@ -37,6 +37,7 @@ from jaxaccel.metrics import BITS_PER_NAT, MetricsWriter, plot_loss_curve, read_
 from jaxaccel.model import count_params, describe_model, flops_per_token, init_params, make_apply
 from jaxaccel.optim import build_optimizer, state_bytes
 from jaxaccel.planner import choose_remat
+from jaxaccel.sampling import SampledStream, lag as sampling_lag
 from jaxaccel.pipeline import bubble_fraction, check as check_pipeline, pipeline_eval_fn, \
     pipeline_grad_fn
 from jaxaccel.sharding import (batch_shards, batch_sharding, build_mesh, bytes_per_device,
@@ -51,7 +52,8 @@ RUNS_ROOT = "runs"
 # data order or the optimizer's trajectory, so changing them would silently break the run.
 RESUME_SECTIONS = ("model", "optimizer", "precision")
 RESUME_FIELDS = ("data.path", "data.batching", "run.seed", "run.init_from",
-                 "run.progressive_stack")
+                 "run.progressive_stack", "data.sampling", "data.sampling_power",
+                 "data.sampling_floor")
 # Settings added after checkpoints were first written, with the value that means "not used":
 # recorded only when used, so a checkpoint from before them still resumes.
 ADDED_SETTINGS = {"model.init": "default", "model.stochastic_depth": 0.0, "model.lora_rank": 0,
@@ -59,7 +61,8 @@ ADDED_SETTINGS = {"model.init": "default", "model.stochastic_depth": 0.0, "model
                   "model.fp8": False, "model.sparsity": "none", "model.sparsity_every": 100,
                   "model.sparsity_decay": 2e-4, "model.token_keep": 1.0,
                   "model.token_drop_layers": None, "model.token_drop_score": "random",
-                  "run.init_from": None, "run.progressive_stack": 1}
+                  "run.init_from": None, "run.progressive_stack": 1, "data.sampling": "uniform",
+                  "data.sampling_power": 1.0, "data.sampling_floor": 0.1}
 
 
 @dataclasses.dataclass
@@ -134,6 +137,7 @@ class RunSummary:
     fp8_gemms: int | None = None        # FP8 GEMMs in the compiled step (GPUs; fp8.fp8_gemms)
     sparsity: str = "none"
     sparsity_density: float | None = None  # share of the masked weights the N:M masks keep
+    sampling: str = "uniform"           # importance sampling of documents (jaxaccel.sampling)
 
     @classmethod
     def read(cls, path: str) -> "RunSummary":
@@ -215,7 +219,7 @@ def set_up(cfg: TrainConfig, mesh, mesh_shape) -> Setup:
     os.makedirs(run_dir, exist_ok=True)
 
     stream_args = stream_settings(cfg, multiple)
-    stream = DataStream(corpus.train, **stream_args)
+    stream = open_stream(cfg, corpus.train, stream_args)
     total_steps = cfg.run.steps
     if cfg.run.train_tokens is not None:
         total_steps = max(1, math.ceil(cfg.run.train_tokens
@@ -241,7 +245,7 @@ def set_up(cfg: TrainConfig, mesh, mesh_shape) -> Setup:
     resume_config = resume_settings(full_cfg, stream_args, total_steps, multiple)
     if cfg.run.resume:
         state, position, _ = checkpointer.restore(state, config=resume_config)
-        stream = DataStream(corpus.train, position=position, **stream_args)
+        stream = open_stream(cfg, corpus.train, stream_args, position)
     if jax.process_index() == 0:
         write_config(_with_layers(cfg, full_cfg.model.n_layers), run_dir,
                      shlex.join(sys.orig_argv))
@@ -340,6 +344,17 @@ def stream_settings(cfg: TrainConfig, multiple: int) -> dict:
                 data_parallel=multiple, **cfg.batching_options())
 
 
+def open_stream(cfg: TrainConfig, documents, stream_args: dict, position: dict | None = None):
+    """The training stream from ``position``: a ``DataStream``, or with ``data.sampling`` an
+    importance-sampled one (``jaxaccel.sampling.SampledStream``)."""
+    if cfg.data.sampling == "uniform":
+        return DataStream(documents, position=position, **stream_args)
+    d = cfg.data
+    return SampledStream(documents, position=position, sampling=d.sampling,
+                         power=d.sampling_power, floor=d.sampling_floor,
+                         lag=sampling_lag(d.prefetch), **stream_args)
+
+
 def resume_settings(cfg: TrainConfig, stream_args: dict, total_steps: int, multiple: int) -> dict:
     """The settings a checkpoint records and a resumed run must match, by field path."""
     settings = {f"{section}.{name}": value for section, fields in to_dict(cfg).items()
@@ -352,6 +367,8 @@ def resume_settings(cfg: TrainConfig, stream_args: dict, total_steps: int, multi
                                                        cfg.run.stack_at)
     settings.update({f"data.{k}": v for k, v in cfg.batching_options().items()},
                     **{"data.seq_len": stream_args["seq_len"], "run.steps": total_steps})
+    if cfg.data.sampling != "uniform":          # the sampler's lag follows the prefetch depth
+        settings["data.prefetch"] = cfg.data.prefetch
     if cfg.data.tokens_per_batch is not None:   # token budgets round batches to this multiple
         settings["data.batch_multiple"] = math.lcm(multiple, jax.process_count())
     return settings
@@ -369,7 +386,7 @@ def train_step_of(cfg: TrainConfig, model_cfg, optimizer, schedule=None):
                          accumulate=cfg.optimizer.accumulate,
                          trainable=lora.trainable(model_cfg),
                          observed=buffers.observed if model_cfg.fp8 else None,
-                         update_buffers=buffers.updater(model_cfg))
+                         update_buffers=buffers.updater(model_cfg), sampling=cfg.data.sampling)
 
 
 def sharded_steps(cfg: TrainConfig, optimizer, schedule, shardings, mesh):
@@ -450,8 +467,17 @@ def run_steps(run: Setup, steps: Steps, should_stop=None, previous: Progress | N
     feed = DevicePrefetcher(run.stream, sharding=run.batch_layout, depth=cfg.data.prefetch)
     progress = _progress_bar(run.total_steps, first_step, cfg.run.progress)
 
+    sampler = getattr(run.stream, "sampler", None)      # importance sampling's score table
+
+    def position():
+        """The loader's position after the last step, the sampler's scores with it."""
+        if sampler is None:
+            return feed.position
+        sampler.flush()
+        return {**feed.position, "sampler": sampler.state()}
+
     def save(step):
-        run.checkpointer.save(step, state, loader_position=feed.position,
+        run.checkpointer.save(step, state, loader_position=position(),
                               config=run.resume_config)
 
     watch.start()
@@ -459,6 +485,8 @@ def run_steps(run: Setup, steps: Steps, should_stop=None, previous: Progress | N
         for step in range(start, end):
             batch, _ = next(feed)
             state, metrics = steps.train(state, batch)
+            if sampler is not None:
+                sampler.submit(step, metrics)
             window.append(metrics)
             done = step + 1
             if done % max(cfg.run.log_every, 1) == 0 or done == run.total_steps:
@@ -482,12 +510,15 @@ def run_steps(run: Setup, steps: Steps, should_stop=None, previous: Progress | N
             history += _log_window(writer, int(state.step), window, totals, watch.seconds,
                                    progress)
         save(int(state.step))
+    final_position = position()
+    if sampler is not None:
+        sampler.close()
     feed.close()
     if progress is not None:
         progress.close()
     waited = feed.wait_seconds + (previous.data_wait_s if previous else 0.0)
     return Progress(state, first_step, totals, history, watch.seconds, waited, interrupted,
-                    writer, feed.position)
+                    writer, final_position)
 
 
 def grow_run(run: Setup, progress: Progress) -> Setup:
@@ -498,7 +529,7 @@ def grow_run(run: Setup, progress: Progress) -> Setup:
                                               cfg.make_loss_scale(), run.mesh, cfg.policy())
     state = jax.device_put(stacking.grow(progress.state, state, run.cfg.model.n_layers),
                            shardings)
-    stream = DataStream(run.corpus.train, position=progress.position, **run.stream_args)
+    stream = open_stream(cfg, run.corpus.train, run.stream_args, progress.position)
     plan = run.plan
     if cfg.run.memory_budget is not None:
         cfg, plan = _plan_remat(cfg, run.optimizer, state, stream, run.batch_layout)
@@ -695,7 +726,8 @@ def finish(run: Setup, compiled: list, progress: Progress, wall_start: float,
         device=hardware.describe(), jax_version=jax.__version__, fp8=fp8_note,
         fp8_gemms=fp8.fp8_gemms(steps.train.executables) if cfg.model.fp8 else None,
         sparsity=cfg.model.sparsity,
-        sparsity_density=sparsity.density(state.params) if cfg.model.sparsity != "none" else None)
+        sparsity_density=sparsity.density(state.params) if cfg.model.sparsity != "none" else None,
+        sampling=cfg.data.sampling)
 
 
 def sd_kept_fraction(cfg: TrainConfig, mesh_shape: dict) -> float:

@@ -35,6 +35,7 @@ from jaxaccel import buffers as buffers_lib
 from jaxaccel import fp8 as fp8_lib
 from jaxaccel import remat as remat_lib
 from jaxaccel import stochastic_depth as sd_lib
+from jaxaccel import token_drop as td_lib
 from jaxaccel.init import INIT_SCHEMES, initialize
 from jaxaccel.attention import IMPLEMENTATIONS, dot_product_attention
 from jaxaccel.errors import ConfigError
@@ -251,6 +252,7 @@ PARAM_AXES = {
     "w_out": ("mlp", "embed"), "attn_norm": ("norm",), "mlp_norm": ("norm",),
     "final_norm": ("norm",), "alpha": (), "attn_alpha": (), "mlp_alpha": (),
     "adapter_down": ("embed", "adapter"), "adapter_up": ("adapter", "embed"),
+    "token_drop": ("vocab",),
 }
 # Logical names of the main activations.
 ACTIVATION_AXES = ("batch", "seq", "embed")
@@ -440,6 +442,13 @@ class Block(nnx.Module):
         return x_BTD + self._drop(self._branch("mlp", h_BTD), keys[1])
 
 
+class TokenLoss(nnx.Module):
+    """Token dropping's running loss per vocabulary id (a buffer, ``jaxaccel.token_drop``)."""
+
+    def __init__(self, vocab_size: int):
+        self.token_loss = nnx.Param(td_lib.initial_loss(vocab_size))
+
+
 class GPT(nnx.Module):
     """Decoder-only transformer: ids [B, T] -> float32 logits [B, T, vocab_size]."""
 
@@ -454,10 +463,14 @@ class GPT(nnx.Module):
         self.final_norm = nnx.RMSNorm(cfg.d_model, rngs=rngs)
         if not cfg.tie_embeddings:
             self.head = Dense(cfg.d_model, cfg.vocab_size, 0.02, rngs, "head")
+        if td_lib.has_buffer(cfg):         # a buffer, no random draw: the weights stay the same
+            self.token_drop = TokenLoss(cfg.vocab_size)
 
-    def __call__(self, inputs_BT, positions_BT, segment_ids_BT, *, dropout_key=None):
+    def __call__(self, inputs_BT, positions_BT, segment_ids_BT, *, dropout_key=None,
+                 targets_BT=None):
         x_BTD = self.embed_tokens(inputs_BT)
-        x_BTD = self.run_blocks(x_BTD, positions_BT, segment_ids_BT, dropout_key)
+        x_BTD = self.run_blocks(x_BTD, positions_BT, segment_ids_BT, dropout_key,
+                                targets_BT=targets_BT)
         return self.logits(x_BTD)
 
     def embed_tokens(self, inputs_BT):
@@ -478,7 +491,7 @@ class GPT(nnx.Module):
         return logits_BTV.astype(jnp.float32)
 
     def run_blocks(self, x_BTD, positions_BT, segment_ids_BT, dropout_key=None,
-                   first_layer=0):
+                   first_layer=0, targets_BT=None):
         """The stack of blocks this module holds, each a pure function of (its parameters, x,
         layer index) under the remat policy. Layer i's dropout key is ``fold_in(dropout_key,
         first_layer + i)`` in both layouts; a pipeline stage holding layers ``first_layer ..``
@@ -486,7 +499,12 @@ class GPT(nnx.Module):
 
         With ``stochastic_depth`` and a key (training), layer i computes only the rows
         ``jaxaccel.stochastic_depth`` keeps for it; stacked layers are scanned in runs of equal
-        kept rows, one scan per run."""
+        kept rows, one scan per run.
+
+        With token dropping (``token_keep`` < 1) and a key, the layers ``token_drop_layers`` run
+        on each row's kept tokens only (``jaxaccel.token_drop``: gathered before the first of
+        them, scattered back after the last, scanned apart from the others); the ``loss`` score
+        reads the batch's ``targets_BT``."""
         cfg = self.cfg
         sin_BTR, cos_BTR = rotary_sin_cos(positions_BT, cfg.head_dim, cfg.rope_base)
         graphdef, _ = nnx.split(self.blocks if cfg.scan_layers else self.blocks[0])
@@ -506,34 +524,50 @@ class GPT(nnx.Module):
             kept = [sd_lib.kept_rows(rows, rates[first_layer + i], groups)
                     for i in range(layers)]
 
-        def layer(state, x_BTD, index, kept_rows):
+        def layer(state, x_BTD, index, kept_rows, row_args):
             if kept_rows >= rows:
-                return block(state, x_BTD, sin_BTR, cos_BTR, segment_ids_BT, index)
+                return block(state, x_BTD, *row_args, index)
             key = jax.random.fold_in(jax.random.fold_in(dropout_key, index), SKIP_KEY)
             return sd_lib.skip_rows(
                 lambda x, sin, cos, seg: block(state, x, sin, cos, seg, index), x_BTD,
-                (sin_BTR, cos_BTR, segment_ids_BT), key, kept_rows, sd_lib.row_groups())
+                row_args, key, kept_rows, sd_lib.row_groups())
 
-        if not cfg.scan_layers:
-            for i, module in enumerate(self.blocks):
-                x_BTD = layer(nnx.state(module), x_BTD, first_layer + i, kept[i])
+        def run(x_BTD, row_args, lo, hi):
+            """Layers lo .. hi - 1 (of this stack) on x_BTD, with its tokens' row_args."""
+            if not cfg.scan_layers:
+                for i in range(lo, hi):
+                    x_BTD = layer(nnx.state(self.blocks[i]), x_BTD, first_layer + i, kept[i],
+                                  row_args)
+                return x_BTD
+            stacked = nnx.state(self.blocks)
+            start = lo
+            while start < hi:                        # one scan per run of equal kept rows
+                end = start
+                while end < hi and kept[end] == kept[start]:
+                    end += 1
+                part = jax.tree.map(lambda a: a[start:end], stacked) \
+                    if (start, end) != (0, layers) else stacked
+
+                def body(x_BTD, layer_slice, kept_rows=kept[start]):
+                    state, index = layer_slice
+                    return layer(state, x_BTD, index, kept_rows, row_args), None
+
+                x_BTD, _ = jax.lax.scan(body, x_BTD,
+                                        (part, first_layer + jnp.arange(start, end)))
+                start = end
             return x_BTD
-        stacked = nnx.state(self.blocks)
-        start = 0
-        while start < layers:                        # one scan per run of equal kept rows
-            end = start
-            while end < layers and kept[end] == kept[start]:
-                end += 1
-            part = jax.tree.map(lambda a: a[start:end], stacked) if (start, end) != (0, layers) \
-                else stacked
 
-            def body(x_BTD, layer_slice, kept_rows=kept[start]):
-                state, index = layer_slice
-                return layer(state, x_BTD, index, kept_rows), None
-
-            x_BTD, _ = jax.lax.scan(body, x_BTD, (part, first_layer + jnp.arange(start, end)))
-            start = end
-        return x_BTD
+        row_args = (sin_BTR, cos_BTR, segment_ids_BT)
+        span = None if dropout_key is None else td_lib.dropped_span(
+            cfg, first_layer, layers, x_BTD.shape[1])
+        if span is None:
+            return run(x_BTD, row_args, 0, layers)
+        lo, hi = span
+        x_BTD = run(x_BTD, row_args, 0, lo)
+        token_loss_V = self.token_drop.token_loss[...] if td_lib.has_buffer(cfg) else None
+        x_BTD = td_lib.run_dropped(lambda x, args: run(x, args, lo, hi), x_BTD, row_args,
+                                   dropout_key, cfg, targets_BT, token_loss_V)
+        return run(x_BTD, row_args, hi, layers)
 
 
 # Folded into a layer's key for its stochastic-depth rows (its dropout uses the key itself).
@@ -584,7 +618,8 @@ INIT_KEY = 0x1417     # folded into the key for the init scheme's own draws
 
 def make_apply(cfg: ModelConfig):
     """``apply(params, batch, dropout_key=None) -> logits [B, T, V]``, a pure function; the key
-    is used only when ``cfg.dropout`` > 0 (callers may always pass one)."""
+    is used only when ``cfg.dropout``, ``stochastic_depth`` or token dropping is on (callers may
+    always pass one)."""
     parts = model_parts(cfg)
 
     def apply(params, batch, dropout_key=None):
@@ -620,9 +655,12 @@ def model_parts(cfg: ModelConfig) -> ModelParts:
         return nnx.merge(graphdef, params).embed_tokens(inputs_BT)
 
     def blocks(params, x_BTD, batch, dropout_key=None, first_layer=0):
-        key = dropout_key if cfg.dropout > 0 or cfg.stochastic_depth > 0 else None
+        key = dropout_key if (cfg.dropout > 0 or cfg.stochastic_depth > 0
+                              or cfg.token_keep < 1) else None
+        targets_BT = batch.get("targets") if td_lib.has_buffer(cfg) else None
         return nnx.merge(graphdef, params).run_blocks(x_BTD, batch["positions"],
-                                                      batch["segment_ids"], key, first_layer)
+                                                      batch["segment_ids"], key, first_layer,
+                                                      targets_BT)
 
     def head(params, x_BTD):
         return nnx.merge(graphdef, params).logits(x_BTD)
@@ -654,9 +692,18 @@ def flops_per_token(cfg: ModelConfig, seq_len: int, blocks_kept: float = 1.0) ->
     N is ``matmul_params``; the attention term is the PaLM accounting (forward 4 L d T, backward
     twice that), counting the full T x T score matrix as implementations without tile skipping do.
     ``blocks_kept`` is the share of the blocks' work done (stochastic depth skips the rest,
-    ``jaxaccel.stochastic_depth.kept_fraction``); the output head's is always done.
+    ``jaxaccel.stochastic_depth.kept_fraction``); the output head's is always done. Token
+    dropping's layers (``jaxaccel.token_drop``) count the share s = K / T of the tokens they
+    compute: s of their matmuls, s^2 of their attention scores and values. With both, the
+    product of the two shares (stochastic depth's is an average over the layers).
     """
     head = 6.0 * cfg.d_model * cfg.vocab_size
     blocks = 6.0 * (matmul_params(cfg) - cfg.d_model * cfg.vocab_size) \
         + 12.0 * cfg.n_layers * cfg.d_model * seq_len
+    dropped = td_lib.dropped_layers(cfg)
+    if dropped:
+        share = td_lib.flops_share(cfg, seq_len)
+        layer_matmuls = 6.0 * (matmul_params(cfg) - cfg.d_model * cfg.vocab_size) / cfg.n_layers
+        blocks -= dropped * (layer_matmuls * (1.0 - share)
+                             + 12.0 * cfg.d_model * seq_len * (1.0 - share * share))
     return head + blocks_kept * blocks

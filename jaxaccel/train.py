@@ -23,7 +23,8 @@ import jax.numpy as jnp
 import optax
 from flax import struct
 
-from jaxaccel import grads, precision
+from jaxaccel import grads, precision, token_drop
+from jaxaccel.sampling import row_scores
 
 
 @struct.dataclass
@@ -45,13 +46,20 @@ def weighted_cross_entropy(logits_BTV, targets_BT, weights_BT):
     return jnp.sum(token_loss_BT * weights_BT), jnp.sum(weights_BT)
 
 
-def lm_loss(apply_fn):
+def lm_loss(apply_fn, *, sampling: str = "uniform"):
     """The language-model loss of a Batch: ``loss_fn(params, batch, key) -> (loss, aux)``.
 
     ``loss`` is the mean cross entropy over the batch's real tokens (``sum(weights * token_loss)
     / sum(weights)``), in float32 whatever dtype the logits come in; ``aux`` counts the batch's
     ``real_tokens`` (the weight sum: the weight to accumulate microbatches by) and
     ``padded_tokens`` (segment id 0).
+
+    With importance sampling (``sampling`` loss or grad-norm, ``jaxaccel.sampling``) the weights
+    carry each row's importance weight: the loss is normalised by the real-token count instead,
+    ``real_tokens`` is that count, and ``aux["rows"]`` holds each row's score sum.
+
+    When ``params`` hold token dropping's running loss per id, ``aux["buffer_stats"]`` holds the
+    batch's per-id loss sums and counts it is updated from (``jaxaccel.token_drop.loss_stats``).
     """
 
     def loss_fn(params, batch, key):
@@ -60,6 +68,14 @@ def lm_loss(apply_fn):
                                                       batch["weights"])
         aux = {"real_tokens": weight_sum,
                "padded_tokens": jnp.sum(batch["segment_ids"] == 0).astype(jnp.float32)}
+        stats = token_drop.loss_stats(params, logits_BTV, batch)
+        if stats is not None:
+            aux[BUFFER_STATS] = stats
+        if sampling != "uniform":
+            real_tokens = jnp.sum(batch["weights"] > 0).astype(jnp.float32)
+            aux |= {"real_tokens": real_tokens,
+                    grads.ROWS: row_scores(logits_BTV, batch, sampling)}
+            return loss_sum / jnp.maximum(real_tokens, 1.0), aux
         return loss_sum / jnp.maximum(weight_sum, 1.0), aux
 
     return loss_fn
@@ -139,15 +155,17 @@ def make_eval_step(apply_fn):
 
 
 def lm_train_step(apply_fn, optimizer, schedule=None, *, policy=precision.POLICIES["fp32"],
-                  accumulate: int = 1, trainable=None, observed=None, update_buffers=None):
+                  accumulate: int = 1, trainable=None, observed=None, update_buffers=None,
+                  sampling: str = "uniform"):
     """The train step of a language model (``jaxaccel.model.make_apply``): the model under
     ``policy``, the token-mean loss, ``accumulate`` microbatches weighted by their real tokens,
     only the ``trainable`` parameters trained when given (``jaxaccel.lora.trainable``), the
     model's buffers updated by ``update_buffers`` from the ``observed`` leaves' observations
-    (``jaxaccel.buffers``: ``observed`` and ``updater(model_cfg)``).
+    (``jaxaccel.buffers``: ``observed`` and ``updater(model_cfg)``), the loss reweighted for
+    importance ``sampling`` (``jaxaccel.sampling``).
     Every caller that trains builds its step here, so a setting cannot reach one step and miss
     another."""
-    loss_fn = lm_loss(precision.cast(apply_fn, policy))
+    loss_fn = lm_loss(precision.cast(apply_fn, policy), sampling=sampling)
     grad_fn = grads.accumulate(
         grads.value_and_grad(loss_fn, trainable=trainable, observed=observed), accumulate,
         weight="real_tokens")
