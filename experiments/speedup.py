@@ -7,16 +7,20 @@
 Every row trains the same model from the same seed on the same number of real tokens of the
 corpus. The baseline is the naive run: fixed padding, float32, no remat, xla attention, AdamW,
 one device. Each technique row switches one thing on (dynamic padding, length buckets,
-packing, bf16, fp16 with dynamic loss scaling, each remat policy, our Pallas flash attention
-where a GPU is present, Lion, LAMB, gradient accumulation, dp and fsdp sharding over all
-devices), and the ``best`` row combines what the measurements recommend (``--best`` names the
-rows to combine instead):
+packing, bf16, fp16 with dynamic loss scaling, FP8 matmuls where a GPU has FP8 tensor cores,
+each remat policy, our Pallas flash attention where a GPU is present, token dropping, 2:4
+sparse weights, importance sampling, Lion, LAMB, gradient accumulation, dp and fsdp sharding
+over all devices), and the ``best`` row combines what the measurements recommend (``--best``
+names the rows to combine instead):
 
-- padding, precision, remat, attention, sharding: the fastest row of the group that beats the
-  baseline's real tokens/s by ``--speed-margin`` and ends within ``--quality-tolerance`` of its
-  validation bits per byte;
-- optimizer: the row with the lowest validation loss, if it is below the baseline's and at
-  most ``--optimizer-slowdown`` slower;
+- padding, precision, remat, attention, token dropping, sharding: the fastest row of the group
+  that beats the baseline's real tokens/s by ``--speed-margin`` and ends within
+  ``--quality-tolerance`` of its validation bits per byte;
+- sparsity is never combined: without an N:M sparse kernel (none in jax) the masked weights
+  multiply densely, so the row shows the quality cost and the masking's overhead;
+- optimizer and importance sampling: the row with the lowest validation loss, if it is below the
+  baseline's and at most ``--optimizer-slowdown`` slower (importance sampling only when no
+  padding row is chosen: it draws rows of fixed batching);
 - accumulation is a speed group too: it computes the same update from smaller microbatches,
   which some devices (CPU caches) run faster.
 
@@ -71,7 +75,8 @@ PRESETS = {
 BASELINE = {"data.batching": "fixed", "precision.policy": "fp32", "precision.loss_scale": "auto",
             "model.remat": "none", "model.attention": "xla", "optimizer.name": "adamw",
             "optimizer.accumulate": 1, "mesh.strategy": "dp", "mesh.num_devices": 1,
-            "run.memory_budget": None, "model.scan_layers": False}
+            "run.memory_budget": None, "model.scan_layers": False, "model.token_keep": 1.0,
+            "model.sparsity": "none", "data.sampling": "uniform"}
 FIXED = (*BASELINE, "run.resume")
 
 
@@ -101,6 +106,14 @@ TECHNIQUES = [
       for policy in ("full", "dots", "attention", "mlp", "offload")],
     Technique("flash", "attention", "our Pallas flash attention kernel",
               {"model.attention": "pallas"}, needs="gpu"),
+    Technique("fp8", "precision", "FP8 matmuls in the blocks (delayed scaling), bf16 elsewhere",
+              {"precision.policy": "fp8"}, needs="fp8"),
+    Technique("token-drop", "token dropping", "half of each row's tokens (random) in the middle "
+              "layers (the last of a model under 3 layers)", {"model.token_keep": 0.5}),
+    Technique("sparse-2:4", "sparsity", "2:4 structured sparse weights (SR-STE); masked dense "
+              "matmuls, no sparse kernel in jax", {"model.sparsity": "2:4"}),
+    Technique("importance", "sampling", "importance sampling of documents by their last loss, "
+              "the loss reweighted by 1/(N p)", {"data.sampling": "loss"}),
     Technique("lion", "optimizer", "Lion at its defaults", {"optimizer.name": "lion"}),
     Technique("lamb", "optimizer", "LAMB at its defaults", {"optimizer.name": "lamb"}),
     Technique("accumulate", "accumulation", "gradient accumulation over microbatches", {}),
@@ -111,7 +124,9 @@ TECHNIQUES = [
     Technique("best", "combination", "the best combination", {}),
 ]
 BY_NAME = {t.name: t for t in TECHNIQUES}
-SPEED_GROUPS = ("padding", "precision", "remat", "attention", "accumulation", "sharding")
+QUALITY_GROUPS = ("optimizer", "sampling")     # chosen by validation loss, not speed
+SPEED_GROUPS = ("padding", "precision", "remat", "attention", "token dropping", "accumulation",
+                "sharding")
 
 
 
@@ -151,6 +166,7 @@ def probe_devices(cpu_devices: int) -> dict:
     its own so that this one never holds a device (a GPU's memory stays the rows')."""
     code = ("import json, jax; d = jax.devices(); print(json.dumps({'platform': d[0].platform, "
             "'device_kind': d[0].device_kind, 'device_count': len(d), "
+            "'compute_capability': getattr(d[0], 'compute_capability', None), "
             "'jax_version': jax.__version__}))")
     done = subprocess.run([sys.executable, "-c", code], env=row_environment(cpu_devices),
                           capture_output=True, text=True)
@@ -197,6 +213,9 @@ def row_settings(cfg: SpeedupConfig, technique: Technique, documents) -> dict:
     settings = dict(technique.settings)
     if technique.group == "padding":
         settings.update(matched_batch(documents, cfg, settings["data.batching"]))
+    if technique.name == "token-drop" and cfg.model.n_layers < 3:
+        # the default middle half of a shallow model is empty: drop in its last layer
+        settings["model.token_drop_layers"] = f"{cfg.model.n_layers - 1}:{cfg.model.n_layers}"
     if technique.name == "accumulate":
         settings["optimizer.accumulate"] = cfg.experiment.row_accumulate
     return settings
@@ -205,6 +224,9 @@ def row_settings(cfg: SpeedupConfig, technique: Technique, documents) -> dict:
 def skip_reason(technique: Technique, devices: dict) -> str | None:
     if technique.needs == "gpu" and devices["platform"] != "gpu":
         return "needs a GPU"
+    if technique.needs == "fp8" and not (devices["platform"] == "gpu" and float(
+            devices.get("compute_capability") or 0) >= 8.9):
+        return "needs a GPU with FP8 tensor cores (elsewhere: experiments.precision's fp8 row)"
     if technique.needs == "devices" and devices["device_count"] < 2:
         return "needs more than one device"
     return None
@@ -222,12 +244,17 @@ def choose_best(rows: dict[str, dict], margin: float, tolerance: float,
             row = max(good, key=lambda r: r["speedup"])
             picks.append((row["name"], f"fastest {group} row within the quality tolerance: "
                                        f"{row['speedup']:.2f}x, val {row['quality_diff']:+.1%}"))
-    better = [r for r in ran if r["group"] == "optimizer" and r["quality_diff"] < 0
-              and r["speedup"] >= 1 - slowdown]
-    if better:
-        row = min(better, key=lambda r: r["val_bpb"])
-        picks.append((row["name"], f"lowest validation loss: val {row['quality_diff']:+.1%} at "
-                                   f"{row['speedup']:.2f}x"))
+    padded = any(rows[name].get("settings", {}).get("data.batching", "fixed") != "fixed"
+                 for name, _ in picks)
+    for group in QUALITY_GROUPS:
+        better = [r for r in ran if r["group"] == group and r["quality_diff"] < 0
+                  and r["speedup"] >= 1 - slowdown]
+        if group == "sampling" and padded:
+            better = []     # importance sampling draws rows of fixed batching only
+        if better:
+            row = min(better, key=lambda r: r["val_bpb"])
+            picks.append((row["name"], f"lowest validation loss: val {row['quality_diff']:+.1%} "
+                                       f"at {row['speedup']:.2f}x"))
     return picks
 
 

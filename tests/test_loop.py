@@ -118,7 +118,9 @@ def run_cli(args, capsys):
     (["--accumulate", "0"], "accumulate must be at least 1"),
     (["--num-devices", "3"], "num_devices=3 is not available"),
     (["--final-eval-batches", "0"], "final_eval_batches must be at least 1"),
-    (["--precision", "fp8"], "unknown precision 'fp8'"),
+    (["--precision", "fp4"], "unknown precision 'fp4'"),
+    (["--token-keep", "0.5"], "would drop no tokens"),
+    (["--sampling", "loss", "--batching", "pack"], "draws rows of fixed batching"),
     (["--precision", "params=float32,compute=int8,output=float32"], "unknown dtype 'int8'"),
     (["--loss-scale", "dynamic", "--loss-scale-backoff", "2"], "backoff_factor must be in (0, 1)"),
 ])

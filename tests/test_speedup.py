@@ -11,7 +11,8 @@ from jaxaccel.errors import ConfigError
 
 def _row(name, speedup_, quality, val_bpb=None):
     return {"name": name, "group": speedup.BY_NAME[name].group, "status": "ran",
-            "speedup": speedup_, "quality_diff": quality, "val_bpb": val_bpb or 3 * (1 + quality)}
+            "speedup": speedup_, "quality_diff": quality, "val_bpb": val_bpb or 3 * (1 + quality),
+            "settings": dict(speedup.BY_NAME[name].settings)}
 
 
 def test_best_takes_the_fastest_row_per_group_within_tolerance():
@@ -28,6 +29,12 @@ def test_best_takes_the_fastest_row_per_group_within_tolerance():
     # bucket is fastest but 5 % worse; bf16 is under the margin; dp failed; lamb buys quality.
     assert [name for name, _ in picks] == ["pack", "remat-dots", "accumulate", "fsdp", "lamb"]
     assert speedup.choose_best(rows, 0.03, 0.02, slowdown=0.01)[-1][0] == "fsdp"
+    # importance sampling buys quality too, but draws fixed batches: not with a padding row
+    rows["importance"] = _row("importance", 1.0, -0.02)
+    assert "importance" not in [n for n, _ in speedup.choose_best(rows, 0.03, 0.02, 0.10)]
+    del rows["pack"], rows["bucket"], rows["dynamic"]
+    assert [n for n, _ in speedup.choose_best(rows, 0.03, 0.02, 0.10)][-2:] == \
+        ["lamb", "importance"]
 
 
 def test_combine_merges_settings_and_rounds_the_batch_for_sharding():
@@ -87,7 +94,8 @@ def test_every_row_runs_with_its_technique_on(corpus_path, tmp_path, capsys):
     rows = {r["name"]: r for r in result["rows"]}
     assert list(rows) == [t.name for t in speedup.TECHNIQUES]
     assert rows["flash"]["status"] == "skipped: needs a GPU"
-    ran = {name: r for name, r in rows.items() if name != "flash"}
+    assert rows["fp8"]["status"].startswith("skipped: needs a GPU with FP8 tensor cores")
+    ran = {name: r for name, r in rows.items() if name not in ("flash", "fp8")}
     for name, r in ran.items():
         assert r["status"] == "ran", (name, r["status"])
         for key in ("name", "real_tokens_per_s", "speedup", "padding_efficiency", "memory_bytes",
@@ -115,6 +123,10 @@ def test_every_row_runs_with_its_technique_on(corpus_path, tmp_path, capsys):
         pytest.approx(0.5, abs=1e-3)   # one moment instead of two (and a few counters)
     assert rows["lamb"]["optimizer"] == "lamb" and rows["lamb"]["val_bpb"] != base["val_bpb"]
     assert rows["accumulate"]["accumulate"] == 2
+    assert rows["sparse-2:4"]["settings"]["model.sparsity"] == "2:4"
+    assert rows["importance"]["settings"]["data.sampling"] == "loss"
+    assert rows["token-drop"]["settings"]["model.token_keep"] == 0.5
+    assert rows["token-drop"]["flops_per_token"] < base["flops_per_token"]
     assert rows["accumulate"]["temp_bytes"] < base["temp_bytes"]
     assert rows["dp"]["mesh"]["data"] == 2 and rows["fsdp"]["mesh"]["fsdp"] == 2
     assert rows["fsdp"]["param_opt_bytes_per_device"] < base["param_opt_bytes_per_device"]
