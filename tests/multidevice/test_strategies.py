@@ -174,6 +174,22 @@ def test_fp8_and_nm_sparsity_train_on_fsdp_tp_like_one_device(corpus_path, tmp_p
     assert split.sparsity_density == one.sparsity_density == 0.5
 
 
+def test_token_dropping_and_importance_sampling_train_on_fsdp_like_one_device(corpus_path,
+                                                                              tmp_path):
+    """The kept tokens are gathered and scattered within each batch row, so rows split over fsdp
+    never exchange them; the per-id loss buffer and the rows' scores are global sums, so the
+    draws and the losses agree with one device's."""
+    common = {"model.token_keep": 0.5, "model.token_drop_layers": "1:2",
+              "model.token_drop_score": "loss", "data.batching": "fixed",
+              "data.sampling": "loss", "run.steps": 6}
+    one = train(loop_config(corpus_path, tmp_path / "one", **common, **{"mesh.num_devices": 1}))
+    split = train(loop_config(corpus_path, tmp_path / "split", **common, **{
+        "mesh.strategy": "fsdp"}))
+    assert split.mesh["fsdp"] == 8 and split.sampling == "loss"
+    np.testing.assert_allclose(train_losses(split), train_losses(one), rtol=1e-4)
+    assert split.val_loss == pytest.approx(one.val_loss, rel=1e-4)
+
+
 def test_loop_rejects_a_batch_the_data_axes_do_not_divide(corpus_path, tmp_path):
     with pytest.raises(ConfigError, match="batch_size=12 does not split over the mesh"):
         train(loop_config(corpus_path, tmp_path / "run", **{"data.batch_size": 12,
