@@ -4,6 +4,7 @@ and batch sizes matched across batching strategies."""
 import functools
 import json
 import os
+import signal
 import sys
 import time
 
@@ -13,6 +14,7 @@ from jaxaccel.config import TrainConfig, describe_error
 from jaxaccel.data import DataStream
 from jaxaccel.errors import ConfigError
 from jaxaccel.metrics import plot_curves, read_metrics, token_curve
+from jaxaccel.report import format_table
 
 
 def command(config_cls=TrainConfig):
@@ -31,6 +33,23 @@ def command(config_cls=TrainConfig):
         return run
 
     return wrap
+
+
+def exit_code(interrupted: str | None) -> int:
+    """0, or for a run stopped by the signal named ``interrupted`` (``"SIGINT"``) the shell's
+    128 + its number (1 for another reason)."""
+    if not interrupted:
+        return 0
+    signum = getattr(signal.Signals, interrupted, None)
+    return 128 + signum if signum else 1
+
+
+def print_table(rows: list[dict], columns, targets: list[str]):
+    """The experiment's table, then its targets' verdicts (if any) as a list."""
+    print(format_table(rows, columns))
+    if targets:
+        print("\nTargets:")
+        print("\n".join(f"- {line}" for line in targets))
 
 
 def parse_list(text: str, field: str, *, valid=None, kind=str) -> list:

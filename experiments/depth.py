@@ -32,18 +32,17 @@ per row, goes to ``depth.png`` in the run directory.
 import dataclasses
 import math
 import os
-import signal
 import sys
 import time
 
-from experiments.common import command, environment, parse_list, write_json
+from experiments.common import (command, environment, exit_code, parse_list, print_table,
+                               write_json)
 from jaxaccel import stacking
 from jaxaccel.config import TrainConfig, override, parse, setting
 from jaxaccel.errors import ConfigError
 from jaxaccel.loop import train
 from jaxaccel.metrics import plot_curves, read_metrics
 from jaxaccel.model import describe_model
-from jaxaccel.report import format_table
 
 # The targets, reported against (not asserted).
 SD_TARGET_RATE = 0.2         # stochastic depth at this rate ...
@@ -339,18 +338,12 @@ def main(argv=None) -> int:
           f"every {cfg.run.eval_every} steps on {cfg.run.eval_batches or 'all'} validation "
           f"batches, {meta['device']}, jax {meta['jax_version']}"
           + (f" (PARTIAL: stopped by {partial}; later rows not run)" if partial else ""))
-    print(format_table(rows, COLUMNS))
-    if lines:
-        print("\nTargets:")
-        print("\n".join(f"- {line}" for line in lines))
+    print_table(rows, COLUMNS, lines)
     figure = os.path.join(run_root, "depth.png")
     plot(figure, rows, title=f"incremental learning, {model} model, {cfg.run.steps} steps")
     print(f"\nvalidation loss against training seconds: {figure}")
     write_json(cfg.run.json, rows, meta)
-    if partial:
-        signum = getattr(signal.Signals, partial, None)
-        return 128 + signum if signum else 1
-    return 0
+    return exit_code(partial)
 
 
 if __name__ == "__main__":

@@ -26,17 +26,16 @@ per byte against tokens seen, one line per row, goes to ``importance.png`` in th
 
 import dataclasses
 import os
-import signal
 import sys
 import time
 
-from experiments.common import command, environment, parse_list, write_json
+from experiments.common import (command, environment, exit_code, parse_list, print_table,
+                               write_json)
 from jaxaccel.config import TrainConfig, override, parse, setting
 from jaxaccel.errors import ConfigError
 from jaxaccel.loop import train
 from jaxaccel.metrics import BITS_PER_NAT, plot_curves, read_metrics
 from jaxaccel.model import describe_model
-from jaxaccel.report import format_table
 from jaxaccel.sampling import SAMPLING
 
 TARGET_SHARE = 0.90     # a sampler reaches uniform's final val loss within this share of tokens
@@ -270,18 +269,12 @@ def main(argv=None) -> int:
           f"{cfg.run.eval_every} steps on {cfg.run.eval_batches or 'all'} validation batches, "
           f"{meta['device']}, jax {meta['jax_version']}"
           + (f" (PARTIAL: stopped by {partial}; later rows not run)" if partial else ""))
-    print(format_table(rows, COLUMNS))
-    if lines:
-        print("\nTarget:")
-        print("\n".join(f"- {line}" for line in lines))
+    print_table(rows, COLUMNS, lines)
     figure = os.path.join(run_root, "importance.png")
     plot(figure, rows, title=f"importance sampling, {model} model, {cfg.run.steps} steps")
     print(f"\nvalidation bits per byte against tokens seen: {figure}")
     write_json(cfg.run.json, rows, meta)
-    if partial:
-        signum = getattr(signal.Signals, partial, None)
-        return 128 + signum if signum else 1
-    return 0
+    return exit_code(partial)
 
 
 if __name__ == "__main__":

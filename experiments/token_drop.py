@@ -30,14 +30,14 @@ per byte against real tokens, one line per row, go to ``token_drop.png`` in the 
 import dataclasses
 import math
 import os
-import signal
 import statistics
 import sys
 import time
 
 import jax
 
-from experiments.common import command, environment, parse_list, plot_loss_curves, write_json
+from experiments.common import (command, environment, exit_code, parse_list, print_table,
+                               plot_loss_curves, write_json)
 from experiments.remat import random_batch
 from jaxaccel import token_drop
 from jaxaccel.config import TrainConfig, override, parse, setting
@@ -47,7 +47,6 @@ from jaxaccel.loop import sharded_steps, train
 from jaxaccel.metrics import read_metrics
 from jaxaccel.model import describe_model
 from jaxaccel.optim import build_optimizer
-from jaxaccel.report import format_table
 from jaxaccel.sharding import batch_sharding, build_mesh
 from jaxaccel.state import init_sharded_state
 
@@ -311,19 +310,13 @@ def main(argv=None) -> int:
           f"{cfg.run.final_eval_batches or 'all'} validation batches with every token; step "
           f"time: {meta['step_time']}; {meta['device']}, jax {meta['jax_version']}"
           + (f" (PARTIAL: stopped by {partial}; later rows not run)" if partial else ""))
-    print(format_table(rows, COLUMNS))
-    if lines:
-        print("\nTargets:")
-        print("\n".join(f"- {line}" for line in lines))
+    print_table(rows, COLUMNS, lines)
     figure = os.path.join(run_root, "token_drop.png")
     plot_loss_curves(figure, {row["label"]: row["run_dir"] for row in rows},
                      title=f"token dropping, {model} model")
     print(f"\ntraining loss against real tokens: {figure}")
     write_json(cfg.run.json, rows, meta)
-    if partial:
-        signum = getattr(signal.Signals, partial, None)
-        return 128 + signum if signum else 1
-    return 0
+    return exit_code(partial)
 
 
 if __name__ == "__main__":

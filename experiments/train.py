@@ -12,10 +12,9 @@ target token: each byte, and the end-of-document token once per document.
 
 import dataclasses
 import json
-import signal
 import sys
 
-from experiments.common import command
+from experiments.common import command, exit_code
 from jaxaccel.config import parse
 from jaxaccel.loop import RunSummary, train
 
@@ -106,8 +105,7 @@ def main(argv=None) -> int:
         print(f"stopped by {summary.interrupted} at step {summary.steps}; checkpoint saved; "
               f"continue with: python -m experiments.train --config {summary.run_dir}/config.yaml"
               f" --resume --run-dir {summary.run_dir}", file=sys.stderr)
-        signum = getattr(signal.Signals, summary.interrupted, None)
-        return 128 + signum if signum else 1
+        return exit_code(summary.interrupted)
     print(format_summary(summary))
     if cfg.run.json:
         with open(cfg.run.json, "w") as f:

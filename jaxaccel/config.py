@@ -98,8 +98,8 @@ MODEL_HELP = {
                    "in training, K = keep x seq_len rounded to a multiple of 8; the others skip "
                    "those layers unchanged, evaluation runs every token (1 = off)",),
     "token_drop_layers": ("token dropping: layers START:END (0-based, END excluded) that see "
-                          "only the kept tokens (default: the middle half, e.g. 3:9 of 12; a model of fewer "
-                          "than 3 layers must name them)",),
+                          "only the kept tokens (default: the middle half, e.g. 3:9 of 12; a model of "
+                          "fewer than 3 layers must name them)",),
     "token_drop_score": ("token dropping: how the middle layers' tokens are drawn each step: "
                          "random (uniformly), or loss (weighted by the running loss of the "
                          "token's target id); padding is dropped first", None,

@@ -234,7 +234,7 @@ def test_importance_experiment_runs_every_row(corpus_path, tmp_path, capsys):
     assert len(result["meta"]["targets"]) == 2
     assert (tmp_path / "runs" / "importance.png").stat().st_size > 1000
     printed = capsys.readouterr().out
-    assert "| row" in printed and "Target:" in printed and "<= 90%" in printed
+    assert "| row" in printed and "Targets:" in printed and "<= 90%" in printed
 
 
 def test_importance_experiment_rejects_bad_rows(tmp_path, capsys):
