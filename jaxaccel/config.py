@@ -233,9 +233,10 @@ class RunConfig:
     train_tokens: int | None = setting(None, "train on about this many real tokens instead of "
                                              "steps (steps = tokens / mean real tokens per batch)")
     seed: int = setting(0, "seed of parameters, data order and dropout")
-    memory_budget: int | None = setting(None, "device bytes the train step may use: compile "
-                                              "every remat policy and take the fastest (fewest "
-                                              "FLOPs) that fits the batch; overrides model.remat")
+    memory_budget: int | str | None = setting(
+        None, "device bytes the train step may use, or auto (this device's memory): compile "
+              "every remat policy and take the fastest (fewest FLOPs) that fits the batch; "
+              "overrides model.remat", choices=("auto",))
     run_dir: str | None = setting(None, "run directory (default: a new runs/train-<time>; with "
                                         "resume, the latest one)")
     resume: bool = setting(False, "continue the run in run_dir from its latest checkpoint")
@@ -250,6 +251,13 @@ class RunConfig:
     log_every: int = setting(10, "write metrics every N steps")
     progress: bool = setting(True, "show a progress bar")
     json: str | None = setting(None, "also write the summary as JSON to this path")
+    trackers: str = setting("none", "mirror the metrics to trackers: none, tensorboard, wandb or "
+                                    "tensorboard,wandb (optional extras: pip install "
+                                    "'jaxaccel[tensorboard]', 'jaxaccel[wandb]')")
+    wandb_project: str = setting("jaxaccel", "W&B project of the run (with --trackers wandb)")
+    wandb_mode: str = setting("offline", "W&B mode: offline (kept in <run_dir>/wandb, upload "
+                                         "later with wandb sync), online or disabled",
+                              choices=("offline", "online", "disabled"))
     init_from: str | None = setting(None, "start from the weights of this trained run "
                                           "directory (its latest checkpoint), e.g. to fine-tune "
                                           "it with LoRA or adapters; the model's shape must "
@@ -324,7 +332,7 @@ class TrainConfig:
                     "mesh.num_devices": self.mesh.num_devices,
                     "run.eval_batch_size": self.run.eval_batch_size}
         for field, value in positive.items():
-            if value is not None and value < 1:
+            if value is not None and not isinstance(value, str) and value < 1:
                 raise ConfigError(f"{field.split('.')[1]} must be at least 1, got {value}",
                                   field=field)
         accumulate = self.optimizer.accumulate
@@ -343,6 +351,8 @@ class TrainConfig:
                 raise ConfigError(f"{field.split('.')[1]} must be >= 0, got {value}", field=field)
         self.make_loss_scale()
         self.validate_sampling()
+        from jaxaccel.trackers import check as check_trackers
+        check_trackers(self.run.trackers, self.run.wandb_mode)
         self.validate_techniques()
 
     def validate_sampling(self):
@@ -432,6 +442,12 @@ def _fields(section_cls):
             f.metadata["choices"]
 
 
+def _alternatives(annotation) -> list:
+    """The types of a union annotation other than None (``[int, str]`` for ``int | str |
+    None``); empty for a plain type."""
+    return [a for a in typing.get_args(annotation) if a is not type(None)]
+
+
 def _scalar_type(annotation):
     """int for ``int | None``, and so on."""
     if isinstance(annotation, types.UnionType) or typing.get_origin(annotation) is typing.Union:
@@ -442,6 +458,16 @@ def _scalar_type(annotation):
 def _coerce(path: str, value, annotation, choices):
     """``value`` (from YAML, a flag or an override's text) as the field's type; ConfigError if
     it is not one. Text is read as YAML (``512``, ``true``, ``null``); a float may be an int."""
+    alternatives = _alternatives(annotation)
+    if str in alternatives and len(alternatives) > 1:   # a number, or one of the words
+        if value in (choices or ()) or value is None:
+            return value
+        number = next(a for a in alternatives if a is not str)
+        try:
+            return _coerce(path, value, number, None)
+        except ConfigError:
+            raise ConfigError(f"{path}={value!r} is neither a number ({number.__name__}) nor "
+                              f"one of {', '.join(choices or ())}", field=path) from None
     kind = _scalar_type(annotation)
     if isinstance(value, str) and kind is not str:
         try:
@@ -583,6 +609,9 @@ def build_parser(cls=None, *, defaults: dict | None = None, fixed: tuple = (),
                   "help": f"{help_text} ({path}, default: {default})".replace("%", "%%")}
         if _scalar_type(kind) is bool:
             kwargs["action"] = argparse.BooleanOptionalAction
+        elif str in typing.get_args(kind) and len(_alternatives(kind)) > 1:
+            # a number or a word: _coerce reads it
+            kwargs["metavar"] = "|".join([name.upper(), *choices])
         else:
             kwargs["type"] = _scalar_type(kind)
             if choices:

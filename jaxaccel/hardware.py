@@ -33,3 +33,11 @@ def peak_memory_bytes(device=None) -> int | None:
     if not stats:
         return None
     return stats.get("peak_bytes_in_use")
+
+
+def memory_limit_bytes(device=None) -> int | None:
+    """The bytes XLA may allocate on the device (its ``bytes_limit``), where the backend reports
+    it (GPUs and TPUs do; the CPU does not); by default on this process's first device."""
+    device = device or jax.local_devices()[0]
+    stats = device.memory_stats() if hasattr(device, "memory_stats") else None
+    return int(stats["bytes_limit"]) if stats and stats.get("bytes_limit") else None

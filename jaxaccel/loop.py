@@ -44,6 +44,7 @@ from jaxaccel.sharding import (batch_shards, batch_sharding, build_mesh, bytes_p
                                format_mesh, initialize_distributed, pipelined, replicated)
 from jaxaccel.state import abstract_sharded_state, init_sharded_state, init_state
 from jaxaccel.stochastic_depth import kept_fraction
+from jaxaccel.trackers import open_trackers, parse as tracker_names
 from jaxaccel.train import lm_eval_step, lm_train_step, make_train_step
 
 RUNS_ROOT = "runs"
@@ -161,6 +162,8 @@ def train(cfg: TrainConfig, *, should_stop=None) -> RunSummary:
         initialize_distributed(m.coordinator, m.num_processes, m.process_id,
                                auto=m.distributed, timeout_s=m.distributed_timeout)
     cfg.validate()
+    if cfg.run.memory_budget == "auto":
+        memory_budget_bytes("auto")         # the device can say its memory, before any work
     fp8_note = fp8.check_device() if cfg.model.fp8 else None
     mesh, mesh_shape = build_mesh(m.strategy, m.shape, m.axis_types, cfg.model, m.num_devices)
     if pipelined(m.strategy):
@@ -267,7 +270,7 @@ def _plan_remat(cfg: TrainConfig, optimizer, state, stream, batch_layout):
     """``cfg`` with the remat policy its memory budget chooses for this model, and the plan."""
     remat, plan = choose_remat(lambda model: train_step_of(cfg, model, optimizer),
                                cfg.model, abstract(state), stream.global_shapes,
-                               cfg.run.memory_budget, batch_layout)
+                               memory_budget_bytes(cfg.run.memory_budget), batch_layout)
     return dataclasses.replace(cfg, model=dataclasses.replace(cfg.model, remat=remat)), plan
 
 
@@ -428,7 +431,37 @@ def compile_steps(run: Setup) -> Steps:
     for shape in run.stream.global_shapes:
         train_step.compile(abstract_state, abstract_batch(shape))
     eval_step.compile(abstract_state, abstract_batch((run.eval_batch_size, run.cfg.seq_len)))
+    check_memory(run.cfg, [train_step, eval_step], hardware.memory_limit_bytes())
     return Steps(train_step, eval_step, train_step.compiles)
+
+
+def memory_budget_bytes(budget: int | str) -> int:
+    """``run.memory_budget`` in bytes: ``auto`` is this device's memory (``bytes_limit``)."""
+    if budget != "auto":
+        return budget
+    limit = hardware.memory_limit_bytes()
+    if limit is None:
+        raise ConfigError(f"memory_budget auto needs a device that reports its memory (GPUs, "
+                          f"TPUs; not the {jax.default_backend()}); pass a number of bytes",
+                          field="run.memory_budget")
+    return limit
+
+
+def check_memory(cfg: TrainConfig, compiled_fns, limit: int | None):
+    """The OOM pre-flight: ConfigError, before the first step, when a compiled step needs more
+    bytes per device than the device has (``limit``; None, as on the CPU, checks nothing)."""
+    for name, fn in zip(("train", "eval"), compiled_fns):
+        need = largest_memory_bytes(fn)
+        if limit is None or need is None or need["total"] <= limit:
+            continue
+        fixes = ("--memory-budget auto (the remat policy that fits)" if cfg.run.memory_budget
+                 is None else "a lower --memory-budget")
+        raise ConfigError(
+            f"the {name} step needs {need['total']:,} bytes per device ({need['temp']:,} of "
+            f"temporaries) but this device has {limit:,}; try {fixes}, --remat full, a smaller "
+            f"--batch-size" + (" or --eval-batch-size" if name == "eval" else "")
+            + ", or more devices with --sharding fsdp", field="run.eval_batch_size" if name == "eval"
+            else "data.batch_size")
 
 
 # =============================================================================================
@@ -456,7 +489,11 @@ def run_steps(run: Setup, steps: Steps, should_stop=None, previous: Progress | N
     start = int(state.step)
     end = stacking.stage_end(start, run.total_steps, run.stack_ends)
     if previous is None:
-        writer = MetricsWriter(run.run_dir, jax.process_index())
+        trackers = (open_trackers(tracker_names(cfg.run.trackers), run.run_dir,
+                                  config=to_dict(cfg), project=cfg.run.wandb_project,
+                                  wandb_mode=cfg.run.wandb_mode)
+                    if jax.process_index() == 0 else [])
+        writer = MetricsWriter(run.run_dir, jax.process_index(), trackers=trackers)
         first_step, history, totals = start, [], {"real": 0, "positions": 0}
     else:
         writer, first_step = previous.writer, previous.first_step

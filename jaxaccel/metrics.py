@@ -1,4 +1,4 @@
-"""Where a run's metrics go: JSONL in the run directory, TensorBoard if it is installed, a PNG."""
+"""Where a run's metrics go: JSONL in the run directory, the trackers asked for, a PNG."""
 
 import json
 import math
@@ -10,36 +10,30 @@ BITS_PER_NAT = 1.0 / math.log(2.0)
 
 
 class MetricsWriter:
-    """Appends one JSON object per record to ``metrics.jsonl``; mirrors scalars to TensorBoard
-    event files when ``tensorboardX`` is importable (optional, never required)."""
+    """Appends one JSON object per record to ``metrics.jsonl``; mirrors its numbers to the
+    ``trackers`` (``jaxaccel.trackers``: TensorBoard, W&B) as ``<kind>/<name>``."""
 
-    def __init__(self, run_dir: str, process_index: int = 0):
+    def __init__(self, run_dir: str, process_index: int = 0, trackers=()):
         # Every process of a multi-process run sees the same global metrics; process 0 writes
         # metrics.jsonl and the others their own file beside it, so none overwrites another's.
         name = "metrics.jsonl" if process_index == 0 else f"metrics.process{process_index}.jsonl"
         self.path = os.path.join(run_dir, name)
         self._file = open(self.path, "a")
-        self._tb = None
-        if process_index == 0:
-            try:
-                from tensorboardX import SummaryWriter
-                self._tb = SummaryWriter(os.path.join(run_dir, "tensorboard"))
-            except ImportError:
-                pass
+        self._trackers = list(trackers)
 
     def write(self, step: int, kind: str, values: dict):
         record = {"step": int(step), "kind": kind, **{k: _plain(v) for k, v in values.items()}}
         self._file.write(json.dumps(record) + "\n")
         self._file.flush()
-        if self._tb is not None:
-            for key, value in record.items():
-                if isinstance(value, (int, float)) and key != "step":
-                    self._tb.add_scalar(f"{kind}/{key}", value, step)
+        scalars = {key: value for key, value in record.items() if key not in ("step", "kind")
+                   and isinstance(value, (int, float)) and not isinstance(value, bool)}
+        for tracker in self._trackers:
+            tracker.log(int(step), kind, scalars)
 
     def close(self):
         self._file.close()
-        if self._tb is not None:
-            self._tb.close()
+        for tracker in self._trackers:
+            tracker.close()
 
 
 def _plain(value):
