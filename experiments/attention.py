@@ -31,7 +31,7 @@ import warnings
 import jax
 import jax.numpy as jnp
 
-from experiments.common import command, environment, parse_list, write_json
+from experiments.common import check_stop, command, environment, parse_list, write_json
 from jaxaccel.attention import dot_product_attention
 from jaxaccel.config import parse, setting
 from jaxaccel.errors import ConfigError
@@ -124,6 +124,7 @@ def median_seconds(fn, args, warmup: int, iters: int) -> float:
         jax.block_until_ready(fn(*args))
     seconds = []
     for _ in range(iters):
+        check_stop()
         start = time.perf_counter()
         jax.block_until_ready(fn(*args))
         seconds.append(time.perf_counter() - start)

@@ -1,11 +1,14 @@
 """What the experiment modules share: the command-line wrapper, list flags, JSON, loss curves,
 and batch sizes matched across batching strategies."""
 
+import contextlib
+import dataclasses
 import functools
 import json
 import os
 import signal
 import sys
+import threading
 import time
 
 import jax
@@ -19,20 +22,139 @@ from jaxaccel.report import format_table
 
 def command(config_cls=TrainConfig):
     """Wrap an experiment's ``main(argv) -> exit code``: a ConfigError becomes one line
-    ``error: <message> [<flag> / <field>]`` on stderr and exit code 2."""
+    ``error: <message> [<flag> / <field>]`` on stderr and exit code 2; SIGINT and SIGTERM stop
+    the whole experiment (``stop_on_signals``): an ``Interrupted`` the experiment does not
+    handle itself, or a second Ctrl-C, becomes one line ``stopped by SIGINT ...`` and the
+    shell's exit code for the signal (130, 143), never a traceback."""
 
     def wrap(main):
         @functools.wraps(main)
         def run(argv=None) -> int:
-            try:
-                return main(argv)
-            except ConfigError as e:
-                print(describe_error(e, config_cls), file=sys.stderr)
-                return 2
+            die_with_parent()
+            with stop_on_signals():
+                try:
+                    return main(argv)
+                except ConfigError as e:
+                    print(describe_error(e, config_cls), file=sys.stderr)
+                    return 2
+                except Interrupted as e:
+                    print(f"stopped by {e.signal} before the experiment finished; its table "
+                          f"is incomplete and was not written", file=sys.stderr)
+                    return exit_code(e.signal)
+                except KeyboardInterrupt:
+                    print("stopped by SIGINT (a second Ctrl-C): at once, nothing more written",
+                          file=sys.stderr)
+                    return exit_code("SIGINT")
 
         return run
 
     return wrap
+
+
+# ---------------------------------------------------------------------------------------------
+# Stopping a whole experiment on a signal.
+
+class Interrupted(Exception):
+    """A signal stopped the experiment; ``signal`` is its name (``"SIGTERM"``)."""
+
+    def __init__(self, signal_name: str):
+        super().__init__(signal_name)
+        self.signal = signal_name
+
+
+_received: dict = {}        # {"signal": name} once SIGINT or SIGTERM arrived
+_forwards: list = []        # callables(signum) that pass a signal on (to a row's process)
+
+
+def _record(signum, frame):
+    if signum == signal.SIGINT and _received:
+        raise KeyboardInterrupt
+    _received.setdefault("signal", signal.Signals(signum).name)
+    for forward in list(_forwards):
+        forward(signum)
+
+
+@contextlib.contextmanager
+def stop_on_signals():
+    """For the experiment's whole run: the first SIGINT/SIGTERM is recorded (``stop_requested``),
+    passed on to any row process being waited for, and stops the rows (``check_stop``,
+    ``train_row``); a second SIGINT interrupts at once. ``loop.train`` installs its own handler
+    while a row trains and reads ours through ``should_stop``."""
+    if threading.current_thread() is not threading.main_thread():
+        yield
+        return
+    _received.clear()
+    previous = {s: signal.signal(s, _record) for s in (signal.SIGINT, signal.SIGTERM)}
+    try:
+        yield
+    finally:
+        for s, h in previous.items():
+            signal.signal(s, h)
+        _received.clear()
+
+
+PARENT_PID = "JAXACCEL_PARENT_PID"   # set for a row process: the experiment that runs it
+
+
+def die_with_parent():
+    """In a row process (``PARENT_PID`` set): get SIGTERM, and so stop with a checkpoint, when
+    the experiment that started it dies (Linux's PR_SET_PDEATHSIG; elsewhere nothing); exit at
+    once if it is gone already."""
+    parent = os.environ.pop(PARENT_PID, None)
+    if parent is None:
+        return
+    try:
+        import ctypes
+        ctypes.CDLL(None, use_errno=True).prctl(1, signal.SIGTERM)     # PR_SET_PDEATHSIG
+    except (OSError, AttributeError):
+        return
+    if os.getppid() != int(parent):
+        raise SystemExit(f"stopped: the experiment that started this run (pid {parent}) is "
+                         f"gone")
+
+
+@contextlib.contextmanager
+def passing_signals_to(forward):
+    """While inside, a SIGINT/SIGTERM the experiment receives is also given to
+    ``forward(signum)`` (e.g. a row process's ``send_signal``)."""
+    _forwards.append(forward)
+    try:
+        yield
+    finally:
+        _forwards.remove(forward)
+
+
+def stop_requested() -> str | None:
+    """The name of the signal that asked the experiment to stop, or None."""
+    return _received.get("signal")
+
+
+def check_stop():
+    """Raise ``Interrupted`` if a signal asked the experiment to stop (call between rows)."""
+    if _received:
+        raise Interrupted(_received["signal"])
+
+
+def train_until_stopped(cfg: TrainConfig):
+    """``loop.train(cfg)`` as one row of an experiment: the run also stops (its checkpoint
+    saved) at a signal the experiment received before it started or between its steps, and its
+    summary's ``interrupted`` then names that signal."""
+    from jaxaccel.loop import train
+    summary = train(cfg, should_stop=lambda step: stop_requested() is not None)
+    if summary.interrupted:
+        _received.setdefault("signal", summary.interrupted)
+        summary = dataclasses.replace(summary, interrupted=_received["signal"])
+    return summary
+
+
+def train_row(cfg: TrainConfig):
+    """``train_until_stopped(cfg)``, raising ``Interrupted`` for a row cut by a signal (and for
+    one asked for after the signal), so that a cut row is never reported as a result."""
+    check_stop()
+    summary = train_until_stopped(cfg)
+    if summary.interrupted:
+        raise Interrupted(summary.interrupted)
+    return summary
 
 
 def exit_code(interrupted: str | None) -> int:
@@ -87,7 +209,9 @@ def write_json(path: str | None, rows: list[dict], meta: dict):
 
 
 def plot_loss_curves(path: str, run_dirs: dict[str, str], title: str):
-    """Train bits per byte against real tokens, one line per run directory."""
+    """Train bits per byte against real tokens, one line per run directory (none: no plot)."""
+    if not run_dirs:
+        return
     curves = {label: token_curve(read_metrics(os.path.join(run_dir, "metrics.jsonl")))
               for label, run_dir in run_dirs.items()}
     plot_curves(path, curves, xlabel="real tokens", title=title)

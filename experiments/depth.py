@@ -36,11 +36,10 @@ import sys
 import time
 
 from experiments.common import (command, environment, exit_code, parse_list, print_table,
-                               write_json)
+                                train_until_stopped, write_json)
 from jaxaccel import stacking
 from jaxaccel.config import TrainConfig, override, parse, setting
 from jaxaccel.errors import ConfigError
-from jaxaccel.loop import train
 from jaxaccel.metrics import plot_curves, read_metrics
 from jaxaccel.model import describe_model
 
@@ -199,7 +198,8 @@ def eval_curve(run_dir: str) -> list[dict]:
 def run_row(cfg: DepthConfig, row: Row, run_root: str) -> dict:
     """Train one row and reduce its summary and metrics to a table row."""
     run_dir = os.path.join(run_root, row.name)
-    summary = train(override(cfg, {**row.settings(), "run.run_dir": run_dir, "run.json": None}))
+    summary = train_until_stopped(override(cfg, {**row.settings(), "run.run_dir": run_dir,
+                                                 "run.json": None}))
     stopped = summary.interrupted
     steps = summary.steps_this_run
     return {

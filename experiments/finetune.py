@@ -39,12 +39,13 @@ import time
 import jax
 import optax
 
-from experiments.common import command, environment, parse_list, plot_loss_curves, write_json
+from experiments.common import (command, environment, parse_list, plot_loss_curves,
+                                train_until_stopped, write_json)
 from jaxaccel import lora
 from jaxaccel.config import TrainConfig, build, override, parse, read_config_file, setting
 from jaxaccel.corpus import load_corpus
 from jaxaccel.errors import ConfigError
-from jaxaccel.loop import evaluate, load_trained_params, train
+from jaxaccel.loop import evaluate, load_trained_params
 from jaxaccel.model import describe_model, make_apply
 from jaxaccel.report import format_table
 from jaxaccel.state import init_state
@@ -148,7 +149,7 @@ def row_config(cfg: FinetuneConfig, row: str, base_fields: dict, base_dir: str |
 def train_base(cfg: FinetuneConfig, run_root: str) -> str:
     """Train the base model on the stdlib corpus; its run directory."""
     run_dir = os.path.join(run_root, "base")
-    summary = train(override(cfg, {
+    summary = train_until_stopped(override(cfg, {
         "data.path": "stdlib", "run.steps": cfg.experiment.base_steps,
         "optimizer.learning_rate": None, "optimizer.warmup_steps": 50, "model.lora_rank": 0,
         "model.adapter_dim": 0, "run.run_dir": run_dir, "run.json": None}))
@@ -159,7 +160,7 @@ def train_base(cfg: FinetuneConfig, run_root: str) -> str:
 
 def run_row(row_cfg, row: str, label: str, run_dir: str, full: dict | None) -> dict:
     """Fine-tune one row from the base and reduce its summary to a table row."""
-    summary = train(override(row_cfg, {"run.run_dir": run_dir}))
+    summary = train_until_stopped(override(row_cfg, {"run.run_dir": run_dir}))
     if summary.interrupted:
         raise Interrupted(summary.interrupted)
     result = {

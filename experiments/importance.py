@@ -30,10 +30,9 @@ import sys
 import time
 
 from experiments.common import (command, environment, exit_code, parse_list, print_table,
-                               write_json)
+                                train_until_stopped, write_json)
 from jaxaccel.config import TrainConfig, override, parse, setting
 from jaxaccel.errors import ConfigError
-from jaxaccel.loop import train
 from jaxaccel.metrics import BITS_PER_NAT, plot_curves, read_metrics
 from jaxaccel.model import describe_model
 from jaxaccel.sampling import SAMPLING
@@ -122,7 +121,7 @@ def eval_curve(run_dir: str) -> list[dict]:
 def run_row(cfg: ImportanceConfig, name: str, run_root: str) -> dict:
     """Train one row and reduce its summary and metrics to a table row."""
     run_dir = os.path.join(run_root, name)
-    summary = train(override(cfg, {"data.sampling": name, "run.run_dir": run_dir,
+    summary = train_until_stopped(override(cfg, {"data.sampling": name, "run.run_dir": run_dir,
                                    "run.json": None}))
     stopped = summary.interrupted
     steps = summary.steps_this_run

@@ -28,11 +28,11 @@ import signal
 import sys
 import time
 
-from experiments.common import command, environment, parse_list, plot_loss_curves, write_json
+from experiments.common import (command, environment, parse_list, plot_loss_curves,
+                                train_until_stopped, write_json)
 from jaxaccel.config import TrainConfig, override, parse, setting
 from jaxaccel.errors import ConfigError
 from jaxaccel.init import INIT_SCHEMES
-from jaxaccel.loop import train
 from jaxaccel.model import describe_model
 from jaxaccel.report import format_table
 
@@ -96,9 +96,9 @@ def run_one(cfg: InitConfig, run_root: str, scheme: str, lr: float, warmup: int)
     """Train one row and reduce its summary to a table row."""
     label = scheme if warmup == 0 else f"{scheme} + {warmup} warmup"
     run_dir = os.path.join(run_root, f"{scheme}-w{warmup}-lr{lr:g}")
-    summary = train(override(cfg, {"model.init": scheme, "optimizer.learning_rate": lr,
-                                   "optimizer.warmup_steps": warmup, "run.run_dir": run_dir,
-                                   "run.json": None}))
+    summary = train_until_stopped(override(cfg, {
+        "model.init": scheme, "optimizer.learning_rate": lr, "optimizer.warmup_steps": warmup,
+        "run.run_dir": run_dir, "run.json": None}))
     trained = math.isfinite(summary.val_bpb) and summary.val_bpb <= TRAINED * summary.unigram_bpb
     verdict = "" if trained else ("diverged" if not math.isfinite(summary.val_bpb) else "stalled")
     return {"label": label, "scheme": scheme, "warmup_steps": warmup, "learning_rate": lr,

@@ -19,10 +19,10 @@ import os
 import sys
 import time
 
-from experiments.common import command, environment, parse_list, plot_loss_curves, write_json
+from experiments.common import (Interrupted, command, environment, exit_code, parse_list,
+                                plot_loss_curves, train_row, write_json)
 from jaxaccel.config import TrainConfig, override, parse, setting
 from jaxaccel.errors import ConfigError
-from jaxaccel.loop import train
 from jaxaccel.model import describe_model
 from jaxaccel.optim import LR_SCALING, OPTIMIZERS
 from jaxaccel.report import format_table
@@ -75,7 +75,7 @@ def run_one(cfg: OptimizersConfig, run_root: str, *, optimizer: str, table: str,
     """Train one configuration and reduce its summary to a table row."""
     label = optimizer if lr_scaling == "none" else f"{optimizer}-{lr_scaling}"
     run_dir = os.path.join(run_root, f"{table}-{label}-b{batch_size}")
-    summary = train(override(cfg, {
+    summary = train_row(override(cfg, {
         "optimizer.name": optimizer, "data.batch_size": batch_size,
         "optimizer.lr_scaling": lr_scaling, "optimizer.base_batch_size": cfg.data.batch_size,
         "optimizer.warmup_steps": (cfg.optimizer.warmup_steps if warmup_steps is None
@@ -127,22 +127,28 @@ def main(argv=None) -> int:
         raise ConfigError(f"large_batch_factor must be at least 1, got {exp.large_batch_factor}",
                           field="experiment.large_batch_factor")
     run_root = cfg.run.run_dir or os.path.join("runs", time.strftime("optimizers-%Y%m%d-%H%M%S"))
-    rows = [run_one(cfg, run_root, optimizer=name, table="defaults", batch_size=batch_size)
-            for name in optimizers]
+    plan = [dict(optimizer=name, table="defaults", batch_size=batch_size) for name in optimizers]
     if exp.large_batch:
         warmup = max(1, round(cfg.optimizer.warmup_steps / exp.large_batch_factor))
-        rows += [run_one(cfg, run_root, optimizer=name, table="large_batch",
-                         batch_size=batch_size * exp.large_batch_factor,
-                         lr_scaling=rule, warmup_steps=warmup)
-                 for name in large for rule in scalings]
+        plan += [dict(optimizer=name, table="large_batch",
+                      batch_size=batch_size * exp.large_batch_factor, lr_scaling=rule,
+                      warmup_steps=warmup) for name in large for rule in scalings]
+    rows, partial = [], None
+    try:
+        for row in plan:
+            rows.append(run_one(cfg, run_root, **row))
+    except Interrupted as stop:         # the cut row is not a result; later rows do not run
+        partial = stop.signal
 
     model = describe_model(cfg.model)
     meta = {"model": model, "data": cfg.data.path, "batching": cfg.data.batching,
             "seq_len": cfg.seq_len, "base_batch_size": batch_size,
             "large_batch_factor": exp.large_batch_factor, "train_tokens": cfg.run.train_tokens,
-            **environment(), "run_dir": run_root}
+            **environment(), "run_dir": run_root, "interrupted": partial}
     print(f"\n{model} model, {_length(cfg)} per run, seq_len {cfg.seq_len}, "
-          f"{cfg.data.batching} batching, {meta['device']}, jax {meta['jax_version']}")
+          f"{cfg.data.batching} batching, {meta['device']}, jax {meta['jax_version']}"
+          + (f" (PARTIAL: stopped by {partial}; {len(rows)} of {len(plan)} rows ran)"
+             if partial else ""))
     print("\nTable 1: each optimizer with its recommended defaults")
     print(format_table([r for r in rows if r["table"] == "defaults"], COLUMNS))
     if exp.large_batch:
@@ -154,7 +160,7 @@ def main(argv=None) -> int:
                      {r["label"]: r["run_dir"] for r in rows},
                      title=f"optimizers, {model} model, seq_len {cfg.seq_len}")
     write_json(cfg.run.json, rows, meta)
-    return 0
+    return exit_code(partial)
 
 
 if __name__ == "__main__":

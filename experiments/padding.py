@@ -20,12 +20,12 @@ import os
 import sys
 import time
 
-from experiments.common import command, environment, matched_batch, parse_list, write_json
+from experiments.common import (Interrupted, command, environment, exit_code, matched_batch,
+                                parse_list, train_row, write_json)
 from jaxaccel.config import TrainConfig, override, parse, setting
 from jaxaccel.corpus import load_corpus
 from jaxaccel.data import STRATEGIES, DataStream, batch_stats, batches
 from jaxaccel.errors import ConfigError
-from jaxaccel.loop import train
 from jaxaccel.model import describe_model
 from jaxaccel.report import bar_chart, format_table
 
@@ -136,7 +136,7 @@ def run_strategy(cfg: PaddingConfig, strategy: str, run_root: str) -> dict:
                               **{"run.run_dir": os.path.join(run_root, strategy),
                                  "run.json": None})
     loader_rate = loader_tokens_per_s(documents, run_cfg)
-    summary = train(run_cfg)
+    summary = train_row(run_cfg)
     return {
         "strategy": strategy,
         "batch": _describe_batch(run_cfg),
@@ -176,7 +176,12 @@ def main(argv=None) -> int:
         write_json(cfg.run.json, rows, {"seq_len": cfg.seq_len, "plan_only": True})
         return 0
     run_root = cfg.run.run_dir or os.path.join("runs", time.strftime("padding-%Y%m%d-%H%M%S"))
-    rows = [run_strategy(cfg, s, run_root) for s in strategies]
+    rows, partial = [], None
+    try:
+        for strategy in strategies:
+            rows.append(run_strategy(cfg, strategy, run_root))
+    except Interrupted as stop:         # the cut row is not a result; later rows do not run
+        partial = stop.signal
     fixed = next((r for r in rows if r["strategy"] == "fixed"), None)
     for row in rows:
         row["speedup_vs_fixed"] = (row["real_tokens_per_s"] / fixed["real_tokens_per_s"]
@@ -185,9 +190,12 @@ def main(argv=None) -> int:
                                 if fixed else None)
     meta = {"seq_len": cfg.seq_len, "batch_size": cfg.data.batch_size,
             "train_tokens": cfg.run.train_tokens, "match_real_tokens": exp.match_real_tokens,
-            "model": describe_model(cfg.model), "data": cfg.data.path, **environment()}
+            "model": describe_model(cfg.model), "data": cfg.data.path, **environment(),
+            "interrupted": partial}
     print(f"\nseq_len {cfg.seq_len}, {_length(cfg)} per strategy, {meta['device']}, "
-          f"jax {meta['jax_version']}")
+          f"jax {meta['jax_version']}"
+          + (f" (PARTIAL: stopped by {partial}; {len(rows)} of {len(strategies)} rows ran)"
+             if partial else ""))
     print(format_table(rows, COLUMNS))
     bar_chart(os.path.join(run_root, "padding.png"), [r["strategy"] for r in rows],
               [("real tokens/s", [r["real_tokens_per_s"] for r in rows]),
@@ -195,7 +203,7 @@ def main(argv=None) -> int:
                ("validation loss", [r["val_loss"] for r in rows])],
               title=f"batching strategies, seq_len {cfg.seq_len}")
     write_json(cfg.run.json, rows, meta)
-    return 0
+    return exit_code(partial)
 
 
 if __name__ == "__main__":

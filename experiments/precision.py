@@ -32,13 +32,13 @@ import jax.numpy as jnp
 import numpy as np
 import orbax.checkpoint as ocp
 
-from experiments.common import command, environment, parse_list, plot_loss_curves, write_json
+from experiments.common import (Interrupted, command, environment, exit_code, parse_list,
+                                plot_loss_curves, train_row, write_json)
 from jaxaccel.config import TrainConfig, override, parse, setting
 from jaxaccel.corpus import load_corpus
 from jaxaccel.data import DataStream
 from jaxaccel.errors import ConfigError
 from jaxaccel.grads import value_and_grad
-from jaxaccel.loop import train
 from jaxaccel.model import describe_model, init_params, make_apply
 from jaxaccel.precision import DynamicLossScale, NoLossScale, cast, get_policy, loss_scaled
 from jaxaccel.report import format_table
@@ -106,7 +106,7 @@ PROBE_COLUMNS = [
 
 def run_row(cfg: PrecisionConfig, name: str, run_root: str) -> dict:
     policy, loss_scale, matmul = ROWS[name]
-    summary = train(override(cfg, {
+    summary = train_row(override(cfg, {
         "precision.policy": policy, "precision.loss_scale": loss_scale,
         "precision.matmul": matmul, "run.run_dir": os.path.join(run_root, name),
         "run.json": None}))
@@ -230,7 +230,12 @@ def main(argv=None) -> int:
                           field="experiment.probe_batch_size")
     parse_list(exp.probe_accumulate, "experiment.probe_accumulate", kind=int)
     run_root = cfg.run.run_dir or os.path.join("runs", time.strftime("precision-%Y%m%d-%H%M%S"))
-    rows = [run_row(cfg, name, run_root) for name in names]
+    rows, partial = [], None
+    try:
+        for name in names:
+            rows.append(run_row(cfg, name, run_root))
+    except Interrupted as stop:         # the cut row is not a result; later rows do not run
+        partial = stop.signal
 
     fp32 = next((r for r in rows if r["precision"] == "fp32"), None)
     for row in rows:
@@ -248,24 +253,29 @@ def main(argv=None) -> int:
         checkpoint = os.path.join(fp32["run_dir"], "checkpoints", str(fp32["steps"]), "state")
         state = ocp.StandardCheckpointer().restore(os.path.abspath(checkpoint))
         trained = state["params"]
-    probe = underflow_probe(cfg, trained)
+    probe = [] if partial else underflow_probe(cfg, trained)
 
     model = describe_model(cfg.model)
     meta = {"model": model, "data": cfg.data.path, "batching": cfg.data.batching,
             "seq_len": cfg.seq_len, "batch_size": cfg.data.batch_size,
             "train_tokens": cfg.run.train_tokens, "probe_batch_size": exp.probe_batch_size,
-            "underflow_probe": probe, **environment(), "run_dir": run_root}
+            "underflow_probe": probe, **environment(), "run_dir": run_root,
+            "interrupted": partial}
     print(f"\n{model} model, {_length(cfg)} per row, seq_len {cfg.seq_len}, "
-          f"{cfg.data.batching} batching, {meta['device']}, jax {meta['jax_version']}")
+          f"{cfg.data.batching} batching, {meta['device']}, jax {meta['jax_version']}"
+          + (f" (PARTIAL: stopped by {partial}; {len(rows)} of {len(names)} rows ran, no "
+             f"underflow probe)" if partial else ""))
     print(format_table(rows, COLUMNS))
-    print(f"\nUnderflow probe: one batch of {exp.probe_batch_size} rows as one of K microbatches; "
-          f"float16 gradients against float32 at the start and end of the fp32 run")
-    print(format_table(probe, PROBE_COLUMNS))
+    if probe:
+        print(f"\nUnderflow probe: one batch of {exp.probe_batch_size} rows as one of K "
+              f"microbatches; float16 gradients against float32 at the start and end of the "
+              f"fp32 run")
+        print(format_table(probe, PROBE_COLUMNS))
     plot_loss_curves(os.path.join(run_root, "precision.png"),
                      {r["precision"]: r["run_dir"] for r in rows},
                      title=f"precision policies, {model} model, seq_len {cfg.seq_len}")
     write_json(cfg.run.json, rows, meta)
-    return 0
+    return exit_code(partial)
 
 
 if __name__ == "__main__":

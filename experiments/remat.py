@@ -30,7 +30,7 @@ import time
 import jax
 import numpy as np
 
-from experiments.common import command, environment, parse_list, write_json
+from experiments.common import check_stop, command, environment, parse_list, write_json
 from jaxaccel import hardware
 from jaxaccel.compiled import abstract, flops, memory_bytes
 from jaxaccel.config import TrainConfig, parse, setting
@@ -108,6 +108,7 @@ def measure(cfg: RematConfig, policy: str, scan: bool, optimizer, batch):
     memory = memory_bytes(executable)
     seconds, losses = [], []
     for _ in range(1 + cfg.experiment.timed_steps):
+        check_stop()
         start = time.perf_counter()
         state, metrics = executable(state, batch)
         jax.block_until_ready((state, metrics))

@@ -34,7 +34,7 @@ import jax.numpy as jnp
 from flax import nnx
 from jax.sharding import NamedSharding
 
-from experiments.common import command, environment, parse_list, write_json
+from experiments.common import check_stop, command, environment, parse_list, write_json
 from jaxaccel.compiled import abstract, memory_bytes
 from jaxaccel.config import TrainConfig, override, parse, setting
 from jaxaccel.corpus import load_corpus
@@ -141,6 +141,7 @@ def run_strategy(name: str, shape: dict, cfg: ShardingConfig, optimizer, train, 
         blocks = bytes_per_device(state.params["blocks"])
         seconds = []
         for batch in train:
+            check_stop()
             start = time.perf_counter()
             state, metrics = step(state, place_batch(batch, layout))
             jax.block_until_ready((state, metrics))

@@ -24,9 +24,9 @@ import signal
 import sys
 import time
 
-from experiments.common import command, environment, parse_list, plot_loss_curves, write_json
+from experiments.common import (command, environment, parse_list, plot_loss_curves,
+                                train_until_stopped, write_json)
 from jaxaccel.config import TrainConfig, override, parse, setting
-from jaxaccel.loop import train
 from jaxaccel.model import describe_model
 from jaxaccel.report import format_table
 from jaxaccel.sparsity import parse_pattern, savings
@@ -71,7 +71,7 @@ def run_one(cfg: SparsityConfig, run_root: str, pattern: str) -> dict:
     run_dir = os.path.join(run_root, pattern.replace(":", "-"))
     row_cfg = override(cfg, {"model.sparsity": pattern, "run.run_dir": run_dir,
                              "run.json": None})
-    summary = train(row_cfg)
+    summary = train_until_stopped(row_cfg)
     saved = savings(row_cfg.model, cfg.seq_len) if pattern != "none" else {}
     return {"pattern": "dense" if pattern == "none" else pattern, "steps": summary.steps,
             "step_ms": 1000 * summary.train_s / max(summary.steps_this_run, 1),

@@ -45,11 +45,14 @@ import dataclasses
 import json
 import math
 import os
+import signal
 import subprocess
 import sys
 import time
 
-from experiments.common import command, matched_batch, parse_list, plot_loss_curves, write_json
+from experiments.common import (PARENT_PID, Interrupted, check_stop, command, exit_code,
+                                matched_batch, parse_list, passing_signals_to,
+                                plot_loss_curves, stop_requested, write_json)
 from jaxaccel.config import TrainConfig, override, parse, setting, write_config
 from jaxaccel.corpus import load_corpus
 from jaxaccel.errors import ConfigError
@@ -177,7 +180,10 @@ def probe_devices(cpu_devices: int) -> dict:
 
 
 def row_environment(cpu_devices: int) -> dict:
-    return {**os.environ, "JAX_NUM_CPU_DEVICES": str(cpu_devices)}
+    """A row process's environment: its CPU devices, and this process as the parent it dies
+    with (``experiments.common.die_with_parent``)."""
+    return {**os.environ, "JAX_NUM_CPU_DEVICES": str(cpu_devices),
+            PARENT_PID: str(os.getpid())}
 
 
 def parse_config(argv=None) -> tuple[SpeedupConfig, dict]:
@@ -299,19 +305,41 @@ def run_row(cfg: SpeedupConfig, technique: Technique, settings: dict, run_root: 
            "command": "python -m experiments.train " + " ".join(argv), "run_dir": run_dir}
     start = time.perf_counter()
     with open(os.path.join(run_dir, "log.txt"), "w") as log:
-        done = subprocess.run([sys.executable, "-m", "experiments.train", *argv],
-                              env=row_environment(cfg.experiment.cpu_devices), stdout=log,
-                              stderr=subprocess.PIPE, text=True)
-        log.write(done.stderr)
+        returncode, stderr = run_child([sys.executable, "-m", "experiments.train", *argv],
+                                       row_environment(cfg.experiment.cpu_devices), log)
+        log.write(stderr)
     row["process_s"] = time.perf_counter() - start
-    if done.returncode:
-        row["status"] = f"failed: {_last_line(done.stderr)}"
+    if stop_requested():        # the row's process got the signal too and saved a checkpoint
+        raise Interrupted(stop_requested())
+    if returncode:
+        row["status"] = f"failed: {_last_line(stderr)}"
         return row
     summary = RunSummary.read(summary_path)
     memory = summary.step_memory_bytes or {}
     row.update(dataclasses.asdict(summary), status="ran", shapes=len(summary.shapes),
                memory_bytes=memory.get("total"), temp_bytes=memory.get("temp"))
     return row
+
+
+def run_child(argv: list[str], env: dict, log) -> tuple[int, str]:
+    """Run a row's process (stdout to ``log``) and wait for it: ``(exit code, stderr)``. A
+    SIGINT/SIGTERM the experiment receives meanwhile is passed on to it, once (it runs in a
+    process group of its own, so a terminal's Ctrl-C reaches it only this way), so that it
+    stops after its current step with a checkpoint; and it stops with this process
+    (``PARENT_PID`` in its environment: ``common.die_with_parent``), so that no row trains on
+    detached if this one is killed."""
+    child = subprocess.Popen(argv, env=env, stdout=log, stderr=subprocess.PIPE, text=True,
+                             process_group=0)
+    try:
+        with passing_signals_to(child.send_signal):
+            if stop_requested():        # the signal came while the process was starting
+                child.send_signal(signal.Signals[stop_requested()])
+            _, stderr = child.communicate()
+    finally:
+        if child.poll() is None:        # a second Ctrl-C: stop it, and do not wait long
+            child.kill()
+            child.wait()
+    return child.returncode, stderr
 
 
 def _last_line(text: str) -> str:
@@ -501,40 +529,47 @@ def main(argv=None) -> int:
     print(f"experiments.speedup: {exp.scale} preset on {devices['device_count']} x "
           f"{devices['device_kind']}; {len(techniques)} rows into {run_root}", flush=True)
 
-    rows, picks = {}, []
-    for technique in techniques:
-        reason = skip_reason(technique, devices)
-        if technique.name == "best":
-            if best_names:
-                picks = [(n, "named by --best") for n in best_names]
+    rows, picks, partial = {}, [], None
+    try:
+        for technique in techniques:
+            check_stop()
+            reason = skip_reason(technique, devices)
+            if technique.name == "best":
+                if best_names:
+                    picks = [(n, "named by --best") for n in best_names]
+                else:
+                    picks = choose_best(rows, exp.speed_margin, exp.quality_tolerance,
+                                        exp.optimizer_slowdown)
+                chosen = [n for n, _ in picks]
+                settings = combine({n: rows[n]["settings"] if n in rows else
+                                    row_settings(cfg, BY_NAME[n], documents) for n in chosen},
+                                   chosen, devices["device_count"])
+                multiple = batch_multiple(settings, {BY_NAME[n].group for n in chosen},
+                                          devices["device_count"])
+                if multiple > 1 and settings.get("data.batching", "fixed") != "fixed":
+                    # re-match the padding row's batch to the baseline's real tokens per step
+                    # under the rounding, so the combination takes the same number of steps
+                    settings.update(matched_batch(documents, cfg, settings["data.batching"],
+                                                  multiple=multiple))
+                technique = dataclasses.replace(
+                    technique, description="the best combination: "
+                    + (" + ".join(n for n, _ in picks) or "nothing beat the baseline"))
             else:
-                picks = choose_best(rows, exp.speed_margin, exp.quality_tolerance,
-                                    exp.optimizer_slowdown)
-            chosen = [n for n, _ in picks]
-            settings = combine({n: rows[n]["settings"] if n in rows else
-                                row_settings(cfg, BY_NAME[n], documents) for n in chosen},
-                               chosen, devices["device_count"])
-            multiple = batch_multiple(settings, {BY_NAME[n].group for n in chosen},
-                                      devices["device_count"])
-            if multiple > 1 and settings.get("data.batching", "fixed") != "fixed":
-                # re-match the padding row's batch to the baseline's real tokens per step
-                # under the rounding, so the combination takes the same number of steps
-                settings.update(matched_batch(documents, cfg, settings["data.batching"],
-                                              multiple=multiple))
-            technique = dataclasses.replace(
-                technique, description="the best combination: "
-                + (" + ".join(n for n, _ in picks) or "nothing beat the baseline"))
-        else:
-            settings = row_settings(cfg, technique, documents)
-        if reason:
-            row = {"name": technique.name, "group": technique.group,
-                   "description": technique.description, "settings": settings,
-                   "status": f"skipped: {reason}"}
-        else:
-            row = run_row(cfg, technique, settings, run_root)
-        compare(row, rows.get("baseline", row))
-        rows[technique.name] = row
-        _progress_line(row)
+                settings = row_settings(cfg, technique, documents)
+            if reason:
+                row = {"name": technique.name, "group": technique.group,
+                       "description": technique.description, "settings": settings,
+                       "status": f"skipped: {reason}"}
+            else:
+                row = run_row(cfg, technique, settings, run_root)
+            compare(row, rows.get("baseline", row))
+            rows[technique.name] = row
+            _progress_line(row)
+    except Interrupted as stop:     # the cut row is not a result; later rows do not run
+        if "baseline" not in rows:
+            raise
+        partial = stop.signal
+        print(f"  stopped by {partial}: the rows above are the results", flush=True)
 
     ordered = list(rows.values())
     base = rows["baseline"]
@@ -551,7 +586,8 @@ def main(argv=None) -> int:
             "seq_len": cfg.seq_len, "batch_size": cfg.data.batch_size,
             "train_tokens": cfg.run.train_tokens, "val_tokens": base["val_tokens"],
             "best": [n for n, _ in picks], "best_source": "--best" if best_names else
-            "chosen from the measurements", "targets": target_lines, "run_dir": run_root}
+            "chosen from the measurements", "targets": target_lines, "run_dir": run_root,
+            "interrupted": partial}
     report = os.path.join(run_root, "report.md")
     write_report(report, ordered, meta, picks, target_lines)
     title = f"{meta['model']} model, seq_len {cfg.seq_len}, {devices['device_kind']}"
@@ -559,14 +595,16 @@ def main(argv=None) -> int:
     write_json(cfg.run.json, ordered, meta)
     print(f"\n{meta['model']} model ({meta['params']:,} parameters), seq_len {cfg.seq_len}, "
           f"{cfg.run.train_tokens:,} real tokens per row, {devices['device_count']} x "
-          f"{devices['device_kind']}, jax {devices['jax_version']}")
+          f"{devices['device_kind']}, jax {devices['jax_version']}"
+          + (f" (PARTIAL: stopped by {partial}; {len(rows)} of {len(techniques)} rows)"
+             if partial else ""))
     print(table(ordered))
     print(f"\nbest = {' + '.join(meta['best']) or 'the baseline (nothing qualified)'} "
           f"({meta['best_source']})")
     for line in target_lines:
         print(line)
     print(f"report, plots and one directory per row: {run_root}")
-    return 0
+    return exit_code(partial)
 
 
 def _progress_line(row: dict):

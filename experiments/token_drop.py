@@ -19,8 +19,8 @@ every row in turn for ``--timed-steps`` steps on one fixed batch of random token
 position real), so that a machine shared with other work slows every row alike; the step time
 is the median of those steps. The table reports the kept tokens per row, that step time and its
 speed-up against ``keep 1``, the training's own step time (the median over the logged windows
-of ``--log-every`` steps) and real tokens per second, the training FLOPs per token the accounting counts (``model.flops_per_token``: the
-middle layers' matmuls at K/T, their attention at (K/T)^2) and the share it saves, the final
+of ``--log-every`` steps) and real tokens per second, the training FLOPs per token the
+accounting counts (``model.flops_per_token``: the middle layers' matmuls at K/T, their attention at (K/T)^2) and the share it saves, the final
 validation loss and bits per byte, and the validation loss's difference from ``keep 1``'s.
 Below the table it checks the issue's targets for keep 0.5 in the middle half of the layers:
 at least 20 % lower step time, and a validation loss within 2 % of ``keep 1``'s. Training bits
@@ -36,14 +36,14 @@ import time
 
 import jax
 
-from experiments.common import (command, environment, exit_code, parse_list, print_table,
-                               plot_loss_curves, write_json)
+from experiments.common import (command, environment, exit_code, parse_list, plot_loss_curves,
+                                print_table, train_until_stopped, write_json)
 from experiments.remat import random_batch
 from jaxaccel import token_drop
 from jaxaccel.config import TrainConfig, override, parse, setting
 from jaxaccel.errors import ConfigError
 from jaxaccel.loader import place_batch
-from jaxaccel.loop import sharded_steps, train
+from jaxaccel.loop import sharded_steps
 from jaxaccel.metrics import read_metrics
 from jaxaccel.model import describe_model
 from jaxaccel.optim import build_optimizer
@@ -173,7 +173,7 @@ def run_row(cfg: TokenDropConfig, row: Row, run_root: str) -> dict:
     """Train one row and reduce its summary to a table row."""
     run_dir = os.path.join(run_root, row.name)
     row_cfg = override(cfg, {**row.settings(), "run.run_dir": run_dir, "run.json": None})
-    summary = train(row_cfg)
+    summary = train_until_stopped(row_cfg)
     stopped = summary.interrupted
     kept = token_drop.kept_tokens(cfg.seq_len, row.keep)
     start, end = token_drop.layer_range(row_cfg.model)

@@ -14,9 +14,9 @@ import dataclasses
 import json
 import sys
 
-from experiments.common import command, exit_code
+from experiments.common import command, exit_code, train_until_stopped
 from jaxaccel.config import parse
-from jaxaccel.loop import RunSummary, train
+from jaxaccel.loop import RunSummary
 
 
 def format_summary(s: RunSummary) -> str:
@@ -100,7 +100,7 @@ def _remat_line(s: RunSummary) -> str:
 @command()
 def main(argv=None) -> int:
     cfg = parse(argv, description=__doc__.split("\n\n")[0])
-    summary = train(cfg)
+    summary = train_until_stopped(cfg)
     if summary.interrupted:
         print(f"stopped by {summary.interrupted} at step {summary.steps}; checkpoint saved; "
               f"continue with: python -m experiments.train --config {summary.run_dir}/config.yaml"

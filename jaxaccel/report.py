@@ -13,7 +13,7 @@ def format_table(rows: list[dict], columns: list[tuple[str, str, str]]) -> str:
 
     body = [[cell(r, key, spec) for key, _, spec in columns] for r in rows]
     headers = [header for _, header, _ in columns]
-    widths = [max(len(h), *(len(line[i]) for line in body)) for i, h in enumerate(headers)]
+    widths = [max([len(h), *(len(line[i]) for line in body)]) for i, h in enumerate(headers)]
     lines = ["| " + " | ".join(h.ljust(w) for h, w in zip(headers, widths)) + " |",
              "|" + "|".join("-" * (w + 2) for w in widths) + "|"]
     lines += ["| " + " | ".join(c.rjust(w) for c, w in zip(line, widths)) + " |" for line in body]
