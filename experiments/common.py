@@ -4,7 +4,6 @@ and batch sizes matched across batching strategies."""
 import contextlib
 import dataclasses
 import functools
-import json
 import os
 import signal
 import sys
@@ -17,7 +16,7 @@ from jaxaccel.config import TrainConfig, describe_error
 from jaxaccel.data import DataStream
 from jaxaccel.errors import ConfigError
 from jaxaccel.metrics import plot_curves, read_metrics, token_curve
-from jaxaccel.report import format_table
+from jaxaccel.report import dump_json, format_table
 
 
 def command(config_cls=TrainConfig):
@@ -41,6 +40,11 @@ def command(config_cls=TrainConfig):
                     print(f"stopped by {e.signal} before the experiment finished; its table "
                           f"is incomplete and was not written", file=sys.stderr)
                     return exit_code(e.signal)
+                except Exception as e:      # noqa: BLE001 - only allocation failures are ours
+                    if not out_of_memory(e):
+                        raise
+                    print(describe_out_of_memory(e), file=sys.stderr)
+                    return 2
                 except KeyboardInterrupt:
                     print("stopped by SIGINT (a second Ctrl-C): at once, nothing more written",
                           file=sys.stderr)
@@ -49,6 +53,23 @@ def command(config_cls=TrainConfig):
         return run
 
     return wrap
+
+
+def out_of_memory(error: BaseException) -> bool:
+    """An allocation failure: Python's MemoryError, or XLA's RESOURCE_EXHAUSTED (a
+    ``JaxRuntimeError`` / ``XlaRuntimeError`` whose message starts with it)."""
+    return isinstance(error, MemoryError) or (
+        type(error).__name__ in ("JaxRuntimeError", "XlaRuntimeError")
+        and "RESOURCE_EXHAUSTED" in str(error).split("\n", 1)[0])
+
+
+def describe_out_of_memory(error: BaseException) -> str:
+    """The one line for an allocation failure: what ran out and the settings that fix it."""
+    first = (str(error).splitlines() or [type(error).__name__])[0].strip()[:200]
+    return (f"error: out of memory ({first or 'MemoryError'}): the batch, sequence or model "
+            f"is too large for this device's (or host's) memory; lower --batch-size (or "
+            f"--tokens-per-batch), --seq-len, --d-model / --n-layers, or use --remat full, "
+            f"--memory-budget auto, --accumulate N")
 
 
 # ---------------------------------------------------------------------------------------------
@@ -157,6 +178,11 @@ def train_row(cfg: TrainConfig):
     return summary
 
 
+# Exit code of a run (or an experiment with a row) whose loss became NaN or inf: the run
+# finished but failed; 2 is bad input, 128 + N a signal.
+DIVERGED = 1
+
+
 def exit_code(interrupted: str | None) -> int:
     """0, or for a run stopped by the signal named ``interrupted`` (``"SIGINT"``) the shell's
     128 + its number (1 for another reason)."""
@@ -204,8 +230,9 @@ def environment() -> dict:
 def write_json(path: str | None, rows: list[dict], meta: dict):
     """``{"rows": rows, "meta": meta}`` to ``path`` (nothing without a path)."""
     if path:
-        with open(path, "w") as f:
-            json.dump({"rows": rows, "meta": meta}, f, indent=2)
+        dump_json(path, {"rows": rows, "meta": meta})
+
+
 
 
 def plot_loss_curves(path: str, run_dirs: dict[str, str], title: str):

@@ -220,6 +220,7 @@ def run_row(cfg: DepthConfig, row: Row, run_root: str) -> dict:
         "params": summary.params,
         "val_loss": None if stopped else summary.val_loss,
         "val_bpb": None if stopped else summary.val_bpb,
+        "diverged_at_step": summary.diverged_at_step,
         "val_tokens": summary.val_tokens,
         "train_bpb": summary.train_bpb,
         "eval_curve": eval_curve(run_dir),

@@ -174,6 +174,7 @@ def run_row(row_cfg, row: str, label: str, run_dir: str, full: dict | None) -> d
         "step_bytes": (summary.step_memory_bytes or {}).get("total"),
         "peak_bytes": summary.peak_memory_bytes, "val_loss": summary.val_loss,
         "val_bpb": summary.val_bpb, "val_tokens": summary.val_tokens,
+        "diverged_at_step": summary.diverged_at_step,
         "real_tokens": summary.real_tokens, "steps": summary.steps,
         "learning_rate": summary.learning_rate, "run_dir": run_dir,
         "merged_val_loss": None, "merged_dir": None,

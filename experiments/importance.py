@@ -138,6 +138,7 @@ def run_row(cfg: ImportanceConfig, name: str, run_root: str) -> dict:
         "data_wait_s": summary.data_wait_s,
         "val_loss": None if stopped else summary.val_loss,
         "val_bpb": None if stopped else summary.val_bpb,
+        "diverged_at_step": summary.diverged_at_step,
         "val_tokens": summary.val_tokens,
         "train_bpb": summary.train_bpb,
         "eval_curve": eval_curve(run_dir),

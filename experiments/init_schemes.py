@@ -104,6 +104,7 @@ def run_one(cfg: InitConfig, run_root: str, scheme: str, lr: float, warmup: int)
     return {"label": label, "scheme": scheme, "warmup_steps": warmup, "learning_rate": lr,
             "steps": summary.steps, "train_bpb": summary.train_bpb, "val_loss": summary.val_loss,
             "val_bpb": summary.val_bpb, "unigram_bpb": summary.unigram_bpb,
+            "diverged_at_step": summary.diverged_at_step,
             "trained": trained, "verdict": verdict,
             "wall_s": summary.wall_s, "run_dir": run_dir, "interrupted": summary.interrupted}
 

@@ -155,6 +155,7 @@ def run_strategy(cfg: PaddingConfig, strategy: str, run_root: str) -> dict:
         "wall_s": summary.wall_s,
         "val_loss": summary.val_loss,
         "val_bpb": summary.val_bpb,
+        "diverged_at_step": summary.diverged_at_step,
     }
 
 

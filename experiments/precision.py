@@ -122,6 +122,7 @@ def run_row(cfg: PrecisionConfig, name: str, run_root: str) -> dict:
         "temp_bytes": memory["temp"] if memory else None,
         "val_loss": summary.val_loss,
         "val_bpb": summary.val_bpb,
+        "diverged_at_step": summary.diverged_at_step,
         "skipped_steps": summary.skipped_steps,
         "loss_scale": summary.loss_scale,
         "compile_s": summary.compile_s,

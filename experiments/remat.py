@@ -48,11 +48,13 @@ from jaxaccel.state import init_state
 class RematSettings:
     policies: str = setting(",".join(REMAT_POLICIES), "comma-separated remat policies")
     scan_rows: bool = setting(True, "also measure every policy with the blocks scanned")
-    timed_steps: int = setting(3, "timed steps per row (median), after one warm-up step")
+    timed_steps: int = setting(3, "timed steps per row (median), after one warm-up step",
+                               at_least=1)
     memory_budget: int | None = setting(None, "device bytes for the largest-batch column "
                                               "(default: the first row's total bytes at "
-                                              "--batch-size)")
-    max_batch_limit: int = setting(1024, "largest batch the search considers")
+                                              "--batch-size)", at_least=1,
+                                              at_most=2**62)
+    max_batch_limit: int = setting(1024, "largest batch the search considers", at_least=1)
 
 
 @dataclasses.dataclass
@@ -66,6 +68,11 @@ class RematConfig(TrainConfig):
 # experiment's own memory budget (the largest-batch column) replaces the run's.
 DEFAULTS = {"model.n_layers": 12, "data.seq_len": 256, "data.batch_size": 4}
 FIXED = ("model.remat", "model.scan_layers", "run.memory_budget")
+# Every row times a fixed batch of random tokens: no corpus, batching or loader is involved.
+UNUSED = {f"data.{name}": "its rows time a fixed batch of random tokens"
+          for name in ("path", "batching", "tokens_per_batch", "buckets", "pad_multiple",
+                       "pack_window", "prefetch", "sampling", "sampling_power",
+                       "sampling_floor", "cache_dir")}
 
 
 COLUMNS = [
@@ -150,22 +157,20 @@ def compare_with_none(rows: list[dict]):
 
 @command(RematConfig)
 def main(argv=None) -> int:
-    cfg = parse(argv, RematConfig, defaults=DEFAULTS, fixed=FIXED,
+    cfg = parse(argv, RematConfig, defaults=DEFAULTS, fixed=FIXED, unused=UNUSED,
                 description=__doc__.split("\n\n")[0])
     cfg.validate()
     exp, model_cfg, batch_size = cfg.experiment, cfg.model, cfg.data.batch_size
     policies = parse_list(exp.policies, "experiment.policies", valid=REMAT_POLICIES)
-    for field in ("timed_steps", "max_batch_limit"):
-        if getattr(exp, field) < 1:
-            raise ConfigError(f"{field} must be at least 1", field=f"experiment.{field}")
     if batch_size is None:
         raise ConfigError("this experiment takes a batch size in rows", field="data.batch_size")
     optimizer, _, _ = build_optimizer(cfg.optimizer, batch_rows=batch_size,
                                       total_steps=cfg.run.steps)
     batch = random_batch(batch_size, cfg.seq_len, model_cfg.vocab_size, cfg.run.seed)
-    measured = [measure(cfg, policy, scan, optimizer, batch)
-                for scan in ((False, True) if exp.scan_rows else (False,))
-                for policy in policies]
+    with jax.default_matmul_precision(cfg.precision.matmul):    # as loop.train runs the step
+        measured = [measure(cfg, policy, scan, optimizer, batch)
+                    for scan in ((False, True) if exp.scan_rows else (False,))
+                    for policy in policies]
     rows = [fields for fields, _ in measured]
     if rows[0]["total_bytes"] is None:
         raise ConfigError(f"the {jax.default_backend()} backend gives no compiled memory "

@@ -77,6 +77,7 @@ def run_one(cfg: SparsityConfig, run_root: str, pattern: str) -> dict:
             "step_ms": 1000 * summary.train_s / max(summary.steps_this_run, 1),
             "train_bpb": summary.train_bpb, "val_loss": summary.val_loss,
             "val_bpb": summary.val_bpb, "density": summary.sparsity_density,
+            "diverged_at_step": summary.diverged_at_step,
             "flops_share": saved.get("flops_share"),
             "flops_share_fwd_dgrad": saved.get("flops_share_fwd_dgrad"),
             "weight_bytes_share": saved.get("weight_bytes_share"),

@@ -264,18 +264,26 @@ def choose_best(rows: dict[str, dict], margin: float, tolerance: float,
     return picks
 
 
-def combine(settings_of: dict[str, dict], names: list[str], device_count: int) -> dict:
-    """The settings of the named rows together; the batch rounded up to split over the devices
-    (when a sharding row is among them) times the microbatches."""
+def best_groups(names: list[str]) -> dict[str, str]:
+    """The group of each row the best row combines (``--best``), by group; ConfigError for a
+    name that is no technique row or two rows of one group (checked before any row runs)."""
     groups = {}
     for name in names:
         group = BY_NAME[name].group
         if group in ("baseline", "combination"):
-            raise ConfigError(f"--best cannot combine {name!r}; name technique rows")
+            raise ConfigError(f"--best cannot combine {name!r}; name technique rows",
+                              field="experiment.best")
         if group in groups:
             raise ConfigError(f"--best names two {group} rows ({groups[group]} and {name}); "
-                              f"keep one")
+                              f"keep one", field="experiment.best")
         groups[group] = name
+    return groups
+
+
+def combine(settings_of: dict[str, dict], names: list[str], device_count: int) -> dict:
+    """The settings of the named rows together; the batch rounded up to split over the devices
+    (when a sharding row is among them) times the microbatches."""
+    groups = best_groups(names)
     settings = {}
     for name in names:
         settings.update(settings_of[name])
@@ -520,6 +528,8 @@ def main(argv=None) -> int:
         raise ConfigError(f"row_accumulate={exp.row_accumulate} must be >= 1 and divide "
                           f"batch_size={cfg.data.batch_size}", field="experiment.row_accumulate")
     best_names = parse_list(exp.best, "experiment.best", valid=BY_NAME) if exp.best else None
+    if best_names:
+        best_groups(best_names)         # before any row runs, not when the best row comes
     techniques = [t for t in TECHNIQUES if t.name == "baseline" or t.name in names]
     run_root = cfg.run.run_dir or os.path.join("runs", time.strftime("speedup-%Y%m%d-%H%M%S"))
     if os.path.exists(os.path.join(run_root, "report.md")):

@@ -196,6 +196,7 @@ def run_row(cfg: TokenDropConfig, row: Row, run_root: str) -> dict:
         "train_bpb": summary.train_bpb,
         "val_loss": None if stopped else summary.val_loss,
         "val_bpb": None if stopped else summary.val_bpb,
+        "diverged_at_step": summary.diverged_at_step,
         "val_tokens": summary.val_tokens,
         "compiles_after_warmup": summary.compiles_after_warmup,
         "run_dir": run_dir,

@@ -11,10 +11,9 @@ target token: each byte, and the end-of-document token once per document.
 """
 
 import dataclasses
-import json
 import sys
 
-from experiments.common import command, exit_code, train_until_stopped
+from experiments.common import DIVERGED, command, dump_json, exit_code, train_until_stopped
 from jaxaccel.config import parse
 from jaxaccel.loop import RunSummary
 
@@ -108,8 +107,12 @@ def main(argv=None) -> int:
         return exit_code(summary.interrupted)
     print(format_summary(summary))
     if cfg.run.json:
-        with open(cfg.run.json, "w") as f:
-            json.dump(dataclasses.asdict(summary), f, indent=2)
+        dump_json(cfg.run.json, dataclasses.asdict(summary))
+    if summary.diverged_at_step is not None:
+        print(f"error: training diverged: the loss was NaN or inf at step "
+              f"{summary.diverged_at_step}; lower --learning-rate, keep --clip-norm on, or use "
+              f"--loss-scale dynamic with fp16 (exit code {DIVERGED})", file=sys.stderr)
+        return DIVERGED
     return 0
 
 

@@ -24,7 +24,9 @@ change; argparse plus PyYAML, about 200 lines here, keep them and add the file a
 
 import argparse
 import dataclasses
+import math
 import os
+import sys
 import types
 import typing
 
@@ -45,9 +47,77 @@ from jaxaccel.sharding import AXIS_TYPES, STRATEGIES as SHARDING_STRATEGIES
 MATMUL_PRECISIONS = ("default", "high", "highest")
 
 
-def setting(default, help_text: str, *, flag: str | None = None, choices=None):
-    """A config field with its help text; ``flag`` when its flag is not ``--<field name>``."""
-    metadata = {"help": help_text, "flag": flag, "choices": choices}
+# Every int setting fits int32 (steps, sizes and seeds live in int32 arrays) unless its range
+# says otherwise; below this, a huge value would wrap around or ask for absurd memory.
+INT_LIMIT = 2**31 - 1
+
+
+@dataclasses.dataclass(frozen=True)
+class Range:
+    """The values a numeric setting accepts: a float must be finite, an int fit ``INT_LIMIT``
+    (unless ``at_most`` allows more), and both lie within the bounds given: ``at_least`` /
+    ``above`` (inclusive / exclusive lower), ``at_most`` / ``below`` (upper). ``note`` says what
+    a special value means (``0 = off``). ``check`` raises ConfigError naming the field, its
+    value and the range."""
+
+    at_least: float | None = None
+    above: float | None = None
+    at_most: float | None = None
+    below: float | None = None
+    note: str = ""
+
+    def describe(self, kind) -> str:
+        """``at least 1``, ``a finite number in [0, 1)``, ``an integer in [1, 64]``..."""
+        low = self.at_least if self.above is None else self.above
+        high = self.at_most if self.below is None else self.below
+        if low is None and high is None:
+            return "a finite number"
+        if low is not None and high is not None:
+            interval = (f"{'[' if self.above is None else '('}{_number(low)}, "
+                        f"{_number(high)}{']' if self.below is None else ')'}")
+            return f"an integer in {interval}" if kind is int else f"in {interval}"
+        if low is None:
+            return f"a finite number {'<=' if self.below is None else '<'} {_number(high)}"
+        if kind is int:
+            return f"at least {_number(low)}" if self.above is None else \
+                f"more than {_number(low)}"
+        return f"a finite number {'>=' if self.above is None else '>'} {_number(low)}"
+
+    def contains(self, value) -> bool:
+        if isinstance(value, float) and not math.isfinite(value):
+            return False
+        high = self.at_most if self.at_most is not None else (
+            INT_LIMIT if isinstance(value, int) and self.below is None else None)
+        return not ((self.at_least is not None and value < self.at_least)
+                    or (self.above is not None and value <= self.above)
+                    or (high is not None and value > high)
+                    or (self.below is not None and value >= self.below))
+
+    def check(self, path: str, value):
+        if not self.contains(value):
+            name = path.rpartition(".")[2]
+            note = f" ({self.note})" if self.note else ""
+            if isinstance(value, int) and value > INT_LIMIT and self.at_most is None:
+                raise ConfigError(f"{name} must be at most {INT_LIMIT} (an int32), got {value}",
+                                  field=path)
+            raise ConfigError(f"{name} must be {self.describe(type(value))}{note}, got {value}",
+                              field=path)
+
+
+def _number(x) -> str:
+    return str(x) if isinstance(x, int) else f"{x:g}"
+
+
+INT_RANGE, FLOAT_RANGE = Range(at_least=0), Range()     # the ranges of a field that names none
+
+
+def setting(default, help_text: str, *, flag: str | None = None, choices=None,
+            at_least=None, above=None, at_most=None, below=None, note: str = ""):
+    """A config field with its help text; ``flag`` when its flag is not ``--<field name>``.
+    A numeric field's range (``Range``): ``at_least``/``above`` and ``at_most``/``below``
+    (without them: an int >= 0, a float finite); ``validate`` checks every field against it."""
+    metadata = {"help": help_text, "flag": flag, "choices": choices,
+                "range": Range(at_least, above, at_most, below, note)}
     return dataclasses.field(default=default, metadata=metadata)
 
 
@@ -108,25 +178,47 @@ MODEL_HELP = {
 # Set by other settings (the tokenizer; the precision policy): a config file may hold them, no
 # flag sets them, and ``build`` derives them.
 MODEL_FIXED = ("vocab_size", "fp8")
+# The model fields' ranges (``Range``); an int field not named here is >= 0.
+MODEL_RANGES = {
+    "vocab_size": Range(at_least=1), "d_model": Range(at_least=1),
+    "n_layers": Range(at_least=1), "n_heads": Range(at_least=1),
+    "n_kv_heads": Range(at_least=1), "d_ff": Range(at_least=1),
+    "max_seq_len": Range(at_least=1), "rope_base": Range(above=1),
+    "dropout": Range(at_least=0, below=1), "stochastic_depth": Range(at_least=0, below=1),
+    "lora_rank": Range(at_least=0, note="0 = off"), "lora_alpha": Range(above=0),
+    "adapter_dim": Range(at_least=0, note="0 = off"), "sparsity_every": Range(at_least=1),
+    "sparsity_decay": Range(at_least=0), "token_keep": Range(above=0, at_most=1),
+}
+# Size caps: more length buckets than this plans for minutes (O(buckets x lengths^2)); more
+# batches ready than this only holds device memory (two or three hide the loader).
+MAX_BUCKETS = 1024
+MAX_PREFETCH = 64
+# A float32 loss scale above this overflows any gradient: every step would be skipped.
+MAX_LOSS_SCALE = 2.0**64
 
 
 @dataclasses.dataclass
 class DataConfig:
     path: str = setting("stdlib", "corpus: 'stdlib', a directory of text files or a .jsonl file",
                         flag="data")
-    seq_len: int | None = setting(None, "training sequence length (default: the model context)")
+    seq_len: int | None = setting(None, "training sequence length (default: the model context)",
+                                  at_least=1)
     batching: str = setting("fixed", "batching strategy: fixed padding, dynamic padding, length "
                                      "buckets or sequence packing", choices=tuple(STRATEGIES))
     batch_size: int | None = setting(None, "sequences per batch (default 16 unless "
-                                           "tokens_per_batch is given)")
+                                           "tokens_per_batch is given)", at_least=1)
     tokens_per_batch: int | None = setting(None, "token budget per batch instead of batch_size "
-                                                 "(bucket: a batch size per bucket)")
-    buckets: int = setting(8, "number of length buckets (bucket batching)")
+                                                 "(bucket: a batch size per bucket)",
+                                        at_least=1)
+    buckets: int = setting(8, "number of length buckets (bucket batching; at most seq_len)",
+                           at_least=1, at_most=MAX_BUCKETS)
     pad_multiple: int = setting(64, "row lengths are padded to a multiple of this (dynamic, "
-                                    "bucket)")
+                                    "bucket)", at_least=1)
     pack_window: int | None = setting(None, "documents packed together per window (pack "
-                                            "batching; default: the data module's)")
-    prefetch: int = setting(2, "batches the loader thread keeps ready on the devices")
+                                            "batching; default: the data module's)",
+                                            at_least=1)
+    prefetch: int = setting(2, "batches the loader thread keeps ready on the devices",
+                            at_least=1, at_most=MAX_PREFETCH)
     sampling: str = setting("uniform", "importance sampling of documents (fixed batching): "
                                        "uniform (off), loss (documents drawn by their last seen "
                                        "loss) or grad-norm (by a bound of their gradient norm), "
@@ -134,10 +226,11 @@ class DataConfig:
                             choices=SAMPLING)
     sampling_power: float = setting(1.0, "importance sampling: probabilities proportional to "
                                          "the documents' relative scores to this power (0 = "
-                                         "uniform)")
+                                         "uniform)", at_least=0)
     sampling_floor: float = setting(0.1, "importance sampling: share of the probability spread "
                                          "uniformly over all rows, so every document stays "
-                                         "reachable (0 < floor <= 1)")
+                                         "reachable (0 < floor <= 1)",
+                                    above=0, at_most=1)
     cache_dir: str | None = setting(None, "tokenized corpus cache (default $JAXACCEL_CACHE_DIR "
                                           "or ~/.cache/jaxaccel)")
 
@@ -147,23 +240,27 @@ class OptimizerConfig:
     name: str = setting("adamw", "optimizer; its defaults: " + describe_defaults(),
                         flag="optimizer", choices=OPTIMIZERS)
     learning_rate: float | None = setting(None, "peak learning rate at base_batch_size "
-                                                "(default: the optimizer's)")
+                                                "(default: the optimizer's)", above=0)
     schedule: str = setting("cosine", "learning-rate shape after the linear warmup: constant, "
                                       "cosine or linear decay to 10%, inverse square root",
                             choices=SCHEDULES)
-    warmup_steps: int = setting(50, "linear warmup steps")
+    warmup_steps: int = setting(50, "linear warmup steps (more than steps: the run ends "
+                                    "within the warmup)", at_least=0)
     lr_scaling: str = setting("none", "scale the learning rate from base_batch_size to the batch "
                                       "size: linear (SGD-style) or sqrt (Adam/LAMB-style)",
                               choices=LR_SCALING)
-    base_batch_size: int = setting(16, "batch size (rows) at which learning_rate is given")
-    weight_decay: float | None = setting(None, "weight decay (default: the optimizer's)")
+    base_batch_size: int = setting(16, "batch size (rows) at which learning_rate is given",
+                                   at_least=1)
+    weight_decay: float | None = setting(None, "weight decay (default: the optimizer's)",
+                                         at_least=0)
     no_decay: str = setting(",".join(NO_DECAY_PATTERNS),
                             "comma-separated regexes of parameter paths exempt from weight decay "
                             "and trust ratios (tensors under 2-D per layer are always exempt)")
-    clip_norm: float = setting(1.0, "global gradient-norm clip (0 = off)")
+    clip_norm: float = setting(1.0, "global gradient-norm clip (0 = off)", at_least=0,
+                               note="0 = off")
     accumulate: int = setting(1, "split each batch into this many microbatches and average "
                                  "their gradients in one step (same update, less activation "
-                                 "memory)")
+                                 "memory)", at_least=1)
     state_dtype: str = setting("float32", "dtype of the optimizer's moments",
                                flag="optimizer_state_dtype", choices=("float32", "bfloat16"))
 
@@ -177,15 +274,18 @@ class PrecisionConfig:
     loss_scale: str = setting("auto", "loss scaling: auto (dynamic for float16 compute, else "
                                       "none), dynamic, static or none", choices=LOSS_SCALE_KINDS)
     init_scale: float = setting(2.0**16, "initial dynamic loss scale (the static scale with "
-                                         "loss_scale static)", flag="loss_scale_init")
+                                         "loss_scale static)", flag="loss_scale_init",
+                                above=0, at_most=MAX_LOSS_SCALE)
     growth_interval: int = setting(2000, "finite steps in a row before the dynamic scale grows",
-                                   flag="loss_scale_growth_interval")
+                                   flag="loss_scale_growth_interval", at_least=1)
     growth_factor: float = setting(2.0, "dynamic scale growth factor",
-                                   flag="loss_scale_growth_factor")
+                                   flag="loss_scale_growth_factor", above=1,
+                                  at_most=MAX_LOSS_SCALE)
     backoff: float = setting(0.5, "dynamic scale factor on a non-finite step",
-                             flag="loss_scale_backoff")
+                             flag="loss_scale_backoff", above=0, below=1)
     min_scale: float = setting(1.0, "the dynamic scale never backs off below this",
-                               flag="loss_scale_min")
+                               flag="loss_scale_min", above=0,
+                               at_most=MAX_LOSS_SCALE)
     matmul: str = setting("default", "float32 matmul precision (jax_default_matmul_precision): "
                                      "default lets GPUs use TF32, highest forces full float32",
                           flag="matmul_precision", choices=MATMUL_PRECISIONS)
@@ -213,42 +313,52 @@ class MeshConfig:
                                               "count, not the microbatches)",
                                      choices=tuple(PIPELINE_SCHEDULES))
     num_devices: int | None = setting(None, "train on the first N devices of this process "
-                                            "(default: all devices of all processes)")
+                                            "(default: all devices of all processes)",
+                                     at_least=1)
     axis_types: str = setting("auto", "mesh axis types: auto (XLA completes the shardings) or "
                                       "explicit (shardings are part of every array's type)",
                               flag="mesh_axis_types", choices=tuple(AXIS_TYPES))
     coordinator: str | None = setting(None, "HOST:PORT of process 0: train over several "
                                             "processes (hosts) with jax.distributed")
-    num_processes: int | None = setting(None, "number of processes (with coordinator)")
-    process_id: int | None = setting(None, "this process's index, 0 .. N-1 (with coordinator)")
+    num_processes: int | None = setting(None, "number of processes (with coordinator)",
+                                         at_least=1)
+    process_id: int | None = setting(None, "this process's index, 0 .. N-1 (with coordinator)",
+                                       at_least=0)
     distributed: bool = setting(False, "start jax.distributed from the cluster's environment "
                                        "(SLURM, Open MPI, ...) instead of coordinator")
     distributed_timeout: int = setting(300, "seconds to wait for all processes to reach the "
-                                            "coordinator")
+                                            "coordinator", at_least=1)
 
 
 @dataclasses.dataclass
 class RunConfig:
-    steps: int = setting(300, "optimizer steps in the whole run")
+    steps: int = setting(300, "optimizer steps in the whole run", at_least=1)
     train_tokens: int | None = setting(None, "train on about this many real tokens instead of "
-                                             "steps (steps = tokens / mean real tokens per batch)")
-    seed: int = setting(0, "seed of parameters, data order and dropout")
+                                             "steps (steps = tokens / mean real tokens per batch)",
+                                       at_least=1, at_most=2**62)
+    seed: int = setting(0, "seed of parameters, data order and dropout", at_least=0)
     memory_budget: int | str | None = setting(
         None, "device bytes the train step may use, or auto (this device's memory): compile "
               "every remat policy and take the fastest (fewest FLOPs) that fits the batch; "
-              "overrides model.remat", choices=("auto",))
+              "overrides model.remat", choices=("auto",), at_least=1,
+        at_most=2**62)
     run_dir: str | None = setting(None, "run directory (default: a new runs/train-<time>; with "
                                         "resume, the latest one)")
     resume: bool = setting(False, "continue the run in run_dir from its latest checkpoint")
-    checkpoint_every: int = setting(100, "save an orbax checkpoint every N steps (and at the end)")
-    eval_every: int = setting(100, "evaluate on eval_batches validation batches every N steps")
+    checkpoint_every: int = setting(100, "save an orbax checkpoint every N steps (and at the "
+                                         "end; 0: only at the end)", at_least=0)
+    eval_every: int = setting(100, "evaluate on eval_batches validation batches every N steps "
+                                    "(0 = off)", at_least=0)
     eval_batches: int = setting(20, "validation batches in periodic evaluations, spread over the "
-                                    "split (the final one: final_eval_batches)")
+                                    "split (the final one: final_eval_batches); a number at "
+                                    "least the split's batches evaluates all of it",
+                                at_least=1)
     eval_batch_size: int | None = setting(None, "rows per validation batch (default: the "
-                                                "training batch's rows)")
+                                                "training batch's rows)", at_least=1)
     final_eval_batches: int | None = setting(None, "validation batches of the final evaluation "
-                                                   "(default: the whole split)")
-    log_every: int = setting(10, "write metrics every N steps")
+                                                   "(default: the whole split)",
+                                                   at_least=1)
+    log_every: int = setting(10, "write metrics every N steps (0: every step)", at_least=0)
     progress: bool = setting(True, "show a progress bar")
     json: str | None = setting(None, "also write the summary as JSON to this path")
     trackers: str = setting("none", "mirror the metrics to trackers: none, tensorboard, wandb or "
@@ -264,7 +374,7 @@ class RunConfig:
                                           "match its")
     progressive_stack: int = setting(1, "progressive layer stacking: train in this many stages, "
                                         "the depth doubling after each up to n_layers "
-                                        "(1 = off)")
+                                        "(1 = off)", at_least=1)
     stack_at: str | None = setting(None, "comma-separated steps at which progressive stacking "
                                          "doubles the depth (default: equal shares of the "
                                          "steps)")
@@ -319,22 +429,9 @@ class TrainConfig:
 
 
     def validate(self):
-        """Check the settings together (ConfigError naming the field otherwise)."""
-        positive = {"run.steps": self.run.steps, "data.seq_len": self.seq_len,
-                    "data.batch_size": self.data.batch_size,
-                    "data.tokens_per_batch": self.data.tokens_per_batch,
-                    "run.train_tokens": self.run.train_tokens, "data.prefetch": self.data.prefetch,
-                    "optimizer.accumulate": self.optimizer.accumulate,
-                    "optimizer.base_batch_size": self.optimizer.base_batch_size,
-                    "run.memory_budget": self.run.memory_budget,
-                    "mesh.distributed_timeout": self.mesh.distributed_timeout,
-                    "run.final_eval_batches": self.run.final_eval_batches,
-                    "mesh.num_devices": self.mesh.num_devices,
-                    "run.eval_batch_size": self.run.eval_batch_size}
-        for field, value in positive.items():
-            if value is not None and not isinstance(value, str) and value < 1:
-                raise ConfigError(f"{field.split('.')[1]} must be at least 1, got {value}",
-                                  field=field)
+        """Check the settings: each numeric field in its range (``check_ranges``), then
+        together (ConfigError naming the field otherwise)."""
+        check_ranges(self)
         accumulate = self.optimizer.accumulate
         if self.data.batch_size is not None and self.data.batch_size % accumulate:
             raise ConfigError(f"batch_size={self.data.batch_size} does not split into "
@@ -344,11 +441,15 @@ class TrainConfig:
             raise ConfigError(f"seq_len={self.seq_len} exceeds the model context max_seq_len="
                               f"{self.model.max_seq_len}; lower seq_len or raise max_seq_len",
                               field="data.seq_len")
-        for field in ("run.checkpoint_every", "run.eval_every", "run.eval_batches",
-                      "run.log_every", "optimizer.warmup_steps"):
-            value = field_value(self, field)
-            if value < 0:
-                raise ConfigError(f"{field.split('.')[1]} must be >= 0, got {value}", field=field)
+        if self.data.batching == "bucket" and self.data.buckets > self.seq_len:
+            raise ConfigError(f"buckets={self.data.buckets} exceeds seq_len={self.seq_len}: "
+                              f"a bucket is a row length; pass at most seq_len buckets",
+                              field="data.buckets")
+        if (self.mesh.process_id is not None and self.mesh.num_processes is not None
+                and self.mesh.process_id >= self.mesh.num_processes):
+            raise ConfigError(f"process_id={self.mesh.process_id} is not below num_processes="
+                              f"{self.mesh.num_processes}; pass 0 .. {self.mesh.num_processes - 1}",
+                              field="mesh.process_id")
         self.make_loss_scale()
         self.validate_sampling()
         from jaxaccel.trackers import check as check_trackers
@@ -410,6 +511,43 @@ class TrainConfig:
             raise ConfigError(f"init_from={run.init_from!r} is not a run directory (no "
                               f"config.yaml in it); pass the run_dir of a trained run",
                               field="run.init_from")
+
+
+# ---------------------------------------------------------------------------------------------
+# Ranges: every numeric field of every section, checked the same way.
+
+def field_ranges(cls) -> dict[str, "Range | None"]:
+    """Every field of ``cls``'s sections by path: its declared ``Range`` (None when the field
+    declares none: an int then takes ``INT_RANGE``, a float ``FLOAT_RANGE``)."""
+    ranges = {}
+    for section, section_cls in _sections(cls).items():
+        for f in dataclasses.fields(section_cls):
+            declared = (MODEL_RANGES.get(f.name) if section_cls is ModelConfig
+                        else f.metadata.get("range"))
+            ranges[f"{section}.{f.name}"] = declared
+    return ranges
+
+
+# Fields that name a file or directory: an empty string is refused, never read as ".".
+PATH_FIELDS = ("path", "run_dir", "json", "cache_dir", "init_from", "coordinator", "from_run")
+
+
+def check_ranges(cfg):
+    """ConfigError for the first numeric field of ``cfg`` (any config class: a TrainConfig, an
+    experiment's) that is not finite or out of its range, or path field (``PATH_FIELDS``) that
+    is empty; other fields pass."""
+    for path, declared in field_ranges(type(cfg)).items():
+        value = field_value(cfg, path)
+        if isinstance(value, str) and not value.strip() and \
+                path.rpartition(".")[2] in PATH_FIELDS:
+            raise ConfigError(f"{path.rpartition('.')[2]} is empty (an empty path would mean "
+                              f"the current directory); pass a path, or leave it out for the "
+                              f"default", field=path)
+        if isinstance(value, bool) or not isinstance(value, (int, float)):
+            continue
+        if declared is None or declared == Range():
+            declared = INT_RANGE if isinstance(value, int) else FLOAT_RANGE
+        declared.check(path, value)
 
 
 # ---------------------------------------------------------------------------------------------
@@ -588,13 +726,13 @@ def build_parser(cls=None, *, defaults: dict | None = None, fixed: tuple = (),
     experiment sets them). Defaults shown are ``defaults`` over the fields' own."""
     cls = cls or TrainConfig
     shown = to_dict(build(cls, defaults))
-    parser = argparse.ArgumentParser(description=description, allow_abbrev=False,
-                                     formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser = _Parser(description=description, allow_abbrev=False,
+                     formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--config", metavar="FILE.yaml", help="read settings from this YAML "
                         "file (sections of fields; flags and overrides win)")
     parser.add_argument("overrides", nargs="*", metavar="section.field=value",
                         help="set any field, e.g. data.seq_len=512 optimizer.name=lion")
-    flags = {}
+    flags, ranges = {}, field_ranges(cls)
     for path, (kind, help_text, flag, choices) in _field_table(cls).items():
         section, _, name = path.partition(".")
         if path in fixed or flag is None:
@@ -605,8 +743,9 @@ def build_parser(cls=None, *, defaults: dict | None = None, fixed: tuple = (),
         group = _group(parser, section)
         default = (defaults or {}).get("model.preset", "tiny") if path == "model.preset" else \
             shown[section].get(name)
+        accepts = _accepts(ranges.get(path), kind)
         kwargs = {"dest": path, "default": argparse.SUPPRESS,
-                  "help": f"{help_text} ({path}, default: {default})".replace("%", "%%")}
+                  "help": f"{help_text} ({path}, default: {default}{accepts})".replace("%", "%%")}
         if _scalar_type(kind) is bool:
             kwargs["action"] = argparse.BooleanOptionalAction
         elif str in typing.get_args(kind) and len(_alternatives(kind)) > 1:
@@ -620,6 +759,26 @@ def build_parser(cls=None, *, defaults: dict | None = None, fixed: tuple = (),
                 kwargs["metavar"] = name.upper()
         group.add_argument("--" + flag.replace("_", "-"), **kwargs)
     return parser
+
+
+def _accepts(declared, annotation) -> str:
+    """``, an integer in [1, 64]``: a numeric field's range for its help ("" otherwise)."""
+    kinds = set(_alternatives(annotation)) or {annotation}
+    kind = float if float in kinds else int if int in kinds and bool not in kinds else None
+    if kind is None:
+        return ""
+    if declared is None or declared == Range():
+        declared = INT_RANGE if kind is int else FLOAT_RANGE
+    return f"; {declared.describe(kind)}"
+
+
+class _Parser(argparse.ArgumentParser):
+    """argparse whose errors (an unknown flag, a value of the wrong type) are one line and exit
+    code 2, like a ConfigError's, rather than the whole usage."""
+
+    def error(self, message):
+        print(f"error: {message}; see --help", file=sys.stderr)
+        raise SystemExit(2)
 
 
 def _group(parser, section: str):
@@ -643,25 +802,34 @@ def describe_error(error: ConfigError, cls=None) -> str:
 
 
 def parse(argv=None, cls=None, *, defaults: dict | None = None, fixed: tuple = (),
-          description: str = ""):
+          unused: dict | None = None, description: str = ""):
     """A ``cls`` (default TrainConfig) from the command line: the fields' defaults, then
     ``defaults``, then ``--config``, then flags and ``section.field=value`` overrides. A field in
-    ``fixed`` is set by the experiment and may not be given at all."""
+    ``fixed`` is set by the experiment and may not be given at all; one in ``unused`` (path:
+    why) keeps its flag but is refused if given, so that a flag shown is never silently
+    ignored. Every numeric field is then checked against its range (``check_ranges``)."""
     cls = cls or TrainConfig
     parser = build_parser(cls, defaults=defaults, fixed=fixed, description=description)
     args = vars(parser.parse_intermixed_args(argv))
     values = dict(defaults or {})
     config_file = args.pop("config", None)
     given = read_config_file(config_file) if config_file else {}
+    explicit = set(args) - {"overrides"}      # flags and overrides, not a file's fields
     for item in args.pop("overrides"):
         path, sep, value = item.partition("=")
         if not sep:
             raise ConfigError(f"override {item!r} is not section.field=value; write e.g. "
                               f"data.seq_len=512")
         given[path.strip()] = value
+        explicit.add(path.strip())
     given.update(args)
     for path in given:
         if path in fixed:
             raise ConfigError(f"{path} is set by this experiment for each row; leave it out")
+        if path in (unused or {}) and path in explicit:
+            raise ConfigError(f"{path} is not used by this experiment "
+                              f"({unused[path]}); leave it out", field=path)
     values.update(given)
-    return build(cls, values)
+    cfg = build(cls, values)
+    check_ranges(cfg)
+    return cfg

@@ -287,8 +287,9 @@ def _split(name: str, tokenized: _Tokenized, val_percent: float) -> Corpus:
     for split, ids in (("train", np.flatnonzero(~is_val_N)), ("val", np.flatnonzero(is_val_N))):
         if len(ids) == 0:
             raise ConfigError(
-                f"corpus {name} has no {split} documents with val_percent={val_percent}: "
-                "add more files (or JSONL lines), or change val_percent", field="data.path"
+                f"corpus {name} has no {split} documents ({val_percent:g}% of its files, or "
+                f"JSONL lines, go to validation): pass a corpus with more files or lines",
+                field="data.path"
             )
         docs = [tokens[offsets[n] : offsets[n + 1]] for n in ids]
         stats[f"{split}_documents"] = len(ids)

@@ -587,6 +587,12 @@ def _check_sizes(strategy: str, seq_len: int, batch_size: int | None,
                 f"{name} must be >= 1, got {value!r}; pass an integer {name} >= 1",
                 field=_FIELDS.get(name),
             )
+    if strategy == "bucket" and values["num_buckets"] > seq_len:
+        # each bucket is a row length: more than seq_len of them only costs planning time
+        raise ConfigError(
+            f"num_buckets={values['num_buckets']} exceeds seq_len={seq_len}; pass at most "
+            f"seq_len buckets", field=_FIELDS["num_buckets"],
+        )
     if (batch_size is None) == (tokens_per_batch is None):
         given = "neither" if batch_size is None else "both"
         raise ConfigError(

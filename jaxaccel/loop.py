@@ -139,6 +139,7 @@ class RunSummary:
     sparsity: str = "none"
     sparsity_density: float | None = None  # share of the masked weights the N:M masks keep
     sampling: str = "uniform"           # importance sampling of documents (jaxaccel.sampling)
+    diverged_at_step: int | None = None  # the first step whose loss was NaN or inf (a failure)
 
     @classmethod
     def read(cls, path: str) -> "RunSummary":
@@ -764,7 +765,28 @@ def finish(run: Setup, compiled: list, progress: Progress, wall_start: float,
         fp8_gemms=fp8.fp8_gemms(steps.train.executables) if cfg.model.fp8 else None,
         sparsity=cfg.model.sparsity,
         sparsity_density=sparsity.density(state.params) if cfg.model.sparsity != "none" else None,
-        sampling=cfg.data.sampling)
+        sampling=cfg.data.sampling,
+        diverged_at_step=diverged_at(progress.history, progress.first_step,
+                                     None if progress.interrupted else val_loss, final_step))
+
+
+def diverged_at(history: list[tuple[float, float]], first_step: int, val_loss: float | None,
+                final_step: int) -> int | None:
+    """The step from which this run's training loss stayed NaN or inf to its end (``history``
+    holds one (loss, tokens) per step from ``first_step``), else the final step if the final
+    evaluation's loss (None: none ran) was not finite; None otherwise. A non-finite loss the
+    run recovered from (a float16 overflow that dynamic loss scaling skipped) is no failure."""
+    streak = None
+    for i, (loss, _) in enumerate(history):
+        if math.isfinite(loss):
+            streak = None
+        elif streak is None:
+            streak = first_step + i + 1
+    if streak is not None:
+        return streak
+    if val_loss is not None and not math.isfinite(val_loss):
+        return final_step
+    return None
 
 
 def sd_kept_fraction(cfg: TrainConfig, mesh_shape: dict) -> float:

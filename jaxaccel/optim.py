@@ -22,6 +22,7 @@ LARS and SGD are the best of a short sweep on the tiny model (BENCHMARKS.md).
 """
 
 import dataclasses
+import math
 import re
 
 import jax
@@ -215,12 +216,20 @@ def make_optimizer(name: str = "adamw", *, learning_rate: float | None = None,
     defaults = DEFAULTS[name]
     b1 = defaults.b1 if b1 is None else b1
     b2 = defaults.b2 if b2 is None else b2
-    if learning_rate <= 0:
-        raise ConfigError(f"learning rate must be positive, got {learning_rate}",
+    if not 0 < learning_rate < math.inf:
+        raise ConfigError(f"learning rate must be a finite number > 0, got {learning_rate}",
                           field="optimizer.learning_rate")
-    if weight_decay < 0:
-        raise ConfigError(f"weight decay must be >= 0, got {weight_decay}",
+    if not 0 <= weight_decay < math.inf:
+        raise ConfigError(f"weight decay must be a finite number >= 0, got {weight_decay}",
                           field="optimizer.weight_decay")
+    if clip_norm is not None and not 0 <= clip_norm < math.inf:
+        raise ConfigError(f"clip_norm must be a finite number >= 0 (0 or None = off; a negative "
+                          f"one would ascend the gradient), got {clip_norm}",
+                          field="optimizer.clip_norm")
+    for beta, value in (("b1", b1), ("b2", b2)):
+        if value is not None and not 0 <= value < 1:
+            raise ConfigError(f"{beta} (a moment's decay) must be in [0, 1), got {value}",
+                              field="optimizer.name")
     if total_steps < 1:
         raise ConfigError(f"total steps must be >= 1, got {total_steps}", field="run.steps")
     mask = decay_mask if mask is None else mask

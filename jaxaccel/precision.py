@@ -136,6 +136,14 @@ def _check(ok: bool, message: str, field: str):
         raise ConfigError(message, field=f"precision.{field}")
 
 
+def _float32_finite(x) -> bool:
+    """``x`` is a number that stays finite as a float32 (1e39 does not: it is inf there)."""
+    try:
+        return math.isfinite(x) and abs(x) <= float(jnp.finfo(jnp.float32).max)
+    except TypeError:
+        return False
+
+
 class _Scaled:
     """``scale_loss`` and ``unscale`` for loss scales with a float32 ``scale`` field."""
 
@@ -172,15 +180,17 @@ class DynamicLossScale(_Scaled):
                backoff_factor: float = 0.5, growth_interval: int = 2000,
                min_scale: float = 1.0) -> Self:
         """A fresh scale; raises ConfigError on settings that cannot work."""
-        _check(growth_factor > 1, f"loss-scale growth_factor must be > 1, got {growth_factor}",
+        _check(growth_factor > 1 and _float32_finite(growth_factor),
+               f"loss-scale growth_factor must be a finite number > 1, got {growth_factor}",
                "growth_factor")
         _check(0 < backoff_factor < 1,
                f"loss-scale backoff_factor must be in (0, 1), got {backoff_factor}", "backoff")
         _check(growth_interval >= 1,
                f"loss-scale growth_interval must be >= 1, got {growth_interval}", "growth_interval")
-        _check(min_scale > 0, f"loss-scale min_scale must be > 0, got {min_scale}", "min_scale")
-        _check(min_scale <= initial_scale and math.isfinite(initial_scale),
-               f"initial loss scale must be finite and >= min_scale {min_scale}, "
+        _check(min_scale > 0 and _float32_finite(min_scale),
+               f"loss-scale min_scale must be a finite number > 0, got {min_scale}", "min_scale")
+        _check(min_scale <= initial_scale and _float32_finite(initial_scale),
+               f"initial loss scale must be finite in float32 and >= min_scale {min_scale}, "
                f"got {initial_scale}", "init_scale")
         return cls(scale=jnp.asarray(initial_scale, jnp.float32),
                    growth_tracker=jnp.zeros((), jnp.int32), skipped_steps=jnp.zeros((), jnp.int32),
@@ -209,7 +219,7 @@ class StaticLossScale(_Scaled):
 
     @classmethod
     def create(cls, scale: float = 2.0**15) -> Self:
-        _check(0 < scale and math.isfinite(scale),
+        _check(0 < scale and _float32_finite(scale),
                f"static loss scale must be positive and finite, got {scale}", "init_scale")
         return cls(scale=jnp.asarray(scale, jnp.float32), skipped_steps=jnp.zeros((), jnp.int32))
 

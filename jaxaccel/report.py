@@ -1,5 +1,7 @@
-"""Plain-text tables and bar charts for the experiment modules."""
+"""Plain-text tables, bar charts and strict JSON for the experiment modules."""
 
+import json
+import math
 import os
 
 
@@ -12,6 +14,9 @@ def format_table(rows: list[dict], columns: list[tuple[str, str, str]]) -> str:
         return format(value, spec) if spec else str(value)
 
     body = [[cell(r, key, spec) for key, _, spec in columns] for r in rows]
+    for r, line in zip(rows, body):     # a run whose loss became NaN/inf: not a result
+        if r.get("diverged_at_step") is not None and line:
+            line[0] += f" (DIVERGED at step {r['diverged_at_step']})"
     headers = [header for _, header, _ in columns]
     widths = [max([len(h), *(len(line[i]) for line in body)]) for i, h in enumerate(headers)]
     lines = ["| " + " | ".join(h.ljust(w) for h, w in zip(headers, widths)) + " |",
@@ -45,3 +50,23 @@ def bar_chart(path: str, labels: list[str], panels: list[tuple[str, list[float]]
     os.makedirs(os.path.dirname(path) or ".", exist_ok=True)
     fig.savefig(path, dpi=110)
     plt.close(fig)
+
+
+def finite_json(value):
+    """``value`` with every NaN or infinite float replaced by None: JSON has no NaN, and bare
+    ``NaN`` / ``Infinity`` break strict readers."""
+    if isinstance(value, float):
+        return value if math.isfinite(value) else None
+    if isinstance(value, dict):
+        return {k: finite_json(v) for k, v in value.items()}
+    if isinstance(value, (list, tuple)):
+        return [finite_json(v) for v in value]
+    return value
+
+
+def dump_json(path: str, value):
+    """``value`` as strict JSON (non-finite floats as null, ``finite_json``;
+    ``allow_nan=False`` guards the rest) to ``path``."""
+    text = json.dumps(finite_json(value), indent=2, allow_nan=False)
+    with open(path, "w") as f:
+        f.write(text + "\n")

@@ -157,6 +157,7 @@ def test_batch_stats_count_real_and_padded_tokens(documents):
         ({"seq_len": 0}, "seq_len must be >= 1"),
         ({"strategy": "magic"}, "unknown batching strategy 'magic'"),
         ({"seed": -1}, "seed must be >= 0"),
+        ({"strategy": "bucket", "num_buckets": 10**9}, "exceeds seq_len"),
     ],
 )
 def test_bad_settings_are_config_errors(documents, kwargs, message):
