@@ -214,7 +214,7 @@ def test_empty_corpus_is_a_config_error(tmp_path):
 
 def test_one_sided_split_is_a_config_error(tmp_path):
     data = _write_files(tmp_path / "data", {"only.txt": "one file cannot fill two splits"})
-    with pytest.raises(ConfigError, match="add more files"):
+    with pytest.raises(ConfigError, match="pass a corpus with more files"):
         load_corpus(str(data), cache_dir=str(tmp_path / "cache"))
 
 
