@@ -73,7 +73,8 @@ DEFAULTS = {"model.d_model": 128, "model.n_layers": 8, "model.n_heads": 4,
             "model.scan_layers": True,
             "data.batching": "pack", "data.seq_len": 128, "data.batch_size": 16,
             "run.steps": 400, "optimizer.warmup_steps": 40, "run.eval_every": 40,
-            "run.eval_batches": 8, "run.log_every": 8, "run.checkpoint_every": 0}
+            "run.eval_batches": 8, "run.log_every": 8, "run.checkpoint_every": 0,
+            "run.final_eval_batches": None}     # None: the eval_batches of every evaluation
 # Set for each row; every row trains run.steps (not a token count), so that the rows take the
 # same steps on the same batches.
 FIXED = ("model.stochastic_depth", "run.progressive_stack", "run.stack_at", "run.train_tokens")

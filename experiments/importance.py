@@ -60,7 +60,8 @@ class ImportanceConfig(TrainConfig):
 DEFAULTS = {"model.d_model": 128, "model.n_layers": 4, "model.n_heads": 4,
             "data.batching": "fixed", "data.seq_len": 128, "data.batch_size": 16,
             "run.steps": 300, "optimizer.warmup_steps": 30, "run.eval_every": 30,
-            "run.eval_batches": 8, "run.log_every": 10, "run.checkpoint_every": 0}
+            "run.eval_batches": 8, "run.log_every": 10, "run.checkpoint_every": 0,
+            "run.final_eval_batches": None}     # None: the eval_batches of every evaluation
 # Set for each row; every row trains run.steps (not a token count).
 FIXED = ("data.sampling", "run.train_tokens")
 

@@ -355,9 +355,10 @@ class RunConfig:
                                 at_least=1)
     eval_batch_size: int | None = setting(None, "rows per validation batch (default: the "
                                                 "training batch's rows)", at_least=1)
-    final_eval_batches: int | None = setting(None, "validation batches of the final evaluation "
-                                                   "(default: the whole split)",
-                                                   at_least=1)
+    final_eval_batches: int | None = setting(100, "validation batches of the final evaluation, "
+                                                  "spread over the split (a number at least the "
+                                                  "split's batches, or null in a config file, "
+                                                  "evaluates all of it)", at_least=1)
     log_every: int = setting(10, "write metrics every N steps (0: every step)", at_least=0)
     progress: bool = setting(True, "show a progress bar")
     json: str | None = setting(None, "also write the summary as JSON to this path")

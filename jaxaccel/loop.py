@@ -170,6 +170,9 @@ def train(cfg: TrainConfig, *, should_stop=None) -> RunSummary:
     if pipelined(m.strategy):
         check_pipeline(m.pipeline_schedule, mesh_shape["stage"], cfg.optimizer.accumulate)
     with jax.default_matmul_precision(cfg.precision.matmul), jax.set_mesh(mesh):
+        announce(cfg, f"set-up: corpus {cfg.data.path}, {describe_model(cfg.model)} model, "
+                      f"mesh {format_mesh(mesh_shape)}" + (", resuming" if cfg.run.resume
+                                                            else ""))
         run = set_up(cfg, mesh, mesh_shape)
         progress, compiled = None, []
         while True:         # one stage, unless progressive stacking grows the model
@@ -426,6 +429,8 @@ class Steps:
 
 
 def compile_steps(run: Setup) -> Steps:
+    announce(run.cfg, f"compiling the train step for {len(run.stream.global_shapes)} batch "
+                      f"shape(s) and the eval step")
     train_step, eval_step = sharded_steps(run.cfg, run.optimizer, run.schedule, run.shardings,
                                           run.mesh)
     abstract_state = abstract(run.state)
@@ -533,7 +538,10 @@ def run_steps(run: Setup, steps: Steps, should_stop=None, previous: Progress | N
                 window = []
             if cfg.run.eval_every and done % cfg.run.eval_every == 0 and done < run.total_steps:
                 watch.pause(state)
-                run_eval(run, steps, state, writer, done, cfg.run.eval_batches)
+                loss, tokens = run_eval(run, steps, state, writer, done, cfg.run.eval_batches)
+                announce(cfg, f"eval at step {done}: loss {loss:.4f}, "
+                              f"{loss * BITS_PER_NAT:.3f} bits per byte over {tokens:,} tokens",
+                         progress)
                 watch.start()
             stop = received.get("signum") or (should_stop is not None and should_stop(done))
             if (cfg.run.checkpoint_every and done % cfg.run.checkpoint_every == 0) or stop:
@@ -651,11 +659,50 @@ class Stopwatch:
 
 
 def _progress_bar(total_steps: int, first_step: int, enabled: bool):
+    """A tqdm bar on a terminal; off one (a batch job, a pipe) plain lines (``LineProgress``)."""
     if not enabled:
         return None
+    if not sys.stderr.isatty():
+        return LineProgress(total_steps, first_step)
     from tqdm import tqdm
     return tqdm(total=total_steps, initial=first_step, desc="train", unit="step",
                 dynamic_ncols=True)
+
+
+class LineProgress:
+    """Progress off a terminal: one plain line per logged step on stderr (step, loss, bits per
+    byte, real tokens/s, elapsed training seconds), no carriage returns; tqdm's interface as
+    the loop uses it."""
+
+    def __init__(self, total: int, initial: int):
+        self.total, self.n = total, initial
+
+    def update(self, steps: int):
+        self.n += steps
+
+    def set_postfix(self, *, seconds: float | None = None, **values):
+        fields = "  ".join(f"{key} {value}" for key, value in values.items())
+        elapsed = f"  elapsed {seconds:.1f} s" if seconds is not None else ""
+        self.write(f"step {self.n}/{self.total}  {fields}{elapsed}")
+
+    @staticmethod
+    def write(line: str):
+        print(line, file=sys.stderr, flush=True)
+
+    def close(self):
+        pass
+
+
+def announce(cfg: TrainConfig, line: str, progress=None):
+    """A phase of the run (set-up, compiling, evaluation) as one line on stdout where progress
+    is shown (``run.progress``; process 0), past a terminal's bar while one is open; stderr
+    keeps the progress lines and errors."""
+    if not cfg.run.progress or jax.process_index() != 0:
+        return
+    if progress is not None and not isinstance(progress, LineProgress):
+        progress.write(line, file=sys.stdout)
+    else:
+        print(line, flush=True)
 
 
 def _log_window(writer, step, window, totals, seconds, progress) -> list[tuple[float, float]]:
@@ -687,8 +734,9 @@ def _log_window(writer, step, window, totals, seconds, progress) -> list[tuple[f
     writer.write(step, "train", record)
     if progress is not None:
         progress.update(step - progress.n)
+        extra = {"seconds": seconds} if isinstance(progress, LineProgress) else {}
         progress.set_postfix(loss=f"{loss:.3f}", bpb=f"{record['bpb']:.2f}",
-                             tok_s=f"{tokens_per_s:,.0f}")
+                             tok_s=f"{tokens_per_s:,.0f}", **extra)
     return list(zip(losses.tolist(), tokens.tolist()))
 
 
@@ -704,6 +752,8 @@ def finish(run: Setup, compiled: list, progress: Progress, wall_start: float,
     if progress.interrupted:
         val_loss, val_tokens = float("nan"), 0
     else:
+        announce(cfg, f"final evaluation: {cfg.run.final_eval_batches or 'all'} validation "
+                      f"batches of {run.eval_batch_size} rows")
         val_loss, val_tokens = run_eval(run, steps, state, progress.writer, final_step,
                                         cfg.run.final_eval_batches)
     progress.writer.close()
