@@ -17,8 +17,10 @@ import json
 import math
 import os
 import shlex
+import shutil
 import signal
 import sys
+import tempfile
 import time
 
 import jax
@@ -33,7 +35,8 @@ from jaxaccel.corpus import load_corpus
 from jaxaccel.data import DataStream, batches
 from jaxaccel.errors import ConfigError
 from jaxaccel.loader import DevicePrefetcher, abstract_batch, place_batch
-from jaxaccel.metrics import BITS_PER_NAT, MetricsWriter, plot_loss_curve, read_metrics
+from jaxaccel.metrics import (BITS_PER_NAT, MetricsWriter, plot_loss_curve, read_metrics,
+                              truncate_metrics)
 from jaxaccel.model import count_params, describe_model, flops_per_token, init_params, make_apply
 from jaxaccel.optim import build_optimizer, state_bytes
 from jaxaccel.planner import choose_remat
@@ -163,6 +166,7 @@ def train(cfg: TrainConfig, *, should_stop=None) -> RunSummary:
         initialize_distributed(m.coordinator, m.num_processes, m.process_id,
                                auto=m.distributed, timeout_s=m.distributed_timeout)
     cfg.validate()
+    check_outputs(cfg)
     if cfg.run.memory_budget == "auto":
         memory_budget_bytes("auto")         # the device can say its memory, before any work
     fp8_note = fp8.check_device() if cfg.model.fp8 else None
@@ -325,7 +329,9 @@ def resolve_run_dir(cfg: TrainConfig) -> str:
     """The run directory: the given one, the latest run (on resume) or a new timestamped one."""
     run_dir, resume = cfg.run.run_dir, cfg.run.resume
     if run_dir is not None:
-        has_checkpoint = bool(glob.glob(os.path.join(run_dir, "checkpoints", "*")))
+        remove_unfinished_checkpoints(os.path.join(run_dir, "checkpoints"), cfg)
+        has_checkpoint = any(name.isdigit() for name in
+                             _listdir(os.path.join(run_dir, "checkpoints")))
         if has_checkpoint and not resume:
             raise ConfigError(f"run dir {run_dir} already holds checkpoints; set resume to "
                               f"continue it or choose another run_dir", field="run.resume")
@@ -342,6 +348,45 @@ def resolve_run_dir(cfg: TrainConfig) -> str:
         run_dir = os.path.join(RUNS_ROOT, time.strftime("train-%Y%m%d-%H%M%S") + f"-{suffix}")
         suffix += 1
     return run_dir
+
+
+def _listdir(path: str) -> list[str]:
+    return os.listdir(path) if os.path.isdir(path) else []
+
+
+def remove_unfinished_checkpoints(directory: str, cfg: TrainConfig):
+    """Delete the temporary directories of checkpoints a run did not finish writing (killed,
+    or a full disk), with a note: they are not checkpoints, and would keep the run from
+    starting again or resuming."""
+    if jax.process_index() != 0:
+        return
+    for name in _listdir(directory):
+        if ".orbax-checkpoint-tmp" in name:
+            shutil.rmtree(os.path.join(directory, name), ignore_errors=True)
+            announce(cfg, f"removed {os.path.join(directory, name)}: a checkpoint that was not "
+                          f"finished")
+
+
+def check_outputs(cfg: TrainConfig):
+    """ConfigError, before any work, for an output location this run cannot write: the run
+    directory (or the nearest folder it would be made in) and the ``--json`` file's folder."""
+    places = [("run.run_dir", cfg.run.run_dir or RUNS_ROOT, True)]
+    if cfg.run.json:
+        places.append(("run.json", os.path.dirname(os.path.abspath(cfg.run.json)), False))
+    for field, path, may_create in places:
+        folder = os.path.abspath(path)
+        while may_create and not os.path.exists(folder):
+            folder = os.path.dirname(folder)
+        if not os.path.isdir(folder):
+            raise ConfigError(f"{field.split('.')[1]}: {folder} is not a directory"
+                              + ("" if may_create else "; create it first or choose another "
+                                 "path"), field=field)
+        try:
+            with tempfile.TemporaryFile(dir=folder):
+                pass
+        except OSError as e:
+            raise ConfigError(f"{field.split('.')[1]}: cannot write in {folder} "
+                              f"({e.strerror}); choose another path", field=field) from None
 
 
 def stream_settings(cfg: TrainConfig, multiple: int) -> dict:
@@ -495,6 +540,11 @@ def run_steps(run: Setup, steps: Steps, should_stop=None, previous: Progress | N
     start = int(state.step)
     end = stacking.stage_end(start, run.total_steps, run.stack_ends)
     if previous is None:
+        dropped = (truncate_metrics(os.path.join(run.run_dir, "metrics.jsonl"), start)
+                   if cfg.run.resume and jax.process_index() == 0 else 0)
+        if dropped:
+            announce(cfg, f"metrics.jsonl: {dropped} record(s) after the checkpoint of step "
+                          f"{start} removed (they are trained again)")
         trackers = (open_trackers(tracker_names(cfg.run.trackers), run.run_dir,
                                   config=to_dict(cfg), project=cfg.run.wandb_project,
                                   wandb_mode=cfg.run.wandb_mode)

@@ -43,8 +43,33 @@ def _plain(value):
 
 
 def read_metrics(path: str) -> list[dict]:
+    """The records of a ``metrics.jsonl``; a last line cut short (a killed run) is left out."""
     with open(path) as f:
-        return [json.loads(line) for line in f if line.strip()]
+        lines = [line for line in f if line.strip()]
+    records = []
+    for i, line in enumerate(lines):
+        try:
+            records.append(json.loads(line))
+        except json.JSONDecodeError:
+            if i < len(lines) - 1:
+                raise
+    return records
+
+
+def truncate_metrics(path: str, step: int) -> int:
+    """Keep the records of ``path`` up to ``step`` (the checkpoint a run resumes from): the
+    steps a killed run logged after its last checkpoint are run again, and would otherwise
+    appear twice; a cut last line goes too. Returns how many records (or cut lines) went."""
+    if not os.path.exists(path):
+        return 0
+    records = read_metrics(path)
+    with open(path) as f:
+        total = sum(1 for line in f if line.strip())
+    kept = [r for r in records if r["step"] <= step]
+    with open(path + ".tmp", "w") as f:
+        f.writelines(json.dumps(r) + "\n" for r in kept)
+    os.replace(path + ".tmp", path)
+    return total - len(kept)
 
 
 def plot_loss_curve(records: list[dict], path: str, *, unigram_bpb: float | None = None,

@@ -1,0 +1,54 @@
+"""A run's files: output locations checked before any work, unfinished checkpoints removed,
+and metrics.jsonl consistent with the checkpoint a killed run resumes from."""
+
+import json
+import os
+import shutil
+
+from experiments import train as train_cli
+from jaxaccel.metrics import read_metrics, truncate_metrics
+
+SMALL = ["--d-model", "32", "--n-layers", "2", "--n-heads", "4", "--max-seq-len", "32",
+         "--seq-len", "32", "--batch-size", "4", "--eval-every", "0", "--final-eval-batches",
+         "1", "--no-progress"]
+
+
+def test_unwritable_outputs_are_one_line_before_any_work(corpus_path, tmp_path, capsys):
+    blocker = tmp_path / "a-file"
+    blocker.write_text("not a folder")
+    for flags, message in ((["--run-dir", str(blocker / "run")], "is not a directory"),
+                           (["--run-dir", str(tmp_path / "r"), "--json",
+                             str(tmp_path / "missing" / "s.json")], "create it first")):
+        code = train_cli.main([*SMALL, "--data", corpus_path, "--steps", "2", *flags])
+        err = capsys.readouterr().err.strip().splitlines()
+        assert code == 2 and len(err) == 1 and message in err[0], err
+    assert not (tmp_path / "r").exists()
+
+
+def test_a_killed_run_resumes_with_each_step_once_in_its_metrics(corpus_path, tmp_path, capsys):
+    run_dir = tmp_path / "run"
+    base = [*SMALL, "--data", corpus_path, "--steps", "4", "--log-every", "1",
+            "--checkpoint-every", "2", "--run-dir", str(run_dir),
+            "--cache-dir", str(tmp_path / "cache")]
+    assert train_cli.main(base) == 0
+    # as if killed after step 4's metrics but before its checkpoint finished
+    shutil.rmtree(run_dir / "checkpoints" / "4")
+    os.makedirs(run_dir / "checkpoints" / "4.orbax-checkpoint-tmp-1")
+    with open(run_dir / "metrics.jsonl", "a") as f:
+        f.write('{"step": 5, "kind": "tra')
+    assert train_cli.main([*base, "--resume"]) == 0
+    records = read_metrics(str(run_dir / "metrics.jsonl"))
+    steps = [r["step"] for r in records if r["kind"] == "train"]
+    assert steps == [1, 2, 3, 4]
+    assert sorted(os.listdir(run_dir / "checkpoints")) == ["2", "4"]
+    capsys.readouterr()
+
+
+def test_truncating_metrics_keeps_the_steps_up_to_the_checkpoint(tmp_path):
+    path = tmp_path / "metrics.jsonl"
+    lines = [json.dumps({"step": s, "kind": "train", "loss": 1.0}) for s in (1, 2, 3)]
+    path.write_text("\n".join(lines) + '\n{"step": 4, "ki')
+    assert len(read_metrics(str(path))) == 3           # a cut last line is left out
+    assert truncate_metrics(str(path), 2) == 2
+    assert [r["step"] for r in read_metrics(str(path))] == [1, 2]
+    assert truncate_metrics(str(tmp_path / "none.jsonl"), 2) == 0
