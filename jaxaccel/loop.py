@@ -40,6 +40,7 @@ from jaxaccel.metrics import (BITS_PER_NAT, MetricsWriter, plot_loss_curve, read
 from jaxaccel.model import count_params, describe_model, flops_per_token, init_params, make_apply
 from jaxaccel.optim import build_optimizer, state_bytes
 from jaxaccel.planner import choose_remat
+from jaxaccel.report import dump_json
 from jaxaccel.sampling import SampledStream, lag as sampling_lag
 from jaxaccel.pipeline import bubble_fraction, check as check_pipeline, pipeline_eval_fn, \
     pipeline_grad_fn
@@ -185,7 +186,10 @@ def train(cfg: TrainConfig, *, should_stop=None) -> RunSummary:
             if progress.interrupted or int(progress.state.step) >= run.total_steps:
                 break
             run = grow_run(run, progress)
-        return finish(run, compiled, progress, wall_start, fp8_note)
+        summary = finish(run, compiled, progress, wall_start, fp8_note)
+    if jax.process_index() == 0:        # the run record: every run directory has its summary
+        dump_json(os.path.join(summary.run_dir, "summary.json"), dataclasses.asdict(summary))
+    return summary
 
 
 # =============================================================================================
@@ -260,6 +264,7 @@ def set_up(cfg: TrainConfig, mesh, mesh_shape) -> Setup:
     if jax.process_index() == 0:
         write_config(_with_layers(cfg, full_cfg.model.n_layers), run_dir,
                      shlex.join(sys.orig_argv))
+        dump_json(os.path.join(run_dir, "environment.json"), run_environment(mesh_shape))
     eval_multiple = math.lcm(batch_shards(mesh_shape) * eval_microbatches(cfg),
                              jax.process_count())
     eval_batch_size = cfg.run.eval_batch_size or cfg.batch_rows()
@@ -348,6 +353,22 @@ def resolve_run_dir(cfg: TrainConfig) -> str:
         run_dir = os.path.join(RUNS_ROOT, time.strftime("train-%Y%m%d-%H%M%S") + f"-{suffix}")
         suffix += 1
     return run_dir
+
+
+def run_environment(mesh_shape: dict) -> dict:
+    """The run record's software and hardware: package versions, devices, processes, host."""
+    import importlib.metadata
+    versions = {}
+    for package in ("jax", "jaxlib", "flax", "optax", "orbax-checkpoint", "numpy"):
+        try:
+            versions[package] = importlib.metadata.version(package)
+        except importlib.metadata.PackageNotFoundError:
+            versions[package] = None
+    return {"versions": versions, "python": sys.version.split()[0],
+            "device": hardware.describe(), "platform": jax.default_backend(),
+            "device_count": jax.device_count(), "process_count": jax.process_count(),
+            "mesh": format_mesh(mesh_shape), "host": os.uname().nodename,
+            "started": time.strftime("%Y-%m-%d %H:%M:%S %Z")}
 
 
 def _listdir(path: str) -> list[str]:

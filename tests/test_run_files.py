@@ -41,6 +41,12 @@ def test_a_killed_run_resumes_with_each_step_once_in_its_metrics(corpus_path, tm
     steps = [r["step"] for r in records if r["kind"] == "train"]
     assert steps == [1, 2, 3, 4]
     assert sorted(os.listdir(run_dir / "checkpoints")) == ["2", "4"]
+    # the run record: config, command line, software and devices, summary, whatever the flags
+    for name in ("config.yaml", "command.txt", "environment.json", "summary.json"):
+        assert (run_dir / name).stat().st_size > 0
+    environment = json.loads((run_dir / "environment.json").read_text())
+    assert environment["versions"]["jax"] and environment["device_count"] >= 1
+    assert json.loads((run_dir / "summary.json").read_text())["steps"] == 4
     capsys.readouterr()
 
 
