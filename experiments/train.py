@@ -48,7 +48,9 @@ def format_summary(s: RunSummary) -> str:
         ("compiles", f"{s.compiles} train step ({s.compile_s:.1f} s), "
                      f"{s.eval_compiles} eval step"),
         ("documents", f"{s.split_documents:,} split into chunks, "
-                      f"{s.empty_documents_skipped:,} empty skipped"),
+                      f"{s.empty_documents_skipped:,} empty skipped"
+                      + "".join(f", {n:,} {reason} skipped"
+                                for reason, n in (s.inputs_skipped or {}).items())),
         ("wall time", f"{s.wall_s:.1f} s ({s.train_s:.1f} s training)"),
     ]
     width = max(len(name) for name, _ in rows)

@@ -126,10 +126,12 @@ def _resolve_source(source: str) -> tuple[Callable[[], tuple[KeyedDocs, dict]], 
         raise ConfigError(f"data path {source} does not exist; {_SOURCES_HELP}", field="data.path")
     path = path.resolve()
     if path.is_dir():
-        rel_paths = _directory_files(path)
+        skipped = {}
+        rel_paths = _directory_files(path, skipped=skipped)
         files = [[rel, *_size_and_mtime(path / rel)] for rel in rel_paths]
-        signature = {"source": "directory", "root": str(path), "files": files}
-        return functools.partial(_read_directory, path, rel_paths), signature
+        signature = {"source": "directory", "root": str(path), "files": files,
+                     "skipped": skipped}
+        return functools.partial(_read_directory, path, rel_paths, skipped), signature
     if path.is_file() and path.suffix == ".jsonl":
         signature = {"source": "jsonl", "path": str(path), "file": _size_and_mtime(path)}
         return functools.partial(_read_jsonl, path), signature
@@ -184,11 +186,23 @@ def _module_documents(source: bytes) -> list[bytes] | None:
     return [rest] + definitions
 
 
-def _directory_files(root: Path, skip_dirs: frozenset[str] = frozenset()) -> list[str]:
-    """Paths, relative to root and sorted, of every regular file under root outside skip_dirs."""
+def _directory_files(root: Path, skip_dirs: frozenset[str] = frozenset(),
+                     skipped: dict | None = None) -> list[str]:
+    """Paths, relative to root and sorted, of every regular file under root outside skip_dirs.
+    Folders that cannot be listed and symlinked folders (not followed: no cycles, no file read
+    twice) are counted in ``skipped`` (``unreadable_dirs_skipped``, ``symlinked_dirs_skipped``)."""
+    skipped = {} if skipped is None else skipped
+    skipped.setdefault("unreadable_dirs_skipped", 0)
+    skipped.setdefault("symlinked_dirs_skipped", 0)
+
+    def unreadable(error):
+        skipped["unreadable_dirs_skipped"] += 1
+
     rel_paths = []
-    for dirpath, dirnames, filenames in os.walk(root):
-        dirnames[:] = [d for d in dirnames if d not in skip_dirs]
+    for dirpath, dirnames, filenames in os.walk(root, onerror=unreadable):
+        links = [d for d in dirnames if os.path.islink(os.path.join(dirpath, d))]
+        skipped["symlinked_dirs_skipped"] += len(links)
+        dirnames[:] = [d for d in dirnames if d not in skip_dirs and d not in links]
         rel_paths += [
             Path(dirpath, f).relative_to(root).as_posix()
             for f in filenames
@@ -197,8 +211,10 @@ def _directory_files(root: Path, skip_dirs: frozenset[str] = frozenset()) -> lis
     return sorted(rel_paths)
 
 
-def _read_directory(root: Path, rel_paths: list[str]) -> tuple[KeyedDocs, dict]:
-    """One document per file that is utf-8 text; other files are counted and skipped."""
+def _read_directory(root: Path, rel_paths: list[str], skipped: dict | None = None
+                    ) -> tuple[KeyedDocs, dict]:
+    """One document per file that is utf-8 text; other files are counted and skipped, as are
+    the folders ``_directory_files`` could not or would not enter (``skipped``)."""
     keyed_docs, undecodable = [], 0
     for rel in rel_paths:
         try:
@@ -214,7 +230,8 @@ def _read_directory(root: Path, rel_paths: list[str]) -> tuple[KeyedDocs, dict]:
             undecodable += 1
             continue
         keyed_docs.append((rel, data))
-    return keyed_docs, _reader_stats(len(rel_paths), undecodable=undecodable)
+    return keyed_docs, {**_reader_stats(len(rel_paths), undecodable=undecodable),
+                        **(skipped or {})}
 
 
 def _read_jsonl(path: Path) -> tuple[KeyedDocs, dict]:
@@ -248,7 +265,20 @@ def _reader_stats(files: int, *, unparsable: int = 0, undecodable: int = 0) -> d
         "files": files,
         "unparsable_files": unparsable,
         "undecodable_files_skipped": undecodable,
+        "unreadable_dirs_skipped": 0,
+        "symlinked_dirs_skipped": 0,
     }
+
+
+SKIP_REASONS = {"undecodable_files_skipped": "files not UTF-8 text",
+                "unreadable_dirs_skipped": "folders that could not be listed",
+                "symlinked_dirs_skipped": "symlinked folders (not followed)"}
+
+
+def skipped_inputs(stats: dict) -> dict[str, int]:
+    """What a corpus source left out, by reason (only the reasons that occurred)."""
+    return {reason: int(stats.get(key, 0)) for key, reason in SKIP_REASONS.items()
+            if stats.get(key, 0)}
 
 
 def _tokenize(keyed_docs: KeyedDocs, stats: dict) -> _Tokenized:
@@ -276,8 +306,11 @@ def _split(name: str, tokenized: _Tokenized, val_percent: float) -> Corpus:
     tokens, offsets, key_index_N, keys, stats = tokenized
     stats = dict(stats)
     if len(key_index_N) == 0:
+        left_out = ", ".join(f"{n} {r}" for r, n in skipped_inputs(stats).items())
         raise ConfigError(
-            f"corpus {name} has no non-empty documents; {_SOURCES_HELP} with some text in it",
+            f"corpus {name} has no non-empty documents"
+            + (f" (skipped: {left_out})" if left_out else "")
+            + f"; {_SOURCES_HELP} with some text in it",
             field="data.path",
         )
     tokens.flags.writeable = False

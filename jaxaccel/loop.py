@@ -31,7 +31,7 @@ from jaxaccel.checkpoint import Checkpointer
 from jaxaccel.compiled import CompiledFn, abstract, largest_memory_bytes
 from jaxaccel.config import TrainConfig, build, field_value, read_config_file, to_dict, \
     write_config
-from jaxaccel.corpus import load_corpus
+from jaxaccel.corpus import load_corpus, skipped_inputs
 from jaxaccel.data import DataStream, batches
 from jaxaccel.errors import ConfigError
 from jaxaccel.loader import DevicePrefetcher, abstract_batch, place_batch
@@ -144,6 +144,7 @@ class RunSummary:
     sparsity_density: float | None = None  # share of the masked weights the N:M masks keep
     sampling: str = "uniform"           # importance sampling of documents (jaxaccel.sampling)
     diverged_at_step: int | None = None  # the first step whose loss was NaN or inf (a failure)
+    inputs_skipped: dict | None = None  # what the corpus source left out, by reason
 
     @classmethod
     def read(cls, path: str) -> "RunSummary":
@@ -850,6 +851,7 @@ def finish(run: Setup, compiled: list, progress: Progress, wall_start: float,
         epoch_padding_efficiency=stats["padding_efficiency"],
         split_documents=stats["split_documents"],
         empty_documents_skipped=run.corpus.stats["empty_documents_skipped"],
+        inputs_skipped=skipped_inputs(run.corpus.stats),
         data_wait_s=progress.data_wait_s,
         train_bpb=_recent_bpb(progress.history), val_loss=val_loss,
         val_bpb=val_loss * BITS_PER_NAT, val_tokens=val_tokens, unigram_bpb=unigram_bpb,

@@ -58,3 +58,24 @@ def test_truncating_metrics_keeps_the_steps_up_to_the_checkpoint(tmp_path):
     assert truncate_metrics(str(path), 2) == 2
     assert [r["step"] for r in read_metrics(str(path))] == [1, 2]
     assert truncate_metrics(str(tmp_path / "none.jsonl"), 2) == 0
+
+
+def test_skipped_inputs_are_counted_and_named_when_nothing_is_left(tmp_path, capsys):
+    from jaxaccel.corpus import load_corpus, skipped_inputs
+    data = tmp_path / "data"
+    (data / "sub").mkdir(parents=True)
+    for i in range(40):
+        (data / "sub" / f"doc{i}.txt").write_text(f"document {i} has some text in it\n" * 3)
+    (data / "binary.bin").write_bytes(b"\xff\xfe\x00\x81" * 8)
+    os.symlink(data / "sub", data / "again")               # not followed: no file twice
+    stats = load_corpus(str(data), cache_dir=str(tmp_path / "cache")).stats
+    assert skipped_inputs(stats) == {"files not UTF-8 text": 1,
+                                     "symlinked folders (not followed)": 1}
+    assert stats["files"] == 41
+    empty = tmp_path / "empty"
+    empty.mkdir()
+    (empty / "binary.bin").write_bytes(b"\xff\xfe\x00\x81")
+    code = train_cli.main([*SMALL, "--data", str(empty), "--run-dir", str(tmp_path / "r"),
+                           "--cache-dir", str(tmp_path / "cache")])
+    err = capsys.readouterr().err.strip().splitlines()
+    assert code == 2 and "(skipped: 1 files not UTF-8 text)" in err[0], err
