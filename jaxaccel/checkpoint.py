@@ -16,12 +16,15 @@ from jaxaccel.errors import ConfigError
 class Checkpointer:
     """Saves and restores checkpoints under ``directory`` (one subdirectory per step)."""
 
-    def __init__(self, directory: str, *, max_to_keep: int = 2):
+    def __init__(self, directory: str, *, max_to_keep: int = 2, keep_period: int | None = None):
+        """``max_to_keep`` latest checkpoints are kept, and besides them every one whose step
+        is a multiple of ``keep_period`` (None: none)."""
         self.directory = os.path.abspath(directory)
         self._manager = ocp.CheckpointManager(
             self.directory,
             options=ocp.CheckpointManagerOptions(
-                max_to_keep=max_to_keep, enable_async_checkpointing=False, create=True),
+                max_to_keep=max_to_keep, keep_period=keep_period or None,
+                enable_async_checkpointing=False, create=True),
         )
 
     def latest_step(self) -> int | None:

@@ -347,6 +347,10 @@ class RunConfig:
     resume: bool = setting(False, "continue the run in run_dir from its latest checkpoint")
     checkpoint_every: int = setting(100, "save an orbax checkpoint every N steps (and at the "
                                          "end; 0: only at the end)", at_least=0)
+    keep_checkpoints: int = setting(2, "the latest N checkpoints are kept, older ones deleted",
+                                    at_least=1)
+    keep_every_steps: int = setting(0, "also keep every checkpoint whose step is a multiple of "
+                                       "K (0: none)", at_least=0)
     eval_every: int = setting(100, "evaluate on eval_batches validation batches every N steps "
                                     "(0 = off)", at_least=0)
     eval_batches: int = setting(20, "validation batches in periodic evaluations, spread over the "

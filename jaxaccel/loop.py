@@ -242,7 +242,9 @@ def set_up(cfg: TrainConfig, mesh, mesh_shape) -> Setup:
                                        / stream.stats["real_tokens_per_batch"]))
     optimizer, schedule, hyperparameters = build_optimizer(
         cfg.optimizer, batch_rows=cfg.batch_rows(), total_steps=total_steps)
-    checkpointer = Checkpointer(os.path.join(run_dir, "checkpoints"))
+    checkpointer = Checkpointer(os.path.join(run_dir, "checkpoints"),
+                                max_to_keep=cfg.run.keep_checkpoints,
+                                keep_period=cfg.run.keep_every_steps)
     full_cfg, stages = cfg, cfg.run.progressive_stack
     stack_ends = stacking.boundaries(total_steps, stages, cfg.run.stack_at)
     first_step = (checkpointer.latest_step() or 0) if cfg.run.resume else 0

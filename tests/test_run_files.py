@@ -79,3 +79,13 @@ def test_skipped_inputs_are_counted_and_named_when_nothing_is_left(tmp_path, cap
                            "--cache-dir", str(tmp_path / "cache")])
     err = capsys.readouterr().err.strip().splitlines()
     assert code == 2 and "(skipped: 1 files not UTF-8 text)" in err[0], err
+
+
+def test_keep_checkpoints_and_keep_every_steps(corpus_path, tmp_path, capsys):
+    run_dir = tmp_path / "run"
+    assert train_cli.main([*SMALL, "--data", corpus_path, "--steps", "6", "--checkpoint-every",
+                           "1", "--keep-checkpoints", "1", "--keep-every-steps", "4",
+                           "--run-dir", str(run_dir), "--cache-dir",
+                           str(tmp_path / "cache")]) == 0
+    assert sorted(os.listdir(run_dir / "checkpoints"), key=int) == ["4", "6"]
+    capsys.readouterr()
