@@ -63,6 +63,7 @@ class Corpus:
     stats: dict
     train_sources: tuple[str, ...]
     val_sources: tuple[str, ...]
+    fingerprint: str = ""     # of the documents' names and lengths: a resume checks it
 
     def unigram_bits_per_token(self) -> float:
         """Entropy in bits of the unigram distribution of the train split's target tokens.
@@ -329,7 +330,9 @@ def _split(name: str, tokenized: _Tokenized, val_percent: float) -> Corpus:
         stats[f"{split}_tokens"] = int((offsets[ids + 1] - offsets[ids]).sum())
         splits[split] = (docs, tuple(keys[k] for k in key_index_N[ids]))
     (train, train_sources), (val, val_sources) = splits["train"], splits["val"]
-    return Corpus(name, train, val, stats, train_sources, val_sources)
+    fingerprint = hashlib.sha256(np.asarray(offsets, dtype=np.int64).tobytes() + "\n".join(
+        keys).encode("utf-8", "surrogateescape")).hexdigest()[:16]
+    return Corpus(name, train, val, stats, train_sources, val_sources, fingerprint)
 
 
 def _is_val_key(key: str, val_percent: float) -> bool:

@@ -260,7 +260,8 @@ def set_up(cfg: TrainConfig, mesh, mesh_shape) -> Setup:
     plan = None
     if cfg.run.memory_budget is not None:
         cfg, plan = _plan_remat(cfg, optimizer, state, stream, batch_layout)
-    resume_config = resume_settings(full_cfg, stream_args, total_steps, multiple)
+    resume_config = {**resume_settings(full_cfg, stream_args, total_steps, multiple),
+                     "data.corpus_fingerprint": corpus.fingerprint}
     if cfg.run.resume:
         state, position, _ = checkpointer.restore(state, config=resume_config)
         stream = open_stream(cfg, corpus.train, stream_args, position)

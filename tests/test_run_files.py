@@ -89,3 +89,18 @@ def test_keep_checkpoints_and_keep_every_steps(corpus_path, tmp_path, capsys):
                            str(tmp_path / "cache")]) == 0
     assert sorted(os.listdir(run_dir / "checkpoints"), key=int) == ["4", "6"]
     capsys.readouterr()
+
+
+def test_resume_refuses_a_changed_corpus(tmp_path, capsys):
+    data = tmp_path / "data"
+    data.mkdir()
+    for i in range(60):
+        (data / f"doc{i}.txt").write_text(f"document number {i} says something\n" * 4)
+    base = [*SMALL, "--data", str(data), "--steps", "2", "--run-dir", str(tmp_path / "run"),
+            "--cache-dir", str(tmp_path / "cache")]
+    assert train_cli.main(base) == 0
+    (data / "new.txt").write_text("a document added after the run\n" * 4)
+    capsys.readouterr()
+    assert train_cli.main([*base, "--resume", "--steps", "2"]) == 2
+    err = capsys.readouterr().err.strip().splitlines()
+    assert len(err) == 1 and "data.corpus_fingerprint=" in err[0], err
