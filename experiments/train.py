@@ -39,10 +39,13 @@ def format_summary(s: RunSummary) -> str:
                      + (f"; pipeline {s.pipeline_schedule} over {s.mesh['stage']} stages x "
                         f"{s.accumulate} microbatches, bubble {s.pipeline_bubble:.1%}"
                         if s.pipeline_schedule else "")),
-        ("real tokens/s", f"{s.real_tokens_per_s:,.0f}"),
-        ("model FLOP/s", f"{s.achieved_flops_per_s / 1e9:,.1f} GFLOP/s (MFU {mfu})"),
-        ("padding efficiency", f"{s.padding_efficiency:.1%}"),
-        ("train bits/byte", f"{s.train_bpb:.3f} (last tenth of the steps)"),
+        *([("real tokens/s", f"{s.real_tokens_per_s:,.0f}"),
+           ("model FLOP/s", f"{s.achieved_flops_per_s / 1e9:,.1f} GFLOP/s (MFU {mfu})"),
+           ("padding efficiency", f"{s.padding_efficiency:.1%}"),
+           ("train bits/byte", f"{s.train_bpb:.3f} (last tenth of this run's steps)")]
+          if s.steps_this_run else
+          [("training", "no steps ran: the run had reached its last step (the evaluation "
+                        "below is of its final state)")]),
         ("val bits/byte", f"{s.val_bpb:.3f} over {s.val_tokens:,} tokens"),
         ("unigram bits/byte", f"{s.unigram_bpb:.3f} (entropy of the corpus's byte frequencies)"),
         ("compiles", f"{s.compiles} train step ({s.compile_s:.1f} s), "

@@ -104,3 +104,13 @@ def test_resume_refuses_a_changed_corpus(tmp_path, capsys):
     assert train_cli.main([*base, "--resume", "--steps", "2"]) == 2
     err = capsys.readouterr().err.strip().splitlines()
     assert len(err) == 1 and "data.corpus_fingerprint=" in err[0], err
+
+
+def test_resuming_a_finished_run_says_no_steps_ran(corpus_path, tmp_path, capsys):
+    base = [*SMALL, "--data", corpus_path, "--steps", "2", "--run-dir", str(tmp_path / "run"),
+            "--cache-dir", str(tmp_path / "cache")]
+    assert train_cli.main(base) == 0
+    capsys.readouterr()
+    assert train_cli.main([*base, "--resume"]) == 0
+    out = capsys.readouterr().out
+    assert "no steps ran: the run had reached its last step" in out and "nan" not in out
