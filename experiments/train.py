@@ -24,7 +24,10 @@ def format_summary(s: RunSummary) -> str:
     rows = [
         ("run dir", s.run_dir),
         ("device", f"{s.device}, jax {s.jax_version}"),
-        ("steps", f"{s.steps} ({s.steps_this_run} this run)"),
+        ("steps", f"{s.steps} ({s.steps_this_run} this run)"
+                  + (f"; the run's length changed from {s.extended_from_steps} steps on this "
+                     f"resume (the schedule follows the new one)"
+                     if s.extended_from_steps else "")),
         ("model", f"{s.model}, {s.params:,} parameters" + _techniques(s)),
         ("optimizer", f"{s.optimizer}, peak lr {s.learning_rate:.3g}, weight decay "
                       f"{s.weight_decay:.3g}, state {s.optimizer_state_bytes:,} bytes"),

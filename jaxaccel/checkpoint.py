@@ -40,11 +40,12 @@ class Checkpointer:
         ))
         self._manager.wait_until_finished()
 
-    def restore(self, target_state, *, config: dict):
+    def restore(self, target_state, *, config: dict, may_differ: tuple[str, ...] = ()):
         """Restore the latest checkpoint into the structure of ``target_state``.
 
-        Returns ``(state, loader_position, step)``. Raises ConfigError if there is no checkpoint,
-        if it was written with another config, or if it cannot be read.
+        Returns ``(state, loader_position, step)``; ``saved_config`` then holds the settings it
+        was written with. Raises ConfigError if there is no checkpoint, if it was written with
+        another config (the keys of ``may_differ`` aside), or if it cannot be read.
         """
         step = self.latest_step()
         if step is None:
@@ -59,8 +60,10 @@ class Checkpointer:
             raise ConfigError(_unreadable(where, e), field="run.run_dir") from None
         mismatched = [
             f"{key}={meta['config'].get(key)!r} (now {value!r})"
-            for key, value in config.items() if meta.get("config", {}).get(key) != value
+            for key, value in config.items()
+            if key not in may_differ and meta.get("config", {}).get(key) != value
         ]
+        self.saved_config = meta.get("config", {})
         if mismatched:
             raise ConfigError(
                 f"checkpoint {where} was written with other settings: {', '.join(mismatched)}; "

@@ -145,6 +145,7 @@ class RunSummary:
     sampling: str = "uniform"           # importance sampling of documents (jaxaccel.sampling)
     diverged_at_step: int | None = None  # the first step whose loss was NaN or inf (a failure)
     inputs_skipped: dict | None = None  # what the corpus source left out, by reason
+    extended_from_steps: int | None = None  # resumed with another length: the earlier one
 
     @classmethod
     def read(cls, path: str) -> "RunSummary":
@@ -220,6 +221,7 @@ class Setup:
     full_layers: int            # the model's depth when every stacking stage has grown
     stack_ends: list            # the steps where progressive stacking doubles the depth
     stages: list                # [first step, depth] of each stage this run has trained
+    extended_from_steps: int | None = None  # a resumed run given another length: the old one
 
 
 def set_up(cfg: TrainConfig, mesh, mesh_shape) -> Setup:
@@ -262,8 +264,19 @@ def set_up(cfg: TrainConfig, mesh, mesh_shape) -> Setup:
         cfg, plan = _plan_remat(cfg, optimizer, state, stream, batch_layout)
     resume_config = {**resume_settings(full_cfg, stream_args, total_steps, multiple),
                      "data.corpus_fingerprint": corpus.fingerprint}
+    extended_from = None
     if cfg.run.resume:
-        state, position, _ = checkpointer.restore(state, config=resume_config)
+        state, position, restored = checkpointer.restore(state, config=resume_config,
+                                                         may_differ=("run.steps",))
+        saved_steps = checkpointer.saved_config.get("run.steps", total_steps)
+        if saved_steps != total_steps:
+            if total_steps < restored:
+                raise ConfigError(f"steps={total_steps} is below the checkpoint's step "
+                                  f"{restored}; resume with at least that many steps",
+                                  field="run.steps")
+            extended_from = saved_steps
+            announce(cfg, f"the run's length changes from {saved_steps} to {total_steps} "
+                          f"steps: the learning-rate schedule follows the new length")
         stream = open_stream(cfg, corpus.train, stream_args, position)
     if jax.process_index() == 0:
         write_config(_with_layers(cfg, full_cfg.model.n_layers), run_dir,
@@ -276,7 +289,7 @@ def set_up(cfg: TrainConfig, mesh, mesh_shape) -> Setup:
     return Setup(cfg, mesh, mesh_shape, run_dir, corpus, stream, total_steps, optimizer,
                  schedule, hyperparameters, state, shardings, batch_layout, plan, resume_config,
                  checkpointer, eval_batch_size, stream_args, full_cfg.model.n_layers, stack_ends,
-                 [[int(state.step), cfg.model.n_layers]])
+                 [[int(state.step), cfg.model.n_layers]], extended_from)
 
 
 def _with_layers(cfg: TrainConfig, n_layers: int) -> TrainConfig:
@@ -855,6 +868,7 @@ def finish(run: Setup, compiled: list, progress: Progress, wall_start: float,
         split_documents=stats["split_documents"],
         empty_documents_skipped=run.corpus.stats["empty_documents_skipped"],
         inputs_skipped=skipped_inputs(run.corpus.stats),
+        extended_from_steps=run.extended_from_steps,
         data_wait_s=progress.data_wait_s,
         train_bpb=_recent_bpb(progress.history), val_loss=val_loss,
         val_bpb=val_loss * BITS_PER_NAT, val_tokens=val_tokens, unigram_bpb=unigram_bpb,

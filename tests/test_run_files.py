@@ -114,3 +114,20 @@ def test_resuming_a_finished_run_says_no_steps_ran(corpus_path, tmp_path, capsys
     assert train_cli.main([*base, "--resume"]) == 0
     out = capsys.readouterr().out
     assert "no steps ran: the run had reached its last step" in out and "nan" not in out
+
+
+def test_resume_with_more_steps_extends_a_finished_run(corpus_path, tmp_path, capsys):
+    base = [*SMALL, "--data", corpus_path, "--run-dir", str(tmp_path / "run"),
+            "--cache-dir", str(tmp_path / "cache"), "--log-every", "1"]
+    assert train_cli.main([*base, "--steps", "2"]) == 0
+    capsys.readouterr()
+    assert train_cli.main([*base, "--steps", "1", "--resume"]) == 2
+    assert "steps=1 is below the checkpoint's step 2" in capsys.readouterr().err
+    assert train_cli.main([*base, "--steps", "4", "--resume"]) == 0
+    out = capsys.readouterr().out
+    assert "the run's length changed from 2 steps" in out
+    summary = json.loads((tmp_path / "run" / "summary.json").read_text())
+    assert summary["steps"] == 4 and summary["steps_this_run"] == 2
+    assert summary["extended_from_steps"] == 2
+    assert [r["step"] for r in read_metrics(str(tmp_path / "run" / "metrics.jsonl"))
+            if r["kind"] == "train"] == [1, 2, 3, 4]
