@@ -355,7 +355,12 @@ class Attention(nnx.Module):
         self.wv = _projection(cfg, "wv", d, cfg.n_kv_heads * hd, 0.02, rngs)
         self.wo = _projection(cfg, "wo", cfg.n_heads * hd, d, out_std, rngs)
 
-    def __call__(self, x_BTD, sin_BTR, cos_BTR, segment_ids_BT):
+    def __call__(self, x_BTD, sin_BTR, cos_BTR, segment_ids_BT, cache=None, cache_index=None):
+        """The attention branch. With ``cache`` = (k_BSKE, v_BSKE), this layer's key/value cache
+        (``jaxaccel.generate``), it also returns the cache with this call's keys and values
+        written in: at 0 when ``cache_index`` is None (the prefill, which attends exactly as the
+        forward pass does), else at ``cache_index``, attending to the cache's first
+        ``cache_index`` + T entries (causally within the T new tokens)."""
         cfg = self.cfg
         B, T, _ = x_BTD.shape
         q_BTHE = constrain(self.wq(x_BTD).reshape(B, T, cfg.n_heads, cfg.head_dim), Q_AXES)
@@ -364,11 +369,38 @@ class Attention(nnx.Module):
         q_BTHE = checkpoint_name(apply_rotary(q_BTHE, sin_BTR, cos_BTR), remat_lib.QUERY)
         k_BTKE = checkpoint_name(apply_rotary(k_BTKE, sin_BTR, cos_BTR), remat_lib.KEY)
         v_BTKE = checkpoint_name(v_BTKE, remat_lib.VALUE)
-        out_BTHE = dot_product_attention(
-            q_BTHE, k_BTKE, v_BTKE, segment_ids=segment_ids_BT, causal=True,
-            implementation=cfg.attention)
+        if cache is not None:
+            start = 0 if cache_index is None else cache_index
+            cache = tuple(jax.lax.dynamic_update_slice(c_BSKE, x_BTKE.astype(c_BSKE.dtype),
+                                                       (0, start, 0, 0))
+                          for c_BSKE, x_BTKE in zip(cache, (k_BTKE, v_BTKE)))
+        if cache is not None and cache_index is not None:
+            out_BTHE = cached_attention(q_BTHE, *cache, cache_index)
+        else:
+            out_BTHE = dot_product_attention(
+                q_BTHE, k_BTKE, v_BTKE, segment_ids=segment_ids_BT, causal=True,
+                implementation=cfg.attention)
         out_BTHE = checkpoint_name(out_BTHE, remat_lib.ATTENTION_OUT)
-        return self.wo(out_BTHE.reshape(B, T, cfg.n_heads * cfg.head_dim))
+        out_BTD = self.wo(out_BTHE.reshape(B, T, cfg.n_heads * cfg.head_dim))
+        return out_BTD if cache is None else (out_BTD, cache)
+
+
+def cached_attention(q_BTHE, k_BSKE, v_BSKE, index):
+    """Attention of T new queries at positions ``index`` .. ``index`` + T - 1 over a key/value
+    cache of S slots whose first ``index`` + T hold keys (a traced ``index``: slots after them
+    are masked, so their contents do not matter). The arithmetic of ``xla_attention``: scores
+    and softmax in float32, 1/sqrt(E) scale, grouped-query heads."""
+    B, T, H, E = q_BTHE.shape
+    S, K = k_BSKE.shape[1], k_BSKE.shape[2]
+    q_BTKGE = q_BTHE.reshape(B, T, K, H // K, E)
+    scores_BKGTS = jnp.einsum("btkge,bske->bkgts", q_BTKGE, k_BSKE.astype(q_BTHE.dtype),
+                              preferred_element_type=jnp.float32) * E ** -0.5
+    visible_TS = jnp.arange(S)[None, :] <= index + jnp.arange(T)[:, None]
+    scores_BKGTS = jnp.where(visible_TS, scores_BKGTS, jnp.finfo(jnp.float32).min)
+    probs_BKGTS = jax.nn.softmax(scores_BKGTS, axis=-1)
+    out_BTKGE = jnp.einsum("bkgts,bske->btkge", probs_BKGTS.astype(q_BTHE.dtype),
+                           v_BSKE.astype(q_BTHE.dtype), preferred_element_type=jnp.float32)
+    return out_BTKGE.reshape(B, T, H, E).astype(q_BTHE.dtype)
 
 
 class MLP(nnx.Module):
@@ -434,12 +466,19 @@ class Block(nnx.Module):
         keep = jax.random.bernoulli(key, 1.0 - self.dropout, x.shape)
         return jnp.where(keep, x / (1.0 - self.dropout), 0).astype(x.dtype)
 
-    def __call__(self, x_BTD, sin_BTR, cos_BTR, segment_ids_BT, dropout_key=None):
+    def __call__(self, x_BTD, sin_BTR, cos_BTR, segment_ids_BT, dropout_key=None, cache=None,
+                 cache_index=None):
+        """The block's output; with a key/value ``cache`` (``Attention``), also the updated
+        cache."""
         keys = (None, None) if dropout_key is None else jax.random.split(dropout_key)
-        h_BTD = self.attn(self._norm("attn_norm", x_BTD), sin_BTR, cos_BTR, segment_ids_BT)
+        h_BTD = self.attn(self._norm("attn_norm", x_BTD), sin_BTR, cos_BTR, segment_ids_BT,
+                          cache, cache_index)
+        if cache is not None:
+            h_BTD, cache = h_BTD
         x_BTD = x_BTD + self._drop(self._branch("attn", h_BTD), keys[0])
         h_BTD = self.mlp(self._norm("mlp_norm", x_BTD))
-        return x_BTD + self._drop(self._branch("mlp", h_BTD), keys[1])
+        x_BTD = x_BTD + self._drop(self._branch("mlp", h_BTD), keys[1])
+        return x_BTD if cache is None else (x_BTD, cache)
 
 
 class TokenLoss(nnx.Module):
@@ -472,6 +511,37 @@ class GPT(nnx.Module):
         x_BTD = self.run_blocks(x_BTD, positions_BT, segment_ids_BT, dropout_key,
                                 targets_BT=targets_BT)
         return self.logits(x_BTD)
+
+    def decode(self, inputs_BT, positions_BT, cache, cache_index=None):
+        """Logits [B, T, V] of ``inputs_BT`` (one segment per row, at ``positions_BT``) and the
+        key/value cache with their keys and values written in (``jaxaccel.generate``).
+        ``cache`` is a pair (k, v): [L, B, S, K, E] arrays with ``scan_layers`` (one
+        ``lax.scan`` over layers and cache), else tuples of L [B, S, K, E] arrays. Without
+        ``cache_index`` this is the prefill: the forward pass of ``__call__`` (no dropout, no
+        dropped tokens or layers) that also fills the cache from slot 0; with it, the T tokens
+        attend to the cache's first ``cache_index`` + T slots."""
+        cfg = self.cfg
+        sin_BTR, cos_BTR = rotary_sin_cos(positions_BT, cfg.head_dim, cfg.rope_base)
+        segment_ids_BT = jnp.ones_like(inputs_BT)
+        x_BTD = self.embed_tokens(inputs_BT)
+        k_cache, v_cache = cache
+        if cfg.scan_layers:
+            graphdef, stacked = nnx.split(self.blocks)
+
+            def body(x_BTD, layer):
+                state, k_BSKE, v_BSKE = layer
+                return nnx.merge(graphdef, state)(x_BTD, sin_BTR, cos_BTR, segment_ids_BT,
+                                                  None, (k_BSKE, v_BSKE), cache_index)
+
+            x_BTD, (k_cache, v_cache) = jax.lax.scan(body, x_BTD, (stacked, k_cache, v_cache))
+        else:
+            new = []
+            for block, k_BSKE, v_BSKE in zip(self.blocks, k_cache, v_cache):
+                x_BTD, kv = block(x_BTD, sin_BTR, cos_BTR, segment_ids_BT, None,
+                                  (k_BSKE, v_BSKE), cache_index)
+                new.append(kv)
+            k_cache, v_cache = tuple(kv[0] for kv in new), tuple(kv[1] for kv in new)
+        return self.logits(x_BTD), (k_cache, v_cache)
 
     def embed_tokens(self, inputs_BT):
         """The token embeddings [B, T, D]."""
@@ -628,6 +698,18 @@ def make_apply(cfg: ModelConfig):
         return parts.head(params, x_BTD)
 
     return apply
+
+
+def make_decode(cfg: ModelConfig):
+    """``decode(params, inputs_BT, positions_BT, cache, cache_index=None) -> (logits_BTV,
+    cache)``, the pure form of ``GPT.decode`` (prefill without ``cache_index``, a cached step
+    with it) for ``jaxaccel.generate``."""
+    graphdef, _ = nnx.split(nnx.eval_shape(lambda: GPT(cfg, rngs=nnx.Rngs(0))))
+
+    def decode(params, inputs_BT, positions_BT, cache, cache_index=None):
+        return nnx.merge(graphdef, params).decode(inputs_BT, positions_BT, cache, cache_index)
+
+    return decode
 
 
 class ModelParts(NamedTuple):

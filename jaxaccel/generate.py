@@ -1,0 +1,262 @@
+"""Text generation from a trained GPT with a key/value cache.
+
+The model's own blocks do the work (``model.GPT.decode``): the prefill is the training forward
+pass over the prompt (so its logits are the forward pass's) that also writes every layer's
+keys and values into a cache of fixed size S = prompt + new tokens; each decode step then runs
+one token per row through the blocks, writes its keys and values at its position and attends to
+the cache's filled slots. The whole decode is one jitted ``lax.fori_loop``: no host round trip
+per token, one compile per (prompt length, new tokens) pair.
+
+Cache layout: a pair (k, v) of [L, B, S, K, E] arrays with ``scan_layers`` (scanned with the
+stacked blocks), else tuples of L [B, S, K, E] arrays; K is the model's key/value heads, so a
+grouped-query model caches K, not H, heads. Rotary angles come from each token's position.
+
+Sampling: temperature 0 is greedy (argmax); otherwise the logits over the tokenizer's real ids
+(``valid_ids``: the padded tail of the vocabulary is never sampled) divided by the temperature,
+restricted to the ``top_k`` largest, drawn with ``fold_in(key, i)`` for new token i.
+
+Model options: grouped-query attention, RoPE, both layer layouts, the init schemes' gates, LoRA
+(``lora.merge`` first, by ``load_run``) and adapters, N:M sparsity (the masks applied, as in
+evaluation) and FP8 (its QDQ matmuls with the stored amax histories, as in evaluation but in the
+parameters' float32) all run; dropout, stochastic depth and token dropping are training-only
+and off, as in evaluation.
+"""
+
+import dataclasses
+import os
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+from jaxaccel.errors import ConfigError
+from jaxaccel.model import make_decode
+
+
+def init_cache(cfg, batch: int, length: int, dtype=jnp.float32):
+    """An empty key/value cache of ``length`` slots for ``batch`` rows (layout above)."""
+    shape = (batch, length, cfg.n_kv_heads, cfg.head_dim)
+    if cfg.scan_layers:
+        zeros_LBSKE = jnp.zeros((cfg.n_layers, *shape), dtype)
+        return zeros_LBSKE, zeros_LBSKE
+    layers = tuple(jnp.zeros(shape, dtype) for _ in range(cfg.n_layers))
+    return layers, layers
+
+
+def sample(logits_BV, key, *, temperature: float, top_k: int, valid_ids: int | None = None):
+    """Next ids [B] from float32 logits [B, V]: greedy at temperature 0, else top-k sampling.
+    ``temperature`` and ``top_k`` are static; ids >= ``valid_ids`` are never chosen."""
+    V = logits_BV.shape[-1]
+    if valid_ids is not None and valid_ids < V:
+        logits_BV = jnp.where(jnp.arange(V) < valid_ids, logits_BV, -jnp.inf)
+    if temperature == 0:
+        return jnp.argmax(logits_BV, axis=-1).astype(jnp.int32)
+    logits_BV = logits_BV / temperature
+    k = min(top_k, V if valid_ids is None else min(valid_ids, V))
+    if k < V:
+        kth_B1 = jax.lax.top_k(logits_BV, k)[0][:, -1:]
+        logits_BV = jnp.where(logits_BV >= kth_B1, logits_BV, -jnp.inf)
+    return jax.random.categorical(key, logits_BV, axis=-1).astype(jnp.int32)
+
+
+def make_prefill(cfg, cache_len: int):
+    """``prefill(params, prompt_BT) -> (logits_BTV, cache)``, jitted: the forward pass over the
+    prompt, filling a fresh cache of ``cache_len`` slots."""
+    decode = make_decode(cfg)
+
+    @jax.jit
+    def prefill(params, prompt_BT):
+        B, T = prompt_BT.shape
+        dtype = jax.tree.leaves(params["embed"])[0].dtype
+        positions_BT = jnp.broadcast_to(jnp.arange(T, dtype=jnp.int32), (B, T))
+        return decode(params, prompt_BT, positions_BT, init_cache(cfg, B, cache_len, dtype))
+
+    return prefill
+
+
+def make_decode_loop(cfg, *, max_new_tokens: int, temperature: float, top_k: int,
+                     valid_ids: int | None = None):
+    """``decode_loop(params, last_logits_BV, cache, prompt_len, key) -> tokens_BN``, jitted:
+    token 0 from the prefill's last logits, then N - 1 cached steps in one ``lax.fori_loop``
+    (token i - 1 in, token i out, at position prompt_len + i - 1)."""
+    decode = make_decode(cfg)
+    N = max_new_tokens
+
+    def pick(logits_BV, key, i):
+        return sample(logits_BV, jax.random.fold_in(key, i), temperature=temperature,
+                      top_k=top_k, valid_ids=valid_ids)
+
+    @jax.jit
+    def decode_loop(params, last_logits_BV, cache, prompt_len, key):
+        B = last_logits_BV.shape[0]
+        tokens_BN = jnp.zeros((B, N), jnp.int32).at[:, 0].set(pick(last_logits_BV, key, 0))
+
+        def step(i, carry):
+            tokens_BN, cache = carry
+            index = prompt_len + i - 1
+            inputs_B1 = jax.lax.dynamic_slice_in_dim(tokens_BN, i - 1, 1, axis=1)
+            positions_B1 = jnp.full((B, 1), index, jnp.int32)
+            logits_B1V, cache = decode(params, inputs_B1, positions_B1, cache, index)
+            token_B = pick(logits_B1V[:, 0], key, i)
+            return jax.lax.dynamic_update_slice_in_dim(tokens_BN, token_B[:, None], i,
+                                                       axis=1), cache
+
+        tokens_BN, _ = jax.lax.fori_loop(1, N, step, (tokens_BN, cache))
+        return tokens_BN
+
+    return decode_loop
+
+
+def generate(params, cfg, prompt_BT, *, max_new_tokens: int, temperature: float = 0.0,
+             top_k: int = 1, key=None, valid_ids: int | None = None):
+    """``max_new_tokens`` new ids [B, N] after ``prompt_BT`` (every row the same length);
+    prefill, then the cached decode loop. Compiles on each call: for timing use ``Generator``."""
+    return Generator(cfg, prompt_BT.shape[1], max_new_tokens, temperature=temperature,
+                     top_k=top_k, valid_ids=valid_ids).run(params, prompt_BT, key)[0]
+
+
+class Generator:
+    """Prefill and decode loop for one prompt length and one count of new tokens, compiled
+    ahead of time (``compile``) so that ``run`` times only the work."""
+
+    def __init__(self, cfg, prompt_len: int, max_new_tokens: int, *, temperature: float,
+                 top_k: int, valid_ids: int | None = None):
+        check_lengths(cfg, prompt_len, max_new_tokens)
+        check_sampling(temperature, top_k)
+        self.prompt_len, self.max_new_tokens = prompt_len, max_new_tokens
+        self.prefill = make_prefill(cfg, prompt_len + max_new_tokens)
+        self.decode_loop = make_decode_loop(cfg, max_new_tokens=max_new_tokens,
+                                            temperature=temperature, top_k=top_k,
+                                            valid_ids=valid_ids)
+        self.compile_seconds = None
+
+    def compile(self, params, prompt_BT, key):
+        """Compile both programs (seconds in ``compile_seconds``)."""
+        import time
+        start = time.perf_counter()
+        logits_BTV, cache = jax.eval_shape(self.prefill, params, prompt_BT)
+        self.prefill = self.prefill.lower(params, prompt_BT).compile()
+        last_BV = jax.ShapeDtypeStruct((logits_BTV.shape[0], logits_BTV.shape[2]),
+                                       logits_BTV.dtype)
+        self.decode_loop = self.decode_loop.lower(params, last_BV, cache,
+                                                  jnp.int32(self.prompt_len), key).compile()
+        self.compile_seconds = time.perf_counter() - start
+
+    def run(self, params, prompt_BT, key=None):
+        """``(tokens_BN, timings)``: the new ids and the prefill's and decode's seconds."""
+        import time
+        key = jax.random.PRNGKey(0) if key is None else key
+        prompt_BT = jnp.asarray(prompt_BT, jnp.int32)
+        start = time.perf_counter()
+        logits_BTV, cache = jax.block_until_ready(self.prefill(params, prompt_BT))
+        middle = time.perf_counter()
+        tokens_BN = jax.block_until_ready(self.decode_loop(
+            params, logits_BTV[:, -1], cache, jnp.int32(self.prompt_len), key))
+        end = time.perf_counter()
+        return tokens_BN, Timings(prefill_seconds=middle - start, decode_seconds=end - middle,
+                                  prompt_tokens=prompt_BT.size,
+                                  decode_steps=prompt_BT.shape[0] * (self.max_new_tokens - 1))
+
+
+@dataclasses.dataclass
+class Timings:
+    """Seconds of one generation: the prefill (prompt tokens in one pass) and the decode loop
+    (``decode_steps`` cached one-token steps over all rows; the first new token comes from the
+    prefill's logits)."""
+
+    prefill_seconds: float
+    decode_seconds: float
+    prompt_tokens: int
+    decode_steps: int
+
+    @property
+    def prefill_tokens_per_s(self) -> float:
+        return self.prompt_tokens / self.prefill_seconds
+
+    @property
+    def decode_tokens_per_s(self) -> float | None:
+        return self.decode_steps / self.decode_seconds if self.decode_steps else None
+
+
+def check_lengths(cfg, prompt_len: int, max_new_tokens: int):
+    """One ConfigError line if the prompt or prompt + new tokens exceed the model's context."""
+    if prompt_len < 1:
+        raise ConfigError("the prompt is empty; give at least one token", field="prompt")
+    if prompt_len >= cfg.max_seq_len:
+        raise ConfigError(
+            f"the prompt is {prompt_len} tokens, but the model's context is {cfg.max_seq_len} "
+            f"and at least one new token must fit; shorten the prompt", field="prompt")
+    if max_new_tokens < 1:
+        raise ConfigError(f"max_new_tokens must be at least 1, got {max_new_tokens}",
+                          field="max_new_tokens")
+    if prompt_len + max_new_tokens > cfg.max_seq_len:
+        raise ConfigError(
+            f"prompt ({prompt_len} tokens) + max_new_tokens ({max_new_tokens}) exceeds the "
+            f"model's context of {cfg.max_seq_len}; ask for at most "
+            f"{cfg.max_seq_len - prompt_len} new tokens", field="max_new_tokens")
+
+
+def check_sampling(temperature: float, top_k: int):
+    """One ConfigError line for a temperature that is not finite and >= 0, or top_k < 1."""
+    if not 0.0 <= temperature < float("inf"):
+        raise ConfigError(f"temperature must be a finite number >= 0 (0 = greedy), got "
+                          f"{temperature}", field="temperature")
+    if top_k < 1:
+        raise ConfigError(f"top_k must be at least 1, got {top_k}", field="top_k")
+
+
+def read_run_config(run_dir: str):
+    """The TrainConfig of a run directory (its ``config.yaml``), after checking that the
+    directory and a finished checkpoint exist: one ConfigError line (field ``run_dir``) if not."""
+    from jaxaccel.config import TrainConfig, build, read_config_file
+
+    if not os.path.isdir(run_dir):
+        raise ConfigError(f"run directory {run_dir} does not exist; pass the run_dir of a "
+                          f"training run", field="run_dir")
+    config_file = os.path.join(run_dir, "config.yaml")
+    if not os.path.isfile(config_file):
+        raise ConfigError(f"{run_dir} has no config.yaml, so it is not a training run "
+                          f"directory; pass the run_dir of a training run", field="run_dir")
+    checkpoints = os.path.join(run_dir, "checkpoints")
+    steps = [n for n in (os.listdir(checkpoints) if os.path.isdir(checkpoints) else [])
+             if n.isdigit()]
+    if not steps:
+        raise ConfigError(f"{run_dir} has no checkpoint; train it first (experiments.train "
+                          f"writes one at the end of a run) or pass another run_dir",
+                          field="run_dir")
+    try:
+        return build(TrainConfig, read_config_file(config_file))
+    except ConfigError as e:
+        raise ConfigError(f"{config_file} is not readable ({e}); pass the run_dir of a "
+                          f"training run", field="run_dir") from None
+
+
+def load_run(run_dir: str):
+    """``(model_cfg, params, step)`` of a training run's latest checkpoint, in float32, with
+    LoRA merged into its weights (``lora.merge``; adapters stay)."""
+    from jaxaccel import lora
+    from jaxaccel.loop import read_trained_run
+
+    read_run_config(run_dir)
+    try:
+        trained, params, step = read_trained_run(run_dir)
+    except ConfigError as e:
+        raise ConfigError(str(e), field="run_dir") from None
+    model_cfg = trained.model
+    if model_cfg.lora_rank:
+        params, model_cfg = lora.merge(params, model_cfg), lora.merged_config(model_cfg)
+    params = jax.tree.map(lambda a: a.astype(jnp.float32)
+                          if jnp.issubdtype(a.dtype, jnp.floating) else a, params)
+    return model_cfg, params, step
+
+
+def valid_ids_of(tokenizer) -> int:
+    """The ids a tokenizer can decode: sampling never picks the padded vocabulary's tail."""
+    return int(getattr(tokenizer, "vocab_size"))
+
+
+def cut_at_eos(ids, eos_id: int) -> np.ndarray:
+    """The ids before the first ``eos_id`` (all of them if there is none)."""
+    ids = np.asarray(ids)
+    hits = np.flatnonzero(ids == eos_id)
+    return ids[:hits[0]] if hits.size else ids
