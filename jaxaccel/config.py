@@ -351,6 +351,9 @@ class RunConfig:
                                     at_least=1)
     keep_every_steps: int = setting(0, "also keep every checkpoint whose step is a multiple of "
                                        "K (0: none)", at_least=0)
+    async_checkpoint: bool = setting(True, "write checkpoints in the background (orbax's async "
+                                           "saving: training goes on once the state is copied "
+                                           "to the host)")
     eval_every: int = setting(100, "evaluate on eval_batches validation batches every N steps "
                                     "(0 = off)", at_least=0)
     eval_batches: int = setting(20, "validation batches in periodic evaluations, spread over the "
@@ -553,6 +556,36 @@ def check_ranges(cfg):
         if declared is None or declared == Range():
             declared = INT_RANGE if isinstance(value, int) else FLOAT_RANGE
         declared.check(path, value)
+
+
+def check_json_outputs(cfg):
+    """ConfigError, before any work, for a ``json`` field (any section) whose file could not be
+    written: its folder missing, not a folder or not writable."""
+    for path in field_ranges(type(cfg)):
+        if path.rpartition(".")[2] == "json" and field_value(cfg, path):
+            check_writable(path, os.path.dirname(os.path.abspath(field_value(cfg, path))),
+                           may_create=False)
+
+
+def check_writable(field: str, path: str, *, may_create: bool):
+    """ConfigError naming ``field`` unless a file can be written in the folder ``path`` (with
+    ``may_create``: in the nearest existing folder it would be created in)."""
+    import tempfile
+
+    name = field.rpartition(".")[2]
+    folder = os.path.abspath(path)
+    while may_create and not os.path.exists(folder):
+        folder = os.path.dirname(folder)
+    if not os.path.isdir(folder):
+        raise ConfigError(f"{name}: {folder} is not a directory"
+                          + ("" if may_create else "; create it first or choose another path"),
+                          field=field)
+    try:
+        with tempfile.TemporaryFile(dir=folder):
+            pass
+    except OSError as e:
+        raise ConfigError(f"{name}: cannot write in {folder} ({e.strerror}); choose another "
+                          f"path", field=field) from None
 
 
 # ---------------------------------------------------------------------------------------------
@@ -837,4 +870,5 @@ def parse(argv=None, cls=None, *, defaults: dict | None = None, fixed: tuple = (
     values.update(given)
     cfg = build(cls, values)
     check_ranges(cfg)
+    check_json_outputs(cfg)
     return cfg
