@@ -20,7 +20,6 @@ import shlex
 import shutil
 import signal
 import sys
-import tempfile
 import time
 
 import jax
@@ -29,8 +28,8 @@ import numpy as np
 from jaxaccel import buffers, fp8, hardware, lora, sparsity, stacking
 from jaxaccel.checkpoint import Checkpointer
 from jaxaccel.compiled import CompiledFn, abstract, largest_memory_bytes
-from jaxaccel.config import TrainConfig, build, field_value, read_config_file, to_dict, \
-    write_config
+from jaxaccel.config import TrainConfig, build, check_writable, field_value, read_config_file, \
+    to_dict, write_config
 from jaxaccel.corpus import load_corpus, skipped_inputs
 from jaxaccel.data import DataStream, batches
 from jaxaccel.errors import ConfigError
@@ -222,6 +221,8 @@ class Setup:
     stack_ends: list            # the steps where progressive stacking doubles the depth
     stages: list                # [first step, depth] of each stage this run has trained
     extended_from_steps: int | None = None  # a resumed run given another length: the old one
+    restored_history: list = dataclasses.field(default_factory=list)  # (loss, real tokens) of
+                                # the steps just before the checkpoint resumed from (its meta)
 
 
 def set_up(cfg: TrainConfig, mesh, mesh_shape) -> Setup:
@@ -246,7 +247,8 @@ def set_up(cfg: TrainConfig, mesh, mesh_shape) -> Setup:
         cfg.optimizer, batch_rows=cfg.batch_rows(), total_steps=total_steps)
     checkpointer = Checkpointer(os.path.join(run_dir, "checkpoints"),
                                 max_to_keep=cfg.run.keep_checkpoints,
-                                keep_period=cfg.run.keep_every_steps)
+                                keep_period=cfg.run.keep_every_steps,
+                                asynchronous=cfg.run.async_checkpoint)
     full_cfg, stages = cfg, cfg.run.progressive_stack
     stack_ends = stacking.boundaries(total_steps, stages, cfg.run.stack_at)
     first_step = (checkpointer.latest_step() or 0) if cfg.run.resume else 0
@@ -289,7 +291,8 @@ def set_up(cfg: TrainConfig, mesh, mesh_shape) -> Setup:
     return Setup(cfg, mesh, mesh_shape, run_dir, corpus, stream, total_steps, optimizer,
                  schedule, hyperparameters, state, shardings, batch_layout, plan, resume_config,
                  checkpointer, eval_batch_size, stream_args, full_cfg.model.n_layers, stack_ends,
-                 [[int(state.step), cfg.model.n_layers]], extended_from)
+                 [[int(state.step), cfg.model.n_layers]], extended_from,
+                 checkpointer.saved_history if cfg.run.resume else [])
 
 
 def _with_layers(cfg: TrainConfig, n_layers: int) -> TrainConfig:
@@ -408,23 +411,10 @@ def remove_unfinished_checkpoints(directory: str, cfg: TrainConfig):
 def check_outputs(cfg: TrainConfig):
     """ConfigError, before any work, for an output location this run cannot write: the run
     directory (or the nearest folder it would be made in) and the ``--json`` file's folder."""
-    places = [("run.run_dir", cfg.run.run_dir or RUNS_ROOT, True)]
+    check_writable("run.run_dir", cfg.run.run_dir or RUNS_ROOT, may_create=True)
     if cfg.run.json:
-        places.append(("run.json", os.path.dirname(os.path.abspath(cfg.run.json)), False))
-    for field, path, may_create in places:
-        folder = os.path.abspath(path)
-        while may_create and not os.path.exists(folder):
-            folder = os.path.dirname(folder)
-        if not os.path.isdir(folder):
-            raise ConfigError(f"{field.split('.')[1]}: {folder} is not a directory"
-                              + ("" if may_create else "; create it first or choose another "
-                                 "path"), field=field)
-        try:
-            with tempfile.TemporaryFile(dir=folder):
-                pass
-        except OSError as e:
-            raise ConfigError(f"{field.split('.')[1]}: cannot write in {folder} "
-                              f"({e.strerror}); choose another path", field=field) from None
+        check_writable("run.json", os.path.dirname(os.path.abspath(cfg.run.json)),
+                       may_create=False)
 
 
 def stream_settings(cfg: TrainConfig, multiple: int) -> dict:
@@ -608,8 +598,10 @@ def run_steps(run: Setup, steps: Steps, should_stop=None, previous: Progress | N
         return {**feed.position, "sampler": sampler.state()}
 
     def save(step):
+        pending = [(float(m["loss"]), float(m["real_tokens"])) for m in jax.device_get(window)]
+        recent = (run.restored_history + history + pending)[-max(1, run.total_steps // 10):]
         run.checkpointer.save(step, state, loader_position=position(),
-                              config=run.resume_config)
+                              config=run.resume_config, history=recent)
 
     watch.start()
     with stop_on_signals() as received:
@@ -631,13 +623,18 @@ def run_steps(run: Setup, steps: Steps, should_stop=None, previous: Progress | N
                               f"{loss * BITS_PER_NAT:.3f} bits per byte over {tokens:,} tokens",
                          progress)
                 watch.start()
-            stop = received.get("signum") or (should_stop is not None and should_stop(done))
+            stop = received.get("signum") or (should_stop is not None and should_stop(done)
+                                              and STOP_REQUESTED)
+            if jax.process_count() > 1:     # every process stops at the same step, or none
+                at_log = done % max(cfg.run.log_every, 1) == 0 or done == end
+                stop = agreed_stop(stop) if at_log else None
             if (cfg.run.checkpoint_every and done % cfg.run.checkpoint_every == 0) or stop:
                 watch.pause(state)
                 save(done)
                 watch.start()
             if stop:
-                interrupted = signal.Signals(received["signum"]).name if received else "requested"
+                interrupted = ("requested" if stop == STOP_REQUESTED
+                               else signal.Signals(stop).name)
                 break
         watch.pause(state)
         if window:
@@ -653,6 +650,24 @@ def run_steps(run: Setup, steps: Steps, should_stop=None, previous: Progress | N
     waited = feed.wait_seconds + (previous.data_wait_s if previous else 0.0)
     return Progress(state, first_step, totals, history, watch.seconds, waited, interrupted,
                     writer, final_position)
+
+
+STOP_REQUESTED = -1      # ``should_stop`` asked for the stop (a signal: its number)
+
+
+def agreed_stop(local: int | None) -> int | None:
+    """The stop every process of a multi-process run agrees on, from each one's ``local``
+    reason (a signal number, ``STOP_REQUESTED`` or None): a signal any process received (the
+    highest number), else a requested stop, else None. A collective over the processes, so
+    all call it at the same steps: the log steps, where the loop waits for the device anyway.
+    SIGTERM to one host (a preemption notice) thus stops every host at the same step with a
+    checkpoint, as JAX's preemption sync point would, and SIGINT likewise."""
+    from jax.experimental import multihost_utils
+
+    codes = np.asarray(multihost_utils.process_allgather(np.int32(local or 0))).reshape(-1)
+    if (codes > 0).any():
+        return int(codes.max())
+    return STOP_REQUESTED if (codes == STOP_REQUESTED).any() else None
 
 
 def grow_run(run: Setup, progress: Progress) -> Setup:
@@ -870,7 +885,8 @@ def finish(run: Setup, compiled: list, progress: Progress, wall_start: float,
         inputs_skipped=skipped_inputs(run.corpus.stats),
         extended_from_steps=run.extended_from_steps,
         data_wait_s=progress.data_wait_s,
-        train_bpb=_recent_bpb(progress.history), val_loss=val_loss,
+        train_bpb=_recent_bpb(run.restored_history + progress.history, final_step),
+        val_loss=val_loss,
         val_bpb=val_loss * BITS_PER_NAT, val_tokens=val_tokens, unigram_bpb=unigram_bpb,
         real_tokens_per_s=tokens_per_s, flops_per_token=flops_token,
         achieved_flops_per_s=tokens_per_s * flops_token,
@@ -951,11 +967,14 @@ def run_flops_per_token(run: Setup, final_step: int, first_step: int, kept: floa
     return weighted / total
 
 
-def _recent_bpb(history: list[tuple[float, float]]) -> float:
-    """Token-weighted training bits per byte over the last tenth of the steps (at least one)."""
+def _recent_bpb(history: list[tuple[float, float]], steps: int) -> float:
+    """Token-weighted training bits per byte over the last tenth of the run's ``steps`` (at
+    least one); ``history`` holds the (loss, real tokens) of the steps before the last, a
+    resumed run's starting with those its checkpoint kept, so a resumed run reports what an
+    uninterrupted one would."""
     if not history:
         return float("nan")
-    recent = history[-max(1, len(history) // 10):]
+    recent = history[-max(1, steps // 10):]
     loss = sum(l * t for l, t in recent) / max(sum(t for _, t in recent), 1.0)
     return loss * BITS_PER_NAT
 

@@ -6,6 +6,8 @@ import os
 
 import numpy as np
 
+from jaxaccel.report import finite_json
+
 BITS_PER_NAT = 1.0 / math.log(2.0)
 
 
@@ -23,7 +25,7 @@ class MetricsWriter:
 
     def write(self, step: int, kind: str, values: dict):
         record = {"step": int(step), "kind": kind, **{k: _plain(v) for k, v in values.items()}}
-        self._file.write(json.dumps(record) + "\n")
+        self._file.write(json.dumps(finite_json(record), allow_nan=False) + "\n")
         self._file.flush()
         scalars = {key: value for key, value in record.items() if key not in ("step", "kind")
                    and isinstance(value, (int, float)) and not isinstance(value, bool)}

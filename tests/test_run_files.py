@@ -131,3 +131,53 @@ def test_resume_with_more_steps_extends_a_finished_run(corpus_path, tmp_path, ca
     assert summary["extended_from_steps"] == 2
     assert [r["step"] for r in read_metrics(str(tmp_path / "run" / "metrics.jsonl"))
             if r["kind"] == "train"] == [1, 2, 3, 4]
+
+
+def test_a_checkpoint_that_cannot_be_written_is_one_line_and_keeps_the_last(
+        corpus_path, tmp_path, capsys, monkeypatch):
+    """A full disk at the step-6 checkpoint, in orbax's background write (async saving) or in
+    its synchronous part: one line naming the step and the kept checkpoint (step 3), exit 2;
+    then --resume continues from step 3."""
+    import errno
+
+    import orbax.checkpoint as ocp
+
+    save, wait = ocp.CheckpointManager.save, ocp.CheckpointManager.wait_until_finished
+
+    def full_disk():
+        return OSError(errno.ENOSPC, "No space left on device")
+
+    for mode, flags in (("background", []), ("synchronous", ["--no-async-checkpoint"])):
+        failing = {}
+
+        def failing_save(self, step, *args, **kwargs):
+            if step == 6 and mode == "synchronous":
+                raise full_disk()
+            failing["step"] = step
+            return save(self, step, *args, **kwargs)
+
+        def failing_wait(self):
+            wait(self)
+            if failing.pop("step", None) == 6:
+                try:
+                    raise full_disk()
+                except OSError as e:        # orbax re-raises the thread's error wrapped
+                    raise RuntimeError("async save failed") from e
+
+        monkeypatch.setattr(ocp.CheckpointManager, "save", failing_save)
+        monkeypatch.setattr(ocp.CheckpointManager, "wait_until_finished", failing_wait)
+        run_dir = tmp_path / mode
+        args = [*SMALL, "--data", corpus_path, "--steps", "8", "--checkpoint-every", "3",
+                "--run-dir", str(run_dir), "--cache-dir", str(tmp_path / "cache"), *flags]
+        assert train_cli.main(args) == 2
+        err = capsys.readouterr().err.strip().splitlines()
+        assert len(err) == 1 and "checkpoint of step 6 could not be written" in err[0], err
+        assert "No space left on device" in err[0] and "step 3 is kept" in err[0], err
+        monkeypatch.setattr(ocp.CheckpointManager, "save", save)
+        monkeypatch.setattr(ocp.CheckpointManager, "wait_until_finished", wait)
+        assert train_cli.main([*args, "--resume"]) == 0
+        summary = json.load(open(run_dir / "summary.json"))
+        assert summary["steps"] == 8 and summary["steps_this_run"] == 5     # from step 3
+        steps = [json.loads(line)["step"] for line in open(run_dir / "metrics.jsonl")
+                 if json.loads(line)["kind"] == "train"]
+        assert steps == sorted(set(steps)) and steps[-1] == 8, steps
