@@ -41,6 +41,10 @@ def command(config_cls=TrainConfig):
                           f"is incomplete and was not written", file=sys.stderr)
                     return exit_code(e.signal)
                 except Exception as e:      # noqa: BLE001 - only allocation failures are ours
+                    if peer_lost(e):
+                        print(describe_peer_lost(e), file=sys.stderr, flush=True)
+                        sys.stdout.flush()
+                        os._exit(PEER_LOST)     # jax's exit handler would wait ~100 s, abort
                     if not out_of_memory(e):
                         raise
                     print(describe_out_of_memory(e), file=sys.stderr)
@@ -61,6 +65,27 @@ def out_of_memory(error: BaseException) -> bool:
     return isinstance(error, MemoryError) or (
         type(error).__name__ in ("JaxRuntimeError", "XlaRuntimeError")
         and "RESOURCE_EXHAUSTED" in str(error).split("\n", 1)[0])
+
+
+PEER_LOST = 3       # exit code: another process of a multi-process run failed
+
+
+def peer_lost(error: BaseException) -> bool:
+    """A collective that failed because another process of the run went away (gloo's
+    connection closed by the peer, the coordination service's heartbeat or barrier errors)."""
+    if not jax.distributed.is_initialized():
+        return False
+    text = str(error)       # a JaxRuntimeError from a step, a ValueError from an all-gather
+    return any(sign in text for sign in ("Connection closed by peer", "Connection reset by peer",
+                                         "Gloo", "heartbeat timeout", "Barrier failed"))
+
+
+def describe_peer_lost(error: BaseException) -> str:
+    """The one line for a run whose peer process went away."""
+    first = (str(error).splitlines() or [type(error).__name__])[0].strip()[:160]
+    return (f"error: another process of this run stopped ({first}); every process stops: "
+            f"restart all of them with --resume to continue from the last checkpoint "
+            f"(exit code {PEER_LOST})")
 
 
 def describe_out_of_memory(error: BaseException) -> str:

@@ -399,11 +399,141 @@ def initialize_distributed(coordinator: str | None, num_processes: int | None,
             raise ConfigError(f"coordinator {coordinator!r} is not HOST:PORT; pass e.g. "
                               f"10.0.0.1:1234 (the address of process 0)",
                               field="mesh.coordinator")
-        if process_id != 0:
-            wait_for_port(host, int(port), timeout_s)
+        if not 0 < int(port) < 65536:
+            raise ConfigError(f"coordinator port {port} is not a TCP port; pass one in 1 .. "
+                              f"65535", field="mesh.coordinator")
+        rendezvous(host, int(port), num_processes, process_id, timeout_s)
     jax.config.update("jax_cpu_collectives_implementation", "gloo")
-    jax.distributed.initialize(coordinator, num_processes, process_id,
-                               initialization_timeout=timeout_s)
+    try:
+        jax.distributed.initialize(coordinator, num_processes, process_id,
+                                   initialization_timeout=timeout_s)
+    except ValueError as e:         # auto outside a cluster: nothing to detect
+        raise ConfigError(f"jax.distributed could not start ({e}); outside a cluster it "
+                          f"detects, pass --coordinator, --num-processes and --process-id",
+                          field="mesh.distributed") from None
+
+
+# The hello a process sends process 0 before JAX starts, and process 0's answers.
+HELLO = "jaxaccel-rendezvous/1"
+
+
+def rendezvous(host: str, port: int, num_processes: int, process_id: int,
+               timeout_s: float) -> None:
+    """Meet every process on the coordinator's port in plain Python before JAX starts there.
+
+    JAX's runtime aborts the process with a C++ stack trace when peers never join, when the port
+    is taken or when something else answers on it; here each is one ConfigError line. Process 0
+    listens on ``port`` and waits up to ``timeout_s`` for a hello from every other process
+    (``HELLO``, its id and the process count), then answers each ``go`` and closes the port for
+    JAX's service to take; the others wait for the port (``wait_for_port``), say hello and wait
+    for ``go``. A count or an id that does not fit is refused on both sides."""
+    if num_processes == 1:
+        return
+    if process_id == 0:
+        _gather_peers(port, num_processes, timeout_s)
+        return
+    wait_for_port(host, port, timeout_s)
+    deadline = time.monotonic() + timeout_s
+    with socket.create_connection((host, port), timeout=timeout_s) as conn:
+        conn.sendall(f"{HELLO} {process_id} {num_processes}\n".encode())
+        answer = _read_line(conn, deadline)
+    if answer == "go":
+        return
+    if not answer:
+        raise ConfigError(
+            f"process 0 at {host}:{port} did not start the run within {timeout_s:g} s of this "
+            f"process joining: not every process joined (process 0's error names them) or the "
+            f"program there is not a jaxaccel process 0; check --coordinator and "
+            f"--num-processes, or raise --distributed-timeout", field="mesh.coordinator")
+    if answer.startswith("error: "):
+        raise ConfigError(f"process 0 refused this process: {answer[7:]}",
+                          field="mesh.num_processes" if "--num-processes" in answer
+                          else "mesh.process_id")
+    raise ConfigError(
+        f"the program on coordinator {host}:{port} is not process 0 of a jaxaccel run (it "
+        f"answered {answer[:40]!r}); check --coordinator (process 0's address and a free port)",
+        field="mesh.coordinator")
+
+
+def _gather_peers(port: int, num_processes: int, timeout_s: float) -> None:
+    """Process 0's side of ``rendezvous``."""
+    with socket.socket() as listener:
+        listener.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+        try:
+            listener.bind(("", port))
+        except OSError as error:
+            raise ConfigError(
+                f"process 0 cannot listen on port {port} ({error.strerror or error}): another "
+                f"program uses it; pick a free port for --coordinator", field="mesh.coordinator"
+            ) from None
+        listener.listen(num_processes)
+        deadline = time.monotonic() + timeout_s
+        peers = {}
+        try:
+            while len(peers) < num_processes - 1:
+                listener.settimeout(max(deadline - time.monotonic(), 0.01))
+                try:
+                    conn, _ = listener.accept()
+                except socket.timeout:
+                    missing = sorted(set(range(1, num_processes)) - set(peers))
+                    raise ConfigError(
+                        f"process(es) {', '.join(map(str, missing))} of {num_processes} did not "
+                        f"join within {timeout_s:g} s; start every process with the same "
+                        f"--coordinator and --num-processes and its own --process-id, or "
+                        f"raise --distributed-timeout", field="mesh.distributed_timeout"
+                    ) from None
+                problem, peer_id = _check_hello(conn, deadline, num_processes, peers)
+                if problem:
+                    conn.sendall(f"error: {problem}\n".encode())
+                    conn.close()
+                    if peer_id is not None:       # a jaxaccel process with other settings
+                        raise ConfigError(f"process {peer_id}: {problem}",
+                                          field="mesh.num_processes")
+                    continue                      # a stray connection: not one of ours
+                peers[peer_id] = conn
+            for conn in peers.values():
+                conn.sendall(b"go\n")
+            for conn in peers.values():          # the peers close first: the port stays free
+                conn.settimeout(5.0)
+                try:
+                    conn.recv(1)
+                except OSError:
+                    pass
+        finally:
+            for conn in peers.values():
+                conn.close()
+
+
+def _check_hello(conn, deadline: float, num_processes: int, peers: dict):
+    """``(problem or None, the peer's id or None)`` of a connection's hello."""
+    words = _read_line(conn, min(deadline, time.monotonic() + 10.0)).split()
+    if len(words) != 3 or words[0] != HELLO or not words[1].isdigit() or \
+            not words[2].isdigit():
+        return "not a jaxaccel process", None
+    peer_id, count = int(words[1]), int(words[2])
+    if count != num_processes:
+        return (f"it was started with --num-processes {count}, process 0 with "
+                f"{num_processes}; give every process the same count"), peer_id
+    if not 0 < peer_id < num_processes or peer_id in peers:
+        return (f"process id {peer_id} is " + ("taken" if peer_id in peers else "out of range")
+                + f"; give each process its own --process-id in 1 .. {num_processes - 1}"), \
+            peer_id
+    return None, peer_id
+
+
+def _read_line(conn, deadline: float) -> str:
+    """One line from ``conn`` before ``deadline`` ("" if none comes)."""
+    data = b""
+    while not data.endswith(b"\n") and len(data) < 256:
+        conn.settimeout(max(deadline - time.monotonic(), 0.01))
+        try:
+            chunk = conn.recv(256)
+        except (socket.timeout, OSError):
+            chunk = b""
+        if not chunk:
+            break
+        data += chunk
+    return data.decode("utf-8", "replace").strip()
 
 
 def wait_for_port(host: str, port: int, timeout_s: float) -> None:
