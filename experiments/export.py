@@ -1,14 +1,16 @@
-"""Export a trained run's model to safetensors and a config file, Hugging Face Llama's layout when it fits.
+"""Export a trained run's model to safetensors and config.json, as a Hugging Face Llama if it fits.
 
     python -m experiments.export --run-dir runs/R --out exported/R [--format auto|native|llama]
 
 Reads the run's latest checkpoint (LoRA merged into the weights) and writes ``model.safetensors``
-and ``config.json`` into ``--out``: the Llama layout (``LlamaForCausalLM``'s tensor names and
-config) when the model is a Llama (SwiGLU, untied head, norms, no gates, adapters, FP8 or N:M
-masks) and ``--format`` is auto or llama; else every parameter under its own name
+and ``config.json`` into ``--out`` (new or empty; ``--overwrite`` replaces those two files):
+``LlamaForCausalLM``'s tensor names and config when the model is a Llama (SwiGLU, untied head,
+RMSNorms; N:M masks folded into the weights; no branch gates, adapters or FP8) and ``--format``
+is auto or llama, else every parameter under its own name with our model config
 (``jaxaccel.export``). The export is then read back: every tensor must equal what was written,
 and a forward pass from the files alone (for Llama, an independent NumPy Llama) must give the
-model's logits; the table shows the largest logit difference.
+model's logits. It prints one line: the layout, tensors, size, the largest logit difference and
+the folder. A failed check is one line and exit code 1, the files left for inspection.
 """
 
 import dataclasses
@@ -17,8 +19,7 @@ import sys
 from experiments.common import command, environment, write_json
 from jaxaccel.config import parse, setting
 from jaxaccel.errors import ConfigError
-from jaxaccel.export import FORMATS, export
-from jaxaccel.report import format_table
+from jaxaccel.export import FORMATS, ExportCheckError, export
 
 
 @dataclasses.dataclass
@@ -29,7 +30,8 @@ class ExportSettings:
     format: str = setting("auto", "llama (Hugging Face LlamaForCausalLM layout), native (our "
                                   "parameter names) or auto (llama when the model fits it)",
                           choices=FORMATS)
-    overwrite: bool = setting(False, "replace the model files of a non-empty --out")
+    overwrite: bool = setting(False, "replace model.safetensors and config.json in a non-empty "
+                                     "--out")
     json: str | None = setting(None, "also write the result as JSON to this path")
 
 
@@ -41,28 +43,33 @@ class ExportConfig:
     experiment: ExportSettings = dataclasses.field(default_factory=ExportSettings)
 
 
+def summary(result) -> str:
+    """One line: layout, step, tensors, megabytes, the logits check, the folder."""
+    return (f"exported step {result.step} as {result.format}: {result.tensors} tensors, "
+            f"{result.bytes / 1e6:.2f} MB; logits from the files vs the model: max diff "
+            f"{result.max_logit_diff:.2e}; in {result.out_dir}")
+
+
 @command(ExportConfig)
 def main(argv=None) -> int:
     cfg = parse(argv, ExportConfig, description=__doc__.split("\n\n")[0])
     exp = cfg.experiment
-    for field in ("run_dir", "out"):
+    for field, what in (("run_dir", "the training run to export"),
+                        ("out", "the folder to write the model into")):
         if not getattr(exp, field):
-            raise ConfigError(f"{field} is missing; pass --{field.replace('_', '-')}",
-                              field=f"experiment.{field}")
-    from jaxaccel.generate import read_run_config
+            raise ConfigError(f"{field} is missing; name {what}", field=f"experiment.{field}")
     try:
-        read_run_config(exp.run_dir)
         result = export(exp.run_dir, exp.out, exp.format, overwrite=exp.overwrite)
     except ConfigError as e:
-        if e.field and "." not in e.field:
+        if e.field and "." not in e.field:          # the library's argument: our setting
             raise ConfigError(str(e), field=f"experiment.{e.field}") from None
         raise
-    row = dataclasses.asdict(result)
-    print(format_table([row], [
-        ("format", "format", ""), ("step", "step", "d"), ("tensors", "tensors", "d"),
-        ("bytes", "bytes", ","), ("max_logit_diff", "logits read back vs model", ".2e"),
-        ("out_dir", "out", "")]))
-    write_json(exp.json, [row], {**environment(), "run_dir": exp.run_dir})
+    except ExportCheckError as e:
+        print(f"error: {e}", file=sys.stderr)
+        return 1
+    print(summary(result))
+    write_json(exp.json, [dataclasses.asdict(result)], {**environment(),
+                                                       "run_dir": exp.run_dir})
     return 0
 
 

@@ -1,47 +1,58 @@
 """Export a trained run's model to safetensors with a config file, checked by reading it back.
 
-Two layouts:
+Two layouts (``export(run_dir, out_dir, format)``; ``export_native`` and ``export_llama`` name
+one):
 
 - ``native``: every leaf of the parameter dict (LoRA merged, float32) under its dotted path
-  (``blocks.0.attn.wq.kernel``; with ``scan_layers`` ``blocks.attn.wq.kernel`` with the layer
-  axis first), buffers included (``fp8_amax``, ``nm_mask``, ``token_loss``: state the forward
-  reads but training does not differentiate), and ``config.json`` = the ModelConfig's fields,
-  the step and the tokenizer. ``jaxaccel.model`` reads it back as it is.
+  (``blocks.0.attn.wq.kernel``; with ``scan_layers`` ``blocks.attn.wq.kernel``, layer axis
+  first), buffers included under their own names (``fp8_amax``, bool ``nm_mask``,
+  ``token_drop.token_loss``: state the forward reads or training keeps, not trained weights),
+  and ``config.json`` = the ModelConfig's fields, ``"format": "jaxaccel"``, the step and the
+  tokenizer. ``jaxaccel.model`` runs it as it is.
 - ``llama``: Hugging Face's ``LlamaForCausalLM`` layout (``model.layers.{i}.self_attn.q_proj
-  .weight`` ... as torch Linear weights [out, in]) and its ``config.json``, when the model is
-  a Llama: RoPE (ours rotates the two halves of each head, as HF's ``rotate_half`` does, so no
-  permutation), RMSNorm before each branch (epsilon 1e-6) and at the end, SwiGLU (``w_gate`` is
-  ``gate_proj``, ``w_in`` ``up_proj``, ``w_out`` ``down_proj``), an untied head, and none of
-  the options Llama lacks (branch gates, adapters, FP8 matmuls, N:M masks; ``blocker`` names
-  the one in the way).
+  .weight`` ... as torch Linear weights [out, in], safetensors metadata ``format: pt`` as
+  ``transformers`` requires) and its ``config.json``. Only for a model whose evaluation forward
+  is Llama's (``blocker`` names what is in the way otherwise): RMSNorm before each branch and at
+  the end (flax's, epsilon 1e-6), RoPE on the two halves of each head's features (HF's
+  ``rotate_half``, so q/k need no permutation), SwiGLU (``w_gate`` -> ``gate_proj``, the one
+  through silu; ``w_in`` -> ``up_proj``; ``w_out`` -> ``down_proj``) and an untied head. N:M
+  masks are folded into their weights (evaluation multiplies by them: exact); dropout,
+  stochastic depth and token dropping act in training only. Branch gates (rezero, skipinit)
+  come only with the inits that also remove the blocks' norms, so they are refused with them,
+  not folded; adapters and FP8's quantise-dequantise matmuls are refused.
 
-After writing, ``check`` reads the files back: every tensor must equal what was meant bitwise,
-and a forward pass computed from the files alone (the llama layout: an independent NumPy
-implementation of HF's Llama forward; native: ``model.make_apply`` on the read parameters) must
-give our model's logits on a short sequence to float32 tolerance. Files are written under a
-temporary name and renamed, so a crash never leaves a half file under the final name.
+After writing, the files are read back: every tensor must equal what was meant bitwise, and a
+forward pass computed from the files alone (llama: ``llama_forward``, an independent NumPy
+Llama in float64; native: ``model.make_apply`` on the read parameters and config) must give our
+model's float32 logits on a short sequence to ``LOGIT_TOLERANCE`` times the largest logit
+(at least 1). A failure raises ``ExportCheckError`` naming the check and leaves the files in
+place. Files are written under temporary names and renamed, so a crash never leaves a half file
+under a final name.
 """
 
 import dataclasses
 import json
 import os
+import tempfile
 
 import jax
 import jax.numpy as jnp
 import numpy as np
 
 from jaxaccel.errors import ConfigError
-from jaxaccel.model import make_apply
-from jaxaccel.tokenizer import BOS_ID, EOS_ID, PAD_ID, ByteTokenizer
+from jaxaccel.tokenizer import BOS_ID, BYTE_OFFSET, EOS_ID, PAD_ID, ByteTokenizer
 
 FORMATS = ("auto", "native", "llama")
-RMS_EPS = 1e-6          # flax nnx.RMSNorm's default epsilon, which the model's norms use
 WEIGHTS = "model.safetensors"
+CONFIG = "config.json"
+RMS_EPS = 1e-6              # flax nnx.RMSNorm's default epsilon, which every norm of ours uses
+LOGIT_TOLERANCE = 1e-4      # of max(1, largest |logit|)
+CHECK_TOKENS = 24           # length of the read-back check's sequence (at most max_seq_len)
 
 
 @dataclasses.dataclass
 class Exported:
-    """What ``export`` wrote and what its read-back check measured."""
+    """What ``export`` wrote (``format``: the layout chosen) and what its check measured."""
 
     out_dir: str
     format: str
@@ -51,18 +62,33 @@ class Exported:
     max_logit_diff: float
 
 
-def blocker(cfg) -> str | None:
-    """Why the model ``cfg`` (LoRA already merged) has no Llama layout; None if it has one."""
+class ExportCheckError(RuntimeError):
+    """The read-back check found the files differ from the model; the files stay in place."""
+
+
+def blocker(cfg) -> tuple[str, str] | None:
+    """(why, fix) for the first option that keeps model ``cfg`` from Hugging Face's Llama
+    layout; None when it has that layout."""
+    gates = " and gates their branches" if cfg.init in ("rezero", "skipinit") else ""
     reasons = [
-        (cfg.mlp != "swiglu", f"its MLP is {cfg.mlp}, Llama's is SwiGLU"),
-        (cfg.tie_embeddings, "its output head is tied to the embedding"),
-        (not cfg.block_norms, f"init {cfg.init} has no norms before the branches"),
-        (cfg.init in ("rezero", "skipinit"), f"init {cfg.init} gates the branches"),
-        (cfg.adapter_dim > 0, "it has adapters"),
-        (cfg.fp8, "its matmuls are FP8 quantise-dequantise"),
-        (cfg.sparsity != "none", f"its weights carry {cfg.sparsity} masks"),
+        (cfg.mlp != "swiglu", f"mlp={cfg.mlp} (Llama's MLP is SwiGLU)", "mlp=swiglu"),
+        (cfg.tie_embeddings, "tie_embeddings=True (Llama's output head is untied)",
+         "tie_embeddings=False"),
+        (not cfg.block_norms, f"init={cfg.init} removes the blocks' RMSNorms{gates}",
+         "init=default"),
+        (cfg.adapter_dim > 0, f"adapter_dim={cfg.adapter_dim} (Llama has no adapters)",
+         "adapter_dim=0"),
+        (cfg.fp8, "precision.policy=fp8 quantises its matmuls (Llama's are plain)",
+         "another precision.policy"),
     ]
-    return next((why for blocked, why in reasons if blocked), None)
+    return next(((why, fix) for blocked, why, fix in reasons if blocked), None)
+
+
+def refuse_llama(cfg):
+    """One ConfigError line naming the option that keeps ``cfg`` from the Llama layout."""
+    why, fix = blocker(cfg)
+    raise ConfigError(f"the model has no Hugging Face Llama layout: {why}; export in format "
+                      f"native instead, or retrain with {fix}", field="format")
 
 
 def flatten(params) -> dict[str, np.ndarray]:
@@ -74,10 +100,16 @@ def flatten(params) -> dict[str, np.ndarray]:
     return flat
 
 
-def unflatten(flat: dict[str, np.ndarray], like):
-    """``flatten``'s inverse into the structure of ``like``."""
-    names = list(flatten(like))
-    return jax.tree.unflatten(jax.tree.structure(like), [flat[name] for name in names])
+def nest(flat: dict[str, np.ndarray]) -> dict:
+    """``flatten``'s inverse from the names alone: all-digit parts (layer indices) become ints."""
+    tree = {}
+    for name, value in flat.items():
+        *parents, leaf = [int(p) if p.isdigit() else p for p in name.split(".")]
+        node = tree
+        for part in parents:
+            node = node.setdefault(part, {})
+        node[leaf] = value
+    return tree
 
 
 def layer_params(cfg, params) -> list[dict]:
@@ -88,31 +120,48 @@ def layer_params(cfg, params) -> list[dict]:
     return [blocks[i] for i in range(cfg.n_layers)]
 
 
-def llama_tensors(cfg, params) -> dict[str, np.ndarray]:
-    """The Hugging Face Llama tensors of our parameters (torch Linear weights are [out, in])."""
-    def weight(kernel):
-        return np.ascontiguousarray(np.asarray(kernel, np.float32).T)
+def torch_weight(dense: dict) -> np.ndarray:
+    """A Dense layer's kernel [in, out] as a torch Linear weight [out, in], its N:M mask (if
+    any) applied as the evaluation forward applies it."""
+    kernel = np.asarray(dense["kernel"], np.float32)
+    if "nm_mask" in dense:
+        kernel = np.where(np.asarray(dense["nm_mask"]), kernel, np.float32(0))
+    return np.ascontiguousarray(kernel.T)
 
-    out = {"model.embed_tokens.weight": np.asarray(params["embed"]["embedding"], np.float32),
-           "model.norm.weight": np.asarray(params["final_norm"]["scale"], np.float32),
-           "lm_head.weight": weight(params["head"]["kernel"])}
-    names = {"attn": {"wq": "q_proj", "wk": "k_proj", "wv": "v_proj", "wo": "o_proj"},
-             "mlp": {"w_gate": "gate_proj", "w_in": "up_proj", "w_out": "down_proj"}}
+
+LLAMA_NAMES = {("attn", "wq"): "self_attn.q_proj", ("attn", "wk"): "self_attn.k_proj",
+               ("attn", "wv"): "self_attn.v_proj", ("attn", "wo"): "self_attn.o_proj",
+               ("mlp", "w_gate"): "mlp.gate_proj", ("mlp", "w_in"): "mlp.up_proj",
+               ("mlp", "w_out"): "mlp.down_proj"}
+
+
+def llama_tensors(cfg, params) -> dict[str, np.ndarray]:
+    """The Hugging Face Llama tensors of our parameters, float32."""
+    def vector(x):
+        return np.asarray(x, np.float32)
+
+    out = {"model.embed_tokens.weight": vector(params["embed"]["embedding"]),
+           "model.norm.weight": vector(params["final_norm"]["scale"]),
+           "lm_head.weight": torch_weight(params["head"])}
     for i, layer in enumerate(layer_params(cfg, params)):
-        prefix = f"model.layers.{i}"
-        for part, ours_to_hf in names.items():
-            hf_part = "self_attn" if part == "attn" else "mlp"
-            for ours, hf in ours_to_hf.items():
-                out[f"{prefix}.{hf_part}.{hf}.weight"] = weight(layer[part][ours]["kernel"])
-        out[f"{prefix}.input_layernorm.weight"] = np.asarray(layer["attn_norm"]["scale"],
-                                                             np.float32)
-        out[f"{prefix}.post_attention_layernorm.weight"] = np.asarray(
-            layer["mlp_norm"]["scale"], np.float32)
+        prefix = f"model.layers.{i}."
+        for (part, ours), theirs in LLAMA_NAMES.items():
+            out[prefix + theirs + ".weight"] = torch_weight(layer[part][ours])
+        out[prefix + "input_layernorm.weight"] = vector(layer["attn_norm"]["scale"])
+        out[prefix + "post_attention_layernorm.weight"] = vector(layer["mlp_norm"]["scale"])
     return out
 
 
-def llama_config(cfg) -> dict:
-    """HF ``LlamaConfig`` fields of the model."""
+def tokenizer_record() -> dict:
+    """The byte tokenizer the model was trained with, for config.json."""
+    tok = ByteTokenizer()
+    return {"name": "jaxaccel.tokenizer.ByteTokenizer", "vocab_size": tok.vocab_size,
+            "padded_vocab_size": tok.padded_vocab_size, "pad_token_id": PAD_ID,
+            "bos_token_id": BOS_ID, "eos_token_id": EOS_ID, "byte_offset": BYTE_OFFSET}
+
+
+def llama_config(cfg, step: int) -> dict:
+    """HF ``LlamaConfig`` fields of the model, plus our step and tokenizer under ``jaxaccel``."""
     return {
         "architectures": ["LlamaForCausalLM"], "model_type": "llama",
         "hidden_size": cfg.d_model, "intermediate_size": cfg.d_ff,
@@ -122,142 +171,221 @@ def llama_config(cfg) -> dict:
         "rms_norm_eps": RMS_EPS, "rope_theta": cfg.rope_base, "hidden_act": "silu",
         "tie_word_embeddings": False, "attention_bias": False, "mlp_bias": False,
         "torch_dtype": "float32", "bos_token_id": BOS_ID, "eos_token_id": EOS_ID,
-        "pad_token_id": PAD_ID,
+        "pad_token_id": PAD_ID, "jaxaccel": {"step": step, "tokenizer": tokenizer_record()},
     }
 
 
-def tokenizer_record() -> dict:
-    tok = ByteTokenizer()
-    return {"name": "bytes", "vocab_size": tok.vocab_size,
-            "padded_vocab_size": tok.padded_vocab_size, "pad_id": PAD_ID, "bos_id": BOS_ID,
-            "eos_id": EOS_ID, "byte_offset": 3, "note": "byte b is id b + 3"}
+def native_config(cfg, step: int) -> dict:
+    """The ModelConfig's fields, the format, the step and the tokenizer."""
+    return {**dataclasses.asdict(cfg), "format": "jaxaccel", "step": step,
+            "tokenizer": tokenizer_record()}
+
+
+def model_config_of(config: dict):
+    """The ModelConfig a native config.json records."""
+    from jaxaccel.model import ModelConfig
+    return ModelConfig(**{f.name: config[f.name] for f in dataclasses.fields(ModelConfig)})
 
 
 def llama_forward(tensors: dict[str, np.ndarray], config: dict, ids_T: np.ndarray) -> np.ndarray:
     """Logits [T, V] of one sequence from HF Llama tensors and config alone, in float64 NumPy:
-    the computation of HF's ``LlamaForCausalLM`` (rotate_half RoPE, grouped-query causal
-    attention, SwiGLU MLP), written independently of ``jaxaccel.model``."""
-    t = {k: v.astype(np.float64) for k, v in tensors.items()}
-    H, K, E = (config["num_attention_heads"], config["num_key_value_heads"], config["head_dim"])
+    what HF's ``LlamaForCausalLM`` computes (rotate_half RoPE, grouped-query causal attention,
+    down(silu(gate) * up)), written independently of ``jaxaccel.model``."""
+    w = {k: v.astype(np.float64) for k, v in tensors.items()}
+    H, K, E = config["num_attention_heads"], config["num_key_value_heads"], config["head_dim"]
     T = len(ids_T)
 
-    def rms(x, w):
-        return x / np.sqrt(np.mean(x * x, -1, keepdims=True) + config["rms_norm_eps"]) * w
+    def rms_norm(x_TD, weight_D):
+        variance_T1 = np.mean(x_TD * x_TD, axis=-1, keepdims=True)
+        return weight_D * (x_TD / np.sqrt(variance_T1 + config["rms_norm_eps"]))
 
-    inv_freq = config["rope_theta"] ** (-np.arange(0, E, 2) / E)
-    angles = np.arange(T)[:, None] * inv_freq[None, :]
-    cos, sin = np.cos(np.concatenate([angles] * 2, -1)), np.sin(np.concatenate([angles] * 2, -1))
+    inv_freq_R = 1.0 / config["rope_theta"] ** (np.arange(0, E, 2) / E)
+    freqs_TE = np.tile(np.arange(T)[:, None] * inv_freq_R, 2)
+    cos_TE, sin_TE = np.cos(freqs_TE), np.sin(freqs_TE)
 
     def rope(x_HTE):
-        half = np.concatenate([-x_HTE[..., E // 2:], x_HTE[..., :E // 2]], -1)
-        return x_HTE * cos + half * sin
+        rotated_HTE = np.concatenate([-x_HTE[..., E // 2:], x_HTE[..., :E // 2]], axis=-1)
+        return x_HTE * cos_TE + rotated_HTE * sin_TE
 
-    x = t["model.embed_tokens.weight"][ids_T]
-    causal = np.tril(np.ones((T, T), bool))
+    def heads(x_TF, n):
+        return x_TF.reshape(T, n, E).transpose(1, 0, 2)
+
+    def linear(x, name):
+        return x @ w[name].T
+
+    x_TD = w["model.embed_tokens.weight"][ids_T]
+    future_TT = np.triu(np.ones((T, T), bool), k=1)
     for i in range(config["num_hidden_layers"]):
         p = f"model.layers.{i}."
-        h = rms(x, t[p + "input_layernorm.weight"])
-        q = rope((h @ t[p + "self_attn.q_proj.weight"].T).reshape(T, H, E).transpose(1, 0, 2))
-        k = rope((h @ t[p + "self_attn.k_proj.weight"].T).reshape(T, K, E).transpose(1, 0, 2))
-        v = (h @ t[p + "self_attn.v_proj.weight"].T).reshape(T, K, E).transpose(1, 0, 2)
-        k, v = np.repeat(k, H // K, 0), np.repeat(v, H // K, 0)
-        scores = np.where(causal, q @ k.transpose(0, 2, 1) / np.sqrt(E), -np.inf)
-        probs = np.exp(scores - scores.max(-1, keepdims=True))
-        probs /= probs.sum(-1, keepdims=True)
-        attn = (probs @ v).transpose(1, 0, 2).reshape(T, H * E)
-        x = x + attn @ t[p + "self_attn.o_proj.weight"].T
-        h = rms(x, t[p + "post_attention_layernorm.weight"])
-        gate, up = h @ t[p + "mlp.gate_proj.weight"].T, h @ t[p + "mlp.up_proj.weight"].T
-        x = x + (gate / (1 + np.exp(-gate)) * up) @ t[p + "mlp.down_proj.weight"].T
-    return rms(x, t["model.norm.weight"]) @ t["lm_head.weight"].T
+        h_TD = rms_norm(x_TD, w[p + "input_layernorm.weight"])
+        q_HTE = rope(heads(linear(h_TD, p + "self_attn.q_proj.weight"), H))
+        k_KTE = rope(heads(linear(h_TD, p + "self_attn.k_proj.weight"), K))
+        v_KTE = heads(linear(h_TD, p + "self_attn.v_proj.weight"), K)
+        k_HTE, v_HTE = np.repeat(k_KTE, H // K, axis=0), np.repeat(v_KTE, H // K, axis=0)
+        scores_HTT = q_HTE @ k_HTE.transpose(0, 2, 1) / np.sqrt(E)
+        scores_HTT = np.where(future_TT, -np.inf, scores_HTT)
+        probs_HTT = np.exp(scores_HTT - scores_HTT.max(axis=-1, keepdims=True))
+        probs_HTT /= probs_HTT.sum(axis=-1, keepdims=True)
+        attn_TF = (probs_HTT @ v_HTE).transpose(1, 0, 2).reshape(T, H * E)
+        x_TD = x_TD + linear(attn_TF, p + "self_attn.o_proj.weight")
+        h_TD = rms_norm(x_TD, w[p + "post_attention_layernorm.weight"])
+        gate_TF = linear(h_TD, p + "mlp.gate_proj.weight")
+        up_TF = linear(h_TD, p + "mlp.up_proj.weight")
+        x_TD = x_TD + linear(gate_TF / (1.0 + np.exp(-gate_TF)) * up_TF,
+                             p + "mlp.down_proj.weight")
+    return linear(rms_norm(x_TD, w["model.norm.weight"]), "lm_head.weight")
+
+
+def native_forward(tensors: dict[str, np.ndarray], config: dict, ids_T: np.ndarray) -> np.ndarray:
+    """Logits [T, V] of one sequence from native tensors and config alone (our model)."""
+    return our_logits(model_config_of(config), nest(tensors), ids_T)
 
 
 def our_logits(cfg, params, ids_T) -> np.ndarray:
-    """Our model's float32 logits [T, V] of one sequence (evaluation mode)."""
+    """Our model's float32 logits [T, V] of one sequence in evaluation mode, with the plain XLA
+    attention (every implementation computes the same; this one runs on any device)."""
+    from jaxaccel.model import make_apply
+
     T = len(ids_T)
-    batch = {"inputs": jnp.asarray(ids_T)[None], "positions": jnp.arange(T)[None],
+    batch = {"inputs": jnp.asarray(ids_T, jnp.int32)[None],
+             "positions": jnp.arange(T, dtype=jnp.int32)[None],
              "segment_ids": jnp.ones((1, T), jnp.int32)}
-    return np.asarray(jax.jit(make_apply(cfg))(params, batch)[0])
+    apply = make_apply(dataclasses.replace(cfg, attention="xla"))
+    return np.asarray(jax.jit(apply)(params, batch)[0])
+
+
+def check_format(format: str):
+    """One ConfigError line for a format not in ``FORMATS``."""
+    if format not in FORMATS:
+        raise ConfigError(f"unknown format {format!r}; choose one of {', '.join(FORMATS)}",
+                          field="format")
 
 
 def check_out_dir(out_dir: str, overwrite: bool):
-    """ConfigError, before any work, for an out_dir that holds files (without ``overwrite``)
-    or cannot be written."""
+    """One ConfigError line, before any work, for an out_dir that is a file, holds files
+    (without ``overwrite``) or cannot be created or written."""
     from jaxaccel.config import check_writable
 
     if os.path.exists(out_dir) and not os.path.isdir(out_dir):
         raise ConfigError(f"out {out_dir} is a file; pass a folder", field="out")
     if os.path.isdir(out_dir) and os.listdir(out_dir) and not overwrite:
-        raise ConfigError(f"out {out_dir} is not empty; pass an empty or new folder, or "
-                          f"--overwrite to replace its model files", field="out")
+        raise ConfigError(f"out {out_dir} is not empty; pass a new or empty folder, or "
+                          f"set overwrite to replace its {WEIGHTS} and {CONFIG}", field="out")
     check_writable("out", out_dir, may_create=True)
 
 
+def write_files(out_dir: str, tensors: dict[str, np.ndarray], config: dict, metadata: dict):
+    """``WEIGHTS`` and ``CONFIG`` in ``out_dir``: both written in full under temporary names,
+    synced, then renamed to their final names."""
+    from safetensors.numpy import save_file
+
+    os.makedirs(out_dir, exist_ok=True)
+    writers = {WEIGHTS: lambda path: save_file(tensors, path, metadata=metadata),
+               CONFIG: lambda path: write_json(path, config)}
+    done = {}
+    try:
+        for name, write in writers.items():
+            fd, done[name] = tempfile.mkstemp(prefix=f".{name}.", suffix=".partial", dir=out_dir)
+            os.close(fd)
+            write(done[name])
+            with open(done[name], "rb+") as f:
+                os.fsync(f.fileno())
+            os.chmod(done[name], 0o666 & ~current_umask())
+    except BaseException:
+        for path in done.values():
+            if os.path.exists(path):
+                os.remove(path)
+        raise
+    for name, path in done.items():
+        os.replace(path, os.path.join(out_dir, name))
+
+
 def write_json(path: str, value: dict):
+    """``value`` as indented JSON to ``path``."""
     with open(path, "w") as f:
         f.write(json.dumps(value, indent=2) + "\n")
 
 
-def write_atomically(path: str, write):
-    """``write(temporary path)``, then rename it to ``path``."""
-    partial = path + ".partial"
-    write(partial)
+def current_umask() -> int:
+    """The process's umask (read by setting it and back)."""
     umask = os.umask(0)
     os.umask(umask)
-    os.chmod(partial, 0o666 & ~umask)
-    os.replace(partial, path)
+    return umask
 
 
-def export(run_dir: str, out_dir: str, format: str = "auto", *, overwrite: bool = False,
-           check_tokens: int = 24) -> Exported:
+def read_back(out_dir: str, tensors: dict[str, np.ndarray], config: dict):
+    """The files of ``out_dir`` as (tensors, config); ExportCheckError unless every tensor and
+    the config equal what was meant, bitwise."""
+    from safetensors.numpy import load_file
+
+    read = load_file(os.path.join(out_dir, WEIGHTS))
+    with open(os.path.join(out_dir, CONFIG)) as f:
+        config_read = json.load(f)
+    wrong = sorted(set(tensors) ^ set(read)) + [
+        name for name in tensors if name in read
+        and not (read[name].dtype == tensors[name].dtype
+                 and np.array_equal(read[name], tensors[name]))]
+    if wrong:
+        raise ExportCheckError(f"export check failed: {len(wrong)} tensors of {out_dir}/{WEIGHTS} "
+                               f"differ from what was written (first: {wrong[0]}); the files "
+                               f"are left for inspection")
+    if config_read != config:
+        raise ExportCheckError(f"export check failed: {out_dir}/{CONFIG} differs from what "
+                               f"was written")
+    return read, config_read
+
+
+def check_logits(cfg, params, forward, read, config_read, out_dir) -> float:
+    """The largest difference between our model's logits and ``forward``'s from the files;
+    ExportCheckError beyond the tolerance."""
+    real_ids = min(cfg.vocab_size, ByteTokenizer.vocab_size)
+    ids_T = np.random.default_rng(0).integers(BYTE_OFFSET, real_ids,
+                                              min(CHECK_TOKENS, cfg.max_seq_len))
+    expected_TV = our_logits(cfg, params, ids_T)
+    got_TV = forward(read, config_read, ids_T)
+    diff = float(np.max(np.abs(got_TV - expected_TV)))
+    limit = LOGIT_TOLERANCE * max(1.0, float(np.max(np.abs(expected_TV))))
+    if not diff <= limit:
+        raise ExportCheckError(f"export check failed: logits from the files in {out_dir} differ "
+                               f"from the model's by up to {diff:.3g} (tolerance {limit:.3g}); "
+                               f"the files are left for inspection")
+    return diff
+
+
+def export(run_dir: str, out_dir: str, format: str = "auto", *,
+           overwrite: bool = False) -> Exported:
     """Write the model of ``run_dir``'s latest checkpoint to ``out_dir`` in ``format`` (auto:
-    llama when the model has that layout, else native), then check it (module docstring)."""
-    from safetensors.numpy import load_file, save_file
+    llama when the model has that layout, else native) and check it by reading it back
+    (module docstring). ConfigError, before anything is written, for a bad format or run
+    directory, an out_dir that is not empty (without ``overwrite``, which replaces only the
+    two files) or not writable, and format llama for a model without that layout."""
+    from jaxaccel.generate import load_run, read_run_config
 
-    from jaxaccel.generate import load_run
-
-    if format not in FORMATS:
-        raise ConfigError(f"unknown format {format!r}; choose one of {', '.join(FORMATS)}",
-                          field="format")
+    check_format(format)
+    trained = read_run_config(run_dir).model
+    if format == "llama" and blocker(trained):
+        refuse_llama(trained)
     check_out_dir(out_dir, overwrite)
     cfg, params, step = load_run(run_dir)
-    why = blocker(cfg)
-    if format == "llama" and why:
-        raise ConfigError(f"the model has no Hugging Face Llama layout: {why}; export with "
-                          f"--format native", field="format")
-    chosen = format if format != "auto" else ("native" if why else "llama")
+    chosen = format if format != "auto" else ("native" if blocker(cfg) else "llama")
     if chosen == "llama":
-        tensors, config = llama_tensors(cfg, params), llama_config(cfg)
-        config["jaxaccel"] = {"step": step, "tokenizer": tokenizer_record()}
+        tensors, config = llama_tensors(cfg, params), llama_config(cfg, step)
+        metadata, forward = {"format": "pt"}, llama_forward
     else:
-        tensors = flatten(params)
-        config = {"format": "jaxaccel", "step": step, "model": dataclasses.asdict(cfg),
-                  "tokenizer": tokenizer_record()}
-    os.makedirs(out_dir, exist_ok=True)
-    weights = os.path.join(out_dir, WEIGHTS)
-    write_atomically(weights, lambda p: save_file(tensors, p, metadata={"format": chosen}))
-    write_atomically(os.path.join(out_dir, "config.json"), lambda p: write_json(p, config))
-
-    # Read back: the tensors bitwise, then the logits of a forward pass from the files alone.
-    read = load_file(weights)
-    config_read = json.load(open(os.path.join(out_dir, "config.json")))
-    wrong = sorted(set(tensors) ^ set(read)) + [
-        name for name in tensors if name in read and not np.array_equal(tensors[name],
-                                                                      read[name])]
-    if wrong:
-        raise RuntimeError(f"export check failed: {len(wrong)} tensors of {weights} differ "
-                           f"when read back (first: {wrong[0]})")
-    ids_T = np.random.default_rng(0).integers(3, min(cfg.vocab_size, 259),
-                                              min(check_tokens, cfg.max_seq_len))
-    expected = our_logits(cfg, params, ids_T)
-    if chosen == "llama":
-        got = llama_forward(read, config_read, ids_T)
-    else:
-        from jaxaccel.model import ModelConfig
-        got = our_logits(ModelConfig(**config_read["model"]), unflatten(read, params), ids_T)
-    diff = float(np.max(np.abs(got - expected)))
-    if not diff <= 1e-4 * max(1.0, float(np.max(np.abs(expected)))):
-        raise RuntimeError(f"export check failed: logits from the files in {out_dir} differ "
-                           f"from the model's by up to {diff:.3g}")
+        tensors, config = flatten(params), native_config(cfg, step)
+        metadata, forward = {"format": "jaxaccel"}, native_forward
+    write_files(out_dir, tensors, config, metadata)
+    read, config_read = read_back(out_dir, tensors, config)
+    diff = check_logits(cfg, params, forward, read, config_read, out_dir)
     return Exported(out_dir=out_dir, format=chosen, step=step, tensors=len(tensors),
-                    bytes=os.path.getsize(weights), max_logit_diff=diff)
+                    bytes=os.path.getsize(os.path.join(out_dir, WEIGHTS)), max_logit_diff=diff)
+
+
+def export_native(run_dir: str, out_dir: str, *, overwrite: bool = False) -> Exported:
+    """``export`` in the native layout: every parameter and buffer under its own name."""
+    return export(run_dir, out_dir, "native", overwrite=overwrite)
+
+
+def export_llama(run_dir: str, out_dir: str, *, overwrite: bool = False) -> Exported:
+    """``export`` in Hugging Face's Llama layout; one ConfigError line when the model has none."""
+    return export(run_dir, out_dir, "llama", overwrite=overwrite)

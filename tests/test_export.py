@@ -1,5 +1,5 @@
-"""Export: the Llama layout read back by an independent NumPy Llama, the native layout, and the
-command's refusals."""
+"""Export: the Llama layout read back by an independent NumPy Llama, the native layout's round
+trip, a failed check, and the command's refusals."""
 
 import dataclasses
 import json
@@ -7,63 +7,114 @@ import os
 
 import numpy as np
 import pytest
+from safetensors import safe_open
 from safetensors.numpy import load_file
 
 from experiments.export import main
 from jaxaccel import export as ex
+from jaxaccel.generate import load_run
 from jaxaccel.loop import train
 from tests.test_loop import small_config
 
 
 @pytest.fixture(scope="module")
 def runs(corpus_path, tmp_path_factory):
-    """Two trained runs: a grouped-query Llama-shaped model, and one with a tied head."""
+    """Two trained runs: a Llama-shaped one (grouped-query, scanned layers, 2:4 masks to fold)
+    and one with a tied head, which Llama's layout refuses."""
     tmp = tmp_path_factory.mktemp("export")
     made = {}
-    for name, model in (("gqa", {"n_kv_heads": 2}), ("tied", {"tie_embeddings": True})):
+    for name, model in (("llama", {"n_kv_heads": 2, "scan_layers": True, "sparsity": "2:4"}),
+                        ("tied", {"tie_embeddings": True})):
         cfg = small_config(corpus_path, tmp, name, steps=2, eval_every=0)
         cfg = dataclasses.replace(cfg, model=dataclasses.replace(cfg.model, **model))
         made[name] = train(cfg).run_dir
     return made
 
 
+def one_error_line(capsys) -> str:
+    err = capsys.readouterr().err.strip()
+    assert err.startswith("error:") and "\n" not in err, err
+    return err
+
+
 def test_llama_export_matches_an_independent_llama_forward(runs, tmp_path):
     out = tmp_path / "llama"
-    result = ex.export(runs["gqa"], str(out), "auto")
-    assert result.format == "llama" and result.step == 2
-    assert result.max_logit_diff < 1e-4
+    result = ex.export(runs["llama"], str(out))
+    assert (result.format, result.step, result.out_dir) == ("llama", 2, str(out))
+    assert 0 <= result.max_logit_diff < 1e-4
     config = json.load(open(out / "config.json"))
-    assert config["architectures"] == ["LlamaForCausalLM"]
-    assert (config["num_attention_heads"], config["num_key_value_heads"]) == (4, 2)
-    assert config["hidden_size"] == 32 and config["num_hidden_layers"] == 2
+    assert config["architectures"] == ["LlamaForCausalLM"] and config["model_type"] == "llama"
+    assert (config["num_attention_heads"], config["num_key_value_heads"], config["head_dim"]) \
+        == (4, 2, 8)
+    assert (config["hidden_size"], config["intermediate_size"], config["num_hidden_layers"]) \
+        == (32, 128, 2)
+    assert (config["rms_norm_eps"], config["rope_theta"], config["hidden_act"]) \
+        == (1e-6, 10_000.0, "silu")
+    assert not config["tie_word_embeddings"] and config["bos_token_id"] == 1
     tensors = load_file(out / "model.safetensors")
-    assert len(tensors) == 3 + 9 * 2 and result.tensors == len(tensors)
+    assert len(tensors) == 3 + 9 * 2 == result.tensors
+    assert result.bytes == os.path.getsize(out / "model.safetensors")
     assert tensors["model.layers.1.self_attn.k_proj.weight"].shape == (16, 32)   # [out, in]
+    assert tensors["model.layers.0.mlp.down_proj.weight"].shape == (32, 128)
     assert tensors["lm_head.weight"].shape == (config["vocab_size"], 32)
-    # The NumPy Llama is a real check: a swapped gate/up (or a transposed weight) breaks it.
+    with safe_open(out / "model.safetensors", "np") as f:
+        assert f.metadata()["format"] == "pt"               # transformers refuses anything else
+    # Layer 1 of the stacked blocks, its 2:4 mask folded in, transposed to [out, in].
+    cfg, params, _ = load_run(runs["llama"])
+    gate = params["blocks"]["mlp"]["w_gate"]
+    folded = np.where(gate["nm_mask"][1], gate["kernel"][1], 0).T
+    np.testing.assert_array_equal(tensors["model.layers.1.mlp.gate_proj.weight"], folded)
+    assert np.mean(folded == 0) == 0.5
+    # The NumPy Llama is a real check: a swapped gate/up breaks it.
     ids = np.arange(3, 19)
     good = ex.llama_forward(tensors, config, ids)
     swapped = dict(tensors)
     swapped["model.layers.0.mlp.gate_proj.weight"] = tensors["model.layers.0.mlp.up_proj.weight"]
     swapped["model.layers.0.mlp.up_proj.weight"] = tensors["model.layers.0.mlp.gate_proj.weight"]
     assert np.max(np.abs(ex.llama_forward(swapped, config, ids) - good)) > 1e-3
-    assert not any(name.endswith(".partial") for name in os.listdir(out))
+    assert sorted(os.listdir(out)) == ["config.json", "model.safetensors"]   # no temp files
+
+
+def test_a_failed_check_is_one_line_and_keeps_the_files(runs, tmp_path, capsys, monkeypatch):
+    original = ex.llama_tensors
+
+    def gate_and_up_swapped(cfg, params):
+        tensors = original(cfg, params)
+        p = "model.layers.0.mlp."
+        tensors[p + "gate_proj.weight"], tensors[p + "up_proj.weight"] = \
+            tensors[p + "up_proj.weight"], tensors[p + "gate_proj.weight"]
+        return tensors
+
+    monkeypatch.setattr(ex, "llama_tensors", gate_and_up_swapped)
+    out = tmp_path / "bad"
+    assert main(["--run-dir", runs["llama"], "--out", str(out)]) == 1
+    assert "export check failed: logits" in one_error_line(capsys)
+    assert sorted(os.listdir(out)) == ["config.json", "model.safetensors"]
 
 
 def test_native_export_when_llama_does_not_fit(runs, tmp_path, capsys):
     out = tmp_path / "tied"
     assert main(["--run-dir", runs["tied"], "--out", str(out), "--format", "llama"]) == 2
-    err = capsys.readouterr().err.strip()
-    assert err.startswith("error:") and "\n" not in err and "tied" in err and \
-        "--format native" in err, err
+    err = one_error_line(capsys)
+    assert "tie_embeddings=True" in err and "format native" in err, err
     assert not out.exists()
     assert main(["--run-dir", runs["tied"], "--out", str(out), "--json",
                  str(tmp_path / "e.json")]) == 0
+    printed = capsys.readouterr().out.strip().splitlines()
+    assert len(printed) == 1 and "as native" in printed[0] and str(out) in printed[0]
     row = json.load(open(tmp_path / "e.json"))["rows"][0]
     assert row["format"] == "native" and row["max_logit_diff"] == 0.0
     config = json.load(open(out / "config.json"))
-    assert config["model"]["tie_embeddings"] and config["tokenizer"]["name"] == "bytes"
-    assert "head.kernel" not in load_file(out / "model.safetensors")
+    assert config["format"] == "jaxaccel" and config["step"] == 2 and config["tie_embeddings"]
+    assert config["tokenizer"]["vocab_size"] == 259 and config["tokenizer"]["eos_token_id"] == 2
+    # The round trip: every leaf under its dotted name, bitwise, and nothing else.
+    tensors = load_file(out / "model.safetensors")
+    expected = ex.flatten(load_run(runs["tied"])[1])
+    assert sorted(tensors) == sorted(expected) and "head.kernel" not in tensors
+    assert all(np.array_equal(tensors[k], v) and tensors[k].dtype == v.dtype
+               for k, v in expected.items())
+    assert tensors["blocks.1.attn.wq.kernel"].shape == (32, 32)
+    assert main(["--run-dir", runs["tied"], "--out", str(out), "--overwrite"]) == 0
 
 
 @pytest.mark.parametrize("args, message", [
@@ -75,9 +126,8 @@ def test_native_export_when_llama_does_not_fit(runs, tmp_path, capsys):
 def test_export_bad_input_is_one_line(args, message, runs, tmp_path, capsys):
     (tmp_path / "full").mkdir()
     (tmp_path / "full" / "keep.txt").write_text("x")
-    names = {"RUN": runs["gqa"], "X": str(tmp_path / "x"), "FULL": str(tmp_path / "full")}
+    names = {"RUN": runs["llama"], "X": str(tmp_path / "x"), "FULL": str(tmp_path / "full")}
     assert main([names.get(a, a) for a in args]) == 2
-    err = capsys.readouterr().err.strip()
-    assert err.startswith("error:") and "\n" not in err and message in err, err
+    assert message in one_error_line(capsys)
     assert not (tmp_path / "x").exists()
     assert os.listdir(tmp_path / "full") == ["keep.txt"]
