@@ -40,13 +40,14 @@ def pytest_sessionfinish(session):
         shutil.rmtree(CACHE_DIR, ignore_errors=True)
 
 
-def run_multidevice(path: str) -> None:
-    """Run the tests in ``path`` (under tests/multidevice) in a subprocess with 8 simulated CPU
-    devices, failing (not skipping) if any fails."""
+def run_multidevice(path: str, select: str | None = None) -> None:
+    """Run the tests in ``path`` (under tests/multidevice; ``select``: those a ``-k`` expression
+    picks) in a subprocess with 8 simulated CPU devices, failing (not skipping) if any fails."""
     env = {**os.environ, "JAXACCEL_MULTIDEVICE": "1", "JAX_PLATFORMS": "cpu",
            "XLA_FLAGS": xla_flags("--xla_force_host_platform_device_count=8")}
     result = subprocess.run([sys.executable, "-m", "pytest", "-x", "-q", "-o", "addopts=",
-                             "-p", "no:cacheprovider", path], cwd=REPO, env=env,
+                             "-p", "no:cacheprovider", path,
+                             *(["-k", select] if select else [])], cwd=REPO, env=env,
                             capture_output=True, text=True, timeout=900)
     assert result.returncode == 0, result.stdout[-6000:] + result.stderr[-3000:]
     assert " passed" in result.stdout and "skipped" not in result.stdout

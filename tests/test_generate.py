@@ -21,13 +21,13 @@ def forward(cfg, params, ids_BT):
     return make_apply(cfg)(params, batch)
 
 
-OPTIONS = {
+OPTIONS = {       # every model option in one of three models (each compiles its own decode)
     "plain": {},
-    "gqa-scan": {"n_kv_heads": 2, "scan_layers": True},
-    "tied-gelu": {"tie_embeddings": True, "mlp": "gelu"},
-    "gates-adapters": {"init": "rezero", "adapter_dim": 4},
-    "fp8-sparse": {"fp8": True, "sparsity": "2:4"},
-    "train-only-options": {"stochastic_depth": 0.5, "token_keep": 0.5, "dropout": 0.1},
+    "gqa-scan-tied-gelu": {"n_kv_heads": 2, "scan_layers": True, "tie_embeddings": True,
+                           "mlp": "gelu"},
+    "gates-adapters-fp8-sparse-train-only": {
+        "init": "rezero", "adapter_dim": 4, "fp8": True, "sparsity": "2:4",
+        "stochastic_depth": 0.5, "token_keep": 0.5, "dropout": 0.1},
 }
 
 
