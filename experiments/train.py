@@ -14,6 +14,7 @@ import dataclasses
 import sys
 
 from experiments.common import DIVERGED, command, dump_json, exit_code, train_until_stopped
+from jaxaccel.profiling import ProfileReport, format_report
 from jaxaccel.config import parse
 from jaxaccel.loop import RunSummary
 
@@ -59,8 +60,21 @@ def format_summary(s: RunSummary) -> str:
                                 for reason, n in (s.inputs_skipped or {}).items())),
         ("wall time", f"{s.wall_s:.1f} s ({s.train_s:.1f} s training)"),
     ]
+    if s.startup_s:
+        rows.insert(len(rows) - 1, ("start-up", _startup_line(s.startup_s)))
     width = max(len(name) for name, _ in rows)
     return "\n".join(f"{name:<{width}}  {value}" for name, value in rows)
+
+
+def _startup_line(startup: dict) -> str:
+    """The start-up phases' seconds, and the time to the first step's result."""
+    phases = ", ".join(f"{name} {startup[key]:.1f} s" for key, name in (
+        ("before_set_up", "mesh"), ("corpus", "corpus"), ("init", "init"),
+        ("compile", "compile"), ("first_step", "first step")) if key in startup)
+    line = f"{phases}; the first step's result {startup.get('to_first_step', 0):.1f} s after set-up began"
+    if "command_to_first_step" in startup:
+        line += f", {startup['command_to_first_step']:.1f} s after the command started"
+    return line
 
 
 def _techniques(s: RunSummary) -> str:
@@ -114,6 +128,8 @@ def main(argv=None) -> int:
               f" --resume --run-dir {summary.run_dir}", file=sys.stderr)
         return exit_code(summary.interrupted)
     print(format_summary(summary))
+    if summary.profile:
+        print(format_report(ProfileReport(**summary.profile)))
     if cfg.run.json:
         dump_json(cfg.run.json, dataclasses.asdict(summary))
     if summary.diverged_at_step is not None:

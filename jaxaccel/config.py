@@ -372,6 +372,12 @@ class RunConfig:
     trackers: str = setting("none", "mirror the metrics to trackers: none, tensorboard, wandb or "
                                     "tensorboard,wandb (optional extras: pip install "
                                     "'jaxaccel[tensorboard]', 'jaxaccel[wandb]')")
+    compilation_cache: str | None = setting(
+        None, "persistent XLA compilation cache folder, or off (default: "
+              "$JAX_COMPILATION_CACHE_DIR, else xla/ under the corpus cache folder)")
+    profile: str | None = setting(None, "START:STOP: a jax.profiler trace of steps START to "
+                                        "STOP-1 in <run_dir>/profile, and the ten device "
+                                        "operations that took the most time in it")
     wandb_project: str = setting("jaxaccel", "W&B project of the run (with --trackers wandb)")
     wandb_mode: str = setting("offline", "W&B mode: offline (kept in <run_dir>/wandb, upload "
                                          "later with wandb sync), online or disabled",
@@ -440,6 +446,9 @@ class TrainConfig:
         """Check the settings: each numeric field in its range (``check_ranges``), then
         together (ConfigError naming the field otherwise)."""
         check_ranges(self)
+        if self.run.profile is not None:
+            from jaxaccel.profiling import parse_window
+            parse_window(self.run.profile)
         accumulate = self.optimizer.accumulate
         if self.data.batch_size is not None and self.data.batch_size % accumulate:
             raise ConfigError(f"batch_size={self.data.batch_size} does not split into "
@@ -537,7 +546,8 @@ def field_ranges(cls) -> dict[str, "Range | None"]:
 
 
 # Fields that name a file or directory: an empty string is refused, never read as ".".
-PATH_FIELDS = ("path", "run_dir", "json", "cache_dir", "init_from", "coordinator", "from_run")
+PATH_FIELDS = ("path", "run_dir", "json", "cache_dir", "init_from", "coordinator", "from_run",
+               "compilation_cache")
 
 
 def check_ranges(cfg):

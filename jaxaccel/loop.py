@@ -25,7 +25,7 @@ import time
 import jax
 import numpy as np
 
-from jaxaccel import buffers, fp8, hardware, lora, sparsity, stacking
+from jaxaccel import buffers, compile_cache, fp8, hardware, lora, profiling, sparsity, stacking
 from jaxaccel.checkpoint import Checkpointer
 from jaxaccel.compiled import CompiledFn, abstract, largest_memory_bytes
 from jaxaccel.config import TrainConfig, build, check_writable, field_value, read_config_file, \
@@ -145,6 +145,8 @@ class RunSummary:
     diverged_at_step: int | None = None  # the first step whose loss was NaN or inf (a failure)
     inputs_skipped: dict | None = None  # what the corpus source left out, by reason
     extended_from_steps: int | None = None  # resumed with another length: the earlier one
+    profile: dict | None = None         # --profile: the steps traced and the top operations
+    startup_s: dict | None = None       # seconds of each start-up phase (STARTUP_PHASES)
 
     @classmethod
     def read(cls, path: str) -> "RunSummary":
@@ -169,6 +171,10 @@ def train(cfg: TrainConfig, *, should_stop=None) -> RunSummary:
                                auto=m.distributed, timeout_s=m.distributed_timeout)
     cfg.validate()
     check_outputs(cfg)
+    cache_warning = compile_cache.enable(compile_cache.resolve(cfg.run.compilation_cache,
+                                                               cfg.data.cache_dir))
+    if cache_warning and jax.process_index() == 0:
+        print(cache_warning, file=sys.stderr)
     if cfg.run.memory_budget == "auto":
         memory_budget_bytes("auto")         # the device can say its memory, before any work
     fp8_note = fp8.check_device() if cfg.model.fp8 else None
@@ -180,10 +186,14 @@ def train(cfg: TrainConfig, *, should_stop=None) -> RunSummary:
                       f"mesh {format_mesh(mesh_shape)}" + (", resuming" if cfg.run.resume
                                                             else ""))
         run = set_up(cfg, mesh, mesh_shape)
+        run.startup["before_set_up"] = run.startup.pop("set_up_start") - wall_start
         progress, compiled = None, []
         while True:         # one stage, unless progressive stacking grows the model
+            begin = time.perf_counter()
             compiled.append(compile_steps(run))
-            progress = run_steps(run, compiled[-1], should_stop, previous=progress)
+            run.startup.setdefault("compile", time.perf_counter() - begin)
+            progress = run_steps(run, compiled[-1], should_stop, previous=progress,
+                                 wall_start=wall_start)
             if progress.interrupted or int(progress.state.step) >= run.total_steps:
                 break
             run = grow_run(run, progress)
@@ -221,6 +231,7 @@ class Setup:
     stack_ends: list            # the steps where progressive stacking doubles the depth
     stages: list                # [first step, depth] of each stage this run has trained
     extended_from_steps: int | None = None  # a resumed run given another length: the old one
+    startup: dict = dataclasses.field(default_factory=dict)  # seconds of each start-up phase
     restored_history: list = dataclasses.field(default_factory=list)  # (loss, real tokens) of
                                 # the steps just before the checkpoint resumed from (its meta)
 
@@ -233,8 +244,10 @@ def set_up(cfg: TrainConfig, mesh, mesh_shape) -> Setup:
             f"({batch_shards(mesh_shape)} parts, {format_mesh(mesh_shape)}) times accumulate="
             f"{cfg.optimizer.accumulate}; pass a batch size that is a multiple of {multiple}",
             field="data.batch_size")
+    startup = {"set_up_start": time.perf_counter()}
     run_dir = resolve_run_dir(cfg)
     corpus = load_corpus(cfg.data.path, cache_dir=cfg.data.cache_dir)
+    startup["corpus"] = time.perf_counter() - startup["set_up_start"]
     os.makedirs(run_dir, exist_ok=True)
 
     stream_args = stream_settings(cfg, multiple)
@@ -245,6 +258,11 @@ def set_up(cfg: TrainConfig, mesh, mesh_shape) -> Setup:
                                        / stream.stats["real_tokens_per_batch"]))
     optimizer, schedule, hyperparameters = build_optimizer(
         cfg.optimizer, batch_rows=cfg.batch_rows(), total_steps=total_steps)
+    if cfg.run.profile is not None:     # before any work: the window within this run's steps
+        saved = [int(name) for name in _listdir(os.path.join(run_dir, "checkpoints"))
+                 if name.isdigit()]
+        profiling.check_window(cfg.run.profile, max(saved, default=0) if cfg.run.resume else 0,
+                               total_steps)
     checkpointer = Checkpointer(os.path.join(run_dir, "checkpoints"),
                                 max_to_keep=cfg.run.keep_checkpoints,
                                 keep_period=cfg.run.keep_every_steps,
@@ -254,8 +272,11 @@ def set_up(cfg: TrainConfig, mesh, mesh_shape) -> Setup:
     first_step = (checkpointer.latest_step() or 0) if cfg.run.resume else 0
     cfg = _with_layers(cfg, stacking.depth_at(first_step, full_cfg.model.n_layers, stages,
                                               stack_ends))
+    begin = time.perf_counter()
     state, shardings = init_sharded_state(cfg.model, optimizer, cfg.run.seed,
                                           cfg.make_loss_scale(), mesh, cfg.policy())
+    jax.block_until_ready(state)
+    startup["init"] = time.perf_counter() - begin
     if cfg.run.init_from is not None and not cfg.run.resume:
         state = state.replace(params=jax.device_put(
             lora.attach(load_trained_params(cfg.run.init_from, cfg.model), state.params),
@@ -292,7 +313,8 @@ def set_up(cfg: TrainConfig, mesh, mesh_shape) -> Setup:
                  schedule, hyperparameters, state, shardings, batch_layout, plan, resume_config,
                  checkpointer, eval_batch_size, stream_args, full_cfg.model.n_layers, stack_ends,
                  [[int(state.step), cfg.model.n_layers]], extended_from,
-                 checkpointer.saved_history if cfg.run.resume else [])
+                 restored_history=checkpointer.saved_history if cfg.run.resume else [],
+                 startup=startup)
 
 
 def _with_layers(cfg: TrainConfig, n_layers: int) -> TrainConfig:
@@ -557,12 +579,15 @@ class Progress:
     interrupted: str | None
     writer: MetricsWriter
     position: dict              # the loader's position after the last step
+    profile: object = None      # --profile's ProfileReport, once its window has run
 
 
-def run_steps(run: Setup, steps: Steps, should_stop=None, previous: Progress | None = None
-              ) -> Progress:
+def run_steps(run: Setup, steps: Steps, should_stop=None, previous: Progress | None = None,
+              wall_start: float | None = None) -> Progress:
     """Train from the state's step to the end of the run, or of its progressive-stacking
-    stage; ``previous`` is the progress of the stages before, which this one continues."""
+    stage; ``previous`` is the progress of the stages before, which this one continues. The
+    run's first step is waited for once, to time the start-up (``run.startup``) from
+    ``wall_start`` (when ``train`` began)."""
     cfg = run.cfg
     state = run.state
     start = int(state.step)
@@ -589,6 +614,9 @@ def run_steps(run: Setup, steps: Steps, should_stop=None, previous: Progress | N
     progress = _progress_bar(run.total_steps, first_step, cfg.run.progress)
 
     sampler = getattr(run.stream, "sampler", None)      # importance sampling's score table
+    profiler = (profiling.StepProfiler(profiling.parse_window(cfg.run.profile),
+                                       os.path.join(run.run_dir, "profile"))
+                if cfg.run.profile is not None else None)
 
     def position():
         """The loader's position after the last step, the sampler's scores with it."""
@@ -607,7 +635,13 @@ def run_steps(run: Setup, steps: Steps, should_stop=None, previous: Progress | N
     with stop_on_signals() as received:
         for step in range(start, end):
             batch, _ = next(feed)
+            if profiler is not None:
+                profiler.before(step, state)
             state, metrics = steps.train(state, batch)
+            if profiler is not None:
+                profiler.after(step, state)
+            if previous is None and step == start and wall_start is not None:
+                _time_first_step(run, metrics, wall_start, progress)
             if sampler is not None:
                 sampler.submit(step, metrics)
             window.append(metrics)
@@ -642,14 +676,18 @@ def run_steps(run: Setup, steps: Steps, should_stop=None, previous: Progress | N
                                    progress)
         save(int(state.step))
     final_position = position()
+    if profiler is not None:
+        profiler.close()
     if sampler is not None:
         sampler.close()
     feed.close()
     if progress is not None:
         progress.close()
     waited = feed.wait_seconds + (previous.data_wait_s if previous else 0.0)
+    report = (profiler.report if profiler is not None else None) or (
+        previous.profile if previous is not None else None)
     return Progress(state, first_step, totals, history, watch.seconds, waited, interrupted,
-                    writer, final_position)
+                    writer, final_position, report)
 
 
 STOP_REQUESTED = -1      # ``should_stop`` asked for the stop (a signal: its number)
@@ -796,6 +834,41 @@ class LineProgress:
         pass
 
 
+def _time_first_step(run: Setup, metrics, began: float, progress):
+    """Wait for the run's first step; record and announce the start-up phases' seconds."""
+    before = time.perf_counter()
+    jax.block_until_ready(metrics)
+    now = time.perf_counter()
+    startup = run.startup
+    startup["first_step"] = now - before
+    startup["to_first_step"] = now - began
+    age = _process_age()
+    if age is not None:
+        startup["command_to_first_step"] = age
+    announce(run.cfg, "start-up: " + ", ".join(
+        f"{name.replace('_', ' ')} {startup[name]:.1f} s" for name in STARTUP_PHASES
+        if name in startup), progress)
+
+
+# The start-up phases, in order: set-up before the corpus (mesh, distributed), corpus, the
+# sharded initialisation, compiling the steps, the first step (dispatch to its result), train()
+# to the first step's result, and the process's start (imports included) to it.
+STARTUP_PHASES = ("before_set_up", "corpus", "init", "compile", "first_step", "to_first_step",
+                  "command_to_first_step")
+
+
+def _process_age() -> float | None:
+    """Seconds since this process started (Linux /proc), None where that is not known."""
+    try:
+        with open("/proc/self/stat") as f:
+            start_ticks = int(f.read().rpartition(")")[2].split()[19])
+        with open("/proc/uptime") as f:
+            uptime = float(f.read().split()[0])
+        return uptime - start_ticks / os.sysconf("SC_CLK_TCK")
+    except (OSError, ValueError, IndexError):
+        return None
+
+
 def announce(cfg: TrainConfig, line: str, progress=None):
     """A phase of the run (set-up, compiling, evaluation) as one line on stdout where progress
     is shown (``run.progress``; process 0), past a terminal's bar while one is open; stderr
@@ -884,6 +957,8 @@ def finish(run: Setup, compiled: list, progress: Progress, wall_start: float,
         empty_documents_skipped=run.corpus.stats["empty_documents_skipped"],
         inputs_skipped=skipped_inputs(run.corpus.stats),
         extended_from_steps=run.extended_from_steps,
+        startup_s={k: round(v, 3) for k, v in run.startup.items()} or None,
+        profile=dataclasses.asdict(progress.profile) if progress.profile else None,
         data_wait_s=progress.data_wait_s,
         train_bpb=_recent_bpb(run.restored_history + progress.history, final_step),
         val_loss=val_loss,

@@ -1,0 +1,69 @@
+"""The persistent XLA compilation cache, on by default.
+
+A compiled program is stored on disk keyed by its HLO, the compile options and the device, so a
+repeated run, a resumed run and every row of ``experiments.speedup`` (a process each) compile a
+step once per machine and read it back afterwards. ``run.compilation_cache`` names the folder
+(``--compilation-cache DIR``) or turns it off (``off``); without it the folder is
+``$JAX_COMPILATION_CACHE_DIR`` when that is set, else ``xla/`` under the corpus cache folder
+(``data.cache_dir``, ``$JAXACCEL_CACHE_DIR``, ``~/.cache/jaxaccel``).
+
+``MIN_COMPILE_SECONDS`` is the smallest compile worth a disk entry: JAX's default (1 s) would
+leave out the eval step and, on the CPU, the small models' train steps; below 0.1 s a lookup
+costs about what the compile does. A folder that cannot be written is one warning line and the
+run goes on uncached.
+"""
+
+import os
+
+import jax
+
+MIN_COMPILE_SECONDS = 0.1
+
+
+def resolve(setting: str | None, cache_dir: str | None) -> str | None:
+    """The cache folder that ``setting`` (a folder, ``off`` or None) means; None when off."""
+    if setting == "off":
+        return None
+    if setting:
+        return os.path.abspath(os.path.expanduser(setting))
+    if os.environ.get("JAX_COMPILATION_CACHE_DIR"):
+        return os.path.abspath(os.environ["JAX_COMPILATION_CACHE_DIR"])
+    root = cache_dir or os.environ.get("JAXACCEL_CACHE_DIR") or "~/.cache/jaxaccel"
+    return os.path.join(os.path.abspath(os.path.expanduser(root)), "xla")
+
+
+def enable(folder: str | None) -> str | None:
+    """Point JAX's persistent cache at ``folder`` (None: leave it off). Returns a warning line
+    when the folder cannot be written (the run then compiles without a cache), else None."""
+    if folder is None:
+        if jax.config.jax_enable_compilation_cache:
+            _reset()
+        jax.config.update("jax_enable_compilation_cache", False)
+        return None
+    try:
+        os.makedirs(folder, exist_ok=True)
+        probe = os.path.join(folder, f".write-test-{os.getpid()}")
+        with open(probe, "w"):
+            pass
+        os.remove(probe)
+    except OSError as e:
+        _reset()
+        jax.config.update("jax_enable_compilation_cache", False)
+        return (f"warning: compilation cache {folder} is not writable ({e.strerror or e}); "
+                f"compiling without it (pass --compilation-cache DIR or off)")
+    if jax.config.jax_compilation_cache_dir != folder:
+        _reset()
+    jax.config.update("jax_enable_compilation_cache", True)
+    jax.config.update("jax_compilation_cache_dir", folder)
+    jax.config.update("jax_persistent_cache_min_compile_time_secs", MIN_COMPILE_SECONDS)
+    return None
+
+
+def _reset():
+    """Make JAX look at its cache settings again: it reads them once, at the process's first
+    compile, and keeps the answer (jax 0.11.2: ``compilation_cache.reset_cache``, internal)."""
+    try:
+        from jax._src import compilation_cache
+        compilation_cache.reset_cache()
+    except (ImportError, AttributeError):
+        pass

@@ -1,0 +1,80 @@
+"""Start-up: the persistent compilation cache (a repeated run compiles nothing anew), its
+settings and an unwritable folder, the start-up phases in the summary, and the initialisation
+taking its key as an argument."""
+
+import os
+
+import jax
+import pytest
+
+from experiments import train as train_cli
+from jaxaccel import compile_cache
+from tests.test_run_files import SMALL
+
+
+@pytest.fixture
+def restore_cache():
+    """The suite's own cache settings back after a test that changes them."""
+    yield
+    compile_cache.enable(compile_cache.resolve(None, None))
+
+
+def test_the_cache_folder_each_setting_means(tmp_path, monkeypatch):
+    monkeypatch.delenv("JAX_COMPILATION_CACHE_DIR", raising=False)
+    monkeypatch.delenv("JAXACCEL_CACHE_DIR", raising=False)
+    assert compile_cache.resolve("off", "c") is None
+    assert compile_cache.resolve(str(tmp_path / "x"), "c") == str(tmp_path / "x")
+    assert compile_cache.resolve(None, str(tmp_path)) == str(tmp_path / "xla")
+    assert compile_cache.resolve(None, None) == os.path.expanduser("~/.cache/jaxaccel/xla")
+    monkeypatch.setenv("JAX_COMPILATION_CACHE_DIR", str(tmp_path / "env"))
+    assert compile_cache.resolve(None, str(tmp_path)) == str(tmp_path / "env")
+
+
+def test_a_repeated_run_reads_its_compiles_from_the_cache(corpus_path, tmp_path, capsys,
+                                                          restore_cache):
+    hits = []
+    jax.monitoring.register_event_listener(
+        lambda event, **kw: hits.append(event) if event.endswith("cache_hits") else None)
+    args = [*SMALL, "--data", corpus_path, "--steps", "2", "--cache-dir", str(tmp_path / "c"),
+            "--compilation-cache", str(tmp_path / "xla"), "--seed", "12345"]
+    assert train_cli.main([*args, "--run-dir", str(tmp_path / "a")]) == 0
+    first = len(hits)
+    assert os.listdir(tmp_path / "xla")               # the train and eval steps were stored
+    assert train_cli.main([*args, "--run-dir", str(tmp_path / "b")]) == 0
+    assert len(hits) - first >= 2, hits               # ... and read back: train and eval steps
+    out = capsys.readouterr().out
+    assert "start-up" in out and "compile" in out
+    import json
+    startup = json.load(open(tmp_path / "b" / "summary.json"))["startup_s"]
+    for phase in ("corpus", "init", "compile", "first_step", "to_first_step"):
+        assert startup[phase] >= 0, phase
+
+
+def test_an_unwritable_cache_is_one_warning_and_the_run_goes_on(corpus_path, tmp_path, capsys,
+                                                                restore_cache):
+    blocker = tmp_path / "a-file"
+    blocker.write_text("x")
+    assert train_cli.main([*SMALL, "--data", corpus_path, "--steps", "1", "--cache-dir",
+                           str(tmp_path / "c"), "--compilation-cache", str(blocker / "xla"),
+                           "--run-dir", str(tmp_path / "r")]) == 0
+    err = [line for line in capsys.readouterr().err.splitlines() if "compilation cache" in line]
+    assert len(err) == 1 and err[0].startswith("warning: compilation cache") and \
+        "compiling without it" in err[0], err
+
+
+def test_the_initialisation_takes_its_key_as_an_argument():
+    """The sharded initialisation is compiled with the key as a parameter, so the GPU compiler
+    has no constant key to fold the random initialisation into (issue 16: 3 min 22 s)."""
+    from jaxaccel.model import ModelConfig
+    from jaxaccel.optim import make_optimizer
+    from jaxaccel.sharding import make_mesh
+    from jaxaccel.state import _state_maker
+    cfg = ModelConfig(d_model=32, n_layers=2, n_heads=4, max_seq_len=32)
+    mesh = make_mesh({"stage": 1, "data": 1, "fsdp": 1, "tensor": 1})
+    from jaxaccel.config import TrainConfig
+    make_state, _, shardings = _state_maker(cfg, make_optimizer("adamw", learning_rate=1e-3, total_steps=10), 0,
+                                            TrainConfig().make_loss_scale(), mesh, None)
+    hlo = jax.jit(make_state, out_shardings=shardings).lower(jax.random.PRNGKey(0)).as_text()
+    main = next(line for line in hlo.splitlines() if "func.func public @main" in line)
+    assert "@main(%arg0: tensor<2xui32>)" in main          # the key, an argument
+    assert "threefry" in hlo                               # the draws computed from it
