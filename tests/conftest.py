@@ -40,14 +40,13 @@ def pytest_sessionfinish(session):
         shutil.rmtree(CACHE_DIR, ignore_errors=True)
 
 
-def run_multidevice(path: str, select: str | None = None) -> None:
-    """Run the tests in ``path`` (under tests/multidevice; ``select``: those a ``-k`` expression
-    picks) in a subprocess with 8 simulated CPU devices, failing (not skipping) if any fails."""
+def run_multidevice(path: str) -> None:
+    """Run the tests in ``path`` (under tests/multidevice) in a subprocess with 8 simulated CPU
+    devices, failing (not skipping) if any fails."""
     env = {**os.environ, "JAXACCEL_MULTIDEVICE": "1", "JAX_PLATFORMS": "cpu",
            "XLA_FLAGS": xla_flags("--xla_force_host_platform_device_count=8")}
     result = subprocess.run([sys.executable, "-m", "pytest", "-x", "-q", "-o", "addopts=",
-                             "-p", "no:cacheprovider", path,
-                             *(["-k", select] if select else [])], cwd=REPO, env=env,
+                             "-p", "no:cacheprovider", path], cwd=REPO, env=env,
                             capture_output=True, text=True, timeout=900)
     assert result.returncode == 0, result.stdout[-6000:] + result.stderr[-3000:]
     assert " passed" in result.stdout and "skipped" not in result.stdout
@@ -64,6 +63,19 @@ def corpus_path(tmp_path_factory):
             n = int(rng.integers(3, 40))
             f.write(json.dumps({"text": " ".join(rng.choice(words, n))}) + "\n")
     return str(path)
+
+
+# The files that take longest run first: pytest-xdist (--dist loadfile) hands files to its two
+# workers in collection order, and a long file started last leaves the other worker idle.
+LONGEST_FIRST = ("test_sharding.py", "test_speedup.py", "test_pipeline.py", "test_experiments.py",
+                 "test_distributed.py")
+
+
+def pytest_collection_modifyitems(session, config, items):
+    def rank(item):
+        name = os.path.basename(str(item.fspath))
+        return LONGEST_FIRST.index(name) if name in LONGEST_FIRST else len(LONGEST_FIRST)
+    items.sort(key=rank)      # stable: the order within a file and among the rest is kept
 
 
 # tests/multidevice needs 8 simulated devices, set before JAX starts: tests/test_sharding.py runs

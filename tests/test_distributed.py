@@ -1,7 +1,6 @@
-"""Several processes and simulated devices: the rendezvous before JAX's runtime, two processes
-training like one, a stop agreed by every process, a dead peer, and the techniques half of the
-eight-device suite. (Apart from tests/test_sharding.py so that the two pytest workers share the
-multi-device work.)"""
+"""Several processes: the rendezvous before JAX's runtime, two processes training like one, a
+stop agreed by every process, a dead peer. (Apart from tests/test_sharding.py and its 8-device
+suite so that the two pytest workers share the multi-device work.)"""
 
 import json
 import os
@@ -12,20 +11,9 @@ import sys
 import numpy as np
 import pytest
 
-from conftest import REPO, run_multidevice, xla_flags
+from conftest import REPO, xla_flags
 from jaxaccel.errors import ConfigError
 from jaxaccel.sharding import rendezvous, wait_for_port
-
-# The tests of tests/multidevice/test_strategies.py that run here, the others in test_sharding.
-TECHNIQUES = ("fp8 or token_dropping or pallas or scanned_layers or fsdp_stores or "
-              "tp_over_four or loop_rejects")
-
-
-def test_eight_device_suite_techniques():
-    """FP8 + 2:4, token dropping + importance sampling, Pallas attention, scanned layers with
-    grouped-query heads, and the memory targets, on 8 simulated CPU devices."""
-    run_multidevice("tests/multidevice/test_strategies.py", select=TECHNIQUES)
-
 
 def free_port() -> int:
     with socket.socket() as s:

@@ -1,6 +1,6 @@
-"""Meshes, logical axis rules and strategies, distributed settings; half of the 8-device suite
-runs in a subprocess (the device count is fixed when JAX starts), the other half and the
-multi-process tests in tests/test_distributed.py."""
+"""Meshes, logical axis rules and strategies, distributed settings; the 8-device suite runs in a
+subprocess (the device count is fixed when JAX starts); the multi-process tests are in
+tests/test_distributed.py."""
 
 import dataclasses
 import socket
@@ -10,7 +10,6 @@ import pytest
 from jax.sharding import PartitionSpec
 
 from conftest import run_multidevice
-from tests.test_distributed import TECHNIQUES
 from jaxaccel.errors import ConfigError
 from jaxaccel.model import PARAM_AXES, ModelConfig, init_params, param_axes
 from jaxaccel.optim import make_optimizer
@@ -137,7 +136,7 @@ def test_distributed_settings_are_checked():
 
 
 def test_eight_device_suite():
-    """Every strategy against one device, checkpoints and resumes across meshes and the
-    sharding experiment (tests/multidevice/test_strategies.py, the half not in
-    tests/test_distributed.py), on 8 simulated CPU devices."""
-    run_multidevice("tests/multidevice/test_strategies.py", select=f"not ({TECHNIQUES})")
+    """Every strategy against one device, the memory targets, checkpoints across meshes and the
+    techniques under fsdp and tp (tests/multidevice/test_strategies.py), on 8 simulated CPU
+    devices."""
+    run_multidevice("tests/multidevice/test_strategies.py")
