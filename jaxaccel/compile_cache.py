@@ -8,9 +8,9 @@ step once per machine and read it back afterwards. ``run.compilation_cache`` nam
 (``data.cache_dir``, ``$JAXACCEL_CACHE_DIR``, ``~/.cache/jaxaccel``).
 
 ``MIN_COMPILE_SECONDS`` is the smallest compile worth a disk entry: JAX's default (1 s) would
-leave out the eval step and, on the CPU, the small models' train steps; below 0.1 s a lookup
-costs about what the compile does. A folder that cannot be written is one warning line and the
-run goes on uncached.
+leave out the eval step and, on the CPU, the small models' train steps; 0.1 s keeps the many
+tiny programs of a run out of the cache and every step in it
+(``$JAX_PERSISTENT_CACHE_MIN_COMPILE_TIME_SECS``, when set, is kept). A folder that cannot be written is one warning line and the run goes on uncached.
 """
 
 import os
@@ -55,7 +55,8 @@ def enable(folder: str | None) -> str | None:
         _reset()
     jax.config.update("jax_enable_compilation_cache", True)
     jax.config.update("jax_compilation_cache_dir", folder)
-    jax.config.update("jax_persistent_cache_min_compile_time_secs", MIN_COMPILE_SECONDS)
+    if "JAX_PERSISTENT_CACHE_MIN_COMPILE_TIME_SECS" not in os.environ:     # the user's wins
+        jax.config.update("jax_persistent_cache_min_compile_time_secs", MIN_COMPILE_SECONDS)
     return None
 
 

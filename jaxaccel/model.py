@@ -32,6 +32,7 @@ from flax import nnx
 from jax.ad_checkpoint import checkpoint_name
 
 from jaxaccel import buffers as buffers_lib
+from jaxaccel import embedding
 from jaxaccel import fp8 as fp8_lib
 from jaxaccel import remat as remat_lib
 from jaxaccel import stochastic_depth as sd_lib
@@ -39,7 +40,7 @@ from jaxaccel import token_drop as td_lib
 from jaxaccel.init import INIT_SCHEMES, initialize
 from jaxaccel.attention import IMPLEMENTATIONS, dot_product_attention
 from jaxaccel.errors import ConfigError
-from jaxaccel.sharding import constrain, matmul, take_rows
+from jaxaccel.sharding import constrain, matmul
 from jaxaccel.sparsity import init_masks, sparse_weight
 from jaxaccel.tokenizer import ByteTokenizer
 
@@ -548,7 +549,7 @@ class GPT(nnx.Module):
         # The table's own dtype (the policy's compute dtype when the caller cast the parameters):
         # nnx.Embed would promote it to its float32 default and take the whole model with it.
         table_VD = constrain(self.embed.embedding[...], PARAM_AXES["embed"])
-        return take_rows(table_VD, inputs_BT, ACTIVATION_AXES)
+        return embedding.lookup(table_VD, inputs_BT, ACTIVATION_AXES)
 
     def logits(self, x_BTD):
         """The final norm and the output head: float32 logits [B, T, V]."""

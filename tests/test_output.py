@@ -18,5 +18,6 @@ def test_a_run_off_a_terminal_prints_a_line_per_logged_step(corpus_path, tmp_pat
     assert all("loss " in line and "tok_s " in line and "elapsed " in line for line in steps)
     lines = out.splitlines()                      # stdout: the phases, then the summary
     assert lines[0].startswith("set-up: corpus ") and lines[1].startswith("compiling the train")
-    assert lines[2].startswith("eval at step 4: loss ")
-    assert lines[3] == "final evaluation: 2 validation batches of 4 rows"
+    assert lines[2].startswith("start-up: before set up ") and " first step " in lines[2]
+    assert lines[3].startswith("eval at step 4: loss ")
+    assert lines[4] == "final evaluation: 2 validation batches of 4 rows"
