@@ -62,6 +62,12 @@ def format_summary(s: RunSummary) -> str:
     ]
     if s.startup_s:
         rows.insert(len(rows) - 1, ("start-up", _startup_line(s.startup_s)))
+    if s.step_alone:
+        alone = s.step_alone
+        rows.insert(len(rows) - 1, ("step alone", (
+            f"{alone['real_tokens_per_s']:,.0f} real tokens/s over the last {alone['steps']} "
+            f"batches (no loading, logging or waits between steps); the loop ran at "
+            f"{alone['loop_share']:.1%} of it")))
     width = max(len(name) for name, _ in rows)
     return "\n".join(f"{name:<{width}}  {value}" for name, value in rows)
 

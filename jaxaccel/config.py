@@ -375,6 +375,9 @@ class RunConfig:
     compilation_cache: str | None = setting(
         None, "persistent XLA compilation cache folder, or off (default: "
               "$JAX_COMPILATION_CACHE_DIR, else xla/ under the corpus cache folder)")
+    time_step: int = setting(0, "after training, time the compiled train step alone on the "
+                                "run's last N batches and report its real tokens/s beside "
+                                "the loop's (0: off)", at_least=0, at_most=100_000)
     profile: str | None = setting(None, "START:STOP: a jax.profiler trace of steps START to "
                                         "STOP-1 in <run_dir>/profile, and the ten device "
                                         "operations that took the most time in it")

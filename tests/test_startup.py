@@ -1,6 +1,6 @@
 """Start-up: the persistent compilation cache (a repeated run compiles nothing anew), its
-settings and an unwritable folder, the start-up phases in the summary, and the initialisation
-taking its key as an argument."""
+settings and an unwritable folder, the start-up phases in the summary, the step timed alone
+(--time-step), and the initialisation taking its key as an argument."""
 
 import os
 
@@ -40,14 +40,19 @@ def test_a_repeated_run_reads_its_compiles_from_the_cache(corpus_path, tmp_path,
     assert train_cli.main([*args, "--run-dir", str(tmp_path / "a")]) == 0
     first = len(hits)
     assert os.listdir(tmp_path / "xla")               # the train and eval steps were stored
-    assert train_cli.main([*args, "--run-dir", str(tmp_path / "b")]) == 0
+    # The second run also times its step alone on its last 2 batches (--time-step), which
+    # leaves its training and checkpoint as they were.
+    assert train_cli.main([*args, "--run-dir", str(tmp_path / "b"), "--time-step", "2"]) == 0
     assert len(hits) - first >= 2, hits               # ... and read back: train and eval steps
     out = capsys.readouterr().out
-    assert "start-up" in out and "compile" in out
+    assert "start-up" in out and "compile" in out and "step alone" in out
     import json
-    startup = json.load(open(tmp_path / "b" / "summary.json"))["startup_s"]
+    summary = json.load(open(tmp_path / "b" / "summary.json"))
     for phase in ("corpus", "init", "compile", "first_step", "to_first_step"):
-        assert startup[phase] >= 0, phase
+        assert summary["startup_s"][phase] >= 0, phase
+    alone = summary["step_alone"]
+    assert alone["steps"] == 2 and alone["real_tokens_per_s"] > 0 and alone["loop_share"] > 0
+    assert summary["val_loss"] == json.load(open(tmp_path / "a" / "summary.json"))["val_loss"]
 
 
 def test_an_unwritable_cache_is_one_warning_and_the_run_goes_on(corpus_path, tmp_path, capsys,
