@@ -67,6 +67,18 @@ def out_of_memory(error: BaseException) -> bool:
         and "RESOURCE_EXHAUSTED" in str(error).split("\n", 1)[0])
 
 
+@contextlib.contextmanager
+def settings_named():
+    """A library function's ConfigError names its argument (``run_dir``); an experiment's
+    settings are ``experiment.<name>``: the error names that, so its line shows the flag."""
+    try:
+        yield
+    except ConfigError as e:
+        if e.field and "." not in e.field:
+            raise ConfigError(str(e), field=f"experiment.{e.field}") from None
+        raise
+
+
 PEER_LOST = 3       # exit code: another process of a multi-process run failed
 
 

@@ -16,7 +16,7 @@ the folder. A failed check is one line and exit code 1, the files left for inspe
 import dataclasses
 import sys
 
-from experiments.common import command, environment, write_json
+from experiments.common import command, environment, settings_named, write_json
 from jaxaccel.config import parse, setting
 from jaxaccel.errors import ConfigError
 from jaxaccel.export import FORMATS, ExportCheckError, export
@@ -59,11 +59,8 @@ def main(argv=None) -> int:
         if not getattr(exp, field):
             raise ConfigError(f"{field} is missing; name {what}", field=f"experiment.{field}")
     try:
-        result = export(exp.run_dir, exp.out, exp.format, overwrite=exp.overwrite)
-    except ConfigError as e:
-        if e.field and "." not in e.field:          # the library's argument: our setting
-            raise ConfigError(str(e), field=f"experiment.{e.field}") from None
-        raise
+        with settings_named():
+            result = export(exp.run_dir, exp.out, exp.format, overwrite=exp.overwrite)
     except ExportCheckError as e:
         print(f"error: {e}", file=sys.stderr)
         return 1

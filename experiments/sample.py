@@ -16,7 +16,6 @@ Temperature 0 is greedy decoding; otherwise top-k sampling at that temperature, 
 ``--seed``: the same seed, prompt and run give the same text.
 """
 
-import contextlib
 import dataclasses
 import sys
 
@@ -24,11 +23,11 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from experiments.common import command, environment, write_json
+from experiments.common import command, environment, settings_named, write_json
 from jaxaccel import generate as gen
 from jaxaccel.config import parse, setting
 from jaxaccel.errors import ConfigError
-from jaxaccel.model import make_apply
+from jaxaccel.model import make_apply, sequence_batch
 from jaxaccel.report import format_table
 from jaxaccel.tokenizer import EOS_ID, ByteTokenizer
 
@@ -61,23 +60,8 @@ class SampleConfig:
 def check_logits(params, cfg, prompt_BT, prefill_logits_BTV) -> float:
     """The largest absolute difference between the prefill's logits and the training forward
     pass's (``make_apply``) over the prompt."""
-    B, T = prompt_BT.shape
-    batch = {"inputs": prompt_BT, "positions": jnp.broadcast_to(jnp.arange(T), (B, T)),
-             "segment_ids": jnp.ones((B, T), jnp.int32)}
-    forward_BTV = jax.jit(make_apply(cfg))(params, batch)
+    forward_BTV = jax.jit(make_apply(cfg))(params, sequence_batch(prompt_BT))
     return float(jnp.max(jnp.abs(forward_BTV - prefill_logits_BTV)))
-
-
-@contextlib.contextmanager
-def settings_named():
-    """``jaxaccel.generate``'s errors name its arguments (``run_dir``); here they name the
-    settings (``experiment.run_dir``), so the error line shows the flag."""
-    try:
-        yield
-    except ConfigError as e:
-        if e.field and "." not in e.field:
-            raise ConfigError(str(e), field=f"experiment.{e.field}") from None
-        raise
 
 
 @command(SampleConfig)

@@ -14,9 +14,9 @@ import dataclasses
 import sys
 
 from experiments.common import DIVERGED, command, dump_json, exit_code, train_until_stopped
-from jaxaccel.profiling import ProfileReport, format_report
 from jaxaccel.config import parse
 from jaxaccel.loop import RunSummary
+from jaxaccel.profiling import ProfileReport, format_report
 
 
 def format_summary(s: RunSummary) -> str:
@@ -77,7 +77,8 @@ def _startup_line(startup: dict) -> str:
     phases = ", ".join(f"{name} {startup[key]:.1f} s" for key, name in (
         ("before_set_up", "mesh"), ("corpus", "corpus"), ("init", "init"),
         ("compile", "compile"), ("first_step", "first step")) if key in startup)
-    line = f"{phases}; the first step's result {startup.get('to_first_step', 0):.1f} s after set-up began"
+    line = (f"{phases}; the first step's result {startup.get('to_first_step', 0):.1f} s after "
+            f"set-up began")
     if "command_to_first_step" in startup:
         line += f", {startup['command_to_first_step']:.1f} s after the command started"
     return line

@@ -8,14 +8,17 @@ step once per machine and read it back afterwards. ``run.compilation_cache`` nam
 (``data.cache_dir``, ``$JAXACCEL_CACHE_DIR``, ``~/.cache/jaxaccel``).
 
 ``MIN_COMPILE_SECONDS`` is the smallest compile worth a disk entry: JAX's default (1 s) would
-leave out the eval step and, on the CPU, the small models' train steps; 0.1 s keeps the many
-tiny programs of a run out of the cache and every step in it
+leave out every step that compiles in under a second; 0.1 s keeps the many tiny programs of a
+run out of the cache and the steps in it
 (``$JAX_PERSISTENT_CACHE_MIN_COMPILE_TIME_SECS``, when set, is kept). A folder that cannot be written is one warning line and the run goes on uncached.
 """
 
 import os
 
 import jax
+
+from jaxaccel.config import check_writable
+from jaxaccel.errors import ConfigError
 
 MIN_COMPILE_SECONDS = 0.1
 
@@ -41,15 +44,13 @@ def enable(folder: str | None) -> str | None:
         jax.config.update("jax_enable_compilation_cache", False)
         return None
     try:
+        check_writable("run.compilation_cache", folder, may_create=True)
         os.makedirs(folder, exist_ok=True)
-        probe = os.path.join(folder, f".write-test-{os.getpid()}")
-        with open(probe, "w"):
-            pass
-        os.remove(probe)
-    except OSError as e:
+    except (ConfigError, OSError) as e:
         _reset()
         jax.config.update("jax_enable_compilation_cache", False)
-        return (f"warning: compilation cache {folder} is not writable ({e.strerror or e}); "
+        reason = getattr(e, "strerror", None) or str(e)
+        return (f"warning: compilation cache {folder} is not writable ({reason}); "
                 f"compiling without it (pass --compilation-cache DIR or off)")
     if jax.config.jax_compilation_cache_dir != folder:
         _reset()

@@ -40,6 +40,7 @@ import jax.numpy as jnp
 import numpy as np
 
 from jaxaccel.errors import ConfigError
+from jaxaccel.report import dump_json
 from jaxaccel.tokenizer import BOS_ID, BYTE_OFFSET, EOS_ID, PAD_ID, ByteTokenizer
 
 FORMATS = ("auto", "native", "llama")
@@ -244,12 +245,9 @@ def native_forward(tensors: dict[str, np.ndarray], config: dict, ids_T: np.ndarr
 def our_logits(cfg, params, ids_T) -> np.ndarray:
     """Our model's float32 logits [T, V] of one sequence in evaluation mode, with the plain XLA
     attention (every implementation computes the same; this one runs on any device)."""
-    from jaxaccel.model import make_apply
+    from jaxaccel.model import make_apply, sequence_batch
 
-    T = len(ids_T)
-    batch = {"inputs": jnp.asarray(ids_T, jnp.int32)[None],
-             "positions": jnp.arange(T, dtype=jnp.int32)[None],
-             "segment_ids": jnp.ones((1, T), jnp.int32)}
+    batch = sequence_batch(jnp.asarray(ids_T, jnp.int32)[None])
     apply = make_apply(dataclasses.replace(cfg, attention="xla"))
     return np.asarray(jax.jit(apply)(params, batch)[0])
 
@@ -281,7 +279,7 @@ def write_files(out_dir: str, tensors: dict[str, np.ndarray], config: dict, meta
 
     os.makedirs(out_dir, exist_ok=True)
     writers = {WEIGHTS: lambda path: save_file(tensors, path, metadata=metadata),
-               CONFIG: lambda path: write_json(path, config)}
+               CONFIG: lambda path: dump_json(path, config)}
     done = {}
     try:
         for name, write in writers.items():
@@ -298,12 +296,6 @@ def write_files(out_dir: str, tensors: dict[str, np.ndarray], config: dict, meta
         raise
     for name, path in done.items():
         os.replace(path, os.path.join(out_dir, name))
-
-
-def write_json(path: str, value: dict):
-    """``value`` as indented JSON to ``path``."""
-    with open(path, "w") as f:
-        f.write(json.dumps(value, indent=2) + "\n")
 
 
 def current_umask() -> int:

@@ -24,6 +24,7 @@ and off, as in evaluation.
 
 import dataclasses
 import os
+import time
 
 import jax
 import jax.numpy as jnp
@@ -132,7 +133,6 @@ class Generator:
 
     def compile(self, params, prompt_BT, key):
         """Compile both programs (seconds in ``compile_seconds``)."""
-        import time
         start = time.perf_counter()
         logits_BTV, cache = jax.eval_shape(self.prefill, params, prompt_BT)
         self.prefill = self.prefill.lower(params, prompt_BT).compile()
@@ -144,7 +144,6 @@ class Generator:
 
     def run(self, params, prompt_BT, key=None):
         """``(tokens_BN, timings)``: the new ids and the prefill's and decode's seconds."""
-        import time
         key = jax.random.PRNGKey(0) if key is None else key
         prompt_BT = jnp.asarray(prompt_BT, jnp.int32)
         start = time.perf_counter()

@@ -29,8 +29,8 @@ import numpy as np
 from jaxaccel import buffers, compile_cache, fp8, hardware, lora, profiling, sparsity, stacking
 from jaxaccel.checkpoint import Checkpointer
 from jaxaccel.compiled import CompiledFn, abstract, largest_memory_bytes
-from jaxaccel.config import TrainConfig, build, check_writable, field_value, read_config_file, \
-    to_dict, write_config
+from jaxaccel.config import TrainConfig, build, check_json_outputs, check_writable, field_value, \
+    read_config_file, to_dict, write_config
 from jaxaccel.corpus import load_corpus, skipped_inputs
 from jaxaccel.data import DataStream, batches
 from jaxaccel.errors import ConfigError
@@ -187,8 +187,9 @@ def train(cfg: TrainConfig, *, should_stop=None) -> RunSummary:
         announce(cfg, f"set-up: corpus {cfg.data.path}, {describe_model(cfg.model)} model, "
                       f"mesh {format_mesh(mesh_shape)}" + (", resuming" if cfg.run.resume
                                                             else ""))
+        set_up_began = time.perf_counter()
         run = set_up(cfg, mesh, mesh_shape)
-        run.startup["before_set_up"] = run.startup.pop("set_up_start") - wall_start
+        run.startup["before_set_up"] = set_up_began - wall_start
         progress, compiled = None, []
         while True:         # one stage, unless progressive stacking grows the model
             begin = time.perf_counter()
@@ -246,10 +247,10 @@ def set_up(cfg: TrainConfig, mesh, mesh_shape) -> Setup:
             f"({batch_shards(mesh_shape)} parts, {format_mesh(mesh_shape)}) times accumulate="
             f"{cfg.optimizer.accumulate}; pass a batch size that is a multiple of {multiple}",
             field="data.batch_size")
-    startup = {"set_up_start": time.perf_counter()}
+    began = time.perf_counter()
     run_dir = resolve_run_dir(cfg)
     corpus = load_corpus(cfg.data.path, cache_dir=cfg.data.cache_dir)
-    startup["corpus"] = time.perf_counter() - startup["set_up_start"]
+    startup = {"corpus": time.perf_counter() - began}
     os.makedirs(run_dir, exist_ok=True)
 
     stream_args = stream_settings(cfg, multiple)
@@ -261,8 +262,7 @@ def set_up(cfg: TrainConfig, mesh, mesh_shape) -> Setup:
     optimizer, schedule, hyperparameters = build_optimizer(
         cfg.optimizer, batch_rows=cfg.batch_rows(), total_steps=total_steps)
     if cfg.run.profile is not None:     # before any work: the window within this run's steps
-        saved = [int(name) for name in _listdir(os.path.join(run_dir, "checkpoints"))
-                 if name.isdigit()]
+        saved = _saved_steps(run_dir)
         profiling.check_window(cfg.run.profile, max(saved, default=0) if cfg.run.resume else 0,
                                total_steps)
     checkpointer = Checkpointer(os.path.join(run_dir, "checkpoints"),
@@ -379,9 +379,7 @@ def resolve_run_dir(cfg: TrainConfig) -> str:
     run_dir, resume = cfg.run.run_dir, cfg.run.resume
     if run_dir is not None:
         remove_unfinished_checkpoints(os.path.join(run_dir, "checkpoints"), cfg)
-        has_checkpoint = any(name.isdigit() for name in
-                             _listdir(os.path.join(run_dir, "checkpoints")))
-        if has_checkpoint and not resume:
+        if _saved_steps(run_dir) and not resume:
             raise ConfigError(f"run dir {run_dir} already holds checkpoints; set resume to "
                               f"continue it or choose another run_dir", field="run.resume")
         return run_dir
@@ -419,6 +417,12 @@ def _listdir(path: str) -> list[str]:
     return os.listdir(path) if os.path.isdir(path) else []
 
 
+def _saved_steps(run_dir: str) -> list[int]:
+    """The steps of the finished checkpoints in ``run_dir`` (read without creating anything)."""
+    return [int(name) for name in _listdir(os.path.join(run_dir, "checkpoints"))
+            if name.isdigit()]
+
+
 def remove_unfinished_checkpoints(directory: str, cfg: TrainConfig):
     """Delete the temporary directories of checkpoints a run did not finish writing (killed,
     or a full disk), with a note: they are not checkpoints, and would keep the run from
@@ -436,9 +440,7 @@ def check_outputs(cfg: TrainConfig):
     """ConfigError, before any work, for an output location this run cannot write: the run
     directory (or the nearest folder it would be made in) and the ``--json`` file's folder."""
     check_writable("run.run_dir", cfg.run.run_dir or RUNS_ROOT, may_create=True)
-    if cfg.run.json:
-        check_writable("run.json", os.path.dirname(os.path.abspath(cfg.run.json)),
-                       may_create=False)
+    check_json_outputs(cfg)
 
 
 def stream_settings(cfg: TrainConfig, multiple: int) -> dict:
@@ -630,10 +632,11 @@ def run_steps(run: Setup, steps: Steps, should_stop=None, previous: Progress | N
         return {**feed.position, "sampler": sampler.state()}
 
     def save(step):
-        pending = [(float(m["loss"]), float(m["real_tokens"])) for m in jax.device_get(window)]
-        recent = (run.restored_history + history + pending)[-max(1, run.total_steps // 10):]
+        pending = [(float(loss), float(tokens)) for loss, tokens in
+                   jax.device_get([(m["loss"], m["real_tokens"]) for m in window])]
+        kept = (run.restored_history + history + pending)[-recent_steps(run.total_steps):]
         run.checkpointer.save(step, state, loader_position=position(),
-                              config=run.resume_config, history=recent)
+                              config=run.resume_config, history=kept)
 
     watch.start()
     with stop_on_signals() as received:
@@ -1069,6 +1072,12 @@ def run_flops_per_token(run: Setup, final_step: int, first_step: int, kept: floa
     return weighted / total
 
 
+def recent_steps(steps: int) -> int:
+    """How many of a run's last steps its train bits per byte covers: the last tenth, at least
+    one (the checkpoints keep that many steps' losses)."""
+    return max(1, steps // 10)
+
+
 def _recent_bpb(history: list[tuple[float, float]], steps: int) -> float:
     """Token-weighted training bits per byte over the last tenth of the run's ``steps`` (at
     least one); ``history`` holds the (loss, real tokens) of the steps before the last, a
@@ -1076,7 +1085,7 @@ def _recent_bpb(history: list[tuple[float, float]], steps: int) -> float:
     uninterrupted one would."""
     if not history:
         return float("nan")
-    recent = history[-max(1, steps // 10):]
+    recent = history[-recent_steps(steps):]
     loss = sum(l * t for l, t in recent) / max(sum(t for _, t in recent), 1.0)
     return loss * BITS_PER_NAT
 

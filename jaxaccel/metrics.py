@@ -46,8 +46,15 @@ def _plain(value):
 
 def read_metrics(path: str) -> list[dict]:
     """The records of a ``metrics.jsonl``; a last line cut short (a killed run) is left out."""
+    return _parse(_lines(path))
+
+
+def _lines(path: str) -> list[str]:
     with open(path) as f:
-        lines = [line for line in f if line.strip()]
+        return [line for line in f if line.strip()]
+
+
+def _parse(lines: list[str]) -> list[dict]:
     records = []
     for i, line in enumerate(lines):
         try:
@@ -64,14 +71,12 @@ def truncate_metrics(path: str, step: int) -> int:
     appear twice; a cut last line goes too. Returns how many records (or cut lines) went."""
     if not os.path.exists(path):
         return 0
-    records = read_metrics(path)
-    with open(path) as f:
-        total = sum(1 for line in f if line.strip())
-    kept = [r for r in records if r["step"] <= step]
+    lines = _lines(path)
+    kept = [r for r in _parse(lines) if r["step"] <= step]
     with open(path + ".tmp", "w") as f:
         f.writelines(json.dumps(r) + "\n" for r in kept)
     os.replace(path + ".tmp", path)
-    return total - len(kept)
+    return len(lines) - len(kept)
 
 
 def plot_loss_curve(records: list[dict], path: str, *, unigram_bpb: float | None = None,

@@ -701,6 +701,14 @@ def make_apply(cfg: ModelConfig):
     return apply
 
 
+def sequence_batch(ids_BT):
+    """The Batch of whole sequences ``ids_BT`` for ``apply``: one segment per row, positions
+    from 0 (what generation and export compare their logits with)."""
+    B, T = ids_BT.shape
+    return {"inputs": ids_BT, "positions": jnp.broadcast_to(jnp.arange(T, dtype=jnp.int32), (B, T)),
+            "segment_ids": jnp.ones((B, T), jnp.int32)}
+
+
 def make_decode(cfg: ModelConfig):
     """``decode(params, inputs_BT, positions_BT, cache, cache_index=None) -> (logits_BTV,
     cache)``, the pure form of ``GPT.decode`` (prefill without ``cache_index``, a cached step

@@ -484,11 +484,15 @@ def _gather_peers(port: int, num_processes: int, timeout_s: float) -> None:
                     ) from None
                 problem, peer_id = _check_hello(conn, deadline, num_processes, peers)
                 if problem:
-                    conn.sendall(f"error: {problem}\n".encode())
+                    try:                          # a probe (wait_for_port) has gone already
+                        conn.sendall(f"error: {problem}\n".encode())
+                    except OSError:
+                        pass
                     conn.close()
                     if peer_id is not None:       # a jaxaccel process with other settings
                         raise ConfigError(f"process {peer_id}: {problem}",
-                                          field="mesh.num_processes")
+                                          field="mesh.num_processes" if "--num-processes"
+                                          in problem else "mesh.process_id")
                     continue                      # a stray connection: not one of ours
                 peers[peer_id] = conn
             for conn in peers.values():
