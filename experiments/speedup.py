@@ -31,9 +31,18 @@ combination re-matches its padding row's batch after rounding the rows to the de
 microbatches. Every row validates on the same batches of the validation split.
 
 Each row runs ``python -m experiments.train --config <row>/config.yaml`` in its own process
-(the resolved training config of the row, written first; the command is in the JSON), so the device's peak memory, the compile counts and a failure belong to that row
-alone. On a CPU every process sees ``--cpu-devices`` devices (default: one per core) so that
-the sharding rows have devices to split over; the other rows use the first one.
+(the resolved training config of the row, written first; the command is in the JSON), so the
+device's peak memory, the compile counts and a failure belong to that row alone. On a CPU every
+process sees ``--cpu-devices`` devices (default: one per core) so that the sharding rows have
+devices to split over; the other rows use the first one.
+
+A busy machine must not decide the verdict, so the rows train in ``--rounds`` rounds, taking
+turns: round k trains every row's k-th share of its steps (``--stop-at k/N``, then
+``--resume``; the compilation cache makes the restart cheap), the baseline first. A row's
+speedup is the median over the rounds of its real tokens/s over the baseline's in the same
+round, its spread half their range; a speed row joins the combination only when its gain
+exceeds its spread. The best row takes turns with the baseline trained again, and is measured
+against that. ``--rounds 1`` trains each row in one go.
 
 The run directory gets ``report.md`` (the table, one line per technique on its measured
 effect, the combination and the targets), ``tokens_per_s.png``, ``memory.png``,
@@ -46,6 +55,7 @@ import json
 import math
 import os
 import signal
+import statistics
 import subprocess
 import sys
 import time
@@ -151,6 +161,11 @@ class SpeedupSettings:
     optimizer_slowdown: float = setting(0.10, "an optimizer with a lower validation loss joins if "
                                            "it is at most this much slower than the baseline")
     row_accumulate: int = setting(2, "microbatches of the accumulate row")
+    rounds: int = setting(2, "train every row in this many rounds, each a share of its steps "
+                             "resumed from the round before, the rows taking turns, so that a "
+                             "change of the machine's load meets every row; a speedup is the "
+                             "median of its rounds' and its spread their half-range (1: each "
+                             "row in one go)", at_least=1, at_most=20)
     cpu_devices: int | None = setting(None, "on a CPU, devices each row's process sees "
                                             "(default: one per core); the sharding rows use "
                                             "them all")
@@ -244,12 +259,14 @@ def choose_best(rows: dict[str, dict], margin: float, tolerance: float,
     ran = [r for r in rows.values() if r["status"] == "ran" and r["name"] != "baseline"]
     picks = []
     for group in SPEED_GROUPS:
+        # a gain counts when it clears the margin and the row's spread over its rounds
         good = [r for r in ran if r["group"] == group and r["speedup"] >= 1 + margin
+                and r["speedup"] - (r.get("spread") or 0.0) > 1
                 and r["quality_diff"] <= tolerance]
         if good:
             row = max(good, key=lambda r: r["speedup"])
             picks.append((row["name"], f"fastest {group} row within the quality tolerance: "
-                                       f"{row['speedup']:.2f}x, val {row['quality_diff']:+.1%}"))
+                                       f"{_speed(row)}, val {row['quality_diff']:+.1%}"))
     padded = any(rows[name].get("settings", {}).get("data.batching", "fixed") != "fixed"
                  for name, _ in picks)
     for group in QUALITY_GROUPS:
@@ -260,8 +277,14 @@ def choose_best(rows: dict[str, dict], margin: float, tolerance: float,
         if better:
             row = min(better, key=lambda r: r["val_bpb"])
             picks.append((row["name"], f"lowest validation loss: val {row['quality_diff']:+.1%} "
-                                       f"at {row['speedup']:.2f}x"))
+                                       f"at {_speed(row)}"))
     return picks
+
+
+def _speed(row: dict) -> str:
+    """``1.42x`` with one round, ``1.42x +- 0.03`` (median, half-range) with several."""
+    rounds = len(row.get("round_speedups") or ())
+    return f"{row['speedup']:.2f}x" + (f" +- {row['spread']:.2f}" if rounds > 1 else "")
 
 
 def best_groups(names: list[str]) -> dict[str, str]:
@@ -299,34 +322,71 @@ def batch_multiple(settings: dict, groups, device_count: int) -> int:
     return (device_count if "sharding" in groups else 1) * settings.get("optimizer.accumulate", 1)
 
 
-def run_row(cfg: SpeedupConfig, technique: Technique, settings: dict, run_root: str) -> dict:
-    """Train one row in its own process and reduce its summary to a table row."""
-    run_dir = os.path.join(run_root, technique.name)
-    summary_path = os.path.join(run_dir, "summary.json")
+def start_row(cfg: SpeedupConfig, technique: Technique, settings: dict, run_root: str,
+              name: str | None = None) -> dict:
+    """A row's record, and its run directory holding its resolved training config."""
+    run_dir = os.path.join(run_root, name or technique.name)
     train_cfg = train_config(cfg, settings, run_dir)
     train_cfg.validate()
     os.makedirs(run_dir, exist_ok=True)
-    write_config(override(train_cfg, {"run.json": summary_path}), run_dir)
+    write_config(override(train_cfg, {"run.json": os.path.join(run_dir, "summary.json")}),
+                 run_dir)
+    return {"name": name or technique.name, "group": technique.group,
+            "description": technique.description, "settings": settings,
+            "command": f"python -m experiments.train --config {run_dir}/config.yaml",
+            "run_dir": run_dir, "rounds": [], "status": "not run"}
+
+
+def run_round(cfg: SpeedupConfig, row: dict, index: int, rounds: int):
+    """Train round ``index`` (from 0) of ``rounds`` of a row in its own process: the steps up
+    to ``(index + 1) / rounds`` of its run (``--stop-at``), resumed from the round before's
+    checkpoint. Appends the round's real tokens/s to ``row["rounds"]``; after the last round
+    the row holds its summary, with the speed of all its rounds together."""
+    run_dir = row["run_dir"]
     argv = ["--config", os.path.join(run_dir, "config.yaml")]
-    row = {"name": technique.name, "group": technique.group,
-           "description": technique.description, "settings": settings,
-           "command": "python -m experiments.train " + " ".join(argv), "run_dir": run_dir}
+    if index:
+        argv.append("--resume")
+    if index + 1 < rounds:
+        argv += ["--stop-at", f"{index + 1}/{rounds}"]
     start = time.perf_counter()
-    with open(os.path.join(run_dir, "log.txt"), "w") as log:
+    with open(os.path.join(run_dir, "log.txt"), "a" if index else "w") as log:
+        log.write(f"round {index + 1} of {rounds}: python -m experiments.train "
+                  f"{' '.join(argv)}\n")
+        log.flush()
         returncode, stderr = run_child([sys.executable, "-m", "experiments.train", *argv],
                                        row_environment(cfg.experiment.cpu_devices), log)
         log.write(stderr)
-    row["process_s"] = time.perf_counter() - start
+    seconds = time.perf_counter() - start
     if stop_requested():        # the row's process got the signal too and saved a checkpoint
+        row["status"] = f"stopped by {stop_requested()} in round {index + 1} of {rounds}"
         raise Interrupted(stop_requested())
     if returncode:
-        row["status"] = f"failed: {_last_line(stderr)}"
-        return row
-    summary = RunSummary.read(summary_path)
+        row["status"] = f"failed: {_last_line(stderr)}" + (
+            f" (round {index + 1} of {rounds})" if rounds > 1 else "")
+        return
+    summary = RunSummary.read(os.path.join(run_dir, "summary.json"))
+    row["rounds"].append({"real_tokens_per_s": summary.real_tokens_per_s,
+                          "real_tokens": summary.real_tokens, "train_s": summary.train_s,
+                          "steps": summary.steps_this_run, "compile_s": summary.compile_s,
+                          "process_s": seconds})
+    if index + 1 == rounds:
+        finish_row(row, summary)
+
+
+def finish_row(row: dict, summary: RunSummary):
+    """The row's record from its last round's summary, its speed from all its rounds."""
     memory = summary.step_memory_bytes or {}
+    rounds = row["rounds"]
+    real = sum(r["real_tokens"] for r in rounds)
+    train_s = sum(r["train_s"] for r in rounds)
     row.update(dataclasses.asdict(summary), status="ran", shapes=len(summary.shapes),
-               memory_bytes=memory.get("total"), temp_bytes=memory.get("temp"))
-    return row
+               memory_bytes=memory.get("total"), temp_bytes=memory.get("temp"),
+               real_tokens=real, train_s=train_s, real_tokens_per_s=real / train_s,
+               achieved_flops_per_s=real / train_s * summary.flops_per_token,
+               compile_s=rounds[0]["compile_s"],       # later rounds read the compile cache
+               process_s=sum(r["process_s"] for r in rounds))
+    if summary.mfu is not None:
+        row["mfu"] = summary.mfu * row["real_tokens_per_s"] / summary.real_tokens_per_s
 
 
 def run_child(argv: list[str], env: dict, log) -> tuple[int, str]:
@@ -356,13 +416,29 @@ def _last_line(text: str) -> str:
 
 
 def compare(row: dict, baseline: dict):
-    """Speedup and relative validation difference against the baseline, in place."""
+    """Speedup and relative validation difference against the baseline, in place. The speedup
+    of each round is the row's real tokens/s over the baseline's in the same round; the row's
+    speedup is their median and its spread their half-range (0 with one round)."""
     if row["status"] != "ran" or baseline["status"] != "ran":
         row.setdefault("speedup", None)
+        row.setdefault("spread", None)
         row.setdefault("quality_diff", None)
         return
-    row["speedup"] = row["real_tokens_per_s"] / baseline["real_tokens_per_s"]
+    ratios = [mine["real_tokens_per_s"] / base["real_tokens_per_s"]
+              for mine, base in zip(row["rounds"], baseline["rounds"])]
+    row["round_speedups"] = ratios
+    row["speedup"] = statistics.median(ratios)
+    row["spread"] = (max(ratios) - min(ratios)) / 2
     row["quality_diff"] = row["val_bpb"] / baseline["val_bpb"] - 1
+
+
+def load_variation(row: dict) -> float | None:
+    """How much a row's own real tokens/s varied between its rounds: the half-range over the
+    median (the machine's load, for the baseline), None before it ran."""
+    if row["status"] != "ran":
+        return None
+    speeds = [r["real_tokens_per_s"] for r in row["rounds"]]
+    return (max(speeds) - min(speeds)) / 2 / statistics.median(speeds)
 
 
 def _mb(value) -> str:
@@ -379,7 +455,7 @@ def explain(row: dict, base: dict) -> str:
     """One line on what the row's technique did, from its measurements."""
     if row["status"] != "ran":
         return f"**{row['name']}** ({row['description']}): not run, {row['status']}."
-    speed = f"{row['speedup']:.2f}x the baseline's real tokens/s"
+    speed = f"{_speed(row)} the baseline's real tokens/s"
     quality = f"validation {row['val_bpb']:.3f} bits/byte ({row['quality_diff']:+.1%})"
     memory = f"compiled step memory {_mb(row['memory_bytes'])} " \
              f"({_change(row['memory_bytes'], base['memory_bytes'])})"
@@ -419,6 +495,7 @@ COLUMNS = [
     ("name", "row", ""),
     ("real_tokens_per_s", "real tok/s", ",.0f"),
     ("speedup", "speedup", ".2f"),
+    ("spread", "+-", ".2f"),
     ("padding_efficiency", "padding eff.", ".1%"),
     ("shapes", "shapes", "d"),
     ("compiles", "compiles", "d"),
@@ -467,6 +544,21 @@ def targets(best: dict | None, base: dict, scale: str, devices: dict) -> list[st
     return lines
 
 
+def rounds_line(meta: dict) -> str:
+    """How the speedups were measured: rounds, and how much the baseline itself varied."""
+    if meta["rounds"] == 1:
+        return ("Each row trained in one go, one after the other; a speedup compares moments "
+                "of the machine that may differ in load (--rounds N measures the spread).")
+    variation = meta["baseline_load_variation"]
+    return (f"Each row trained in {meta['rounds']} rounds, the rows taking turns; a speedup is "
+            f"the median of its rounds' (the row's real tokens/s over the baseline's in the same "
+            f"round), +- half their range; a row joins the best combination only when its gain "
+            f"exceeds that spread"
+            + (". The best row took turns with the baseline trained again"
+               if meta["best_rounds"] else "")
+            + f". The baseline's own real tokens/s varied by +-{variation:.1%} between rounds.")
+
+
 def write_report(path: str, rows: list[dict], meta: dict, picks: list[tuple[str, str]],
                  target_lines: list[str]):
     base = rows[0]
@@ -481,6 +573,8 @@ def write_report(path: str, rows: list[dict], meta: dict, picks: list[tuple[str,
         f"row, final validation on {meta['val_tokens']:,} tokens",
         "",
         table(rows),
+        "",
+        rounds_line(meta),
         "",
         "## What each technique did",
         "",
@@ -515,6 +609,53 @@ def plot(run_root: str, rows: list[dict], title: str):
                      {r["name"]: r["run_dir"] for r in ran}, title=title)
 
 
+def train_in_rounds(cfg: SpeedupConfig, plan: list, rows: dict, run_root: str,
+                    reference: str):
+    """Train the rows of ``plan`` (technique, settings, name) in ``experiment.rounds`` rounds,
+    taking turns: round k trains every row's k-th share of its steps (``run_round``), so that
+    a change in the machine's load meets every row alike. Each row's record goes into ``rows``
+    when its first round starts; the progress line compares each round with ``reference``'s
+    (a row of the plan, trained first in every round)."""
+    rounds = cfg.experiment.rounds
+    for index in range(rounds):
+        for technique, settings, name in plan:
+            check_stop()
+            if index == 0:
+                rows[name] = start_row(cfg, technique, settings, run_root, name)
+                rows[name]["status"] = "running"
+            row = rows[name]
+            if row["status"] != "running":      # failed in an earlier round
+                continue
+            run_round(cfg, row, index, rounds)
+            _progress_line(row, index, rounds, rows[reference])
+
+
+def best_row(cfg: SpeedupConfig, rows: dict, best_names, documents, devices: dict):
+    """The best combination's technique, settings and picks ((row, why) for each row it
+    combines): the rows named by ``--best``, or those the measurements recommend."""
+    exp = cfg.experiment
+    if best_names:
+        picks = [(n, "named by --best") for n in best_names]
+    else:
+        picks = choose_best(rows, exp.speed_margin, exp.quality_tolerance,
+                            exp.optimizer_slowdown)
+    chosen = [n for n, _ in picks]
+    settings = combine({n: rows[n]["settings"] if n in rows else
+                        row_settings(cfg, BY_NAME[n], documents) for n in chosen},
+                       chosen, devices["device_count"])
+    multiple = batch_multiple(settings, {BY_NAME[n].group for n in chosen},
+                              devices["device_count"])
+    if multiple > 1 and settings.get("data.batching", "fixed") != "fixed":
+        # re-match the padding row's batch to the baseline's real tokens per step under the
+        # rounding, so the combination takes the same number of steps
+        settings.update(matched_batch(documents, cfg, settings["data.batching"],
+                                      multiple=multiple))
+    technique = dataclasses.replace(
+        BY_NAME["best"], description="the best combination: "
+        + (" + ".join(chosen) or "nothing beat the baseline"))
+    return technique, settings, picks
+
+
 @command(SpeedupConfig)
 def main(argv=None) -> int:
     argv = sys.argv[1:] if argv is None else list(argv)
@@ -539,49 +680,56 @@ def main(argv=None) -> int:
     print(f"experiments.speedup: {exp.scale} preset on {devices['device_count']} x "
           f"{devices['device_kind']}; {len(techniques)} rows into {run_root}", flush=True)
 
-    rows, picks, partial = {}, [], None
+    rows, picks, partial, again = {}, [], None, None
     try:
+        plan = []
         for technique in techniques:
-            check_stop()
-            reason = skip_reason(technique, devices)
             if technique.name == "best":
-                if best_names:
-                    picks = [(n, "named by --best") for n in best_names]
-                else:
-                    picks = choose_best(rows, exp.speed_margin, exp.quality_tolerance,
-                                        exp.optimizer_slowdown)
-                chosen = [n for n, _ in picks]
-                settings = combine({n: rows[n]["settings"] if n in rows else
-                                    row_settings(cfg, BY_NAME[n], documents) for n in chosen},
-                                   chosen, devices["device_count"])
-                multiple = batch_multiple(settings, {BY_NAME[n].group for n in chosen},
-                                          devices["device_count"])
-                if multiple > 1 and settings.get("data.batching", "fixed") != "fixed":
-                    # re-match the padding row's batch to the baseline's real tokens per step
-                    # under the rounding, so the combination takes the same number of steps
-                    settings.update(matched_batch(documents, cfg, settings["data.batching"],
-                                                  multiple=multiple))
-                technique = dataclasses.replace(
-                    technique, description="the best combination: "
-                    + (" + ".join(n for n, _ in picks) or "nothing beat the baseline"))
-            else:
-                settings = row_settings(cfg, technique, documents)
+                continue
+            settings = row_settings(cfg, technique, documents)
+            reason = skip_reason(technique, devices)
             if reason:
-                row = {"name": technique.name, "group": technique.group,
-                       "description": technique.description, "settings": settings,
-                       "status": f"skipped: {reason}"}
+                rows[technique.name] = {"name": technique.name, "group": technique.group,
+                                        "description": technique.description,
+                                        "settings": settings, "status": f"skipped: {reason}"}
             else:
-                row = run_row(cfg, technique, settings, run_root)
-            compare(row, rows.get("baseline", row))
-            rows[technique.name] = row
-            _progress_line(row)
-    except Interrupted as stop:     # the cut row is not a result; later rows do not run
-        if "baseline" not in rows:
+                plan.append((technique, settings, technique.name))
+        train_in_rounds(cfg, plan, rows, run_root, "baseline")
+        for row in rows.values():
+            compare(row, rows["baseline"])
+        if "best" in names:
+            check_stop()
+            technique, settings, picks = best_row(cfg, rows, best_names, documents, devices)
+            if exp.rounds > 1:      # the baseline again, taking turns with the best row
+                train_in_rounds(cfg, [(BY_NAME["baseline"], {}, "baseline-again"),
+                                      (technique, settings, "best")], rows, run_root,
+                                "baseline-again")
+                again = rows.pop("baseline-again")
+                compare(rows["best"], again)
+                rows["best"]["baseline_again"] = {
+                    k: again.get(k) for k in ("status", "rounds", "real_tokens_per_s",
+                                              "val_bpb", "run_dir")}
+            else:
+                train_in_rounds(cfg, [(technique, settings, "best")], rows, run_root,
+                                "baseline")
+                compare(rows["best"], rows["baseline"])
+            if rows["best"]["status"] == "ran":     # the verdict's quality against the baseline's
+                rows["best"]["quality_diff"] = (rows["best"]["val_bpb"]
+                                                / rows["baseline"]["val_bpb"] - 1)
+    except Interrupted as stop:     # a cut row is not a result; later rows do not run
+        if rows.get("baseline", {}).get("status") != "ran":
             raise
         partial = stop.signal
-        print(f"  stopped by {partial}: the rows above are the results", flush=True)
+        for row in rows.values():
+            if row["status"] == "running":
+                row["status"] = (f"stopped by {partial} after {len(row['rounds'])} of "
+                                 f"{exp.rounds} rounds")
+            compare(row, rows["baseline"])
+        rows.pop("baseline-again", None)
+        print(f"  stopped by {partial}: the rows that finished every round are the results",
+              flush=True)
 
-    ordered = list(rows.values())
+    ordered = [rows[t.name] for t in techniques if t.name in rows]
     base = rows["baseline"]
     if base["status"] != "ran":
         print(f"error: the baseline did not run ({base['status']}); see "
@@ -597,18 +745,22 @@ def main(argv=None) -> int:
             "train_tokens": cfg.run.train_tokens, "val_tokens": base["val_tokens"],
             "best": [n for n, _ in picks], "best_source": "--best" if best_names else
             "chosen from the measurements", "targets": target_lines, "run_dir": run_root,
-            "interrupted": partial}
+            "interrupted": partial, "rounds": exp.rounds,
+            "best_rounds": bool(best and best.get("baseline_again")),
+            "baseline_load_variation": load_variation(base)}
     report = os.path.join(run_root, "report.md")
     write_report(report, ordered, meta, picks, target_lines)
     title = f"{meta['model']} model, seq_len {cfg.seq_len}, {devices['device_kind']}"
     plot(run_root, ordered, title)
     write_json(cfg.run.json, ordered, meta)
+    ran = sum(r["status"] == "ran" for r in ordered)
     print(f"\n{meta['model']} model ({meta['params']:,} parameters), seq_len {cfg.seq_len}, "
           f"{cfg.run.train_tokens:,} real tokens per row, {devices['device_count']} x "
           f"{devices['device_kind']}, jax {devices['jax_version']}"
-          + (f" (PARTIAL: stopped by {partial}; {len(rows)} of {len(techniques)} rows)"
+          + (f" (PARTIAL: stopped by {partial}; {ran} of {len(techniques)} rows)"
              if partial else ""))
     print(table(ordered))
+    print(rounds_line(meta))
     print(f"\nbest = {' + '.join(meta['best']) or 'the baseline (nothing qualified)'} "
           f"({meta['best_source']})")
     for line in target_lines:
@@ -617,13 +769,20 @@ def main(argv=None) -> int:
     return exit_code(partial)
 
 
-def _progress_line(row: dict):
-    if row["status"] == "ran":
-        speed = f"{row['speedup']:.2f}x" if row.get("speedup") is not None else ""
-        print(f"  {row['name']:<16} {row['real_tokens_per_s']:>12,.0f} real tok/s {speed:>7}  "
-              f"val {row['val_bpb']:.3f} bpb  ({row['process_s']:.0f} s)", flush=True)
-    else:
-        print(f"  {row['name']:<16} {row['status']}", flush=True)
+def _progress_line(row: dict, index: int, rounds: int, reference: dict):
+    """One line per round of a row: its real tokens/s and the ratio to the reference row's in
+    the same round; after its last round, its validation bits per byte."""
+    label = f"round {index + 1}/{rounds}  " if rounds > 1 else ""
+    if row["status"] not in ("running", "ran"):
+        print(f"  {label}{row['name']:<16} {row['status']}", flush=True)
+        return
+    mine = row["rounds"][index]
+    ratio = ""
+    if len(reference.get("rounds", ())) > index:
+        ratio = f"{mine['real_tokens_per_s'] / reference['rounds'][index]['real_tokens_per_s']:.2f}x"
+    val = f"  val {row['val_bpb']:.3f} bpb" if row["status"] == "ran" else ""
+    print(f"  {label}{row['name']:<16} {mine['real_tokens_per_s']:>12,.0f} real tok/s "
+          f"{ratio:>7}{val}  ({mine['process_s']:.0f} s)", flush=True)
 
 
 if __name__ == "__main__":

@@ -134,7 +134,13 @@ def main(argv=None) -> int:
               f"continue with: python -m experiments.train --config {summary.run_dir}/config.yaml"
               f" --resume --run-dir {summary.run_dir}", file=sys.stderr)
         return exit_code(summary.interrupted)
-    print(format_summary(summary))
+    if summary.stopped_at is not None:
+        print(f"paused at step {summary.stopped_at} of {summary.total_steps} (--stop-at), "
+              f"{summary.real_tokens_per_s:,.0f} real tokens/s; checkpoint saved; continue with:"
+              f" python -m experiments.train --config {summary.run_dir}/config.yaml --resume "
+              f"--run-dir {summary.run_dir}")
+    else:
+        print(format_summary(summary))
     if summary.profile:
         print(format_report(ProfileReport(**summary.profile)))
     if cfg.run.json:

@@ -368,6 +368,9 @@ class RunConfig:
                                                   "evaluates all of it)", at_least=1)
     log_every: int = setting(10, "write metrics every N steps (0: every step)", at_least=0)
     progress: bool = setting(True, "show a progress bar")
+    stop_at: str | None = setting(None, "pause at this step: save a checkpoint and exit 0, "
+                                        "so that --resume continues the run later (a step "
+                                        "number, or a share of the run's steps such as 1/3)")
     json: str | None = setting(None, "also write the summary as JSON to this path")
     trackers: str = setting("none", "mirror the metrics to trackers: none, tensorboard, wandb or "
                                     "tensorboard,wandb (optional extras: pip install "
@@ -395,6 +398,34 @@ class RunConfig:
     stack_at: str | None = setting(None, "comma-separated steps at which progressive stacking "
                                          "doubles the depth (default: equal shares of the "
                                          "steps)")
+
+
+def parse_stop_at(text) -> int | tuple[int, int]:
+    """``run.stop_at``: a step number N >= 1, or a share ``A/B`` of the run (0 < A <= B) as
+    ``(A, B)``; one ConfigError line otherwise."""
+    number, slash, whole = str(text).strip().partition("/")
+    if number.isdigit() and (whole.isdigit() if slash else True):
+        if not slash and int(number) >= 1:
+            return int(number)
+        if slash and 0 < int(number) <= int(whole):
+            return int(number), int(whole)
+    raise ConfigError(f"stop_at {text!r} is neither a step number nor a share of the run's "
+                      f"steps; write e.g. --stop-at 100 or --stop-at 1/3", field="run.stop_at")
+
+
+def stop_step(text, total_steps: int, first_step: int) -> int:
+    """The step ``run.stop_at`` pauses a run of ``total_steps`` at (a share rounds to the
+    nearest step, at least 1), checked against the run's steps and the step it resumes from."""
+    value = parse_stop_at(text)
+    step = value if isinstance(value, int) else max(1, round(total_steps * value[0] / value[1]))
+    if step > total_steps:
+        raise ConfigError(f"stop_at {text} is beyond the run's {total_steps} steps; choose a "
+                          f"step up to {total_steps}, or leave --stop-at out", field="run.stop_at")
+    if step <= first_step:
+        raise ConfigError(f"stop_at {text} is step {step}, but the run resumes from step "
+                          f"{first_step}; choose a later step, or leave --stop-at out",
+                          field="run.stop_at")
+    return step
 
 
 def _section(cls):
@@ -452,6 +483,8 @@ class TrainConfig:
         if self.run.profile is not None:
             from jaxaccel.profiling import parse_window
             parse_window(self.run.profile)
+        if self.run.stop_at is not None:
+            parse_stop_at(self.run.stop_at)
         accumulate = self.optimizer.accumulate
         if self.data.batch_size is not None and self.data.batch_size % accumulate:
             raise ConfigError(f"batch_size={self.data.batch_size} does not split into "

@@ -30,7 +30,7 @@ from jaxaccel import buffers, compile_cache, fp8, hardware, lora, profiling, spa
 from jaxaccel.checkpoint import Checkpointer
 from jaxaccel.compiled import CompiledFn, abstract, largest_memory_bytes
 from jaxaccel.config import TrainConfig, build, check_json_outputs, check_writable, field_value, \
-    read_config_file, to_dict, write_config
+    override, read_config_file, stop_step, to_dict, write_config
 from jaxaccel.corpus import load_corpus, skipped_inputs
 from jaxaccel.data import DataStream, batches
 from jaxaccel.errors import ConfigError
@@ -149,6 +149,8 @@ class RunSummary:
     profile: dict | None = None         # --profile: the steps traced and the top operations
     startup_s: dict | None = None       # seconds of each start-up phase (STARTUP_PHASES)
     step_alone: dict | None = None      # run.time_step: the step timed alone on the last batches
+    stopped_at: int | None = None       # run.stop_at paused the run at this step (resumable)
+    total_steps: int | None = None      # the run's length in steps (steps: how far it got)
 
     @classmethod
     def read(cls, path: str) -> "RunSummary":
@@ -197,7 +199,7 @@ def train(cfg: TrainConfig, *, should_stop=None) -> RunSummary:
             run.startup.setdefault("compile", time.perf_counter() - begin)
             progress = run_steps(run, compiled[-1], should_stop, previous=progress,
                                  wall_start=wall_start)
-            if progress.interrupted or int(progress.state.step) >= run.total_steps:
+            if progress.interrupted or int(progress.state.step) >= run.stop_step:
                 break
             run = grow_run(run, progress)
         summary = finish(run, compiled, progress, wall_start, fp8_note)
@@ -232,6 +234,7 @@ class Setup:
     stream_args: dict
     full_layers: int            # the model's depth when every stacking stage has grown
     stack_ends: list            # the steps where progressive stacking doubles the depth
+    stop_step: int              # the step this invocation ends at: run.stop_at, else the last
     stages: list                # [first step, depth] of each stage this run has trained
     extended_from_steps: int | None = None  # a resumed run given another length: the old one
     startup: dict = dataclasses.field(default_factory=dict)  # seconds of each start-up phase
@@ -272,6 +275,8 @@ def set_up(cfg: TrainConfig, mesh, mesh_shape) -> Setup:
     full_cfg, stages = cfg, cfg.run.progressive_stack
     stack_ends = stacking.boundaries(total_steps, stages, cfg.run.stack_at)
     first_step = (checkpointer.latest_step() or 0) if cfg.run.resume else 0
+    stop = (stop_step(cfg.run.stop_at, total_steps, first_step) if cfg.run.stop_at is not None
+            else total_steps)
     cfg = _with_layers(cfg, stacking.depth_at(first_step, full_cfg.model.n_layers, stages,
                                               stack_ends))
     begin = time.perf_counter()
@@ -304,8 +309,8 @@ def set_up(cfg: TrainConfig, mesh, mesh_shape) -> Setup:
                           f"steps: the learning-rate schedule follows the new length")
         stream = open_stream(cfg, corpus.train, stream_args, position)
     if jax.process_index() == 0:
-        write_config(_with_layers(cfg, full_cfg.model.n_layers), run_dir,
-                     shlex.join(sys.orig_argv))
+        write_config(override(_with_layers(cfg, full_cfg.model.n_layers), {"run.stop_at": None}),
+                     run_dir, shlex.join(sys.orig_argv))     # a pause is not the run's setting
         dump_json(os.path.join(run_dir, "environment.json"), run_environment(mesh_shape))
     eval_multiple = math.lcm(batch_shards(mesh_shape) * eval_microbatches(cfg),
                              jax.process_count())
@@ -314,7 +319,7 @@ def set_up(cfg: TrainConfig, mesh, mesh_shape) -> Setup:
     return Setup(cfg, mesh, mesh_shape, run_dir, corpus, stream, total_steps, optimizer,
                  schedule, hyperparameters, state, shardings, batch_layout, plan, resume_config,
                  checkpointer, eval_batch_size, stream_args, full_cfg.model.n_layers, stack_ends,
-                 [[int(state.step), cfg.model.n_layers]], extended_from,
+                 stop, [[int(state.step), cfg.model.n_layers]], extended_from,
                  restored_history=checkpointer.saved_history if cfg.run.resume else [],
                  startup=startup)
 
@@ -596,7 +601,7 @@ def run_steps(run: Setup, steps: Steps, should_stop=None, previous: Progress | N
     cfg = run.cfg
     state = run.state
     start = int(state.step)
-    end = stacking.stage_end(start, run.total_steps, run.stack_ends)
+    end = min(stacking.stage_end(start, run.total_steps, run.stack_ends), run.stop_step)
     if previous is None:
         dropped = (truncate_metrics(os.path.join(run.run_dir, "metrics.jsonl"), start)
                    if cfg.run.resume and jax.process_index() == 0 else 0)
@@ -933,7 +938,8 @@ def finish(run: Setup, compiled: list, progress: Progress, wall_start: float,
     progressive-stacking stage (one without), the last being the model's final depth."""
     cfg, state, steps = run.cfg, progress.state, compiled[-1]
     final_step = int(state.step)
-    if progress.interrupted:
+    paused = not progress.interrupted and final_step < run.total_steps    # run.stop_at
+    if progress.interrupted or paused:
         val_loss, val_tokens = float("nan"), 0
     else:
         announce(cfg, f"final evaluation: {cfg.run.final_eval_batches or 'all'} validation "
@@ -956,7 +962,8 @@ def finish(run: Setup, compiled: list, progress: Progress, wall_start: float,
     stats = run.stream.stats
     summary = RunSummary(
         steps=final_step, steps_this_run=final_step - progress.first_step,
-        interrupted=progress.interrupted, run_dir=run.run_dir,
+        interrupted=progress.interrupted, stopped_at=final_step if paused else None,
+        total_steps=run.total_steps, run_dir=run.run_dir,
         batching=cfg.data.batching, shapes=[list(shape) for shape in run.stream.global_shapes],
         real_tokens=totals["real"],
         padding_efficiency=totals["real"] / max(totals["positions"], 1),
@@ -1006,7 +1013,8 @@ def finish(run: Setup, compiled: list, progress: Progress, wall_start: float,
         sparsity_density=sparsity.density(state.params) if cfg.model.sparsity != "none" else None,
         sampling=cfg.data.sampling,
         diverged_at_step=diverged_at(progress.history, progress.first_step,
-                                     None if progress.interrupted else val_loss, final_step))
+                                     None if progress.interrupted or paused else val_loss,
+                                     final_step))
     if progress.recent_batches and not progress.interrupted:     # last: it consumes the state
         summary.step_alone = step_alone(steps, state, progress.recent_batches, tokens_per_s)
     return summary

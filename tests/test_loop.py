@@ -16,6 +16,7 @@ import pytest
 
 from experiments.train import main
 from jaxaccel.config import build, parse
+from jaxaccel.errors import ConfigError
 from jaxaccel.loop import train
 from jaxaccel.optim import DEFAULTS
 
@@ -33,7 +34,7 @@ def small_config(corpus_path, tmp_path, name="run", **overrides):
     paths = {path.partition(".")[2]: path for path in values}
     paths.update(batching="data.batching", buckets="data.buckets",
                  pad_multiple="data.pad_multiple", tokens_per_batch="data.tokens_per_batch",
-                 train_tokens="run.train_tokens", resume="run.resume", optimizer="optimizer.name",
+                 train_tokens="run.train_tokens", resume="run.resume", stop_at="run.stop_at", optimizer="optimizer.name",
                  lr_scaling="optimizer.lr_scaling", base_batch_size="optimizer.base_batch_size",
                  accumulate="optimizer.accumulate", optimizer_state_dtype="optimizer.state_dtype",
                  precision="precision.policy", loss_scale_init="precision.init_scale",
@@ -67,10 +68,16 @@ def test_resume_is_bitwise_identical_to_an_uninterrupted_run(corpus_path, tmp_pa
     # 20 steps cut at 19: the summary's train bits per byte covers the last tenth (steps 19 and
     # 20), so the resumed run needs step 19's loss, logged by neither run (log_every 2) but kept
     # in the checkpoint.
+    # The cut is --stop-at's pause (should_stop, a signal's path, is cut in the next test).
     whole = train(small_config(corpus_path, tmp_path, "whole", steps=20))
-    cut = train(small_config(corpus_path, tmp_path, "cut", steps=20),
-                should_stop=lambda step: step == 19)
-    assert cut.interrupted == "requested" and cut.steps == 19
+    cut = train(small_config(corpus_path, tmp_path, "cut", steps=20, stop_at="19"))
+    assert cut.interrupted is None and cut.stopped_at == cut.steps == 19
+    assert cut.total_steps == 20 and np.isnan(cut.val_bpb) and cut.diverged_at_step is None
+    config = parse(["--config", os.path.join(cut.run_dir, "config.yaml")])
+    assert config.run.stop_at is None       # the pause is not written into the run's config
+    with pytest.raises(ConfigError, match="stop_at 1/2 is step 10, but the run resumes from "
+                                          "step 19"):
+        train(small_config(corpus_path, tmp_path, "cut", steps=20, resume=True, stop_at="1/2"))
     resumed = train(small_config(corpus_path, tmp_path, "cut", steps=20, resume=True))
     assert resumed.steps == 20 and resumed.steps_this_run == 1
     a, b = final_state(whole.run_dir, 20), final_state(resumed.run_dir, 20)
@@ -128,6 +135,8 @@ def run_cli(args, capsys):
     (["--sampling", "loss", "--batching", "pack"], "draws rows of fixed batching"),
     (["--precision", "params=float32,compute=int8,output=float32"], "unknown dtype 'int8'"),
     (["--loss-scale", "dynamic", "--loss-scale-backoff", "2"], "backoff must be in (0, 1)"),
+    (["--stop-at", "3/2"], "stop_at '3/2' is neither a step number nor a share"),
+    (["--stop-at", "5"], "stop_at 5 is beyond the run's 2 steps"),
 ])
 def test_bad_input_is_one_error_line_with_exit_code_2(args, message, corpus_path, tmp_path,
                                                       capsys):
@@ -275,3 +284,4 @@ def test_partial_evaluation_spreads_its_batches_over_the_split():
     seen.clear()
     evaluate(eval_step, None, documents, seq_len=16, batch_size=1)
     assert sorted(seen) == list(range(1, 21))
+

@@ -87,7 +87,7 @@ def test_every_row_runs_with_its_technique_on(corpus_path, tmp_path, capsys):
         "--scale", "cpu", "--cpu-devices", "2", "--data", corpus_path, "--d-model", "32",
         "--n-layers", "1", "--n-heads", "2", "--max-seq-len", "128", "--seq-len", "128",
         "--batch-size", "4", "--pad-multiple", "32", "--buckets", "3", "--train-tokens", "1500",
-        "--warmup-steps", "2", "--log-every", "2", "--final-eval-batches", "2",
+        "--warmup-steps", "2", "--log-every", "2", "--final-eval-batches", "2", "--rounds", "1",
         "--cache-dir", str(tmp_path / "cache"), "--run-dir", str(run_dir), "--json", str(out)])
     assert code == 0
     result = json.loads(out.read_text())
@@ -171,3 +171,54 @@ def test_a_bucket_budget_matched_under_a_batch_multiple_stays_valid(corpus_path)
     assert budget >= 4 * 128
     DataStream(documents, strategy="bucket", seq_len=128, tokens_per_batch=budget,
                pad_multiple=32, num_buckets=3, data_parallel=4)
+
+
+def test_rows_take_turns_in_rounds_and_the_best_row_with_the_baseline_again(
+        corpus_path, tmp_path, capsys):
+    """--rounds 2: every row trains half its steps per round, resumed; a speedup is the median
+    of the rounds' ratios to the reference's real tokens/s in the same round, its spread their
+    half-range; the best row's reference is the baseline trained again beside it, which ends
+    where the baseline did."""
+    out, run_dir = tmp_path / "speedup.json", tmp_path / "runs"
+    code = speedup.main([
+        "--scale", "cpu", "--cpu-devices", "1", "--rows", "baseline,best", "--best", "pack",
+        "--rounds", "2", "--data", corpus_path, "--d-model", "32", "--n-layers", "1",
+        "--n-heads", "2", "--max-seq-len", "128", "--seq-len", "128", "--batch-size", "4",
+        "--pad-multiple", "32", "--train-tokens", "1500", "--warmup-steps", "2",
+        "--log-every", "2", "--final-eval-batches", "2", "--cache-dir", str(tmp_path / "cache"),
+        "--run-dir", str(run_dir), "--json", str(out)])
+    assert code == 0
+    result = json.loads(out.read_text())
+    rows = {r["name"]: r for r in result["rows"]}
+    assert list(rows) == ["baseline", "best"] and result["meta"]["rounds"] == 2
+    for name in ("baseline", "best", "baseline-again"):
+        log = (run_dir / name / "log.txt").read_text()
+        assert "--stop-at 1/2" in log and "paused at step" in log and "--resume" in log, name
+    base, best = rows["baseline"], rows["best"]
+    again = best["baseline_again"]
+    for row in (base, best, again):
+        assert row["status"] == "ran" and len(row["rounds"]) == 2
+        first, second = row["rounds"]
+        assert first["steps"] > 0 and second["steps"] > 0
+        assert row["real_tokens_per_s"] == pytest.approx(
+            (first["real_tokens"] + second["real_tokens"])
+            / (first["train_s"] + second["train_s"]))
+    assert best["steps"] == sum(r["steps"] for r in best["rounds"])   # halves of one run
+    assert again["val_bpb"] == base["val_bpb"]       # trained again, resumed: the same run
+    ratios = [b["real_tokens_per_s"] / a["real_tokens_per_s"]
+              for b, a in zip(best["rounds"], again["rounds"])]
+    assert best["round_speedups"] == pytest.approx(ratios)
+    assert best["speedup"] == pytest.approx(sum(ratios) / 2)
+    assert best["spread"] == pytest.approx(abs(ratios[0] - ratios[1]) / 2)
+    assert best["settings"]["data.batching"] == "pack"
+    printed = capsys.readouterr().out
+    assert "round 2/2  best" in printed and "trained in 2 rounds" in printed
+
+
+def test_a_gain_within_its_spread_does_not_join_the_best_row():
+    rows = {r["name"]: r for r in [_row("baseline", 1.0, 0.0), _row("pack", 1.30, 0.0),
+                                   _row("bf16", 1.10, 0.0), _row("remat-dots", 1.06, 0.0)]}
+    rows["pack"]["spread"], rows["bf16"]["spread"] = 0.05, 0.12
+    rows["remat-dots"]["spread"] = 0.02
+    picks = [name for name, _ in speedup.choose_best(rows, 0.03, 0.02, 0.10)]
+    assert picks == ["pack", "remat-dots"]      # bf16's 10 % is inside its +-12 %
