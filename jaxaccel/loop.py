@@ -618,7 +618,8 @@ def run_steps(run: Setup, steps: Steps, should_stop=None, previous: Progress | N
         writer, first_step = previous.writer, previous.first_step
         history, totals = previous.history, previous.totals
     watch = Stopwatch(previous.train_s if previous else 0.0)
-    window = []
+    window = []         # the metrics of the steps since the last log step, not yet fetched
+    late = []           # the last log step and its window: fetched at the next log step
     interrupted = None
     feed = DevicePrefetcher(run.stream, sharding=run.batch_layout, depth=cfg.data.prefetch)
     progress = _progress_bar(run.total_steps, first_step, cfg.run.progress)
@@ -636,7 +637,19 @@ def run_steps(run: Setup, steps: Steps, should_stop=None, previous: Progress | N
         sampler.flush()
         return {**feed.position, "sampler": sampler.state()}
 
+    def log_late():
+        """Write the window of the log step before: fetching it then waits for a step the
+        device finished long ago (or, if the host ran far ahead, for one with later steps
+        queued behind it), so the device's queue never drains at a log step. The seconds are
+        those when its last step's metrics arrived."""
+        if late:
+            step, metrics = late.pop()
+            jax.block_until_ready(metrics[-1])
+            history.extend(_log_window(writer, step, metrics, totals, watch.elapsed(),
+                                       progress))
+
     def save(step):
+        log_late()
         pending = [(float(loss), float(tokens)) for loss, tokens in
                    jax.device_get([(m["loss"], m["real_tokens"]) for m in window])]
         kept = (run.restored_history + history + pending)[-recent_steps(run.total_steps):]
@@ -660,11 +673,12 @@ def run_steps(run: Setup, steps: Steps, should_stop=None, previous: Progress | N
             window.append(metrics)
             done = step + 1
             if done % max(cfg.run.log_every, 1) == 0 or done == run.total_steps:
-                jax.block_until_ready(window[-1])
-                history += _log_window(writer, done, window, totals, watch.elapsed(), progress)
+                log_late()
+                late.append((done, window))
                 window = []
             if cfg.run.eval_every and done % cfg.run.eval_every == 0 and done < run.total_steps:
                 watch.pause(state)
+                log_late()
                 loss, tokens = run_eval(run, steps, state, writer, done, cfg.run.eval_batches)
                 announce(cfg, f"eval at step {done}: loss {loss:.4f}, "
                               f"{loss * BITS_PER_NAT:.3f} bits per byte over {tokens:,} tokens",
@@ -684,6 +698,7 @@ def run_steps(run: Setup, steps: Steps, should_stop=None, previous: Progress | N
                                else signal.Signals(stop).name)
                 break
         watch.pause(state)
+        log_late()
         if window:
             history += _log_window(writer, int(state.step), window, totals, watch.seconds,
                                    progress)

@@ -285,3 +285,28 @@ def test_partial_evaluation_spreads_its_batches_over_the_split():
     evaluate(eval_step, None, documents, seq_len=16, batch_size=1)
     assert sorted(seen) == list(range(1, 21))
 
+
+def test_a_log_step_fetches_the_window_before_so_the_device_queue_never_drains(
+        corpus_path, tmp_path, monkeypatch):
+    """At log step k the loop writes the window that ended at the log step before (done on the
+    device by then), not the one it has just dispatched; the rest is written at the end."""
+    from jaxaccel import compiled, loop
+    events = []
+    log_window, call = loop._log_window, compiled.CompiledFn.__call__
+
+    def logged(writer, step, *args):
+        events.append(("log", step))
+        return log_window(writer, step, *args)
+
+    def dispatched(self, *args):
+        if len(args) == 2 and "inputs" in args[1] and "targets" in args[1]:
+            events.append(("step", None))
+        return call(self, *args)
+
+    monkeypatch.setattr(loop, "_log_window", logged)
+    monkeypatch.setattr(compiled.CompiledFn, "__call__", dispatched)
+    train(small_config(corpus_path, tmp_path, eval_every=0, checkpoint_every=0, steps=8))
+    order = [step if kind == "log" else "s" for kind, step in events]
+    # steps (train and the final evaluation's) in order; each window written one log step late
+    assert order[:10] == ["s", "s", "s", "s", 2, "s", "s", 4, "s", "s"], order
+    assert [x for x in order if x != "s"] == [2, 4, 6, 8]
