@@ -6,7 +6,19 @@ same segment id and, when ``causal``, the key is not later than the query. Paddi
 id 0 and so attends only to other padding: no row is ever fully masked, so no NaNs appear.
 
 ``pallas`` is the flash attention kernel of ``jaxaccel.kernels`` (interpreted off the GPU, slowly);
-``auto`` is pallas on the GPU and xla elsewhere.
+``auto`` picks per call (``resolve_implementation``): xla off NVIDIA GPUs; on them pallas for
+packed rows (segment ids: the kernel skips the tiles two segments never share, where cuDNN
+would need a dense mask), pallas up to ``AUTO_PALLAS_MAX_T`` tokens and cuDNN above for rows
+without segment ids. The models pass no segment ids for batches whose rows each hold one
+document from column 0 (``model.make_apply``): the causal mask alone is then exact.
+
+What jax 0.11.2 offers cuDNN for padding and packing: the public ``jax.nn.dot_product_attention``
+takes per-row ``query_seq_lengths`` / ``key_value_seq_lengths`` (right padding, one segment per
+row), which causal self-attention over right-padded rows does not need; packed rows have only
+the internal ``jax._src.cudnn.fused_attention_stablehlo.dot_product_attention`` with segment
+offsets (``q_offsets``, ``kv_offsets``, a static maximum of segments per row), not used here
+(internal, and unmeasured on our GPUs); so cuDNN with segment ids gets a dense [B, 1, T, S]
+mask.
 """
 
 import jax
@@ -58,7 +70,8 @@ def cudnn_attention(q_BTHE, k_BSKE, v_BSKE, *, segment_ids=None, causal=True, sm
     """cuDNN flash attention through ``jax.nn.dot_product_attention`` (NVIDIA GPUs only).
 
     cuDNN's fused kernel takes only float16 and bfloat16: float32 inputs run in bfloat16 and the
-    output is cast back to float32. Segments are passed as a boolean mask.
+    output is cast back to float32. Without segment ids the call is causal only, no mask;
+    segments are passed as a dense boolean mask (module docstring).
     """
     if jax.default_backend() != "gpu":
         raise ConfigError(
@@ -93,11 +106,25 @@ def pallas_attention(q_BTHE, k_BSKE, v_BSKE, *, segment_ids=None, causal=True, s
         q_BTHE, k_BSKE, v_BSKE, segment_ids)
 
 
-def resolve_implementation(implementation: str) -> str:
-    """``auto`` -> pallas on the GPU, xla elsewhere; other names unchanged."""
-    if implementation == "auto":
-        return "pallas" if jax.default_backend() == "gpu" else "xla"
-    return implementation
+# ``auto``'s switch from our kernel to cuDNN for rows without segment ids, from forward +
+# backward on one H100 80GB (jax 0.11.2, bf16, 16 heads, B*T = 16,384, causal; issue 19's table,
+# 2026-11-22): ours ran at 1.13x (D=64) and 1.23x (D=128) cuDNN's TFLOP/s at T = 1024, at 0.90x
+# and 0.61x at T = 4096, 0.70x and 0.60x at T = 16,384. T = 2048 was not measured.
+AUTO_PALLAS_MAX_T = 1024
+
+
+def resolve_implementation(implementation: str, seq_len: int | None = None,
+                           segments: bool = False) -> str:
+    """The implementation ``auto`` means for a call with ``seq_len`` query tokens, with or
+    without segment ids (module docstring); other names unchanged."""
+    if implementation != "auto":
+        return implementation
+    if jax.default_backend() != "gpu" or float(
+            getattr(jax.devices()[0], "compute_capability", 0) or 0) < 8.0:
+        return "xla"        # cuDNN's fused attention and our Triton kernel need sm80 or newer
+    if segments or seq_len is None or seq_len <= AUTO_PALLAS_MAX_T:
+        return "pallas"
+    return "cudnn"
 
 
 def dot_product_attention(q, k, v, *, segment_ids=None, causal=True, implementation="xla",
@@ -113,7 +140,7 @@ def dot_product_attention(q, k, v, *, segment_ids=None, causal=True, implementat
       [B, T, H, E] in q's dtype.
     """
     check_shapes(q, k, v)
-    implementation = resolve_implementation(implementation)
+    implementation = resolve_implementation(implementation, q.shape[1], segment_ids is not None)
     if implementation == "xla":
         return xla_attention(q, k, v, segment_ids=segment_ids, causal=causal, sm_scale=sm_scale)
     if implementation == "cudnn":

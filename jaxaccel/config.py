@@ -135,8 +135,9 @@ MODEL_HELP = {
     "rope_base": ("rotary embedding base",),
     "dropout": ("residual dropout rate (0 = off)",),
     "attention": ("attention implementation: xla, cudnn (NVIDIA GPUs), pallas (our flash "
-                  "attention kernel; interpreted, slowly, off the GPU) or auto (pallas on a GPU, "
-                  "else xla)", None, IMPLEMENTATIONS),
+                  "attention kernel; interpreted, slowly, off the GPU) or auto (on an NVIDIA "
+                  "GPU: pallas for packed rows and up to 1024 tokens, cudnn above; else xla)",
+                  None, IMPLEMENTATIONS),
     "remat": ("activations each block keeps for the backward pass: none (all), full (only its "
               "input), dots (matmul outputs), attention (q/k/v and attention output), mlp (MLP "
               "inner matmuls), offload (attention's, in pinned host memory)", None,

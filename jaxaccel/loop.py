@@ -493,7 +493,9 @@ def train_step_of(cfg: TrainConfig, model_cfg, optimizer, schedule=None):
         grad_fn = pipeline_grad_fn(model_cfg, cfg.optimizer.accumulate,
                                    cfg.mesh.pipeline_schedule, policy=cfg.policy())
         return make_train_step(grad_fn, optimizer, schedule)
-    return lm_train_step(make_apply(model_cfg), optimizer, schedule, policy=cfg.policy(),
+    one_segment_rows = cfg.data.batching != "pack"      # causal attention needs no mask then
+    return lm_train_step(make_apply(model_cfg, segment_attention=not one_segment_rows),
+                         optimizer, schedule, policy=cfg.policy(),
                          accumulate=cfg.optimizer.accumulate,
                          trainable=lora.trainable(model_cfg),
                          observed=buffers.observed if model_cfg.fp8 else None,
@@ -511,7 +513,8 @@ def sharded_steps(cfg: TrainConfig, optimizer, schedule, shardings, mesh):
     if pipelined(cfg.mesh.strategy):
         evaluate = pipeline_eval_fn(cfg.model, eval_microbatches(cfg), policy=cfg.policy())
     else:
-        evaluate = lm_eval_step(make_apply(cfg.model), cfg.policy())
+        evaluate = lm_eval_step(make_apply(cfg.model, segment_attention=False),  # fixed rows
+                                cfg.policy())
     eval_step = CompiledFn(evaluate, in_shardings=(shardings, layout), out_shardings=whole)
     return train_step, eval_step
 

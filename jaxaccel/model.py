@@ -562,7 +562,7 @@ class GPT(nnx.Module):
         return logits_BTV.astype(jnp.float32)
 
     def run_blocks(self, x_BTD, positions_BT, segment_ids_BT, dropout_key=None,
-                   first_layer=0, targets_BT=None):
+                   first_layer=0, targets_BT=None, segment_attention=True):
         """The stack of blocks this module holds, each a pure function of (its parameters, x,
         layer index) under the remat policy. Layer i's dropout key is ``fold_in(dropout_key,
         first_layer + i)`` in both layouts; a pipeline stage holding layers ``first_layer ..``
@@ -575,7 +575,13 @@ class GPT(nnx.Module):
         With token dropping (``token_keep`` < 1) and a key, the layers ``token_drop_layers`` run
         on each row's kept tokens only (``jaxaccel.token_drop``: gathered before the first of
         them, scattered back after the last, scanned apart from the others); the ``loss`` score
-        reads the batch's ``targets_BT``."""
+        reads the batch's ``targets_BT``.
+
+        ``segment_attention=False`` is for rows that each hold one segment from column 0
+        (every batching but pack): attention is then causal only, with no segment mask. A real
+        token's keys are the same (the padding comes after it) and the padding's outputs, which
+        no loss or real token reads, stay finite; token dropping keeps the mask (it moves
+        tokens)."""
         cfg = self.cfg
         sin_BTR, cos_BTR = rotary_sin_cos(positions_BT, cfg.head_dim, cfg.rope_base)
         graphdef, _ = nnx.split(self.blocks if cfg.scan_layers else self.blocks[0])
@@ -628,11 +634,12 @@ class GPT(nnx.Module):
                 start = end
             return x_BTD
 
-        row_args = (sin_BTR, cos_BTR, segment_ids_BT)
         span = None if dropout_key is None else td_lib.dropped_span(
             cfg, first_layer, layers, x_BTD.shape[1])
         if span is None:
-            return run(x_BTD, row_args, 0, layers)
+            masked_BT = segment_ids_BT if segment_attention else None
+            return run(x_BTD, (sin_BTR, cos_BTR, masked_BT), 0, layers)
+        row_args = (sin_BTR, cos_BTR, segment_ids_BT)
         lo, hi = span
         x_BTD = run(x_BTD, row_args, 0, lo)
         token_loss_V = self.token_drop.token_loss[...] if td_lib.has_buffer(cfg) else None
@@ -687,11 +694,13 @@ def init_params(cfg: ModelConfig, key) -> dict:
 INIT_KEY = 0x1417     # folded into the key for the init scheme's own draws
 
 
-def make_apply(cfg: ModelConfig):
+def make_apply(cfg: ModelConfig, segment_attention: bool = True):
     """``apply(params, batch, dropout_key=None) -> logits [B, T, V]``, a pure function; the key
     is used only when ``cfg.dropout``, ``stochastic_depth`` or token dropping is on (callers may
-    always pass one)."""
-    parts = model_parts(cfg)
+    always pass one). ``segment_attention=False`` for batches whose rows each hold one segment
+    from column 0 (every batching but pack): causal attention without a segment mask, the same
+    logits on every real token (``GPT.run_blocks``)."""
+    parts = model_parts(cfg, segment_attention)
 
     def apply(params, batch, dropout_key=None):
         x_BTD = parts.embed(params, batch["inputs"])
@@ -739,7 +748,9 @@ class ModelParts(NamedTuple):
     head: Callable
 
 
-def model_parts(cfg: ModelConfig) -> ModelParts:
+def model_parts(cfg: ModelConfig, segment_attention: bool = True) -> ModelParts:
+    """``segment_attention=False``: the batches' rows each hold one segment from column 0, so
+    attention needs no segment mask (``GPT.run_blocks``)."""
     graphdef, _ = nnx.split(nnx.eval_shape(lambda: GPT(cfg, rngs=nnx.Rngs(0))))
 
     def embed(params, inputs_BT):
@@ -751,7 +762,7 @@ def model_parts(cfg: ModelConfig) -> ModelParts:
         targets_BT = batch.get("targets") if td_lib.has_buffer(cfg) else None
         return nnx.merge(graphdef, params).run_blocks(x_BTD, batch["positions"],
                                                       batch["segment_ids"], key, first_layer,
-                                                      targets_BT)
+                                                      targets_BT, segment_attention)
 
     def head(params, x_BTD):
         return nnx.merge(graphdef, params).logits(x_BTD)

@@ -70,7 +70,7 @@ def skip_rows(block, x_BTD, row_args, key, kept: int, groups: int):
         return a_GS[group_G1, rows_GK].reshape(kept, *a.shape[1:])
 
     x_KTD = constrain(take(x_BTD), ACTIVATION_AXES)
-    y_KTD = block(x_KTD, *(take(a) for a in row_args))
+    y_KTD = block(x_KTD, *(None if a is None else take(a) for a in row_args))
     delta_KTD = ((y_KTD - x_KTD) * (B / kept)).astype(x_BTD.dtype)
     x_GSTD = x_BTD.reshape(groups, shard, *x_BTD.shape[1:])
     x_GSTD = x_GSTD.at[group_G1, rows_GK].add(delta_KTD.reshape(groups, per_group,

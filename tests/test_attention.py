@@ -83,3 +83,20 @@ def test_cudnn_off_gpu_is_a_clear_error():
     q = jnp.zeros((1, 4, 2, 8))
     with pytest.raises(ConfigError, match="needs an NVIDIA GPU"):
         dot_product_attention(q, q, q, implementation="cudnn")
+
+
+def test_auto_picks_per_shape_and_layout(monkeypatch):
+    """auto: xla off NVIDIA GPUs and on ones older than sm80; on newer ones pallas for packed
+    rows (segment ids) and up to AUTO_PALLAS_MAX_T tokens, cuDNN for longer unpacked rows."""
+    from jaxaccel import attention
+    assert attention.resolve_implementation("auto", 4096) == "xla"          # this CPU
+    assert attention.resolve_implementation("cudnn", 16) == "cudnn"
+    device = type("Device", (), {"compute_capability": "9.0"})()
+    monkeypatch.setattr(jax, "default_backend", lambda: "gpu")
+    monkeypatch.setattr(jax, "devices", lambda *a: [device])
+    limit = attention.AUTO_PALLAS_MAX_T
+    assert attention.resolve_implementation("auto", limit) == "pallas"
+    assert attention.resolve_implementation("auto", limit + 1) == "cudnn"
+    assert attention.resolve_implementation("auto", 16 * limit, segments=True) == "pallas"
+    device.compute_capability = "7.5"
+    assert attention.resolve_implementation("auto", 16 * limit) == "xla"

@@ -1,7 +1,10 @@
 """Packing changes the layout, never the mathematics: the same losses and gradients."""
 
+import dataclasses
+
 import jax
 import numpy as np
+import pytest
 
 from jaxaccel.data import batches
 from jaxaccel.model import ModelConfig, init_params, make_apply
@@ -35,3 +38,38 @@ def test_packed_loss_and_gradient_equal_documents_one_by_one():
     for g_p, g_a in zip(jax.tree.leaves(grad_packed), jax.tree.leaves(grad_alone)):
         scale = float(np.abs(g_a).max())
         np.testing.assert_allclose(g_p, g_a, rtol=1e-5, atol=1e-5 * scale)
+
+
+@pytest.mark.parametrize("strategy,extra", [
+    ("fixed", {"stochastic_depth": 0.5, "scan_layers": True}),  # rows skipped, None passed on
+    ("bucket", {}),
+])
+def test_rows_of_one_document_train_the_same_without_a_segment_mask(strategy, extra):
+    """Every batching but pack lays one document per row from column 0, so causal attention
+    with no segment mask (``segment_attention=False``, what the loop uses for them) gives the
+    same loss and gradients as the masked one: the padding comes after every real token."""
+    cfg = dataclasses.replace(CFG, **extra)
+    rng = np.random.default_rng(1)
+    docs = [rng.integers(3, 64, n).astype(np.int32) for n in (5, 17, 30, 9, 2, 41, 12, 23, 70)]
+    batch = next(iter(batches(docs, strategy=strategy, seq_len=48, batch_size=8,
+                              shuffle=False, **({"num_buckets": 2} if strategy == "bucket"
+                                                else {}))))
+    assert (batch["segment_ids"] == 0).any() and batch["segment_ids"].max() == 1
+    batch = {k: jax.numpy.asarray(v) for k, v in batch.items()}
+    params = init_params(cfg, jax.random.PRNGKey(0))
+    key = jax.random.PRNGKey(7)
+
+    def loss_and_grad(segment_attention):
+        apply_fn = make_apply(cfg, segment_attention=segment_attention)
+        loss = lambda p: weighted_cross_entropy(apply_fn(p, batch, key), batch["targets"],
+                                                batch["weights"])[0]
+        jaxpr = str(jax.make_jaxpr(loss)(params))
+        return jax.value_and_grad(loss)(params), jaxpr
+
+    (loss_masked, grad_masked), _ = loss_and_grad(True)
+    (loss_causal, grad_causal), jaxpr = loss_and_grad(False)
+    B, T = batch["segment_ids"].shape
+    assert f"bool[{B},{T},{T}]" not in jaxpr and f"bool[{B},1,{T},{T}]" not in jaxpr
+    np.testing.assert_allclose(loss_causal, loss_masked, rtol=1e-6)
+    for g_c, g_m in zip(jax.tree.leaves(grad_causal), jax.tree.leaves(grad_masked)):
+        np.testing.assert_allclose(g_c, g_m, rtol=1e-5, atol=1e-6 * float(np.abs(g_m).max()))
