@@ -697,7 +697,7 @@ def main(argv=None) -> int:
         train_in_rounds(cfg, plan, rows, run_root, "baseline")
         for row in rows.values():
             compare(row, rows["baseline"])
-        if "best" in names:
+        if "best" in names and rows["baseline"]["status"] == "ran":
             check_stop()
             technique, settings, picks = best_row(cfg, rows, best_names, documents, devices)
             if exp.rounds > 1:      # the baseline again, taking turns with the best row
