@@ -367,6 +367,7 @@ def run_round(cfg: SpeedupConfig, row: dict, index: int, rounds: int):
     summary = RunSummary.read(os.path.join(run_dir, "summary.json"))
     row["rounds"].append({"real_tokens_per_s": summary.real_tokens_per_s,
                           "real_tokens": summary.real_tokens, "train_s": summary.train_s,
+                          "padding_efficiency": summary.padding_efficiency,
                           "steps": summary.steps_this_run, "compile_s": summary.compile_s,
                           "process_s": seconds})
     if index + 1 == rounds:
@@ -378,10 +379,12 @@ def finish_row(row: dict, summary: RunSummary):
     memory = summary.step_memory_bytes or {}
     rounds = row["rounds"]
     real = sum(r["real_tokens"] for r in rounds)
+    positions = sum(r["real_tokens"] / r["padding_efficiency"] for r in rounds)
     train_s = sum(r["train_s"] for r in rounds)
     row.update(dataclasses.asdict(summary), status="ran", shapes=len(summary.shapes),
                memory_bytes=memory.get("total"), temp_bytes=memory.get("temp"),
                real_tokens=real, train_s=train_s, real_tokens_per_s=real / train_s,
+               padding_efficiency=real / positions,
                achieved_flops_per_s=real / train_s * summary.flops_per_token,
                compile_s=rounds[0]["compile_s"],       # later rounds read the compile cache
                process_s=sum(r["process_s"] for r in rounds))

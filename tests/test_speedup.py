@@ -204,6 +204,8 @@ def test_rows_take_turns_in_rounds_and_the_best_row_with_the_baseline_again(
             (first["real_tokens"] + second["real_tokens"])
             / (first["train_s"] + second["train_s"]))
     assert best["steps"] == sum(r["steps"] for r in best["rounds"])   # halves of one run
+    assert best["padding_efficiency"] == pytest.approx(best["real_tokens"] / sum(
+        r["real_tokens"] / r["padding_efficiency"] for r in best["rounds"]))
     assert again["val_bpb"] == base["val_bpb"]       # trained again, resumed: the same run
     ratios = [b["real_tokens_per_s"] / a["real_tokens_per_s"]
               for b, a in zip(best["rounds"], again["rounds"])]
