@@ -302,12 +302,12 @@ def matched_batch(documents, cfg: TrainConfig, strategy: str, match: bool = True
 
     target = real_per_batch(strategy="fixed", batch_size=data.batch_size)
     if strategy == "bucket":
-        budget = data.batch_size * cfg.seq_len
-        for _ in range(2 if match else 0):  # batch sizes per bucket round down
-            budget = round(budget * target / real_per_batch(strategy="bucket",
-                                                            tokens_per_batch=budget))
-            # every bucket needs `multiple` rows of its length, the longest at most seq_len
-            budget = max(budget, cfg.seq_len * multiple)
+        budget = max(data.batch_size * cfg.seq_len, cfg.seq_len * multiple)
+        if match:
+            budget = _matched_budget(lambda b: real_per_batch(strategy="bucket",
+                                                              tokens_per_batch=b),
+                                     target, cfg.seq_len * multiple,
+                                     4 * max(data.batch_size, multiple) * cfg.seq_len)
         return {"data.batch_size": None, "data.tokens_per_batch": budget}
     batch_size = data.batch_size
     if match:
@@ -315,3 +315,21 @@ def matched_batch(documents, cfg: TrainConfig, strategy: str, match: bool = True
         batch_size = max(1, round(data.batch_size * ratio))
     batch_size = max(multiple, round(batch_size / multiple) * multiple)
     return {"data.batch_size": batch_size, "data.tokens_per_batch": None}
+
+
+def _matched_budget(real_per_batch, target: float, low: int, high: int) -> int:
+    """The token budget in [low, high] whose batches hold the real tokens per batch closest to
+    ``target``. Real tokens per batch grow with the budget in steps (each bucket's rows round
+    down to the batch multiple), so the budget is bisected, keeping the closest one seen.
+    ``low``: every bucket needs ``multiple`` rows of its length, the longest up to seq_len."""
+    closest = None
+    while low <= high:
+        middle = (low + high) // 2
+        real = real_per_batch(middle)
+        if closest is None or abs(real - target) < abs(closest[1] - target):
+            closest = (middle, real)
+        if real < target:
+            low = middle + 1
+        else:
+            high = middle - 1
+    return closest[0]

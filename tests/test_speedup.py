@@ -171,6 +171,17 @@ def test_a_bucket_budget_matched_under_a_batch_multiple_stays_valid(corpus_path)
     assert budget >= 4 * 128
     DataStream(documents, strategy="bucket", seq_len=128, tokens_per_batch=budget,
                pad_multiple=32, num_buckets=3, data_parallel=4)
+    # Without a multiple the budget is bisected to the real tokens per batch of fixed padding's.
+    target = DataStream(documents, strategy="fixed", seq_len=128,
+                        batch_size=4).stats["real_tokens_per_batch"]
+    budget = matched_batch(documents, cfg, "bucket")["data.tokens_per_batch"]
+
+    def real(budget):
+        return DataStream(documents, strategy="bucket", seq_len=128, tokens_per_batch=budget,
+                          pad_multiple=32, num_buckets=3).stats["real_tokens_per_batch"]
+
+    assert abs(real(budget) - target) <= min(abs(real(b) - target)
+                                             for b in range(128, 4 * 4 * 128, 16))
 
 
 def test_rows_take_turns_in_rounds_and_the_best_row_with_the_baseline_again(
