@@ -42,7 +42,8 @@ turns: round k trains every row's k-th share of its steps (``--stop-at k/N``, th
 speedup is the median over the rounds of its real tokens/s over the baseline's in the same
 round, its spread half their range; a speed row joins the combination only when its gain
 exceeds its spread. The best row takes turns with the baseline trained again, and is measured
-against that. ``--rounds 1`` trains each row in one go.
+against that. ``--rounds 1`` trains each row in one go. ``--profile START:STOP`` traces those
+steps in every row's first round, so they must lie within it.
 
 The run directory gets ``report.md`` (the table, one line per technique on its measured
 effect, the combination and the targets), ``tokens_per_s.png``, ``memory.png``,
@@ -352,6 +353,8 @@ def run_round(cfg: SpeedupConfig, row: dict, index: int, rounds: int):
     argv = ["--config", os.path.join(run_dir, "config.yaml")]
     if index:
         argv.append("--resume")
+        if cfg.run.profile is not None:     # --profile traces its window in the first round
+            argv.append("run.profile=null")
     if index + 1 < rounds:
         argv += ["--stop-at", f"{index + 1}/{rounds}"]
     start = time.perf_counter()

@@ -692,6 +692,9 @@ def _coerce(path: str, value, annotation, choices):
             raise ConfigError(f"{path}={value!r} is neither a number ({number.__name__}) nor "
                               f"one of {', '.join(choices or ())}", field=path) from None
     kind = _scalar_type(annotation)
+    if (isinstance(value, str) and kind is str and value.strip() in ("null", "Null", "NULL", "~")
+            and type(None) in typing.get_args(annotation)):
+        value = None            # an override's YAML null unsets an optional text field
     if isinstance(value, str) and kind is not str:
         try:
             value = yaml.safe_load(value)

@@ -264,10 +264,12 @@ def set_up(cfg: TrainConfig, mesh, mesh_shape) -> Setup:
                                        / stream.stats["real_tokens_per_batch"]))
     optimizer, schedule, hyperparameters = build_optimizer(
         cfg.optimizer, batch_rows=cfg.batch_rows(), total_steps=total_steps)
-    if cfg.run.profile is not None:     # before any work: the window within this run's steps
-        saved = _saved_steps(run_dir)
-        profiling.check_window(cfg.run.profile, max(saved, default=0) if cfg.run.resume else 0,
-                               total_steps)
+    # Before any work: where this invocation stops, and a profile window within its steps.
+    resumed = max(_saved_steps(run_dir), default=0) if cfg.run.resume else 0
+    stop = (stop_step(cfg.run.stop_at, total_steps, resumed) if cfg.run.stop_at is not None
+            else total_steps)
+    if cfg.run.profile is not None:
+        profiling.check_window(cfg.run.profile, resumed, stop)
     checkpointer = Checkpointer(os.path.join(run_dir, "checkpoints"),
                                 max_to_keep=cfg.run.keep_checkpoints,
                                 keep_period=cfg.run.keep_every_steps,
@@ -275,8 +277,6 @@ def set_up(cfg: TrainConfig, mesh, mesh_shape) -> Setup:
     full_cfg, stages = cfg, cfg.run.progressive_stack
     stack_ends = stacking.boundaries(total_steps, stages, cfg.run.stack_at)
     first_step = (checkpointer.latest_step() or 0) if cfg.run.resume else 0
-    stop = (stop_step(cfg.run.stop_at, total_steps, first_step) if cfg.run.stop_at is not None
-            else total_steps)
     cfg = _with_layers(cfg, stacking.depth_at(first_step, full_cfg.model.n_layers, stages,
                                               stack_ends))
     begin = time.perf_counter()

@@ -255,3 +255,10 @@ def test_library_entry_points_refuse_non_finite_values():
                    lambda: StaticLossScale.create(1e39)):
         with pytest.raises(ConfigError, match="loss scale|loss-scale"):
             create()
+
+
+def test_an_override_of_null_unsets_an_optional_text_field():
+    from jaxaccel.config import parse
+    assert parse(["run.profile=null"], defaults={"run.profile": "2:4"}).run.profile is None
+    assert parse(["run.run_dir=~"]).run.run_dir is None
+    assert parse(["run.run_dir=nullish"]).run.run_dir == "nullish"

@@ -197,11 +197,13 @@ def test_rows_take_turns_in_rounds_and_the_best_row_with_the_baseline_again(
         "--n-heads", "2", "--max-seq-len", "128", "--seq-len", "128", "--batch-size", "4",
         "--pad-multiple", "32", "--train-tokens", "1500", "--warmup-steps", "2",
         "--log-every", "2", "--final-eval-batches", "2", "--cache-dir", str(tmp_path / "cache"),
-        "--run-dir", str(run_dir), "--json", str(out)])
+        "--profile", "1:2", "--run-dir", str(run_dir), "--json", str(out)])
     assert code == 0
     result = json.loads(out.read_text())
     rows = {r["name"]: r for r in result["rows"]}
     assert list(rows) == ["baseline", "best"] and result["meta"]["rounds"] == 2
+    for name in ("baseline", "best"):       # --profile traced step 1, in the first round
+        assert (run_dir / name / "profile").is_dir(), name
     for name in ("baseline", "best", "baseline-again"):
         log = (run_dir / name / "log.txt").read_text()
         assert "--stop-at 1/2" in log and "paused at step" in log and "--resume" in log, name
