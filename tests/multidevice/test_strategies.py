@@ -53,7 +53,7 @@ def losses_on(mesh, cfg=CFG, steps=5):
                           out_shardings=(shardings, replicated(mesh)), donate_argnums=0)
         losses = []
         for i in range(steps):
-            state, metrics = step(state, place_batch(batch(i), layout))
+            state, metrics = step(state, place_batch(batch(i, vocab=cfg.vocab_size), layout))
             losses.append(float(metrics["loss"]))
     return np.array(losses), state
 
@@ -76,6 +76,17 @@ def test_every_strategy_trains_like_one_device(strategy, axis_types, single_loss
     losses, state = losses_on(mesh)
     np.testing.assert_allclose(losses, single_losses, rtol=1e-5)
     assert state.params["blocks"][0]["mlp"]["w_in"]["kernel"].sharding.mesh.shape == mesh.shape
+
+
+@pytest.mark.parametrize("strategy, axis_types", [("dp+fsdp", "explicit"), ("fsdp+tp", "auto")])
+def test_a_large_vocabulary_sums_its_embedding_gradient_per_device_like_one_device(
+        strategy, axis_types):
+    """Above 2,048 ids the embedding's table gradient is summed sorted on each device's tokens
+    and then over the batch axes (``embedding.sorted_sum_lookup``): the same losses."""
+    cfg = dataclasses.replace(CFG, vocab_size=2304)
+    reference = losses_on(single_device_mesh(), cfg, steps=3)[0]
+    mesh = make_mesh(mesh_shape(strategy, 8), axis_types)
+    np.testing.assert_allclose(losses_on(mesh, cfg, steps=3)[0], reference, rtol=1e-5)
 
 
 def test_scanned_layers_and_grouped_query_heads_under_tp_with_explicit_axes():
