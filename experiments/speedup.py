@@ -692,7 +692,7 @@ def main(argv=None) -> int:
     print(f"experiments.speedup: {exp.scale} preset on {devices['device_count']} x "
           f"{devices['device_kind']}; {len(techniques)} rows into {run_root}", flush=True)
 
-    rows, picks, partial, again = {}, [], None, None
+    rows, picks, partial = {}, [], None
     try:
         plan = []
         for technique in techniques:
@@ -717,7 +717,8 @@ def main(argv=None) -> int:
                                       (technique, settings, "best")], rows, run_root,
                                 "baseline-again")
                 again = rows.pop("baseline-again")
-                compare(rows["best"], again)
+                # a retrained baseline that failed leaves the first one as the reference
+                compare(rows["best"], again if again["status"] == "ran" else rows["baseline"])
                 rows["best"]["baseline_again"] = {
                     k: again.get(k) for k in ("status", "rounds", "real_tokens_per_s",
                                               "val_bpb", "run_dir")}
