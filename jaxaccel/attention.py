@@ -114,15 +114,20 @@ AUTO_PALLAS_MAX_T = 1024
 
 
 def resolve_implementation(implementation: str, seq_len: int | None = None,
-                           segments: bool = False) -> str:
+                           segments: bool = False, head_dim: int = 64) -> str:
     """The implementation ``auto`` means for a call with ``seq_len`` query tokens, with or
-    without segment ids (module docstring); other names unchanged."""
+    without segment ids (module docstring); other names unchanged. cuDNN's fused kernel needs
+    a head dim that is a multiple of 8 and at most 128 before Hopper (jax 0.11.2's
+    ``check_is_flash_attention``); other head dims keep our kernel."""
     if implementation != "auto":
         return implementation
     if jax.default_backend() != "gpu" or float(
             getattr(jax.devices()[0], "compute_capability", 0) or 0) < 8.0:
         return "xla"        # cuDNN's fused attention and our Triton kernel need sm80 or newer
-    if segments or seq_len is None or seq_len <= AUTO_PALLAS_MAX_T:
+    if head_dim > 256:
+        return "xla"        # beyond our kernel's head dims, and cuDNN's
+    if segments or seq_len is None or seq_len <= AUTO_PALLAS_MAX_T or head_dim % 8 or (
+            head_dim > 128 and float(jax.devices()[0].compute_capability) < 9.0):
         return "pallas"
     return "cudnn"
 
@@ -140,7 +145,8 @@ def dot_product_attention(q, k, v, *, segment_ids=None, causal=True, implementat
       [B, T, H, E] in q's dtype.
     """
     check_shapes(q, k, v)
-    implementation = resolve_implementation(implementation, q.shape[1], segment_ids is not None)
+    implementation = resolve_implementation(implementation, q.shape[1], segment_ids is not None,
+                                            q.shape[-1])
     if implementation == "xla":
         return xla_attention(q, k, v, segment_ids=segment_ids, causal=causal, sm_scale=sm_scale)
     if implementation == "cudnn":

@@ -98,5 +98,11 @@ def test_auto_picks_per_shape_and_layout(monkeypatch):
     assert attention.resolve_implementation("auto", limit) == "pallas"
     assert attention.resolve_implementation("auto", limit + 1) == "cudnn"
     assert attention.resolve_implementation("auto", 16 * limit, segments=True) == "pallas"
+    assert attention.resolve_implementation("auto", 16 * limit, head_dim=60) == "pallas"
+    assert attention.resolve_implementation("auto", 16 * limit, head_dim=256) == "cudnn"
+    device.compute_capability = "8.0"       # before Hopper, cuDNN's head dims end at 128
+    assert attention.resolve_implementation("auto", 16 * limit, head_dim=256) == "pallas"
+    assert attention.resolve_implementation("auto", 16 * limit, head_dim=128) == "cudnn"
+    assert attention.resolve_implementation("auto", limit, head_dim=320) == "xla"
     device.compute_capability = "7.5"
     assert attention.resolve_implementation("auto", 16 * limit) == "xla"
