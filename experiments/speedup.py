@@ -341,7 +341,7 @@ def start_row(cfg: SpeedupConfig, technique: Technique, settings: dict, run_root
     return {"name": name or technique.name, "group": technique.group,
             "description": technique.description, "settings": settings,
             "command": f"python -m experiments.train --config {run_dir}/config.yaml",
-            "run_dir": run_dir, "rounds": [], "status": "not run"}
+            "run_dir": run_dir, "rounds": [], "status": "running"}
 
 
 def run_round(cfg: SpeedupConfig, row: dict, index: int, rounds: int):
@@ -440,7 +440,7 @@ def compare(row: dict, baseline: dict):
               for mine, base in zip(row["rounds"], baseline["rounds"])]
     row["round_speedups"] = ratios
     row["speedup"] = statistics.median(ratios)
-    row["spread"] = (max(ratios) - min(ratios)) / 2
+    row["spread"] = _half_range(ratios)
     row["quality_diff"] = row["val_bpb"] / baseline["val_bpb"] - 1
 
 
@@ -450,7 +450,11 @@ def load_variation(row: dict) -> float | None:
     if row["status"] != "ran":
         return None
     speeds = [r["real_tokens_per_s"] for r in row["rounds"]]
-    return (max(speeds) - min(speeds)) / 2 / statistics.median(speeds)
+    return _half_range(speeds) / statistics.median(speeds)
+
+
+def _half_range(values: list[float]) -> float:
+    return (max(values) - min(values)) / 2
 
 
 def _mb(value) -> str:
@@ -634,7 +638,6 @@ def train_in_rounds(cfg: SpeedupConfig, plan: list, rows: dict, run_root: str,
             check_stop()
             if index == 0:
                 rows[name] = start_row(cfg, technique, settings, run_root, name)
-                rows[name]["status"] = "running"
             row = rows[name]
             if row["status"] != "running":      # failed in an earlier round
                 continue

@@ -125,20 +125,23 @@ def _remat_line(s: RunSummary) -> str:
     return line
 
 
+def _resume_command(s: RunSummary) -> str:
+    return (f"python -m experiments.train --config {s.run_dir}/config.yaml --resume "
+            f"--run-dir {s.run_dir}")
+
+
 @command()
 def main(argv=None) -> int:
     cfg = parse(argv, description=__doc__.split("\n\n")[0])
     summary = train_until_stopped(cfg)
     if summary.interrupted:
         print(f"stopped by {summary.interrupted} at step {summary.steps}; checkpoint saved; "
-              f"continue with: python -m experiments.train --config {summary.run_dir}/config.yaml"
-              f" --resume --run-dir {summary.run_dir}", file=sys.stderr)
+              f"continue with: {_resume_command(summary)}", file=sys.stderr)
         return exit_code(summary.interrupted)
     if summary.stopped_at is not None:
         print(f"paused at step {summary.stopped_at} of {summary.total_steps} (--stop-at), "
               f"{summary.real_tokens_per_s:,.0f} real tokens/s; checkpoint saved; continue with:"
-              f" python -m experiments.train --config {summary.run_dir}/config.yaml --resume "
-              f"--run-dir {summary.run_dir}")
+              f" {_resume_command(summary)}")
     else:
         print(format_summary(summary))
     if summary.profile:

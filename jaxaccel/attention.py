@@ -121,13 +121,14 @@ def resolve_implementation(implementation: str, seq_len: int | None = None,
     ``check_is_flash_attention``); other head dims keep our kernel."""
     if implementation != "auto":
         return implementation
-    if jax.default_backend() != "gpu" or float(
-            getattr(jax.devices()[0], "compute_capability", 0) or 0) < 8.0:
+    capability = (float(getattr(jax.devices()[0], "compute_capability", 0) or 0)
+                  if jax.default_backend() == "gpu" else 0.0)
+    if capability < 8.0:
         return "xla"        # cuDNN's fused attention and our Triton kernel need sm80 or newer
     if head_dim > 256:
         return "xla"        # beyond our kernel's head dims, and cuDNN's
     if segments or seq_len is None or seq_len <= AUTO_PALLAS_MAX_T or head_dim % 8 or (
-            head_dim > 128 and float(jax.devices()[0].compute_capability) < 9.0):
+            head_dim > 128 and capability < 9.0):
         return "pallas"
     return "cudnn"
 

@@ -12,7 +12,7 @@ import jax
 
 def shape_key(args) -> tuple:
     """A hashable signature of the arguments' tree structure, shapes and dtypes. It runs on
-    every call of a step: for GPT-2 small's train state (about 300 leaves) it takes about 0.13
+    every call of a step: for GPT-2 small's train state (about 300 leaves) it took 0.09-0.13
     ms on this project's CPU machine, where formatting each dtype as text took 1.1 ms."""
     leaves, treedef = jax.tree.flatten(args)
     return treedef, tuple([(tuple(x.shape), x.dtype) for x in leaves])

@@ -32,7 +32,7 @@ import typing
 
 import yaml
 
-from jaxaccel.attention import IMPLEMENTATIONS
+from jaxaccel.attention import AUTO_PALLAS_MAX_T, IMPLEMENTATIONS
 from jaxaccel.data import STRATEGIES
 from jaxaccel.errors import ConfigError
 from jaxaccel.init import INIT_SCHEMES
@@ -136,7 +136,8 @@ MODEL_HELP = {
     "dropout": ("residual dropout rate (0 = off)",),
     "attention": ("attention implementation: xla, cudnn (NVIDIA GPUs), pallas (our flash "
                   "attention kernel; interpreted, slowly, off the GPU) or auto (on an NVIDIA "
-                  "GPU: pallas for packed rows and up to 1024 tokens, cudnn above; else xla)",
+                  f"GPU: pallas for packed rows and up to {AUTO_PALLAS_MAX_T} tokens, cudnn "
+                  "above; else xla)",
                   None, IMPLEMENTATIONS),
     "remat": ("activations each block keeps for the backward pass: none (all), full (only its "
               "input), dots (matmul outputs), attention (q/k/v and attention output), mlp (MLP "

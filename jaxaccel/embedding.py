@@ -66,13 +66,13 @@ def sorted_sum_lookup(table_VD, ids_BT, out_axes):
 
 
 def _lookup_forward(table_VD, ids_BT, out_axes):
-    empty_V0 = jnp.zeros((table_VD.shape[0], 0), table_VD.dtype)   # V and the dtype, no data
-    return take_rows(table_VD, ids_BT, out_axes), (ids_BT, empty_V0)
+    # the table (a parameter, alive for the update anyway) gives the gradient's shape and dtype
+    return take_rows(table_VD, ids_BT, out_axes), (ids_BT, table_VD)
 
 
 def _lookup_backward(out_axes, residuals, g_BTD):
-    ids_BT, empty_V0 = residuals
-    V = empty_V0.shape[0]
+    ids_BT, table_VD = residuals
+    V = table_VD.shape[0]
     mesh = jax.sharding.get_abstract_mesh()
     if mesh.empty:
         grad_VD = sorted_segment_sum(ids_BT, g_BTD, V)
@@ -88,7 +88,7 @@ def _lookup_backward(out_axes, residuals, g_BTD):
         grad_VD = jax.shard_map(local, in_specs=(PartitionSpec(*g_spec[:2]), g_spec),
                                 out_specs=PartitionSpec(None, g_spec[2]), check_vma=False)(
             ids_BT, g_BTD)
-    return grad_VD.astype(empty_V0.dtype), None
+    return grad_VD.astype(table_VD.dtype), None
 
 
 sorted_sum_lookup.defvjp(_lookup_forward, _lookup_backward)

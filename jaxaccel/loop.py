@@ -493,8 +493,8 @@ def train_step_of(cfg: TrainConfig, model_cfg, optimizer, schedule=None):
         grad_fn = pipeline_grad_fn(model_cfg, cfg.optimizer.accumulate,
                                    cfg.mesh.pipeline_schedule, policy=cfg.policy())
         return make_train_step(grad_fn, optimizer, schedule)
-    one_segment_rows = cfg.data.batching != "pack"      # causal attention needs no mask then
-    return lm_train_step(make_apply(model_cfg, segment_attention=not one_segment_rows),
+    # rows of one document (every batching but pack) need no segment mask: causal suffices
+    return lm_train_step(make_apply(model_cfg, segment_attention=cfg.data.batching == "pack"),
                          optimizer, schedule, policy=cfg.policy(),
                          accumulate=cfg.optimizer.accumulate,
                          trainable=lora.trainable(model_cfg),
