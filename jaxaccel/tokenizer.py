@@ -1,9 +1,32 @@
-"""Byte-level tokenizer: every byte is a token, plus three special ids.
+"""Tokenizers: bytes, a local tokenizer file, or a byte-level BPE trained on the training split.
 
-Ids 0, 1, 2 are PAD, BOS and EOS; byte b has id b + 3, so 259 ids are real. The model's
-embedding and output projection use ``padded_vocab_size`` (a multiple of 64 by default) so
-that their matmuls have tensor-core friendly shapes; the extra ids are never produced.
+``--tokenizer`` names one (``TOKENIZER_HELP``):
+
+* ``bytes``: every byte is a token, plus three special ids. Ids 0, 1, 2 are PAD, BOS and EOS;
+  byte b has id b + 3, so 259 ids are real, padded to 320 (a multiple of 64).
+* a path to a Hugging Face ``tokenizer.json`` (the ``tokenizers`` library) or a SentencePiece
+  ``.model``.
+* ``bpe:N``: a byte-level BPE of N tokens (PAD, BOS, EOS first, as ids 0, 1, 2), trained with
+  ``tokenizers`` on the training split of the corpus (``jaxaccel.corpus.load_tokenizer``) and
+  kept in the cache and in the run directory.
+
+Every tokenizer says which ids are PAD, BOS and EOS. A file's own special tokens are found by
+name (``SPECIAL_NAMES``); one it lacks gets a new id after its vocabulary, so GPT-2's
+``tokenizer.json`` (only ``<|endoftext|>``) has BOS = EOS = 50256 and PAD = 50257. The model's
+embedding and output projection use ``padded_vocab_size``: ``vocab_size`` (all ids, new specials
+included) rounded up to a multiple of 128 (64 for bytes), for tensor-core friendly shapes; the
+extra ids are never produced. Decoding drops special and padding ids.
+
+A tokenizer's ``fingerprint`` names its exact vocabulary and rules: the corpus cache and a
+resumed run check it.
 """
+
+import hashlib
+import math
+import os
+import re
+import shutil
+from pathlib import Path
 
 import numpy as np
 
@@ -14,6 +37,24 @@ BOS_ID = 1
 EOS_ID = 2
 BYTE_OFFSET = 3
 NUM_BYTES = 256
+SUBWORD_PAD_MULTIPLE = 128
+MAX_VOCAB = 2**31 - 1          # ids are int32 in a Batch
+TOKENIZER_HELP = ("bytes, a tokenizer.json (Hugging Face tokenizers) or SentencePiece .model "
+                  "file, or bpe:N (a byte-level BPE of N tokens trained on the training split)")
+# The names a tokenizer file's special tokens go by, most specific first.
+SPECIAL_NAMES = {
+    "pad": ("<|pad|>", "<pad>", "[PAD]", "<|padding|>", "<|finetune_right_pad_id|>"),
+    "bos": ("<|bos|>", "<s>", "<bos>", "<|begin_of_text|>", "<|startoftext|>", "[BOS]",
+            "<|endoftext|>"),
+    "eos": ("<|eos|>", "</s>", "<eos>", "<|end_of_text|>", "[EOS]", "<|endoftext|>"),
+}
+BPE_SPECIALS = ("<|pad|>", "<|bos|>", "<|eos|>")      # ids 0, 1, 2 of a bpe:N tokenizer
+# The file a run directory keeps its tokenizer in, by kind.
+RUN_FILES = {"hf": "tokenizer.json", "sentencepiece": "tokenizer.model"}
+
+
+def _round_up(n: int, multiple: int) -> int:
+    return -(-n // multiple) * multiple
 
 
 class ByteTokenizer:
@@ -23,7 +64,11 @@ class ByteTokenizer:
       pad_multiple: ``padded_vocab_size`` is ``vocab_size`` rounded up to a multiple of this.
     """
 
+    kind = "bytes"
+    spec = "bytes"
     vocab_size = BYTE_OFFSET + NUM_BYTES
+    pad_id, bos_id, eos_id = PAD_ID, BOS_ID, EOS_ID
+    fingerprint = "bytes"
 
     def __init__(self, pad_multiple: int = 64):
         if pad_multiple < 1:
@@ -33,7 +78,7 @@ class ByteTokenizer:
     @property
     def padded_vocab_size(self) -> int:
         """Size of the embedding table: vocab_size rounded up to a multiple of pad_multiple."""
-        return -(-self.vocab_size // self.pad_multiple) * self.pad_multiple
+        return _round_up(self.vocab_size, self.pad_multiple)
 
     def encode(self, text: str | bytes, *, bos: bool = True, eos: bool = True) -> np.ndarray:
         """Returns int32 ids of the utf-8 bytes of ``text``, optionally framed by BOS and EOS."""
@@ -47,6 +92,19 @@ class ByteTokenizer:
             ids[-1] = EOS_ID
         return ids
 
+    def encode_documents(self, docs: list[bytes]) -> tuple[np.ndarray, np.ndarray]:
+        """All ``docs`` as BOS + ids + EOS back to back: (int32 tokens, int64 lengths [N])."""
+        lengths_N = np.array([len(doc) + 2 for doc in docs], dtype=np.int64)
+        ends = np.cumsum(lengths_N)
+        tokens = np.empty(int(ends[-1]) if len(docs) else 0, dtype=np.int32)
+        is_byte = np.ones(len(tokens), dtype=bool)
+        is_byte[ends - lengths_N] = is_byte[ends - 1] = False
+        tokens[ends - lengths_N] = BOS_ID
+        tokens[ends - 1] = EOS_ID
+        tokens[is_byte] = np.frombuffer(b"".join(docs), dtype=np.uint8).astype(np.int32)
+        tokens[is_byte] += BYTE_OFFSET
+        return tokens, lengths_N
+
     def decode(self, ids) -> str:
         """Returns the text of the byte ids in ``ids``; special and out-of-range ids are dropped.
 
@@ -55,3 +113,197 @@ class ByteTokenizer:
         ids = np.asarray(ids, dtype=np.int64).reshape(-1)
         byte_values = ids[(ids >= BYTE_OFFSET) & (ids < self.vocab_size)] - BYTE_OFFSET
         return byte_values.astype(np.uint8).tobytes().decode("utf-8", errors="replace")
+
+    def save(self, run_dir: str) -> None:
+        """Bytes need no file: a run directory without one is a bytes run."""
+
+
+class _FileTokenizer:
+    """What the tokenizers of a file share: special ids, padding, framing and fingerprint."""
+
+    def _set_specials(self, base_size: int, found: dict[str, int | None]):
+        """PAD, BOS and EOS: the file's own where it has them, else new ids after base_size."""
+        self.base_size = base_size
+        next_id = base_size
+        for role in ("pad", "bos", "eos"):
+            if found.get(role) is None:
+                found[role] = next_id
+                next_id += 1
+        self.pad_id, self.bos_id, self.eos_id = found["pad"], found["bos"], found["eos"]
+        self.vocab_size = next_id
+        if self.vocab_size > MAX_VOCAB:
+            raise ConfigError(f"tokenizer {self.spec} has {self.vocab_size} ids, more than "
+                              f"int32 holds; pass a smaller vocabulary", field="data.tokenizer")
+        self.padded_vocab_size = _round_up(self.vocab_size, SUBWORD_PAD_MULTIPLE)
+
+    def encode(self, text: str | bytes, *, bos: bool = True, eos: bool = True) -> np.ndarray:
+        """int32 ids of ``text``, optionally framed by BOS and EOS."""
+        ids = self._encode_texts([_as_text(text)])[0]
+        return np.array(([self.bos_id] if bos else []) + ids + ([self.eos_id] if eos else []),
+                        dtype=np.int32)
+
+    def encode_documents(self, docs: list[bytes]) -> tuple[np.ndarray, np.ndarray]:
+        """All ``docs`` as BOS + ids + EOS back to back: (int32 tokens, int64 lengths [N]),
+        encoded on every core."""
+        encoded = self._encode_texts([_as_text(doc) for doc in docs])
+        lengths_N = np.array([len(ids) + 2 for ids in encoded], dtype=np.int64)
+        tokens = np.empty(int(lengths_N.sum()), dtype=np.int32)
+        ends = np.cumsum(lengths_N)
+        tokens[ends - lengths_N] = self.bos_id
+        tokens[ends - 1] = self.eos_id
+        is_text = np.ones(len(tokens), dtype=bool)
+        is_text[ends - lengths_N] = is_text[ends - 1] = False
+        tokens[is_text] = np.fromiter((i for ids in encoded for i in ids), dtype=np.int32,
+                                      count=int(is_text.sum()))
+        return tokens, lengths_N
+
+    def decode(self, ids) -> str:
+        """The text of ``ids``; special, new and padding ids are dropped."""
+        ids = np.asarray(ids, dtype=np.int64).reshape(-1)
+        specials = [self.pad_id, self.bos_id, self.eos_id]
+        keep = (ids >= 0) & (ids < self.base_size) & ~np.isin(ids, specials)
+        return self._decode_ids(ids[keep].tolist())
+
+    def save(self, run_dir: str) -> None:
+        """Copies the tokenizer into the run directory (``RUN_FILES``), so a run and its
+        checkpoints keep the tokenizer they were trained with."""
+        target = os.path.join(run_dir, RUN_FILES[self.kind])
+        if os.path.abspath(target) != os.path.abspath(self.path):
+            shutil.copyfile(self.path, target)
+
+
+class HFTokenizer(_FileTokenizer):
+    """A Hugging Face ``tokenizers`` tokenizer from its ``tokenizer.json``."""
+
+    kind = "hf"
+
+    def __init__(self, path: str, spec: str | None = None):
+        from tokenizers import Tokenizer
+        self.path, self.spec = str(path), spec or str(path)
+        try:
+            self._tok = Tokenizer.from_file(self.path)
+        except Exception as e:      # the library raises its own exception types
+            raise ConfigError(f"cannot read tokenizer {path}: {str(e).splitlines()[0]}; pass "
+                              f"a Hugging Face tokenizer.json", field="data.tokenizer") from e
+        content = self._tok.get_vocab(with_added_tokens=True)
+        self.fingerprint = hashlib.sha256(self._tok.to_str().encode()).hexdigest()[:16]
+        found = {role: next((content[n] for n in names if n in content), None)
+                 for role, names in SPECIAL_NAMES.items()}
+        self._set_specials(self._tok.get_vocab_size(with_added_tokens=True), found)
+
+    def _encode_texts(self, texts: list[str]) -> list[list[int]]:
+        return [e.ids for e in self._tok.encode_batch_fast(texts, add_special_tokens=False)]
+
+    def _decode_ids(self, ids: list[int]) -> str:
+        return self._tok.decode(ids, skip_special_tokens=True)
+
+
+class SentencePieceTokenizer(_FileTokenizer):
+    """A SentencePiece model from its ``.model`` file."""
+
+    kind = "sentencepiece"
+
+    def __init__(self, path: str, spec: str | None = None):
+        try:
+            import sentencepiece
+        except ImportError as e:
+            raise ConfigError("a SentencePiece .model needs the sentencepiece package; install "
+                              "jaxaccel[data]", field="data.tokenizer") from e
+        self.path, self.spec = str(path), spec or str(path)
+        data = Path(path).read_bytes()
+        self._sp = sentencepiece.SentencePieceProcessor()
+        try:
+            self._sp.LoadFromSerializedProto(data)
+        except Exception as e:      # RuntimeError or OSError, depending on the failure
+            raise ConfigError(f"cannot read SentencePiece model {path}: "
+                              f"{str(e).splitlines()[0]}; pass a SentencePiece .model file",
+                              field="data.tokenizer") from e
+        self.fingerprint = hashlib.sha256(data).hexdigest()[:16]
+        ids = {"pad": self._sp.pad_id(), "bos": self._sp.bos_id(), "eos": self._sp.eos_id()}
+        self._set_specials(self._sp.get_piece_size(),
+                           {role: (i if i >= 0 else None) for role, i in ids.items()})
+
+    def _encode_texts(self, texts: list[str]) -> list[list[int]]:
+        return self._sp.encode(texts, num_threads=os.cpu_count() or 1)
+
+    def _decode_ids(self, ids: list[int]) -> str:
+        return self._sp.decode(ids)
+
+
+def _as_text(text: str | bytes) -> str:
+    """Subword tokenizers take text: bytes that are not utf-8 become U+FFFD."""
+    return text if isinstance(text, str) else text.decode("utf-8", errors="replace")
+
+
+def parse_spec(spec: str) -> tuple[str, int | str]:
+    """``("bytes", 0)``, ``("bpe", N)`` or ``("file", path)``; one error line for anything else.
+
+    Reads nothing but the spec (a file's existence is checked by ``vocab_of``)."""
+    if spec == "bytes":
+        return "bytes", 0
+    match = re.fullmatch(r"bpe:(\d+)", spec)
+    if match:
+        n = int(match.group(1))
+        if not len(BPE_SPECIALS) + NUM_BYTES <= n <= MAX_VOCAB:
+            raise ConfigError(f"tokenizer {spec}: a byte-level BPE needs at least "
+                              f"{len(BPE_SPECIALS) + NUM_BYTES} tokens (3 special + 256 bytes); "
+                              f"pass e.g. bpe:8192", field="data.tokenizer")
+        return "bpe", n
+    if spec.startswith("bpe"):
+        raise ConfigError(f"tokenizer {spec!r} is not bpe:N; pass e.g. bpe:8192",
+                          field="data.tokenizer")
+    return "file", spec
+
+
+def open_file(path: str, spec: str | None = None):
+    """The tokenizer in ``path``: a ``.model`` is SentencePiece, anything else tokenizer.json."""
+    if not os.path.isfile(path):
+        raise ConfigError(f"tokenizer file {path} does not exist; pass {TOKENIZER_HELP}",
+                          field="data.tokenizer")
+    if path.endswith(".model"):
+        return SentencePieceTokenizer(path, spec)
+    return HFTokenizer(path, spec)
+
+
+def vocab_of(spec: str) -> int:
+    """The padded vocabulary a model needs for ``spec``, known before any data is read: a bpe:N
+    tokenizer has at most N ids (a small corpus may give fewer), so its model has N rounded up."""
+    kind, value = parse_spec(spec)
+    if kind == "bytes":
+        return ByteTokenizer().padded_vocab_size
+    if kind == "bpe":
+        return _round_up(value, SUBWORD_PAD_MULTIPLE)
+    return open_file(value).padded_vocab_size
+
+
+def train_bpe(texts, vocab_size: int, path: str) -> HFTokenizer:
+    """Trains a byte-level BPE of ``vocab_size`` tokens on ``texts`` (an iterable of str) with
+    the ``tokenizers`` library and writes it to ``path`` (atomically). Ids 0, 1, 2 are
+    ``BPE_SPECIALS``. Training is deterministic: the same texts give the same file."""
+    from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
+    tok = Tokenizer(models.BPE())
+    tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
+    tok.decoder = decoders.ByteLevel()
+    trainer = trainers.BpeTrainer(vocab_size=vocab_size, special_tokens=list(BPE_SPECIALS),
+                                  initial_alphabet=pre_tokenizers.ByteLevel.alphabet(),
+                                  show_progress=False)
+    tok.train_from_iterator(texts, trainer)
+    Path(path).parent.mkdir(parents=True, exist_ok=True)
+    tmp = f"{path}.{os.getpid()}.tmp"
+    tok.save(tmp)
+    os.replace(tmp, path)
+    return HFTokenizer(path, f"bpe:{vocab_size}")
+
+
+def from_run(run_dir: str):
+    """The tokenizer a run trained with: its saved file, else bytes."""
+    for kind, name in RUN_FILES.items():
+        path = os.path.join(run_dir, name)
+        if os.path.isfile(path):
+            return open_file(path)
+    return ByteTokenizer()
+
+
+def bits_per_byte(nats_per_target: float, targets: int, text_bytes: int) -> float:
+    """A loss in nats per target token as bits per byte of text: total nats / bytes / ln 2."""
+    return nats_per_target * targets / max(text_bytes, 1) / math.log(2)
