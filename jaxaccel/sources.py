@@ -1,0 +1,371 @@
+"""Corpus readers for tables on disk: Parquet files and Hugging Face datasets saved to disk.
+
+Two kinds of source are read, one document per row of a string column (``text_column``):
+
+* ``"parquet"``: a ``.parquet`` file, or a directory holding ``.parquet`` files at any depth
+  (such as a Hugging Face data-files dataset, ``data/train-00000-of-00002.parquet``), read in
+  order of their relative POSIX paths, so the order is the same on every machine.
+* ``"hf_dataset"``: a directory written by ``datasets``' ``save_to_disk``, a ``Dataset``
+  (``dataset_info.json`` and ``state.json``) or a ``DatasetDict`` (``dataset_dict.json``) of
+  which one split is read.
+
+Corpora may be larger than memory: rows are read in record batches of ``BATCH_ROWS``, and
+only the current batch is held, as Arrow buffers; each document is sliced from them as bytes,
+never decoded to ``str``. Schema, column type and row count are checked before the first
+document is read, so a mistake is reported at once, in one line naming the fix (``ConfigError``).
+
+Nothing is ever downloaded: ``datasets`` is imported with ``HF_DATASETS_OFFLINE`` and
+``HF_HUB_OFFLINE`` set, and a dataset name or a loading script (which would need the network)
+is refused with how to save the dataset first. ``pyarrow`` and ``datasets`` are optional
+dependencies, imported only when such a source is read.
+"""
+
+import json
+import os
+import re
+from collections.abc import Iterator
+from pathlib import Path
+
+from jaxaccel.errors import ConfigError
+
+# (split key, utf-8 bytes of one document); the key names the file or split and the row.
+Doc = tuple[str, bytes]
+
+BATCH_ROWS = 1024                       # rows per record batch held in memory at once
+_HF_DATASET_FILES = ("dataset_info.json", "state.json")
+_HF_DICT_FILE = "dataset_dict.json"
+# What a Hugging Face hub repository holds beside its loading script.
+_HUB_REPO_EXTRAS = frozenset({"README.md", "dataset_infos.json", "dataset_info.json"})
+_SIGNATURE_SUFFIXES = (".parquet", ".arrow", ".json")
+_HUB_NAME = re.compile(r"[A-Za-z0-9][\w.-]*(/[\w.-]+)?")
+
+
+def _save_first(what: str) -> str:
+    return (f"{what}; nothing is downloaded: save it with datasets.Dataset.save_to_disk or as "
+            "Parquet first, and pass that path")
+
+
+def hub_name_hint(source: str) -> str | None:
+    """For a data path that does not exist: the advice when it looks like a hub dataset name.
+
+    Args:
+      source: the data path as the user gave it (``"wikitext"``, ``"allenai/c4"``).
+
+    Returns:
+      One sentence to add to the "does not exist" error, or None when ``source`` does not look
+      like a Hugging Face dataset name (it has a file suffix, or is absolute or relative).
+    """
+    if (_HUB_NAME.fullmatch(source) is None or source.startswith(".")
+            or Path(source).suffix in {".jsonl", ".parquet", ".json", ".txt", ".arrow"}):
+        return None
+    return _save_first(f"'{source}' looks like a Hugging Face dataset name")
+
+
+def kind_of(path: Path) -> str | None:
+    """The kind of table source at ``path``, if it is one.
+
+    Args:
+      path: an existing file or directory.
+
+    Returns:
+      ``"parquet"`` for a ``.parquet`` file or a directory holding ``.parquet`` files (searched
+      recursively, skipping hidden folders); ``"hf_dataset"`` for a ``save_to_disk`` directory,
+      or for a hub repository holding only a loading script (``NAME/NAME.py``), which
+      ``documents`` refuses with advice; else None (for example a directory of text files).
+    """
+    path = Path(path)
+    if path.is_file():
+        return "parquet" if path.suffix == ".parquet" else None
+    if not path.is_dir():
+        return None
+    if _is_saved_dataset(path) or _is_loading_script_repo(path):
+        return "hf_dataset"
+    if any(True for _ in _walk_files(path, (".parquet",))):
+        return "parquet"
+    return None
+
+
+def signature(path: Path, kind: str, text_column: str, split: str | None) -> dict:
+    """The JSON-serialisable cache key of a table source: a changed data file changes it.
+
+    Args:
+      path: the source's file or directory.
+      kind: its ``kind_of``.
+      text_column: the column read.
+      split: the ``DatasetDict`` split asked for, or None.
+
+    Returns:
+      ``{"source", "path", "column", "split", "files"}``, ``files`` being ``[relative path,
+      size, mtime_ns]`` of every data file (``.parquet``, ``.arrow``, ``.json``).
+    """
+    path = Path(path).resolve()
+    if path.is_file():
+        files = [[path.name, *_size_and_mtime(path)]]
+    else:
+        files = [[rel, *_size_and_mtime(path / rel)]
+                 for rel in _walk_files(path, _SIGNATURE_SUFFIXES)]
+    return {"source": kind, "path": str(path), "column": text_column, "split": split,
+            "files": files}
+
+
+def documents(path: Path, kind: str, text_column: str, stats: dict,
+              split: str | None = None) -> Iterator[Doc]:
+    """The documents of a table source, one per row of ``text_column``, read lazily.
+
+    The source is checked now (files, column, its type, row count; ``ConfigError`` if wrong);
+    rows are read as the returned iterator advances, ``BATCH_ROWS`` at a time.
+
+    Args:
+      path: a ``.parquet`` file or a directory (see ``kind_of``).
+      kind: ``"parquet"`` or ``"hf_dataset"``.
+      text_column: the string column holding the text.
+      stats: filled with ``files`` (data files) now, and ``rows`` (rows read so far).
+      split: the split of a saved ``DatasetDict``; None picks ``"train"``, or the only split.
+
+    Returns:
+      An iterator of ``(key, utf-8 bytes)``; the key is ``"<relative file path>:<row>"`` for
+      Parquet and ``"<split>:<row>"`` for a saved dataset (rows counted from 0), so the
+      train/validation split is per row. A null value is an empty document (``b""``).
+    """
+    path = Path(path)
+    if kind == "parquet":
+        batches, n_files = _parquet_batches(path, text_column)
+    elif kind == "hf_dataset":
+        batches, n_files = _hf_batches(path, text_column, split)
+    else:
+        raise ValueError(f"unknown table source kind {kind!r}")
+    stats.update(files=n_files, rows=0)
+    return _documents(batches, stats)
+
+
+# ---------------------------------------------------------------------------------------------
+# Parquet
+
+
+def _parquet_batches(path: Path, column: str):
+    """Checks the Parquet files at ``path``; returns (iterator of (file key, batch), files)."""
+    pq = _import_pyarrow_parquet()
+    if path.is_file():
+        rel_paths, root = [path.name], path.parent
+    else:
+        rel_paths, root = list(_walk_files(path, (".parquet",))), path
+        if not rel_paths:
+            raise ConfigError(
+                f"{path} holds neither .parquet files nor a dataset written by save_to_disk; "
+                "pass a .parquet file, a directory of them, or a save_to_disk directory",
+                field="data.path")
+    metadata, total_rows = [], 0
+    for rel in rel_paths:
+        try:
+            meta = pq.read_metadata(root / rel)
+        except (OSError, ValueError) as e:      # pyarrow.ArrowInvalid is a ValueError
+            raise ConfigError(f"{root / rel} is not a readable Parquet file ({e}); rewrite it "
+                              "or remove it", field="data.path") from e
+        _check_column(meta.schema.to_arrow_schema(), column, root / rel)
+        metadata.append(meta)
+        total_rows += meta.num_rows
+    if total_rows == 0:
+        raise _empty(path)
+
+    def batches():
+        for rel, meta in zip(rel_paths, metadata):
+            with pq.ParquetFile(root / rel, metadata=meta) as f:
+                for batch in f.iter_batches(batch_size=BATCH_ROWS, columns=[column]):
+                    yield rel, batch.column(0)
+
+    return batches(), len(rel_paths)
+
+
+# ---------------------------------------------------------------------------------------------
+# Hugging Face datasets saved to disk
+
+
+def _hf_batches(path: Path, column: str, split: str | None):
+    """Checks the saved dataset at ``path``; returns (iterator of (split, batch), files)."""
+    if not _is_saved_dataset(path):
+        if _is_loading_script_repo(path) or any(path.glob("*.py")):
+            raise ConfigError(_save_first(f"{path} holds a dataset loading script, which would "
+                                          "download the data"), field="data.path")
+        raise ConfigError(
+            f"{path} holds neither .parquet files nor a dataset written by save_to_disk; "
+            "pass a .parquet file, a directory of them, or a save_to_disk directory",
+            field="data.path")
+    target, where, name = path, path, None
+    if (path / _HF_DICT_FILE).is_file():
+        name = _pick_split(path, _saved_splits(path), split)
+        target, where = path / name, f"{path} split '{name}'"
+    if _saved_without_data(target):     # load_from_disk fails on these; say what is wrong
+        raise _empty(where)
+    datasets = _import_datasets()
+    try:
+        dataset = datasets.load_from_disk(str(target))
+    except Exception as e:      # any failure to read the files is the user's to fix
+        raise ConfigError(_save_first(f"{target} could not be loaded with "
+                                      f"datasets.load_from_disk ({type(e).__name__}: {e})"),
+                          field="data.path") from e
+    if not isinstance(dataset, datasets.Dataset):
+        raise ConfigError(f"{target} is not one dataset split; pass a save_to_disk directory "
+                          "of a Dataset or a DatasetDict", field="data.path")
+    if name is None:
+        if split is not None and dataset.split is not None and str(dataset.split) != split:
+            raise ConfigError(f"{path} is the '{dataset.split}' split alone, not '{split}'; "
+                              "pass its DatasetDict directory or drop --data-split",
+                              field="data.split")
+        name = str(dataset.split) if dataset.split is not None else "data"
+    _check_column(dataset.data.schema, column, where)
+    if dataset.num_rows == 0:
+        raise _empty(where)
+    files = len(dataset.cache_files)
+
+    def batches():
+        arrow = dataset.select_columns([column]).with_format("arrow")
+        for table in arrow.iter(batch_size=BATCH_ROWS):
+            for chunk in table.column(0).chunks:
+                yield name, chunk
+
+    return batches(), files
+
+
+def _saved_splits(path: Path) -> list[str]:
+    """The split names in a saved ``DatasetDict``'s ``dataset_dict.json``."""
+    try:
+        splits = json.loads((path / _HF_DICT_FILE).read_text())["splits"]
+    except (OSError, ValueError, KeyError, TypeError) as e:
+        raise ConfigError(_save_first(f"{path / _HF_DICT_FILE} is not a readable list of "
+                                      f"splits ({e})"), field="data.path") from e
+    return [str(name) for name in splits]
+
+
+def _saved_without_data(path: Path) -> bool:
+    """Whether the saved ``Dataset`` at ``path`` lists no data file (it has no rows)."""
+    try:
+        return json.loads((path / "state.json").read_text())["_data_files"] == []
+    except (OSError, ValueError, KeyError, TypeError):
+        return False            # load_from_disk reports it
+
+
+def _pick_split(path: Path, splits: list[str], split: str | None) -> str:
+    if split is not None:
+        if split not in splits:
+            raise ConfigError(f"{path} has no split '{split}' (it has {', '.join(splits)}); "
+                              "pass --data-split NAME with one of them", field="data.split")
+        return split
+    if "train" in splits:
+        return "train"
+    if len(splits) == 1:
+        return splits[0]
+    raise ConfigError(f"{path} has splits {', '.join(splits)} and none is 'train'; pass "
+                      "--data-split NAME to choose one", field="data.split")
+
+
+# ---------------------------------------------------------------------------------------------
+# Shared
+
+
+def _documents(batches, stats: dict) -> Iterator[Doc]:
+    """Yields each row of each (key prefix, string array) batch as a document."""
+    row, prefix = 0, None
+    for key, array in batches:
+        if key != prefix:
+            row, prefix = 0, key
+        stats["rows"] += len(array)
+        for doc in _array_bytes(array):
+            yield f"{key}:{row}", doc
+            row += 1
+
+
+def _array_bytes(array) -> Iterator[bytes]:
+    """The utf-8 bytes of each value of a string Arrow array (``b""`` for null), sliced from
+    its data buffer without decoding."""
+    import numpy as np
+    import pyarrow as pa
+    if pa.types.is_dictionary(array.type) or not (pa.types.is_string(array.type)
+                                                  or pa.types.is_large_string(array.type)):
+        array = array.cast(pa.large_string())           # string_view, dictionary<string>
+    n = len(array)
+    if n == 0:
+        return
+    _, offsets_buf, data_buf = array.buffers()
+    offset_type = np.int64 if pa.types.is_large_string(array.type) else np.int32
+    offsets = np.frombuffer(offsets_buf, dtype=offset_type)[array.offset:array.offset + n + 1]
+    offsets = offsets.tolist()
+    data = memoryview(data_buf) if data_buf is not None else memoryview(b"")
+    nulls = array.is_null().to_pylist() if array.null_count else None
+    for i in range(n):
+        if nulls is not None and nulls[i]:
+            yield b""
+        else:
+            yield bytes(data[offsets[i]:offsets[i + 1]])
+
+
+def _check_column(schema, column: str, where) -> None:
+    """Raises ``ConfigError`` unless ``schema`` has ``column`` and it holds strings."""
+    import pyarrow as pa
+    if column not in schema.names:
+        raise ConfigError(f"{where} has no column '{column}' (columns: "
+                          f"{', '.join(schema.names) or 'none'}); pass --text-column NAME",
+                          field="data.text_column")
+    kind = schema.field(column).type
+    if pa.types.is_dictionary(kind):
+        kind = kind.value_type
+    if not (pa.types.is_string(kind) or pa.types.is_large_string(kind)
+            or pa.types.is_string_view(kind)):
+        raise ConfigError(f"column '{column}' of {where} holds {kind}, not text; pass "
+                          "--text-column NAME with a string column", field="data.text_column")
+
+
+def _empty(where) -> ConfigError:
+    return ConfigError(f"{where} has no rows; pass a dataset with at least one document",
+                       field="data.path")
+
+
+def _is_saved_dataset(path: Path) -> bool:
+    return ((path / _HF_DICT_FILE).is_file()
+            or all((path / name).is_file() for name in _HF_DATASET_FILES))
+
+
+def _is_loading_script_repo(path: Path) -> bool:
+    """A hub repository with a loading script: ``NAME/NAME.py`` beside only its card and infos."""
+    if not (path / f"{path.name}.py").is_file():
+        return False
+    return all(entry.name.startswith(".") or entry.name == f"{path.name}.py"
+               or (entry.is_file() and entry.name in _HUB_REPO_EXTRAS)
+               for entry in path.iterdir())
+
+
+def _walk_files(root: Path, suffixes: tuple[str, ...]) -> Iterator[str]:
+    """Relative POSIX paths of the files under ``root`` ending in ``suffixes``, sorted, hidden
+    folders and symlinked folders skipped."""
+    found = []
+    for dirpath, dirnames, filenames in os.walk(root):
+        dirnames[:] = sorted(d for d in dirnames if not d.startswith("."))
+        base = Path(dirpath).relative_to(root)
+        found.extend((base / name).as_posix() for name in filenames
+                     if name.endswith(suffixes) and not name.startswith("."))
+    return iter(sorted(found))
+
+
+def _size_and_mtime(path: Path) -> list[int]:
+    st = path.stat()
+    return [st.st_size, st.st_mtime_ns]
+
+
+def _import_pyarrow_parquet():
+    try:
+        import pyarrow.parquet as pq
+    except ImportError as e:
+        raise ConfigError("reading Parquet needs pyarrow; install jaxaccel[data] "
+                          "(or pip install pyarrow)", field="data.path") from e
+    return pq
+
+
+def _import_datasets():
+    os.environ.setdefault("HF_DATASETS_OFFLINE", "1")
+    os.environ.setdefault("HF_HUB_OFFLINE", "1")
+    try:
+        import datasets
+    except ImportError as e:
+        raise ConfigError("reading a dataset saved with save_to_disk needs datasets; install "
+                          "jaxaccel[data] (or pip install datasets)", field="data.path") from e
+    return datasets
+
