@@ -1,4 +1,4 @@
-"""Text corpora as tokenized documents, split into train and validation by file.
+"""Text corpora as tokenized documents on disk, split into train and validation by file.
 
 A source is one of
 
@@ -6,44 +6,82 @@ A source is one of
   per top-level function or class and one for the rest of each module. It is on every machine,
   so experiments run anywhere without a download.
 * a directory: every regular file under it that is utf-8 text is one document.
-* a ``.jsonl`` file: one document per line, from the line's ``"text"`` field.
+* a ``.jsonl`` file: one document per line, from the line's text field (``text_column``).
+* Parquet (a ``.parquet`` file, or a directory of them such as a Hugging Face data-files
+  dataset) or a Hugging Face dataset written by ``save_to_disk``: one document per row of the
+  text column (``jaxaccel.sources``). Nothing is downloaded.
 
-Documents are stored as BOS + bytes + EOS token arrays (see ``tokenizer``), all views into one
-buffer. The split is a stable hash of each document's file (or JSONL line), so a file never
+Documents are BOS + the tokenizer's ids + EOS (``jaxaccel.tokenizer``). A source is tokenized
+once, streaming: ``tokenize_batch_mb`` of text at a time is encoded (on every core, for subword
+tokenizers) and appended to a memory-mapped token file, uint16 when the vocabulary fits, else
+uint32, with each document's length, its bytes of text and its split key beside it. A
+``progress.json`` written after every batch makes an interrupted tokenization resume where it
+stopped. A corpus larger than memory is read back lazily: ``Documents`` are views into the
+mapped file, and batching plans from their lengths alone.
+
+The split is a stable hash of each document's file (JSONL line, table row), so a file never
 contributes to both train and validation, and the split does not depend on the order of files.
-
-Tokenized documents are cached in one ``.npz`` per source (before the split, which is cheap to
-redo for any ``val_percent``). The cache key is the interpreter version for ``stdlib`` and the
-resolved path plus the size and mtime of every file for a path source, so an edited corpus is
-re-read. The cache lives in ``cache_dir``, else ``$JAXACCEL_CACHE_DIR``, else ``~/.cache/jaxaccel``.
+The cache entry is one folder per source and tokenizer, before the split (cheap to redo for any
+``val_percent``). Its key is the interpreter version for ``stdlib``, the resolved path plus the
+size and mtime of every file for a path source, and the tokenizer's fingerprint, so an edited
+corpus is re-read. The cache lives in ``cache_dir``, else ``$JAXACCEL_CACHE_DIR``, else
+``~/.cache/jaxaccel``. ``bpe:N`` tokenizers are trained on the training split and cached there
+too (``load_tokenizer``).
 """
 
 import ast
+import contextlib
 import dataclasses
+import fcntl
 import functools
 import hashlib
 import json
+import math
 import os
 import sys
 import sysconfig
-import tempfile
 import warnings
-import zipfile
+from collections.abc import Iterator, Sequence
 from pathlib import Path
-from typing import Callable, NamedTuple
+from typing import Callable
 
 import numpy as np
 
+from jaxaccel import tokenizer as tok_lib
 from jaxaccel.errors import ConfigError
-from jaxaccel.tokenizer import BOS_ID, BYTE_OFFSET, EOS_ID, ByteTokenizer
 
-CACHE_FORMAT_VERSION = 1
+CACHE_FORMAT_VERSION = 2
 _DEFINITIONS = (ast.FunctionDef, ast.AsyncFunctionDef, ast.ClassDef)
 _STDLIB_SKIP_DIRS = frozenset({"site-packages", "__pycache__"})
-_SOURCES_HELP = "pass 'stdlib', a directory of text files or a .jsonl file"
+_SOURCES_HELP = ("pass 'stdlib', a directory of text files, a .jsonl file, Parquet files or a "
+                 "Hugging Face dataset saved to disk")
+# Per-document arrays of a cache entry: file name and dtype.
+_DOC_ARRAYS = {"lengths": np.int64, "text_bytes": np.int64, "key_index": np.int64}
+_UNIGRAM_CHUNK = 1 << 24          # tokens counted at once by the unigram baseline
 
-# (split key, document bytes) pairs as a reader produces them; the key names the file or line.
-KeyedDocs = list[tuple[str, bytes]]
+# (split key, document bytes) pairs as a reader yields them; the key names the file or line.
+Doc = tuple[str, bytes]
+
+
+class Documents(Sequence):
+    """Some documents of a tokenized corpus: document i is a read-only view of its tokens
+    (unsigned ints; the whole corpus is one buffer, in memory or memory-mapped). ``lengths``
+    (int64 [N]) are known without reading any token."""
+
+    def __init__(self, tokens: np.ndarray, starts_N: np.ndarray, lengths_N: np.ndarray):
+        self.tokens, self.starts, self.lengths = tokens, starts_N, lengths_N
+
+    def __len__(self) -> int:
+        return len(self.lengths)
+
+    def __getitem__(self, i):
+        if isinstance(i, slice):
+            return Documents(self.tokens, self.starts[i], self.lengths[i])
+        start = int(self.starts[i])         # raises IndexError past the end, as lists do
+        return self.tokens[start : start + int(self.lengths[i])]
+
+    def __add__(self, other: "Documents") -> list:
+        return list(self) + list(other)
 
 
 @dataclasses.dataclass(frozen=True, eq=False)
@@ -52,18 +90,40 @@ class Corpus:
 
     Attributes:
       name: the source as given to ``load_corpus``.
-      train, val: int32 token arrays, BOS + bytes + EOS of one document each (read-only views).
-      stats: counts of files, documents and tokens, including everything skipped.
-      train_sources, val_sources: the file (or JSONL line number) of each document, in order.
+      train, val: ``Documents``, BOS + ids + EOS of one document each.
+      stats: counts of files, documents, tokens and bytes of text, including everything skipped.
+      tokenizer: the tokenizer the documents were encoded with.
+      fingerprint: of the documents' names and lengths and the tokenizer: a resume checks it.
     """
 
     name: str
-    train: list[np.ndarray]
-    val: list[np.ndarray]
+    train: Documents
+    val: Documents
     stats: dict
-    train_sources: tuple[str, ...]
-    val_sources: tuple[str, ...]
-    fingerprint: str = ""     # of the documents' names and lengths: a resume checks it
+    tokenizer: object
+    fingerprint: str
+    _keys: Callable[[], list[str]]      # every split key, read from the cache when asked for
+    _key_index: dict                    # split -> int64 [N], each document's key
+
+    @property
+    def train_sources(self) -> tuple[str, ...]:
+        """The file (JSONL line, table row) of each train document, in order."""
+        return self._sources("train")
+
+    @property
+    def val_sources(self) -> tuple[str, ...]:
+        """The file (JSONL line, table row) of each validation document, in order."""
+        return self._sources("val")
+
+    def _sources(self, split: str) -> tuple[str, ...]:
+        keys = self._keys()
+        return tuple(keys[k] for k in self._key_index[split])
+
+    def bits_per_byte(self, nats_per_target: float, split: str = "val") -> float:
+        """A mean loss in nats per target token of ``split`` as bits per byte of its text: the
+        total over the split divided by its UTF-8 bytes, so tokenizers compare."""
+        return tok_lib.bits_per_byte(nats_per_target, self.stats[f"{split}_targets"],
+                                     self.stats[f"{split}_text_bytes"])
 
     def unigram_bits_per_token(self) -> float:
         """Entropy in bits of the unigram distribution of the train split's target tokens.
@@ -71,48 +131,118 @@ class Corpus:
         Targets are every token but BOS. A model that has learned nothing beyond token
         frequencies reaches this loss, so it is the baseline the training loss must beat.
         """
-        counts_V = np.zeros(ByteTokenizer.vocab_size, dtype=np.int64)
-        for doc in self.train:
-            counts_V += np.bincount(doc[1:], minlength=ByteTokenizer.vocab_size)
+        counts_V = self._unigram_counts()
         p_V = counts_V[counts_V > 0] / counts_V.sum()
         return float(-(p_V * np.log2(p_V)).sum())
 
+    def unigram_bits_per_byte(self) -> float:
+        """The unigram baseline in bits per byte of the train split's text."""
+        return self.bits_per_byte(self.unigram_bits_per_token() * math.log(2), "train")
 
-class _Tokenized(NamedTuple):
-    """All N documents of a source in one buffer: what the cache stores."""
-
-    tokens: np.ndarray  # int32, documents back to back
-    offsets: np.ndarray  # int64 [N + 1], document n is tokens[offsets[n]:offsets[n + 1]]
-    key_index_N: np.ndarray  # int32, index into keys of each document's split key
-    keys: list[str]
-    stats: dict
+    @functools.cache
+    def _unigram_counts(self) -> np.ndarray:
+        """Counts of each id among the train targets, ``_UNIGRAM_CHUNK`` tokens at a time."""
+        counts_V = np.zeros(self.tokenizer.vocab_size, dtype=np.int64)
+        pieces, size = [], 0
+        for i, doc in enumerate(self.train):
+            pieces.append(doc[1:])
+            size += len(doc)
+            if size >= _UNIGRAM_CHUNK or i == len(self.train) - 1:
+                counts_V += np.bincount(np.concatenate(pieces), minlength=len(counts_V))
+                pieces, size = [], 0
+        return counts_V
 
 
 def load_corpus(
-    source: str = "stdlib", *, cache_dir: str | None = None, val_percent: float = 2.0
+    source: str = "stdlib", *, tokenizer: str = "bytes", cache_dir: str | None = None,
+    val_percent: float = 2.0, text_column: str = "text", split: str | None = None,
+    tokenize_batch_mb: float = 64.0,
 ) -> Corpus:
     """Loads, tokenizes (or reads from the cache) and splits the corpus named by ``source``.
 
     Args:
-      source: ``"stdlib"``, a directory of text files or a ``.jsonl`` file with a ``text`` field.
+      source: ``"stdlib"``, a directory of text files, a ``.jsonl`` file, Parquet files or a
+        Hugging Face dataset saved to disk (see the module docstring).
+      tokenizer: ``bytes``, a tokenizer file or ``bpe:N`` (``jaxaccel.tokenizer``).
       cache_dir: where tokenized corpora are cached (see the module docstring for the default).
-      val_percent: the percentage of files (JSONL: lines) that go to the validation split.
+      val_percent: the percentage of files (JSONL lines, rows) that go to the validation split.
+      text_column: the field holding the text (JSONL, Parquet, datasets).
+      split: the split of a saved ``DatasetDict`` (default: train, or its only split).
+      tokenize_batch_mb: megabytes of text tokenized at once: the memory tokenizing takes.
     """
     if not 0 < val_percent < 100:
         raise ConfigError(f"val_percent must be in (0, 100), got {val_percent}; pass e.g. 2")
-    read, signature = _resolve_source(source)
-    signature = {"format": CACHE_FORMAT_VERSION, **signature}
-    cache_path = _cache_root(cache_dir) / f"corpus-{_digest(signature)}.npz"
-    tokenized = _read_cache(cache_path, signature)
-    if tokenized is None:
-        keyed_docs, stats = read()
-        tokenized = _tokenize(keyed_docs, stats)
-        _write_cache(cache_path, signature, tokenized)
-    return _split(source, tokenized, val_percent)
+    if not tokenize_batch_mb > 0:
+        raise ConfigError(f"tokenize_batch_mb must be > 0, got {tokenize_batch_mb}; pass e.g. "
+                          f"64", field="data.tokenize_batch_mb")
+    read, signature = _resolve_source(source, text_column, split)
+    root = _cache_root(cache_dir)
+    tok = load_tokenizer(tokenizer, read, signature, root, val_percent)
+    signature = {"format": CACHE_FORMAT_VERSION, "tokenizer": tok.fingerprint, **signature}
+    entry = root / f"corpus-{_digest(signature)}"
+    cached = _open_cache(entry, signature)
+    if cached is None:
+        with _locked(entry / ".lock"):        # one process tokenizes; the others then read its entry
+            cached = _open_cache(entry, signature)
+            if cached is None:
+                _tokenize(read, tok, entry, signature, int(tokenize_batch_mb * 2**20))
+                cached = _open_cache(entry, signature)
+    if cached is None:
+        raise ConfigError(f"the corpus cache {entry} could not be read back after tokenizing; "
+                          f"check the disk, or pass another --cache-dir", field="data.cache_dir")
+    return _split(source, tok, cached, val_percent)
 
 
-def _resolve_source(source: str) -> tuple[Callable[[], tuple[KeyedDocs, dict]], dict]:
-    """Returns the reader for ``source`` and the signature that keys its cache entry."""
+@contextlib.contextmanager
+def _locked(path: Path):
+    """Holds an exclusive lock on the file ``path`` (processes of one run share the cache)."""
+    try:
+        path.parent.mkdir(parents=True, exist_ok=True)
+        lock = open(path, "a")
+    except OSError as e:
+        raise ConfigError(f"cannot write the corpus cache {path.parent}: {e.strerror}; pass "
+                          f"--cache-dir with a writable folder", field="data.cache_dir") from e
+    with lock:
+        fcntl.flock(lock, fcntl.LOCK_EX)
+        try:
+            yield
+        finally:
+            fcntl.flock(lock, fcntl.LOCK_UN)
+
+
+def from_config(data) -> Corpus:
+    """The corpus of a ``DataConfig``: its path, tokenizer, cache and text settings."""
+    return load_corpus(data.path, tokenizer=data.tokenizer or "bytes", cache_dir=data.cache_dir,
+                       text_column=data.text_column, split=data.split,
+                       tokenize_batch_mb=data.tokenize_batch_mb)
+
+
+def load_tokenizer(spec: str, read: Callable[[dict], Iterator[Doc]], signature: dict,
+                   root: Path, val_percent: float):
+    """The tokenizer ``spec`` names; a ``bpe:N`` one is trained on the train split's documents
+    the first time and read from the cache (keyed by the source and the split) after that."""
+    kind, value = tok_lib.parse_spec(spec)
+    if kind == "bytes":
+        return tok_lib.ByteTokenizer()
+    if kind == "file":
+        return tok_lib.open_file(value, spec)
+    import tokenizers
+    key = {"source": signature, "vocab": value, "val_percent": val_percent,
+           "tokenizers": tokenizers.__version__}
+    path = root / f"tokenizer-bpe{value}-{_digest(key)}.json"
+    if not path.is_file():
+        with _locked(root / f"{path.stem}.lock"):        # one process trains it
+            if not path.is_file():
+                texts = (doc.decode("utf-8", errors="replace") for key, doc in read({})
+                         if doc.strip() and not _is_val_key(key, val_percent))
+                tok_lib.train_bpe(texts, value, str(path))
+    return tok_lib.HFTokenizer(str(path), spec)
+
+
+def _resolve_source(source: str, text_column: str, split: str | None
+                    ) -> tuple[Callable[[dict], Iterator[Doc]], dict]:
+    """Returns the reader for ``source`` (it yields the documents and fills the stats it is
+    given) and the signature that keys its cache entry."""
     if source == "stdlib":
         root = Path(sysconfig.get_paths()["stdlib"])
         signature = {
@@ -122,10 +252,16 @@ def _resolve_source(source: str) -> tuple[Callable[[], tuple[KeyedDocs, dict]], 
             "cache_tag": sys.implementation.cache_tag,
         }
         return functools.partial(_read_stdlib, root), signature
+    from jaxaccel import sources
     path = Path(source).expanduser()
     if not path.exists():
-        raise ConfigError(f"data path {source} does not exist; {_SOURCES_HELP}", field="data.path")
+        raise ConfigError(f"data path {source} does not exist; "
+                          f"{sources.hub_name_hint(source) or _SOURCES_HELP}", field="data.path")
     path = path.resolve()
+    kind = sources.kind_of(path)
+    if kind is not None:
+        signature = sources.signature(path, kind, text_column, split)
+        return functools.partial(_read_table, path, kind, text_column, split), signature
     if path.is_dir():
         skipped = {}
         rel_paths = _directory_files(path, skipped=skipped)
@@ -134,11 +270,12 @@ def _resolve_source(source: str) -> tuple[Callable[[], tuple[KeyedDocs, dict]], 
                      "skipped": skipped}
         return functools.partial(_read_directory, path, rel_paths, skipped), signature
     if path.is_file() and path.suffix == ".jsonl":
-        signature = {"source": "jsonl", "path": str(path), "file": _size_and_mtime(path)}
-        return functools.partial(_read_jsonl, path), signature
+        signature = {"source": "jsonl", "path": str(path), "file": _size_and_mtime(path),
+                     "column": text_column}
+        return functools.partial(_read_jsonl, path, text_column), signature
     raise ConfigError(
-        f"data path {source} is neither a directory nor a .jsonl file; {_SOURCES_HELP}",
-        field="data.path",
+        f"data path {source} is neither a directory, a .jsonl file nor a .parquet file; "
+        f"{_SOURCES_HELP}", field="data.path",
     )
 
 
@@ -148,19 +285,19 @@ def _size_and_mtime(path: Path) -> list[int]:
     return [st.st_size, st.st_mtime_ns]
 
 
-def _read_stdlib(root: Path) -> tuple[KeyedDocs, dict]:
+def _read_stdlib(root: Path, stats: dict) -> Iterator[Doc]:
     """Splits every standard library module into its top-level definitions and the rest."""
     rel_paths = _directory_files(root, skip_dirs=_STDLIB_SKIP_DIRS)
     rel_paths = [rel for rel in rel_paths if rel.endswith(".py")]
-    keyed_docs, unparsable = [], 0
+    stats.update(_reader_stats(len(rel_paths)))
     for rel in rel_paths:
         source = (root / rel).read_bytes()
         docs = _module_documents(source)
         if docs is None:
-            unparsable += 1
+            stats["unparsable_files"] += 1
             docs = [source]
-        keyed_docs += [(rel, doc) for doc in docs]
-    return keyed_docs, _reader_stats(len(rel_paths), unparsable=unparsable)
+        for doc in docs:
+            yield rel, doc
 
 
 def _module_documents(source: bytes) -> list[bytes] | None:
@@ -212,11 +349,11 @@ def _directory_files(root: Path, skip_dirs: frozenset[str] = frozenset(),
     return sorted(rel_paths)
 
 
-def _read_directory(root: Path, rel_paths: list[str], skipped: dict | None = None
-                    ) -> tuple[KeyedDocs, dict]:
+def _read_directory(root: Path, rel_paths: list[str], skipped: dict, stats: dict
+                    ) -> Iterator[Doc]:
     """One document per file that is utf-8 text; other files are counted and skipped, as are
     the folders ``_directory_files`` could not or would not enter (``skipped``)."""
-    keyed_docs, undecodable = [], 0
+    stats.update(_reader_stats(len(rel_paths)), **skipped)
     for rel in rel_paths:
         try:
             data = (root / rel).read_bytes()
@@ -228,36 +365,42 @@ def _read_directory(root: Path, rel_paths: list[str], skipped: dict | None = Non
         try:
             data.decode("utf-8")
         except UnicodeDecodeError:
-            undecodable += 1
+            stats["undecodable_files_skipped"] += 1
             continue
-        keyed_docs.append((rel, data))
-    return keyed_docs, {**_reader_stats(len(rel_paths), undecodable=undecodable),
-                        **(skipped or {})}
+        yield rel, data
 
 
-def _read_jsonl(path: Path) -> tuple[KeyedDocs, dict]:
-    """One document per line, from its ``text`` field; a blank line is an empty document."""
-    keyed_docs = []
+def _read_jsonl(path: Path, column: str, stats: dict) -> Iterator[Doc]:
+    """One document per line, from its ``column`` field; a blank line is an empty document."""
+    stats.update(_reader_stats(1))
+    example = f'write one JSON object per line, like {{"{column}": "..."}}'
     with path.open("rb") as f:
         for lineno, line in enumerate(f, start=1):
             if not line.strip():
-                keyed_docs.append((str(lineno), b""))
+                yield str(lineno), b""
                 continue
             try:
                 record = json.loads(line)
             except ValueError as e:
                 raise ConfigError(
-                    f"{path} line {lineno} is not valid JSON ({getattr(e, 'msg', e)}); "
-                    'write one JSON object per line, like {"text": "..."}'
+                    f"{path} line {lineno} is not valid JSON ({getattr(e, 'msg', e)}); {example}"
                 ) from e
-            text = record.get("text") if isinstance(record, dict) else None
+            text = record.get(column) if isinstance(record, dict) else None
             if not isinstance(text, str):
-                raise ConfigError(
-                    f'{path} line {lineno} has no string "text" field; '
-                    'write one JSON object per line, like {"text": "..."}'
-                )
-            keyed_docs.append((str(lineno), text.encode("utf-8", errors="replace")))
-    return keyed_docs, _reader_stats(1)
+                raise ConfigError(f'{path} line {lineno} has no string "{column}" field; '
+                                  f'{example}, or pass --text-column NAME')
+            yield str(lineno), text.encode("utf-8", errors="replace")
+
+
+def _read_table(path: Path, kind: str, column: str, split: str | None, stats: dict
+                ) -> Iterator[Doc]:
+    """One document per row of a Parquet or saved Hugging Face dataset (``jaxaccel.sources``)."""
+    from jaxaccel import sources
+    table_stats = {}
+    docs = sources.documents(path, kind, column, table_stats, split)
+    stats.update(_reader_stats(0))
+    yield from docs
+    stats["files"] = table_stats.get("files", 0)
 
 
 def _reader_stats(files: int, *, unparsable: int = 0, undecodable: int = 0) -> dict:
@@ -282,31 +425,165 @@ def skipped_inputs(stats: dict) -> dict[str, int]:
             if stats.get(key, 0)}
 
 
-def _tokenize(keyed_docs: KeyedDocs, stats: dict) -> _Tokenized:
-    """Packs the non-blank documents as BOS + bytes + EOS into one int32 buffer."""
-    kept = [(key, doc) for key, doc in keyed_docs if doc.strip()]
-    stats = {**stats, "empty_documents_skipped": len(keyed_docs) - len(kept)}
-    lengths_N = np.array([len(doc) + 2 for _, doc in kept], dtype=np.int64)
-    offsets = np.concatenate([[0], np.cumsum(lengths_N)]).astype(np.int64)
-    tokens = np.empty(offsets[-1], dtype=np.int32)
-    is_byte = np.ones(len(tokens), dtype=bool)
-    is_byte[offsets[:-1]] = is_byte[offsets[1:] - 1] = False
-    tokens[offsets[:-1]] = BOS_ID
-    tokens[offsets[1:] - 1] = EOS_ID
-    byte_values = np.frombuffer(b"".join(doc for _, doc in kept), dtype=np.uint8)
-    tokens[is_byte] = byte_values.astype(np.int32) + BYTE_OFFSET
-    key_ids: dict[str, int] = {}
-    key_index_N = np.array(
-        [key_ids.setdefault(key, len(key_ids)) for key, _ in kept], dtype=np.int32
-    )
-    return _Tokenized(tokens, offsets, key_index_N, list(key_ids), stats)
+# =============================================================================================
+# The cache entry: tokenize once, streaming, resumable; open as memory maps.
+
+def _token_dtype(tok) -> np.dtype:
+    """The smallest unsigned dtype that holds every id the tokenizer makes."""
+    return np.dtype(np.uint16 if tok.vocab_size <= 2**16 else np.uint32)
 
 
-def _split(name: str, tokenized: _Tokenized, val_percent: float) -> Corpus:
+def _tokenize(read: Callable[[dict], Iterator[Doc]], tok, entry: Path, signature: dict,
+              batch_bytes: int) -> None:
+    """Streams the source through the tokenizer into ``entry``, ``batch_bytes`` of text at a
+    time, appending to its files and recording after each batch how far it got, so that a run
+    stopped midway resumes from the last recorded batch."""
+    progress = _read_progress(entry, signature)
+    if progress is None or progress["done"] or not _holds(entry, progress):
+        progress = {"signature": signature, "dtype": _token_dtype(tok).name, "raw_docs": 0,
+                    "docs": 0, "tokens": 0, "keys": 0, "keys_bytes": 0, "empty": 0,
+                    "last_key": None, "done": False}
+    dtype = np.dtype(progress["dtype"])
+    _truncate(entry, progress)
+    files = {name: open(entry / f"{name}.bin", "ab") for name in ("tokens", *_DOC_ARRAYS)}
+    files["keys"] = open(entry / "keys.jsonl", "ab")
+    stats = {}
+    batch, batch_size, skip = [], 0, progress["raw_docs"]
+    try:
+        for i, (key, doc) in enumerate(read(stats)):
+            if i < skip:                     # tokenized before an interruption
+                continue
+            batch.append((key, doc))
+            batch_size += len(doc)
+            if batch_size >= batch_bytes:
+                _append(batch, tok, dtype, files, progress, entry)
+                batch, batch_size = [], 0
+        _append(batch, tok, dtype, files, progress, entry, stats=stats)
+    finally:
+        for f in files.values():
+            f.close()
+
+
+def _append(batch: list[Doc], tok, dtype, files: dict, progress: dict, entry: Path,
+            stats: dict | None = None) -> None:
+    """Tokenizes one batch, appends it and records the progress; with ``stats`` (the reader's,
+    after the last batch) the entry is marked complete."""
+    kept = [(key, doc) for key, doc in batch if doc.strip()]
+    progress["empty"] += len(batch) - len(kept)
+    progress["raw_docs"] += len(batch)
+    if kept:
+        tokens, lengths_N = tok.encode_documents([doc for _, doc in kept])
+        key_index_N = np.empty(len(kept), dtype=np.int64)
+        for n, (key, _) in enumerate(kept):
+            if key != progress["last_key"]:     # a file's documents come one after another
+                line = (json.dumps(key) + "\n").encode()
+                files["keys"].write(line)
+                progress["keys"] += 1
+                progress["keys_bytes"] += len(line)
+                progress["last_key"] = key
+            key_index_N[n] = progress["keys"] - 1
+        files["tokens"].write(tokens.astype(dtype).tobytes())
+        files["lengths"].write(lengths_N.tobytes())
+        files["text_bytes"].write(np.array([len(doc) for _, doc in kept], np.int64).tobytes())
+        files["key_index"].write(key_index_N.tobytes())
+        progress["docs"] += len(kept)
+        progress["tokens"] += len(tokens)
+    for f in files.values():
+        f.flush()
+    if stats is not None:
+        progress.update(done=True, stats={**stats, "empty_documents_skipped": progress["empty"]})
+    _write_json_atomic(entry / "progress.json", progress)
+
+
+def _read_progress(entry: Path, signature: dict) -> dict | None:
+    """The entry's recorded progress, or None if it has none or is another source's."""
+    try:
+        progress = json.loads((entry / "progress.json").read_text())
+    except (OSError, ValueError):
+        return None
+    return progress if progress.get("signature") == signature else None
+
+
+def _recorded_sizes(progress: dict) -> dict[str, int]:
+    """The bytes each file of an entry held when ``progress`` was recorded."""
+    return {"tokens.bin": progress["tokens"] * np.dtype(progress["dtype"]).itemsize,
+            "keys.jsonl": progress["keys_bytes"],
+            **{f"{name}.bin": progress["docs"] * 8 for name in _DOC_ARRAYS}}
+
+
+def _holds(entry: Path, progress: dict) -> bool:
+    """Whether every file holds at least what ``progress`` recorded (else it was damaged)."""
+    try:
+        return all((entry / name).stat().st_size >= size
+                   for name, size in _recorded_sizes(progress).items())
+    except OSError:
+        return False
+
+
+def _truncate(entry: Path, progress: dict) -> None:
+    """Cuts every file back to the recorded progress: what a stopped run wrote after its last
+    recorded batch is tokenized again."""
+    for name, size in _recorded_sizes(progress).items():
+        with open(entry / name, "ab") as f:
+            f.truncate(size)
+
+
+def _open_cache(entry: Path, signature: dict) -> dict | None:
+    """A complete entry's arrays (tokens memory-mapped), or None if it is missing, incomplete,
+    another source's or inconsistent."""
+    progress = _read_progress(entry, signature)
+    if progress is None or not progress.get("done"):
+        return None
+    try:
+        dtype, docs = np.dtype(progress["dtype"]), progress["docs"]
+        arrays = {name: np.fromfile(entry / f"{name}.bin", dtype=np.int64)
+                  for name in _DOC_ARRAYS}
+        size = (entry / "tokens.bin").stat().st_size
+        if size != progress["tokens"] * dtype.itemsize or any(
+                len(a) != docs for a in arrays.values()):
+            return None
+        tokens = (np.memmap(entry / "tokens.bin", dtype=dtype, mode="r") if size
+                  else np.zeros(0, dtype))
+    except (OSError, ValueError, TypeError):
+        return None
+    lengths = arrays["lengths"]
+    if lengths.sum() != progress["tokens"] or (docs and lengths.min() < 3):
+        return None
+    keys_path = entry / "keys.jsonl"
+
+    @functools.cache
+    def keys() -> list[str]:
+        with keys_path.open("rb") as f:
+            return [json.loads(line) for line in f]
+
+    return {"tokens": tokens, "stats": progress["stats"], "keys": keys,
+            "key_hash": _key_hashes(entry, keys, progress["keys"]), **arrays}
+
+
+def _key_hashes(entry: Path, keys: Callable[[], list[str]], count: int) -> np.ndarray:
+    """Each split key's hash (``_key_hash``), computed once and kept in the entry."""
+    path = entry / "key_hash.npy"
+    try:
+        hashes = np.load(path)
+        if hashes.shape == (count,):
+            return hashes
+    except (OSError, ValueError):
+        pass
+    hashes = np.array([_key_hash(key) for key in keys()], dtype=np.uint64)
+    tmp = path.with_name(f"key_hash.{os.getpid()}.tmp.npy")
+    try:
+        np.save(tmp, hashes)
+        os.replace(tmp, path)
+    except OSError as e:
+        warnings.warn(f"could not write {path}: {e}; the next load hashes the keys again")
+    return hashes
+
+
+def _split(name: str, tok, cached: dict, val_percent: float) -> Corpus:
     """Assigns each document to train or validation by the hash of its split key."""
-    tokens, offsets, key_index_N, keys, stats = tokenized
-    stats = dict(stats)
-    if len(key_index_N) == 0:
+    stats = dict(cached["stats"])
+    lengths = cached["lengths"]
+    if len(lengths) == 0:
         left_out = ", ".join(f"{n} {r}" for r, n in skipped_inputs(stats).items())
         raise ConfigError(
             f"corpus {name} has no non-empty documents"
@@ -314,31 +591,37 @@ def _split(name: str, tokenized: _Tokenized, val_percent: float) -> Corpus:
             + f"; {_SOURCES_HELP} with some text in it",
             field="data.path",
         )
-    tokens.flags.writeable = False
-    key_is_val = np.array([_is_val_key(key, val_percent) for key in keys], dtype=bool)
-    is_val_N = key_is_val[key_index_N]
-    splits = {}
+    starts = np.cumsum(lengths) - lengths
+    is_val_N = (cached["key_hash"] % 10000 < val_percent * 100)[cached["key_index"]]
+    splits, key_index = {}, {}
     for split, ids in (("train", np.flatnonzero(~is_val_N)), ("val", np.flatnonzero(is_val_N))):
         if len(ids) == 0:
             raise ConfigError(
-                f"corpus {name} has no {split} documents ({val_percent:g}% of its files, or "
-                f"JSONL lines, go to validation): pass a corpus with more files or lines",
+                f"corpus {name} has no {split} documents ({val_percent:g}% of its files, "
+                f"JSONL lines or rows go to validation): pass a corpus with more of them",
                 field="data.path"
             )
-        docs = [tokens[offsets[n] : offsets[n + 1]] for n in ids]
+        splits[split] = Documents(cached["tokens"], starts[ids], lengths[ids])
+        key_index[split] = cached["key_index"][ids]
         stats[f"{split}_documents"] = len(ids)
-        stats[f"{split}_tokens"] = int((offsets[ids + 1] - offsets[ids]).sum())
-        splits[split] = (docs, tuple(keys[k] for k in key_index_N[ids]))
-    (train, train_sources), (val, val_sources) = splits["train"], splits["val"]
-    fingerprint = hashlib.sha256(np.asarray(offsets, dtype=np.int64).tobytes() + "\n".join(
-        keys).encode("utf-8", "surrogateescape")).hexdigest()[:16]
-    return Corpus(name, train, val, stats, train_sources, val_sources, fingerprint)
+        stats[f"{split}_tokens"] = int(lengths[ids].sum())
+        stats[f"{split}_targets"] = int(lengths[ids].sum()) - len(ids)
+        stats[f"{split}_text_bytes"] = int(cached["text_bytes"][ids].sum())
+    fingerprint = hashlib.sha256(lengths.tobytes() + cached["key_hash"].tobytes()
+                                 + tok.fingerprint.encode()).hexdigest()[:16]
+    return Corpus(name, splits["train"], splits["val"], stats, tok, fingerprint,
+                  cached["keys"], key_index)
+
+
+def _key_hash(key: str) -> int:
+    """A stable pseudo-random number per split key: the same on every machine."""
+    return int.from_bytes(hashlib.sha1(key.encode("utf-8", "surrogateescape")).digest()[:8],
+                          "big")
 
 
 def _is_val_key(key: str, val_percent: float) -> bool:
-    """Stable pseudo-random choice: the same key lands in the same split on every machine."""
-    h = int.from_bytes(hashlib.sha1(key.encode("utf-8", "surrogateescape")).digest()[:8], "big")
-    return h % 10000 < val_percent * 100
+    """Whether documents of ``key`` go to validation (as ``_split`` decides)."""
+    return _key_hash(key) % 10000 < val_percent * 100
 
 
 def _cache_root(cache_dir: str | None) -> Path:
@@ -352,51 +635,7 @@ def _digest(signature: dict) -> str:
     return hashlib.sha1(json.dumps(signature, sort_keys=True).encode()).hexdigest()[:20]
 
 
-def _read_cache(path: Path, signature: dict) -> _Tokenized | None:
-    """The cached tokenized corpus, or None if it is missing, stale or corrupt."""
-    try:
-        with np.load(path, allow_pickle=False) as npz:
-            if json.loads(str(npz["signature"])) != signature:
-                return None
-            tokenized = _Tokenized(
-                npz["tokens"].astype(np.int32),
-                npz["offsets"],
-                npz["key_index"],
-                npz["keys"].tolist(),
-                json.loads(str(npz["stats"])),
-            )
-    except (OSError, ValueError, KeyError, EOFError, zipfile.BadZipFile):
-        return None
-    offsets = tokenized.offsets
-    consistent = (
-        offsets.ndim == 1
-        and len(offsets) == len(tokenized.key_index_N) + 1
-        and offsets[0] == 0
-        and offsets[-1] == len(tokenized.tokens)
-        and bool(np.all(np.diff(offsets) >= 3))
-    )
-    return tokenized if consistent else None
-
-
-def _write_cache(path: Path, signature: dict, tokenized: _Tokenized) -> None:
-    """Writes the cache entry atomically; failing to write only costs speed, so it warns."""
-    try:
-        path.parent.mkdir(parents=True, exist_ok=True)
-        fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=path.name, suffix=".tmp")
-        try:
-            with os.fdopen(fd, "wb") as f:
-                np.savez(
-                    f,
-                    signature=np.array(json.dumps(signature, sort_keys=True)),
-                    tokens=tokenized.tokens.astype(np.uint16),
-                    offsets=tokenized.offsets,
-                    key_index=tokenized.key_index_N,
-                    keys=np.array(tokenized.keys, dtype=np.str_),
-                    stats=np.array(json.dumps(tokenized.stats)),
-                )
-            os.replace(tmp, path)
-        except BaseException:
-            os.unlink(tmp)
-            raise
-    except OSError as e:
-        warnings.warn(f"could not write corpus cache {path}: {e}; the next load re-reads the data")
+def _write_json_atomic(path: Path, value: dict) -> None:
+    tmp = path.with_name(f"{path.name}.{os.getpid()}.tmp")
+    tmp.write_text(json.dumps(value))
+    os.replace(tmp, path)

@@ -539,6 +539,15 @@ def batch_stats(batch: Batch) -> dict[str, int]:
     }
 
 
+def document_lengths(documents: Sequence[np.ndarray]) -> np.ndarray:
+    """Tokens in each document, int64 [N], without reading them where the documents know
+    (``corpus.Documents``: a corpus larger than memory is planned from its lengths alone)."""
+    known = getattr(documents, "lengths", None)
+    if known is not None:
+        return np.asarray(known, dtype=np.int64)
+    return np.array([len(doc) for doc in documents], dtype=np.int64)
+
+
 def _make_strategy(
     documents: Sequence[np.ndarray], *, strategy: str, seq_len: int, batch_size: int | None,
     tokens_per_batch: int | None, seed: int, process_index: int, process_count: int,
@@ -562,7 +571,7 @@ def _make_strategy(
     if len(documents) == 0:
         raise ConfigError("no documents to batch; pass a corpus with at least one document",
                           field="data.path")
-    pairs_N = np.maximum(np.array([len(doc) for doc in documents], dtype=np.int64) - 1, 0)
+    pairs_N = np.maximum(document_lengths(documents) - 1, 0)
     if pairs_N.sum() == 0:
         raise ConfigError(
             f"the {len(documents)} documents have no (input, target) pairs; pass a corpus with "

@@ -46,11 +46,11 @@ def test_stdlib_counts_are_plausible(stdlib):
     assert stats["empty_documents_skipped"] >= 0
 
 
-def test_stdlib_documents_are_framed_views_of_one_buffer(stdlib):
+def test_stdlib_documents_are_framed_views_of_one_mapped_buffer(stdlib):
+    assert isinstance(stdlib.train.tokens, np.memmap) and stdlib.val.tokens is stdlib.train.tokens
     docs = stdlib.train + stdlib.val
-    assert len({id(doc.base) for doc in docs}) == 1
     for doc in docs[::97]:
-        assert doc.dtype == np.int32 and doc[0] == BOS_ID and doc[-1] == EOS_ID
+        assert doc.dtype == np.uint16 and doc[0] == BOS_ID and doc[-1] == EOS_ID
         assert np.all(doc[1:-1] >= 3)
         assert not doc.flags.writeable
 
@@ -90,7 +90,7 @@ def test_stdlib_unigram_bits(stdlib):
 
 
 def test_stdlib_second_load_is_served_from_cache(stdlib, stdlib_cache, monkeypatch):
-    def no_reading(root):
+    def no_reading(root, stats):
         raise AssertionError("the stdlib was re-read despite the cache")
 
     monkeypatch.setattr(corpus_lib, "_read_stdlib", no_reading)
@@ -141,18 +141,23 @@ def test_path_cache_is_refreshed_when_a_file_changes(text_dir, tmp_path):
 def test_corrupt_cache_is_rebuilt(text_dir, tmp_path):
     cache = tmp_path / "cache"
     first = load_corpus(str(text_dir), cache_dir=str(cache), val_percent=30)
-    (entry,) = cache.glob("*.npz")
-    entry.write_bytes(b"not a zip file")
+    (entry,) = cache.glob("corpus-*")
+    tokens = entry / "tokens.bin"
+    size = tokens.stat().st_size
+    tokens.write_bytes(tokens.read_bytes()[:-10])       # a damaged entry ...
     second = load_corpus(str(text_dir), cache_dir=str(cache), val_percent=30)
-    assert second.stats == first.stats
-    assert entry.stat().st_size > 100
-    assert not list(cache.glob("*.tmp"))
+    assert second.stats == first.stats                 # ... is tokenized again
+    assert tokens.stat().st_size == size
+    (entry / "progress.json").write_text("{not json")
+    third = load_corpus(str(text_dir), cache_dir=str(cache), val_percent=30)
+    assert _texts(third.train) == _texts(first.train)
+    assert not list(entry.glob("*.tmp"))
 
 
 def test_cache_dir_from_environment(text_dir, tmp_path, monkeypatch):
     monkeypatch.setenv("JAXACCEL_CACHE_DIR", str(tmp_path / "env_cache"))
     load_corpus(str(text_dir), val_percent=30)
-    assert len(list((tmp_path / "env_cache").glob("corpus-*.npz"))) == 1
+    assert len(list((tmp_path / "env_cache").glob("corpus-*"))) == 1
 
 
 def _write_jsonl(path, lines):
@@ -199,7 +204,7 @@ def test_missing_path_is_a_config_error(tmp_path):
 
 def test_unsupported_file_is_a_config_error(tmp_path):
     (tmp_path / "notes.txt").write_text("hello")
-    with pytest.raises(ConfigError, match="neither a directory nor a .jsonl file"):
+    with pytest.raises(ConfigError, match="neither a directory, a .jsonl file nor a .parquet"):
         load_corpus(str(tmp_path / "notes.txt"), cache_dir=str(tmp_path))
 
 
@@ -214,7 +219,7 @@ def test_empty_corpus_is_a_config_error(tmp_path):
 
 def test_one_sided_split_is_a_config_error(tmp_path):
     data = _write_files(tmp_path / "data", {"only.txt": "one file cannot fill two splits"})
-    with pytest.raises(ConfigError, match="pass a corpus with more files"):
+    with pytest.raises(ConfigError, match="pass a corpus with more of them"):
         load_corpus(str(data), cache_dir=str(tmp_path / "cache"))
 
 
@@ -222,3 +227,141 @@ def test_one_sided_split_is_a_config_error(tmp_path):
 def test_bad_val_percent_is_a_config_error(tmp_path, val_percent):
     with pytest.raises(ConfigError, match="val_percent"):
         load_corpus("stdlib", cache_dir=str(tmp_path), val_percent=val_percent)
+
+
+def test_stdlib_unigram_bits_per_byte(stdlib):
+    stats = stdlib.stats
+    assert stats["train_targets"] == stats["train_tokens"] - stats["train_documents"]
+    # Bytes: one target per byte plus each document's EOS.
+    assert stats["train_targets"] == stats["train_text_bytes"] + stats["train_documents"]
+    ratio = stats["train_targets"] / stats["train_text_bytes"]
+    assert stdlib.unigram_bits_per_byte() == pytest.approx(stdlib.unigram_bits_per_token() * ratio)
+    assert stdlib.bits_per_byte(np.log(2), "train") == pytest.approx(ratio)
+
+
+def _numbered_files(root, count=40):
+    return _write_files(root, {f"f{i:02d}.txt": f"file {i}: " + "some words here " * (i % 7 + 1)
+                               for i in range(count)})
+
+
+def test_bits_per_byte_agree_for_bytes_and_an_identity_like_bpe(tmp_path):
+    """bpe:259 has no merges (3 specials + 256 bytes): one token per byte, other ids."""
+    data = _numbered_files(tmp_path / "data")
+    as_bytes = load_corpus(str(data), cache_dir=str(tmp_path / "c"), val_percent=20)
+    as_bpe = load_corpus(str(data), tokenizer="bpe:259", cache_dir=str(tmp_path / "c"),
+                         val_percent=20)
+    assert as_bpe.tokenizer.kind == "hf" and as_bpe.tokenizer.vocab_size == 259
+    for key in ("train_targets", "train_text_bytes", "val_targets", "val_text_bytes"):
+        assert as_bpe.stats[key] == as_bytes.stats[key]
+    assert as_bpe.unigram_bits_per_byte() == pytest.approx(as_bytes.unigram_bits_per_byte(),
+                                                           rel=1e-12)
+    assert as_bpe.bits_per_byte(1.3) == pytest.approx(as_bytes.bits_per_byte(1.3), rel=1e-12)
+    assert as_bpe.fingerprint != as_bytes.fingerprint
+    merged = load_corpus(str(data), tokenizer="bpe:300", cache_dir=str(tmp_path / "c"),
+                         val_percent=20)                # merges: fewer tokens, same bytes
+    assert merged.stats["train_tokens"] < as_bytes.stats["train_tokens"]
+    assert merged.stats["train_text_bytes"] == as_bytes.stats["train_text_bytes"]
+    assert [merged.tokenizer.decode(d) for d in merged.train] == _texts(as_bytes.train)
+
+
+def test_bpe_is_trained_on_the_train_split_once_and_cached(tmp_path, monkeypatch):
+    data = _numbered_files(tmp_path / "data")
+    trained = []
+    real = corpus_lib.tok_lib.train_bpe
+    monkeypatch.setattr(corpus_lib.tok_lib, "train_bpe",
+                        lambda texts, n, path: trained.append(list(texts)) or real(
+                            iter(trained[-1]), n, path))
+    first = load_corpus(str(data), tokenizer="bpe:300", cache_dir=str(tmp_path / "c"),
+                        val_percent=20)
+    again = load_corpus(str(data), tokenizer="bpe:300", cache_dir=str(tmp_path / "c"),
+                        val_percent=20)
+    assert len(trained) == 1
+    assert sorted(trained[0]) == sorted(first.tokenizer.decode(d) for d in first.train)
+    assert again.tokenizer.fingerprint == first.tokenizer.fingerprint
+
+
+def test_tokenizing_resumes_where_an_interruption_stopped_it(tmp_path, monkeypatch):
+    data = _numbered_files(tmp_path / "data")
+    whole = load_corpus(str(data), cache_dir=str(tmp_path / "whole"), val_percent=20)
+    encoded = []
+    real = ByteTokenizer.encode_documents
+
+    def interrupted(self, docs):
+        if len(encoded) == 3:
+            raise KeyboardInterrupt
+        encoded.append(len(docs))
+        return real(self, docs)
+
+    monkeypatch.setattr(ByteTokenizer, "encode_documents", interrupted)
+    with pytest.raises(KeyboardInterrupt):
+        load_corpus(str(data), cache_dir=str(tmp_path / "c"), val_percent=20,
+                    tokenize_batch_mb=300 / 2**20)       # about 300 bytes of text at a time
+    assert sum(encoded) < 40
+    done_before = sum(encoded)
+    monkeypatch.setattr(ByteTokenizer, "encode_documents",
+                        lambda self, docs: encoded.append(len(docs)) or real(self, docs))
+    resumed = load_corpus(str(data), cache_dir=str(tmp_path / "c"), val_percent=20,
+                          tokenize_batch_mb=300 / 2**20)
+    assert sum(encoded) == 40                           # nothing tokenized twice
+    assert max(encoded) < 40 and done_before > 0
+    assert resumed.fingerprint == whole.fingerprint
+    assert resumed.train_sources == whole.train_sources
+    assert _texts(resumed.train + resumed.val) == _texts(whole.train + whole.val)
+
+
+def test_a_corpus_beyond_the_memory_cap_streams_and_batches_lazily(tmp_path, monkeypatch):
+    """Tokenizing holds at most the cap (plus one document) of text; batching plans from the
+    lengths and reads only the documents of the batch it makes."""
+    from jaxaccel.data import DataStream
+    data = _numbered_files(tmp_path / "data", count=60)
+    text_bytes = sum(p.stat().st_size for p in data.iterdir())
+    cap = 500
+    seen = []
+    real = ByteTokenizer.encode_documents
+    monkeypatch.setattr(ByteTokenizer, "encode_documents",
+                        lambda self, docs: seen.append(sum(map(len, docs))) or real(self, docs))
+    corpus = load_corpus(str(data), cache_dir=str(tmp_path / "c"), val_percent=10,
+                         tokenize_batch_mb=cap / 2**20)
+    assert text_bytes > 4 * cap and len(seen) > 4
+    assert max(seen) < cap + max(p.stat().st_size for p in data.iterdir())
+    reads = []
+
+    class Counting(corpus_lib.Documents):
+        def __getitem__(self, i):
+            reads.append(i)
+            return super().__getitem__(i)
+
+    docs = Counting(corpus.train.tokens, corpus.train.starts, corpus.train.lengths)
+    stream = DataStream(docs, strategy="pack", seq_len=64, batch_size=2)
+    assert stream.stats["real_tokens_per_epoch"] > 0 and reads == []
+    batch = next(stream)
+    assert 0 < len(set(reads)) < len(docs)
+    assert batch["inputs"].dtype == np.int32
+
+
+def test_token_dtype_fits_the_vocabulary():
+    class Big:
+        vocab_size = 70_000
+    assert corpus_lib._token_dtype(ByteTokenizer()) == np.uint16
+    assert corpus_lib._token_dtype(Big()) == np.uint32
+
+
+def test_parquet_and_saved_dataset_sources(tmp_path):
+    import datasets
+    import pyarrow as pa
+    import pyarrow.parquet as pq
+    texts = [f"row {i}: " + "text " * (i % 5 + 1) for i in range(50)]
+    table = pa.table({"content": texts, "id": list(range(50))})
+    pq.write_table(table, tmp_path / "t.parquet", row_group_size=16)
+    datasets.Dataset.from_dict({"content": texts}).save_to_disk(str(tmp_path / "saved"))
+    for source in (tmp_path / "t.parquet", tmp_path / "saved"):
+        corpus = load_corpus(str(source), text_column="content", val_percent=20,
+                             cache_dir=str(tmp_path / "c"))
+        assert corpus.stats["train_documents"] + corpus.stats["val_documents"] == 50
+        assert sorted(_texts(corpus.train + corpus.val)) == sorted(texts)
+        assert not set(corpus.train_sources) & set(corpus.val_sources)
+    with pytest.raises(ConfigError, match="no column 'text'.*--text-column") as info:
+        load_corpus(str(tmp_path / "t.parquet"), cache_dir=str(tmp_path / "c"))
+    assert info.value.field == "data.text_column"
+    with pytest.raises(ConfigError, match="nothing is downloaded"):
+        load_corpus("allenai/c4", cache_dir=str(tmp_path / "c"))
