@@ -29,7 +29,7 @@ from jaxaccel.config import parse, setting
 from jaxaccel.errors import ConfigError
 from jaxaccel.model import make_apply, sequence_batch
 from jaxaccel.report import format_table
-from jaxaccel.tokenizer import EOS_ID, ByteTokenizer
+from jaxaccel.tokenizer import from_run as tokenizer_from_run
 
 
 @dataclasses.dataclass
@@ -77,7 +77,7 @@ def sample(exp: SampleSettings) -> int:
                           field="run_dir")
     gen.check_sampling(exp.temperature, exp.top_k)
     gen.read_run_config(exp.run_dir)          # one line for a wrong directory, before loading
-    tokenizer = ByteTokenizer()
+    tokenizer = tokenizer_from_run(exp.run_dir)        # the file the run kept, else bytes
     prompt_T = tokenizer.encode(exp.prompt, bos=True, eos=False)
     model_cfg, params, step = gen.load_run(exp.run_dir)
     new_tokens = exp.max_new_tokens or model_cfg.max_seq_len - len(prompt_T)
@@ -97,7 +97,7 @@ def sample(exp: SampleSettings) -> int:
         logits_BTV, _ = generator.prefill(params, prompt_BT)
         max_diff = check_logits(params, model_cfg, prompt_BT, logits_BTV)
 
-    samples = [tokenizer.decode(gen.cut_at_eos(row, EOS_ID)) for row in np.asarray(tokens_BN)]
+    samples = [tokenizer.decode(gen.cut_at_eos(row, tokenizer.eos_id)) for row in np.asarray(tokens_BN)]
     for i, text in enumerate(samples):
         print(f"--- sample {i} (step {step} of {exp.run_dir}) ---")
         print(exp.prompt + text)

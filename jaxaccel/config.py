@@ -35,8 +35,9 @@ import yaml
 from jaxaccel.attention import AUTO_PALLAS_MAX_T, IMPLEMENTATIONS
 from jaxaccel.data import STRATEGIES
 from jaxaccel.errors import ConfigError
+from jaxaccel.tokenizer import TOKENIZER_HELP, vocab_of as tokenizer_vocab
 from jaxaccel.init import INIT_SCHEMES
-from jaxaccel.model import MLP_KINDS, PRESETS, ModelConfig, preset
+from jaxaccel.model import MLP_KINDS, PRESET_TOKENIZERS, PRESETS, ModelConfig, preset
 from jaxaccel.optim import LR_SCALING, NO_DECAY_PATTERNS, OPTIMIZERS, SCHEDULES, describe_defaults
 from jaxaccel.precision import LOSS_SCALE_KINDS, get_policy, make_loss_scale
 from jaxaccel.remat import REMAT_POLICIES
@@ -201,8 +202,18 @@ MAX_LOSS_SCALE = 2.0**64
 
 @dataclasses.dataclass
 class DataConfig:
-    path: str = setting("stdlib", "corpus: 'stdlib', a directory of text files or a .jsonl file",
+    path: str = setting("stdlib", "corpus: 'stdlib', a directory of text files, a .jsonl file, "
+                                  "Parquet files or a Hugging Face dataset saved to disk",
                         flag="data")
+    tokenizer: str | None = setting(None, f"tokenizer: {TOKENIZER_HELP}; sets the model's "
+                                          f"vocabulary (default: bytes; bpe:50257 with --model "
+                                          f"gpt2)")
+    text_column: str = setting("text", "the field holding the text (JSONL, Parquet, datasets)")
+    split: str | None = setting(None, "the split of a Hugging Face DatasetDict saved to disk "
+                                      "(default: train, or its only split)", flag="data_split")
+    tokenize_batch_mb: float = setting(64.0, "megabytes of text tokenized at once when a corpus "
+                                             "is first read: the memory tokenizing takes",
+                                       above=0)
     seq_len: int | None = setting(None, "training sequence length (default: the model context)",
                                   at_least=1)
     batching: str = setting("fixed", "batching strategy: fixed padding, dynamic padding, length "
@@ -742,17 +753,32 @@ def build(cls=None, values: dict | None = None):
         kind, _, _, choices = table[path]
         section, _, name = path.partition(".")
         by_section[section][name] = _coerce(path, value, kind, choices)
-    sections = {}
+    sections, model_given = {}, dict(by_section.get("model", {}))
     for section, section_cls in _sections(cls).items():
         given = by_section[section]
         if section_cls is ModelConfig:
             sections[section] = preset(given.pop("preset", None) or "tiny", **given)
         else:
             sections[section] = section_cls(**given)
+    if "model" in sections and "data" in sections:        # the tokenizer sets the vocabulary
+        sections["data"], sections["model"] = _match_vocab(sections["data"], sections["model"],
+                                                           model_given)
     if "model" in sections and "precision" in sections:   # fp8 matmuls follow the policy
         fp8 = get_policy(sections["precision"].policy).fp8
         sections["model"] = dataclasses.replace(sections["model"], fp8=fp8)
     return cls(**sections)
+
+
+def _match_vocab(data: "DataConfig", model: ModelConfig, given: dict):
+    """The data section with its tokenizer resolved (the preset's when none is given: bytes, or
+    bpe:50257 for gpt2) and the model with that tokenizer's padded vocabulary. A config file's
+    own vocab_size is kept if the tokenizer's fits in it."""
+    spec = data.tokenizer or PRESET_TOKENIZERS.get(given.get("preset") or "tiny", "bytes")
+    vocab = tokenizer_vocab(spec)
+    if given.get("vocab_size", 0) >= vocab:
+        vocab = given["vocab_size"]
+    return (dataclasses.replace(data, tokenizer=spec),
+            dataclasses.replace(model, vocab_size=vocab))
 
 
 def override(cfg, values: dict):

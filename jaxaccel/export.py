@@ -8,7 +8,10 @@ one):
   first), buffers included under their own names (``fp8_amax``, bool ``nm_mask``,
   ``token_drop.token_loss``: state the forward reads or training keeps, not trained weights),
   and ``config.json`` = the ModelConfig's fields, ``"format": "jaxaccel"``, the step and the
-  tokenizer. ``jaxaccel.model`` runs it as it is.
+  tokenizer's ids. ``jaxaccel.model`` runs it as it is.
+
+Both write the run's tokenizer file beside them (``tokenizer.json`` or ``tokenizer.model``)
+when it was not trained on bytes.
 - ``llama``: Hugging Face's ``LlamaForCausalLM`` layout (``model.layers.{i}.self_attn.q_proj
   .weight`` ... as torch Linear weights [out, in], safetensors metadata ``format: pt`` as
   ``transformers`` requires) and its ``config.json``. Only for a model whose evaluation forward
@@ -41,7 +44,7 @@ import numpy as np
 
 from jaxaccel.errors import ConfigError
 from jaxaccel.report import dump_json
-from jaxaccel.tokenizer import BOS_ID, BYTE_OFFSET, EOS_ID, PAD_ID, ByteTokenizer
+from jaxaccel.tokenizer import BYTE_OFFSET, RUN_FILES, from_run as tokenizer_from_run
 
 FORMATS = ("auto", "native", "llama")
 WEIGHTS = "model.safetensors"
@@ -153,15 +156,18 @@ def llama_tensors(cfg, params) -> dict[str, np.ndarray]:
     return out
 
 
-def tokenizer_record() -> dict:
-    """The byte tokenizer the model was trained with, for config.json."""
-    tok = ByteTokenizer()
-    return {"name": "jaxaccel.tokenizer.ByteTokenizer", "vocab_size": tok.vocab_size,
-            "padded_vocab_size": tok.padded_vocab_size, "pad_token_id": PAD_ID,
-            "bos_token_id": BOS_ID, "eos_token_id": EOS_ID, "byte_offset": BYTE_OFFSET}
+def tokenizer_record(tok) -> dict:
+    """The tokenizer the model was trained with, for config.json: bytes, or the file written
+    beside the weights (``tokenizer.RUN_FILES``)."""
+    record = {"name": type(tok).__name__, "vocab_size": tok.vocab_size,
+              "padded_vocab_size": tok.padded_vocab_size, "pad_token_id": tok.pad_id,
+              "bos_token_id": tok.bos_id, "eos_token_id": tok.eos_id}
+    if tok.kind == "bytes":
+        return {**record, "name": "jaxaccel.tokenizer.ByteTokenizer", "byte_offset": BYTE_OFFSET}
+    return {**record, "file": RUN_FILES[tok.kind], "fingerprint": tok.fingerprint}
 
 
-def llama_config(cfg, step: int) -> dict:
+def llama_config(cfg, step: int, tok) -> dict:
     """HF ``LlamaConfig`` fields of the model, plus our step and tokenizer under ``jaxaccel``."""
     return {
         "architectures": ["LlamaForCausalLM"], "model_type": "llama",
@@ -171,15 +177,15 @@ def llama_config(cfg, step: int) -> dict:
         "vocab_size": cfg.vocab_size, "max_position_embeddings": cfg.max_seq_len,
         "rms_norm_eps": RMS_EPS, "rope_theta": cfg.rope_base, "hidden_act": "silu",
         "tie_word_embeddings": False, "attention_bias": False, "mlp_bias": False,
-        "torch_dtype": "float32", "bos_token_id": BOS_ID, "eos_token_id": EOS_ID,
-        "pad_token_id": PAD_ID, "jaxaccel": {"step": step, "tokenizer": tokenizer_record()},
+        "torch_dtype": "float32", "bos_token_id": tok.bos_id, "eos_token_id": tok.eos_id,
+        "pad_token_id": tok.pad_id, "jaxaccel": {"step": step, "tokenizer": tokenizer_record(tok)},
     }
 
 
-def native_config(cfg, step: int) -> dict:
+def native_config(cfg, step: int, tok) -> dict:
     """The ModelConfig's fields, the format, the step and the tokenizer."""
     return {**dataclasses.asdict(cfg), "format": "jaxaccel", "step": step,
-            "tokenizer": tokenizer_record()}
+            "tokenizer": tokenizer_record(tok)}
 
 
 def model_config_of(config: dict):
@@ -268,7 +274,7 @@ def check_out_dir(out_dir: str, overwrite: bool):
         raise ConfigError(f"out {out_dir} is a file; pass a folder", field="out")
     if os.path.isdir(out_dir) and os.listdir(out_dir) and not overwrite:
         raise ConfigError(f"out {out_dir} is not empty; pass a new or empty folder, or "
-                          f"set overwrite to replace its {WEIGHTS} and {CONFIG}", field="out")
+                          f"set overwrite to replace its {WEIGHTS}, {CONFIG} and tokenizer file", field="out")
     check_writable("out", out_dir, may_create=True)
 
 
@@ -327,10 +333,10 @@ def read_back(out_dir: str, tensors: dict[str, np.ndarray], config: dict):
     return read, config_read
 
 
-def check_logits(cfg, params, forward, read, config_read, out_dir) -> float:
+def check_logits(cfg, params, forward, read, config_read, out_dir, tok) -> float:
     """The largest difference between our model's logits and ``forward``'s from the files;
     ExportCheckError beyond the tolerance."""
-    real_ids = min(cfg.vocab_size, ByteTokenizer.vocab_size)
+    real_ids = min(cfg.vocab_size, tok.vocab_size)
     ids_T = np.random.default_rng(0).integers(BYTE_OFFSET, real_ids,
                                               min(CHECK_TOKENS, cfg.max_seq_len))
     expected_TV = our_logits(cfg, params, ids_T)
@@ -359,16 +365,18 @@ def export(run_dir: str, out_dir: str, format: str = "auto", *,
         refuse_llama(trained)
     check_out_dir(out_dir, overwrite)
     cfg, params, step = load_run(run_dir)
+    tok = tokenizer_from_run(run_dir)
     chosen = format if format != "auto" else ("native" if blocker(cfg) else "llama")
     if chosen == "llama":
-        tensors, config = llama_tensors(cfg, params), llama_config(cfg, step)
+        tensors, config = llama_tensors(cfg, params), llama_config(cfg, step, tok)
         metadata, forward = {"format": "pt"}, llama_forward
     else:
-        tensors, config = flatten(params), native_config(cfg, step)
+        tensors, config = flatten(params), native_config(cfg, step, tok)
         metadata, forward = {"format": "jaxaccel"}, native_forward
     write_files(out_dir, tensors, config, metadata)
+    tok.save(out_dir)
     read, config_read = read_back(out_dir, tensors, config)
-    diff = check_logits(cfg, params, forward, read, config_read, out_dir)
+    diff = check_logits(cfg, params, forward, read, config_read, out_dir, tok)
     return Exported(out_dir=out_dir, format=chosen, step=step, tensors=len(tensors),
                     bytes=os.path.getsize(os.path.join(out_dir, WEIGHTS)), max_logit_diff=diff)
 

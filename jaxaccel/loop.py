@@ -31,11 +31,11 @@ from jaxaccel.checkpoint import Checkpointer
 from jaxaccel.compiled import CompiledFn, abstract, largest_memory_bytes
 from jaxaccel.config import TrainConfig, build, check_json_outputs, check_writable, field_value, \
     override, read_config_file, stop_step, to_dict, write_config
-from jaxaccel.corpus import load_corpus, skipped_inputs
+from jaxaccel.corpus import from_config as load_corpus, skipped_inputs
 from jaxaccel.data import DataStream, batches
 from jaxaccel.errors import ConfigError
 from jaxaccel.loader import DevicePrefetcher, abstract_batch, place_batch
-from jaxaccel.metrics import (BITS_PER_NAT, MetricsWriter, plot_loss_curve, read_metrics,
+from jaxaccel.metrics import (MetricsWriter, plot_loss_curve, read_metrics,
                               truncate_metrics)
 from jaxaccel.model import count_params, describe_model, flops_per_token, init_params, make_apply
 from jaxaccel.optim import build_optimizer, state_bytes
@@ -252,9 +252,16 @@ def set_up(cfg: TrainConfig, mesh, mesh_shape) -> Setup:
             field="data.batch_size")
     began = time.perf_counter()
     run_dir = resolve_run_dir(cfg)
-    corpus = load_corpus(cfg.data.path, cache_dir=cfg.data.cache_dir)
+    corpus = load_corpus(cfg.data)
     startup = {"corpus": time.perf_counter() - began}
+    if corpus.tokenizer.vocab_size > cfg.model.vocab_size:
+        raise ConfigError(f"tokenizer {cfg.data.tokenizer} has {corpus.tokenizer.vocab_size} ids, "
+                          f"more than the model's vocab_size={cfg.model.vocab_size}; leave "
+                          f"vocab_size out of the config file (the tokenizer sets it)",
+                          field="model.vocab_size")
     os.makedirs(run_dir, exist_ok=True)
+    if jax.process_index() == 0:
+        corpus.tokenizer.save(run_dir)          # the run keeps the tokenizer it trains with
 
     stream_args = stream_settings(cfg, multiple)
     stream = open_stream(cfg, corpus.train, stream_args)
@@ -603,6 +610,7 @@ def run_steps(run: Setup, steps: Steps, should_stop=None, previous: Progress | N
     ``wall_start`` (when ``train`` began)."""
     cfg = run.cfg
     state = run.state
+    train_bits = run.corpus.bits_per_byte(1.0, "train")    # bits per byte of a nat per token
     start = int(state.step)
     end = min(stacking.stage_end(start, run.total_steps, run.stack_ends), run.stop_step)
     if previous is None:
@@ -649,7 +657,7 @@ def run_steps(run: Setup, steps: Steps, should_stop=None, previous: Progress | N
             step, metrics = late.pop()
             jax.block_until_ready(metrics[-1])
             history.extend(_log_window(writer, step, metrics, totals, watch.elapsed(),
-                                       progress))
+                                       progress, train_bits))
 
     def save(step):
         log_late()
@@ -684,7 +692,8 @@ def run_steps(run: Setup, steps: Steps, should_stop=None, previous: Progress | N
                 log_late()
                 loss, tokens = run_eval(run, steps, state, writer, done, cfg.run.eval_batches)
                 announce(cfg, f"eval at step {done}: loss {loss:.4f}, "
-                              f"{loss * BITS_PER_NAT:.3f} bits per byte over {tokens:,} tokens",
+                              f"{run.corpus.bits_per_byte(loss):.3f} bits per byte over "
+                              f"{tokens:,} tokens",
                          progress)
                 watch.start()
             stop = received.get("signum") or (should_stop is not None and should_stop(done)
@@ -704,7 +713,7 @@ def run_steps(run: Setup, steps: Steps, should_stop=None, previous: Progress | N
         log_late()
         if window:
             history += _log_window(writer, int(state.step), window, totals, watch.seconds,
-                                   progress)
+                                   progress, train_bits)
         save(int(state.step))
     final_position = position()
     if profiler is not None:
@@ -762,7 +771,8 @@ def run_eval(run: Setup, steps: Steps, state, writer, step: int, max_batches):
     loss, tokens = evaluate(steps.eval, state, run.corpus.val, seq_len=run.cfg.seq_len,
                             batch_size=run.eval_batch_size, max_batches=max_batches,
                             sharding=run.batch_layout)
-    writer.write(step, "eval", {"loss": loss, "bpb": loss * BITS_PER_NAT, "tokens": tokens})
+    writer.write(step, "eval", {"loss": loss, "bpb": run.corpus.bits_per_byte(loss),
+                                "tokens": tokens})
     return loss, tokens
 
 
@@ -912,8 +922,10 @@ def announce(cfg: TrainConfig, line: str, progress=None):
         print(line, flush=True)
 
 
-def _log_window(writer, step, window, totals, seconds, progress) -> list[tuple[float, float]]:
+def _log_window(writer, step, window, totals, seconds, progress, bits_per_nat: float
+                ) -> list[tuple[float, float]]:
     """Write the mean metrics of the last steps; return their (loss, tokens) per step.
+    ``bits_per_nat`` turns a loss per target token into bits per byte of the train text.
 
     ``totals`` counts the run's real tokens and token positions so far (of the global batches,
     as the step's metrics count them); ``seconds`` is the training time so far.
@@ -927,7 +939,7 @@ def _log_window(writer, step, window, totals, seconds, progress) -> list[tuple[f
     tokens_per_s = totals["real"] / max(seconds, 1e-9)
     loss = float(np.sum(losses * tokens) / max(tokens.sum(), 1.0))
     record = {
-        "loss": loss, "bpb": loss * BITS_PER_NAT,
+        "loss": loss, "bpb": loss * bits_per_nat,
         "grad_norm": float(fetched[-1]["grad_norm"]),
         "update_norm": float(fetched[-1]["update_norm"]),
         "loss_scale": float(fetched[-1]["loss_scale"]),
@@ -966,7 +978,7 @@ def finish(run: Setup, compiled: list, progress: Progress, wall_start: float,
                                         cfg.run.final_eval_batches)
     progress.writer.close()
     run.checkpointer.close()
-    unigram_bpb = run.corpus.unigram_bits_per_token()
+    unigram_bpb = run.corpus.unigram_bits_per_byte()
     if jax.process_index() == 0:
         plot_loss_curve(read_metrics(progress.writer.path), os.path.join(run.run_dir, "loss.png"),
                         unigram_bpb=unigram_bpb,
@@ -993,9 +1005,10 @@ def finish(run: Setup, compiled: list, progress: Progress, wall_start: float,
         startup_s={k: round(v, 3) for k, v in run.startup.items()} or None,
         profile=dataclasses.asdict(progress.profile) if progress.profile else None,
         data_wait_s=progress.data_wait_s,
-        train_bpb=_recent_bpb(run.restored_history + progress.history, final_step),
+        train_bpb=_recent_bpb(run.restored_history + progress.history, final_step,
+                              run.corpus.bits_per_byte(1.0, "train")),
         val_loss=val_loss,
-        val_bpb=val_loss * BITS_PER_NAT, val_tokens=val_tokens, unigram_bpb=unigram_bpb,
+        val_bpb=run.corpus.bits_per_byte(val_loss), val_tokens=val_tokens, unigram_bpb=unigram_bpb,
         real_tokens_per_s=tokens_per_s, flops_per_token=flops_token,
         achieved_flops_per_s=tokens_per_s * flops_token,
         mfu=tokens_per_s * flops_token / peak if peak else None,
@@ -1104,7 +1117,7 @@ def recent_steps(steps: int) -> int:
     return max(1, steps // 10)
 
 
-def _recent_bpb(history: list[tuple[float, float]], steps: int) -> float:
+def _recent_bpb(history: list[tuple[float, float]], steps: int, bits_per_nat: float) -> float:
     """Token-weighted training bits per byte over the last tenth of the run's ``steps`` (at
     least one); ``history`` holds the (loss, real tokens) of the steps before the last, a
     resumed run's starting with those its checkpoint kept, so a resumed run reports what an
@@ -1113,5 +1126,5 @@ def _recent_bpb(history: list[tuple[float, float]], steps: int) -> float:
         return float("nan")
     recent = history[-recent_steps(steps):]
     loss = sum(l * t for l, t in recent) / max(sum(t for _, t in recent), 1.0)
-    return loss * BITS_PER_NAT
+    return loss * bits_per_nat
 

@@ -200,7 +200,12 @@ PRESETS = {
     "tiny": ModelConfig(d_model=256, n_layers=4, n_heads=4, max_seq_len=256),
     "small": ModelConfig(d_model=768, n_layers=12, n_heads=12, max_seq_len=1024, mlp="gelu"),
     "medium": ModelConfig(d_model=1024, n_layers=24, n_heads=16, max_seq_len=1024, mlp="gelu"),
+    # GPT-2 124M: small's shape with GPT-2's vocabulary size, 50,257 padded to 50,304.
+    "gpt2": ModelConfig(vocab_size=50304, d_model=768, n_layers=12, n_heads=12, max_seq_len=1024,
+                        mlp="gelu"),
 }
+# The tokenizer a preset trains with unless one is given (else bytes).
+PRESET_TOKENIZERS = {"gpt2": "bpe:50257"}
 
 
 def describe_model(cfg: ModelConfig) -> str:

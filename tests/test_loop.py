@@ -38,7 +38,8 @@ def small_config(corpus_path, tmp_path, name="run", **overrides):
                  lr_scaling="optimizer.lr_scaling", base_batch_size="optimizer.base_batch_size",
                  accumulate="optimizer.accumulate", optimizer_state_dtype="optimizer.state_dtype",
                  precision="precision.policy", loss_scale_init="precision.init_scale",
-                 loss_scale_growth_interval="precision.growth_interval")
+                 loss_scale_growth_interval="precision.growth_interval",
+                 tokenizer="data.tokenizer")
     return build(values={**values, **{paths[k]: v for k, v in overrides.items()}})
 
 
@@ -208,7 +209,7 @@ def test_every_shape_compiles_in_warm_up_and_never_after(strategy, extra, corpus
 
 @pytest.mark.parametrize("strategy,extra", [
     ("pack", {}),
-    ("bucket", dict(buckets=3, pad_multiple=8)),
+    ("bucket", dict(buckets=3, pad_multiple=8, tokenizer="bpe:300")),   # mid-epoch, BPE ids
 ])
 def test_resume_is_bitwise_with_other_strategies(strategy, extra, corpus_path, tmp_path):
     make = lambda name, **kw: small_config(corpus_path, tmp_path, name, batching=strategy,

@@ -2,8 +2,11 @@
 and metrics.jsonl consistent with the checkpoint a killed run resumes from."""
 
 import json
+import math
 import os
 import shutil
+
+import pytest
 
 from experiments import train as train_cli
 from jaxaccel.metrics import read_metrics, truncate_metrics
@@ -181,3 +184,33 @@ def test_a_checkpoint_that_cannot_be_written_is_one_line_and_keeps_the_last(
         steps = [json.loads(line)["step"] for line in open(run_dir / "metrics.jsonl")
                  if json.loads(line)["kind"] == "train"]
         assert steps == sorted(set(steps)) and steps[-1] == 8, steps
+
+
+def test_a_bpe_run_keeps_its_tokenizer_reports_bits_per_byte_and_resumes(corpus_path, tmp_path,
+                                                                        capsys):
+    import yaml
+    from jaxaccel.corpus import load_corpus
+    from jaxaccel.export import export
+    run_dir, summary_path = tmp_path / "run", tmp_path / "s.json"
+    base = [*SMALL, "--data", corpus_path, "--tokenizer", "bpe:300", "--steps", "4",
+            "--checkpoint-every", "2", "--run-dir", str(run_dir), "--cache-dir",
+            str(tmp_path / "cache"), "--json", str(summary_path)]
+    assert train_cli.main([*base, "--stop-at", "2"]) == 0
+    config = yaml.safe_load((run_dir / "config.yaml").read_text())
+    assert config["data"]["tokenizer"] == "bpe:300" and config["model"]["vocab_size"] == 384
+    assert (run_dir / "tokenizer.json").stat().st_size > 1000
+    assert train_cli.main([*base, "--resume"]) == 0
+    summary = json.loads(summary_path.read_text())
+    corpus = load_corpus(corpus_path, tokenizer="bpe:300", cache_dir=str(tmp_path / "cache"))
+    ratio = corpus.stats["val_targets"] / corpus.stats["val_text_bytes"]
+    assert summary["steps"] == 4 and summary["val_bpb"] > 0
+    assert summary["val_bpb"] == pytest.approx(summary["val_loss"] * ratio / math.log(2))
+    assert summary["unigram_bpb"] == pytest.approx(corpus.unigram_bits_per_byte())
+    exported = export(str(run_dir), str(tmp_path / "out"))
+    config = json.loads((tmp_path / "out" / "config.json").read_text())
+    assert exported.step == 4 and (tmp_path / "out" / "tokenizer.json").is_file()
+    assert config["jaxaccel"]["tokenizer"]["fingerprint"] == corpus.tokenizer.fingerprint
+    capsys.readouterr()
+    assert train_cli.main([*base, "--resume", "--tokenizer", "bpe:290"]) == 2
+    err = capsys.readouterr().err.strip().splitlines()
+    assert len(err) == 1 and "data.corpus_fingerprint=" in err[0], err
