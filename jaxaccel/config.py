@@ -211,7 +211,7 @@ class DataConfig:
     text_column: str = setting("text", "the field holding the text (JSONL, Parquet, datasets)")
     split: str | None = setting(None, "the split of a Hugging Face DatasetDict saved to disk "
                                       "(default: train, or its only split)", flag="data_split")
-    tokenize_batch_mb: float = setting(64.0, "megabytes of text tokenized at once when a corpus "
+    tokenize_batch_mb: float = setting(16.0, "megabytes of text tokenized at once when a corpus "
                                              "is first read: the memory tokenizing takes",
                                        above=0)
     seq_len: int | None = setting(None, "training sequence length (default: the model context)",

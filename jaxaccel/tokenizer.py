@@ -39,6 +39,7 @@ BYTE_OFFSET = 3
 NUM_BYTES = 256
 SUBWORD_PAD_MULTIPLE = 128
 MAX_VOCAB = 2**31 - 1          # ids are int32 in a Batch
+ENCODE_CHUNK_BYTES = 4 << 20   # text a subword tokenizer encodes at once (its memory, not ours)
 TOKENIZER_HELP = ("bytes, a tokenizer.json (Hugging Face tokenizers) or SentencePiece .model "
                   "file, or bpe:N (a byte-level BPE of N tokens trained on the training split)")
 # The names a tokenizer file's special tokens go by, most specific first.
@@ -144,8 +145,22 @@ class _FileTokenizer:
 
     def encode_documents(self, docs: list[bytes]) -> tuple[np.ndarray, np.ndarray]:
         """All ``docs`` as BOS + ids + EOS back to back: (int32 tokens, int64 lengths [N]),
-        encoded on every core."""
-        encoded = self._encode_texts([_as_text(doc) for doc in docs])
+        encoded on every core, ``ENCODE_CHUNK_BYTES`` of text at a time: the library's
+        per-token objects for a whole batch would take several times its text in memory."""
+        parts, chunk, size = [], [], 0
+        for n, doc in enumerate(docs):
+            chunk.append(_as_text(doc))
+            size += len(doc)
+            if size >= ENCODE_CHUNK_BYTES or n == len(docs) - 1:
+                parts.append(self._frame(self._encode_texts(chunk)))
+                chunk, size = [], 0
+        if not parts:
+            return np.zeros(0, np.int32), np.zeros(0, np.int64)
+        return (np.concatenate([tokens for tokens, _ in parts]),
+                np.concatenate([lengths for _, lengths in parts]))
+
+    def _frame(self, encoded: list[list[int]]) -> tuple[np.ndarray, np.ndarray]:
+        """The encoded documents as BOS + ids + EOS back to back, and their lengths."""
         lengths_N = np.array([len(ids) + 2 for ids in encoded], dtype=np.int64)
         tokens = np.empty(int(lengths_N.sum()), dtype=np.int32)
         ends = np.cumsum(lengths_N)

@@ -1,0 +1,615 @@
+"""Corpus scale: tokenize gigabytes of text once, then feed packed batches from the memory map.
+
+    python -m experiments.corpus_scale                     # 2048 MB of text, bytes and bpe:32768
+    python -m experiments.corpus_scale --corpus-mb 100 --tokenizers bytes,bpe:32768 --json cs.json
+    python -m experiments.corpus_scale --work-dir runs/cs --keep    # keep the text and caches
+
+Issue 18's targets: tokenizing at >= 20 MB of text per second with ``tokenizers`` on a 2-core
+machine with a peak resident memory <= 1.5 GB for a 2 GB corpus; the loader at >= 5 M real
+tokens/s per core from memory-mapped tokens with packing. MB is 2^20 bytes, GB 2^30.
+
+1. Corpus: ``--corpus-mb`` of JSONL (one ``{"text": ...}`` per line) in ``--work-dir``, made of
+   the standard library's Python files (site-packages and __pycache__ left out), cut into
+   documents at top-level definitions, repeated until the file is that large. Every copy is
+   perturbed so that no two are alike: in each file a seeded random choice of identifiers is
+   renamed and comment lines naming the copy are inserted (numpy RNG seeded by ``--seed``, the
+   copy and the file: deterministic). It is written streaming, and reused when a kept one of
+   the same size and seed is there (``corpus.meta.json`` beside it).
+2. Tokenizing: for each of ``--tokenizers``, ``jaxaccel.corpus.load_corpus`` reads the JSONL
+   into a fresh cache folder in a fresh process, ``--tokenize-batch-mb`` of text at a time. A
+   ``bpe:N`` is first trained on ``--bpe-data`` (the stdlib) alone, in its own process, and
+   cached in ``--cache-dir``; the big corpus is then tokenized with that tokenizer.json, since
+   training a BPE on gigabytes is not what is measured. A row reports the seconds inside
+   ``load_corpus`` (read, encode, write, index), MB of text per second, the cores it kept busy
+   (CPU seconds / seconds), tokens, bytes of text per target token, the process's peak
+   resident memory (its own ``ru_maxrss``) and the cache's size on disk; ``bpe train s`` is
+   training the tokenizer and tokenizing ``--bpe-data`` with it (n/a: read from the cache).
+3. Loader: the cached corpus is opened again (memory-mapped tokens) and
+   ``DataStream(train, strategy="pack", seq_len=--seq-len, batch_size=--batch-size)`` makes
+   ``--loader-batches`` batches on one thread; real tokens are the sum of ``weights``. ``plan
+   s`` is building the stream and its epoch statistics (lengths only, no token read). Three
+   passes over the same batches: ``mmap, cold`` after asking the kernel to drop the token
+   file's cached pages (fsync + ``POSIX_FADV_DONTNEED``; a virtual machine's host may still
+   cache them), ``mmap, warm`` (the pages the first pass read are cached) and ``memory``: the
+   same documents in an in-memory array (``np.array(tokens)`` when it takes at most a quarter
+   of the available memory, else only the documents the batches read, copied into a compact
+   array; the plan is the same). ``vs memory`` is a pass's tokens/s over the memory pass's.
+
+The tables print the targets beside the measurements; ``--json`` writes the rows (``part``:
+tokenize or loader) with the sizes, settings, command and environment. The tokenized caches
+(gigabytes) are deleted after measuring, and the generated text with them, unless ``--keep``;
+a corpus reused from an earlier run is left as it was. Ctrl-C stops the whole experiment (the
+tokenizing process too) and cleans up the same way.
+"""
+
+import builtins
+import dataclasses
+import json
+import keyword
+import os
+import re
+import shlex
+import shutil
+import subprocess
+import sys
+import sysconfig
+import time
+
+import numpy as np
+
+from experiments.common import (check_stop, command, environment, parse_list,
+                                passing_signals_to, print_table, write_json)
+from jaxaccel.config import check_writable, parse, setting
+from jaxaccel.corpus import Documents, load_corpus
+from jaxaccel.data import DataStream
+from jaxaccel.errors import ConfigError
+from jaxaccel.tokenizer import parse_spec
+
+MB, GB = 2**20, 2**30
+TOKENIZE_MB_PER_S = 20.0            # issue 18's targets
+TOKENIZE_PEAK_BYTES = 1.5 * GB
+TARGET_CORPUS_MB = 2048
+LOADER_TOKENS_PER_S = 5e6           # per core: the loader runs on one thread
+CORPUS_FORMAT = 1                   # of the generated corpus: a change regenerates it
+REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+
+
+@dataclasses.dataclass
+class CorpusScaleSettings:
+    corpus_mb: float = setting(float(TARGET_CORPUS_MB), "size of the generated JSONL corpus in "
+                                                        "MB (2^20 bytes)", above=0)
+    work_dir: str | None = setting(None, "folder for the generated corpus and the tokenized "
+                                         "caches (default: runs/corpus-scale-DATE); pass one "
+                                         "with --keep to reuse the corpus")
+    tokenizers: str = setting("bytes,bpe:32768", "comma-separated tokenizers (as --tokenizer "
+                                                 "takes); a bpe:N is trained on --bpe-data")
+    bpe_data: str = setting("stdlib", "the corpus bpe:N tokenizers are trained on (as --data "
+                                      "takes)")
+    cache_dir: str | None = setting(None, "where the trained bpe:N tokenizers are cached "
+                                          "(default: $JAXACCEL_CACHE_DIR, else "
+                                          "~/.cache/jaxaccel)")
+    tokenize_batch_mb: float = setting(16.0, "MB of text tokenized at once (the memory "
+                                             "tokenizing takes)", above=0)
+    seq_len: int = setting(1024, "tokens per packed row", at_least=1)
+    batch_size: int = setting(16, "rows per batch", at_least=1)
+    loader_batches: int = setting(500, "batches each loader pass makes (at most one epoch)",
+                                  at_least=1)
+    seed: int = setting(0, "seed of the corpus's perturbations and of the batch order")
+    keep: bool = setting(False, "keep the generated corpus and the tokenized caches")
+    json: str | None = setting(None, "also write the rows as JSON to this path")
+
+
+@dataclasses.dataclass
+class CorpusScaleConfig:
+    """What to generate and measure: this experiment trains nothing, so it has only its own
+    section."""
+
+    experiment: CorpusScaleSettings = dataclasses.field(default_factory=CorpusScaleSettings)
+
+
+TOKENIZE_COLUMNS = [
+    ("tokenizer", "tokenizer", ""),
+    ("text_mb", "text MB", ",.1f"),
+    ("documents", "documents", ",d"),
+    ("tokens", "tokens", ",d"),
+    ("bytes_per_token", "bytes/token", ".2f"),
+    ("seconds", "seconds", ".1f"),
+    ("mb_per_s", "MB/s", ".1f"),
+    ("speed_target", ">= 20 MB/s", ""),
+    ("cores_used", "cores busy", ".2f"),
+    ("peak_rss_mb", "peak RSS MB", ",.0f"),
+    ("memory_target", "<= 1.5 GB", ""),
+    ("cache_mb", "cache MB", ",.1f"),
+    ("train_s", "bpe train s", ".1f"),       # training and tokenizing --bpe-data; n/a: cached
+]
+LOADER_COLUMNS = [
+    ("tokenizer", "tokenizer", ""),
+    ("source", "tokens from", ""),
+    ("plan_s", "plan s", ".2f"),
+    ("batches", "batches", ",d"),
+    ("real_tokens", "real tokens", ",d"),
+    ("seconds", "seconds", ".2f"),
+    ("tokens_per_s", "real tok/s", ",.0f"),
+    ("tokens_per_cpu_s", "per CPU s", ",.0f"),
+    ("vs_memory", "vs memory", ".2f"),
+    ("loader_target", ">= 5 M/s/core", ""),
+]
+
+
+# ---------------------------------------------------------------------------------------------
+# 1. The corpus: the stdlib, copied with perturbations.
+
+_IDENTIFIER = re.compile(r"\b[A-Za-z_][A-Za-z0-9_]{3,}\b")
+_RESERVED = frozenset(keyword.kwlist) | frozenset(keyword.softkwlist) | frozenset(dir(builtins))
+_DEFINITION = re.compile(r"\n\n(?=(?:async def |def |class |@))")   # a top-level definition
+_RENAMED = 8            # identifiers renamed per file and copy
+_COMMENT_EVERY = 40     # lines per inserted comment line, on average
+_LETTERS = np.array(list("abcdefghijklmnopqrstuvwxyz"))
+
+
+def stdlib_files() -> list[str]:
+    """The standard library's .py files, sorted, outside site-packages and __pycache__."""
+    root = sysconfig.get_paths()["stdlib"]
+    paths = []
+    for dirpath, dirnames, filenames in os.walk(root):
+        dirnames[:] = sorted(d for d in dirnames if d not in ("site-packages", "__pycache__")
+                             and not os.path.islink(os.path.join(dirpath, d)))
+        paths += [os.path.join(dirpath, f) for f in sorted(filenames) if f.endswith(".py")]
+    return paths
+
+
+def perturb(text: str, names: list[str], copy: int, rng: np.random.Generator) -> str:
+    """``text`` with up to ``_RENAMED`` of its ``names`` renamed (a random suffix each) and a
+    comment line naming the copy inserted about every ``_COMMENT_EVERY`` lines."""
+    if names:
+        chosen = rng.choice(len(names), size=min(_RENAMED, len(names)), replace=False)
+        suffixes = ["".join(s) for s in _LETTERS[rng.integers(0, 26, (len(chosen), 4))]]
+        mapping = {names[i]: f"{names[i]}_{s}" for i, s in zip(chosen.tolist(), suffixes)}
+        pattern = re.compile(r"\b(?:" + "|".join(map(re.escape, mapping)) + r")\b")
+        text = pattern.sub(lambda m: mapping[m.group()], text)
+    lines = text.split("\n")
+    at = np.sort(rng.integers(0, len(lines), 1 + len(lines) // _COMMENT_EVERY)).tolist()
+    tag = int(rng.integers(0, 2**32))
+    pieces, previous = [], 0
+    for p in at:
+        pieces += lines[previous:p]
+        indent = lines[p][: len(lines[p]) - len(lines[p].lstrip())]
+        pieces.append(f"{indent}# copy {copy}: {tag:08x}")
+        previous = p
+    return "\n".join(pieces + lines[previous:])
+
+
+def corpus_meta(target_bytes: int, seed: int) -> dict:
+    """What a generated corpus must match to be reused."""
+    return {"format": CORPUS_FORMAT, "target_bytes": target_bytes, "seed": seed,
+            "python": list(sys.version_info[:3]), "stdlib": sysconfig.get_paths()["stdlib"]}
+
+
+def existing_corpus(path: str, meta_path: str, wanted: dict) -> dict | None:
+    """The meta of a complete corpus at ``path`` generated with ``wanted``'s settings, or None."""
+    try:
+        with open(meta_path) as f:
+            meta = json.load(f)
+        size = os.path.getsize(path)
+    except (OSError, ValueError):
+        return None
+    if any(meta.get(k) != v for k, v in wanted.items()) or meta.get("bytes") != size:
+        return None
+    return meta
+
+
+def generate_corpus(path: str, target_bytes: int, seed: int) -> dict:
+    """Writes ``path`` (JSONL, one document a line) until it holds ``target_bytes``; returns the
+    meta written beside it. Memory is the stdlib's text (about 30 MB) and one file's copy."""
+    files = stdlib_files()
+    if not files:
+        raise ConfigError(f"no .py files under {sysconfig.get_paths()['stdlib']}: this "
+                          f"interpreter has no standard library sources to generate from")
+    sources: dict[int, tuple[str, list[str]]] = {}      # read on first use, then kept
+    tmp = f"{path}.{os.getpid()}.tmp"
+    written = documents = copy = 0
+    began = time.perf_counter()
+    try:
+        with open(tmp, "wb", buffering=8 * MB) as out:
+            while written < target_bytes:
+                for i, file_path in enumerate(files):
+                    if written >= target_bytes:
+                        break
+                    if i not in sources:
+                        with open(file_path, "rb") as f:
+                            text = f.read().decode("utf-8", errors="replace")
+                        sources[i] = (text, sorted(set(_IDENTIFIER.findall(text)) - _RESERVED))
+                    text, names = sources[i]
+                    rng = np.random.default_rng([seed, copy, i])
+                    for doc in _DEFINITION.split(perturb(text, names, copy, rng)):
+                        if not doc.strip():
+                            continue
+                        line = json.dumps({"text": doc}, ensure_ascii=False).encode() + b"\n"
+                        out.write(line)
+                        written += len(line)
+                        documents += 1
+                        if written >= target_bytes:
+                            break
+                    if i % 64 == 0:
+                        check_stop()
+                copy += 1
+        os.replace(tmp, path)
+    finally:
+        if os.path.exists(tmp):
+            os.remove(tmp)
+    return {"bytes": written, "documents": documents, "copies": copy, "stdlib_files": len(files),
+            "generate_s": time.perf_counter() - began}
+
+
+# ---------------------------------------------------------------------------------------------
+# 2. Tokenizing, each in a fresh process.
+
+# The child: load_corpus into a fresh cache, then one JSON line with what it measured. It stops
+# (SIGTERM) with the experiment (PR_SET_PDEATHSIG); a ConfigError is one JSON line too.
+CHILD = r"""
+import ctypes, json, os, resource, signal, sys, time
+try:
+    ctypes.CDLL(None, use_errno=True).prctl(1, signal.SIGTERM)
+except (OSError, AttributeError):
+    pass
+if os.getppid() != int(sys.argv[5]):
+    sys.exit(1)
+from jaxaccel.corpus import load_corpus
+from jaxaccel.errors import ConfigError
+source, spec, cache_dir, batch_mb = sys.argv[1], sys.argv[2], sys.argv[3], float(sys.argv[4])
+began, cpu = time.perf_counter(), time.process_time()     # CPU time of all its threads
+try:
+    corpus = load_corpus(source, tokenizer=spec, cache_dir=cache_dir, tokenize_batch_mb=batch_mb)
+except ConfigError as e:
+    print(json.dumps({"error": str(e)}))
+    sys.exit(2)
+seconds, cpu_s = time.perf_counter() - began, time.process_time() - cpu
+scale = 1 if sys.platform == "darwin" else 1024
+print(json.dumps({"seconds": seconds, "cpu_s": cpu_s,
+                  "peak_rss": resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * scale,
+                  "stats": corpus.stats,
+                  "vocab_size": corpus.tokenizer.vocab_size,
+                  "tokenizer_path": getattr(corpus.tokenizer, "path", None)}))
+"""
+
+
+class ChildFailed(Exception):
+    """A tokenizing process failed for a reason other than bad input."""
+
+
+def run_child(source: str, spec: str, cache_dir: str, batch_mb: float) -> dict:
+    """``load_corpus(source, tokenizer=spec, cache_dir=...)`` in a fresh Python process; what
+    it measured. A signal the experiment gets is passed on to it."""
+    env = {**os.environ,
+           "PYTHONPATH": os.pathsep.join(filter(None, [REPO, os.environ.get("PYTHONPATH")]))}
+    began = time.perf_counter()
+    proc = subprocess.Popen([sys.executable, "-c", CHILD, source, spec, cache_dir, str(batch_mb),
+                             str(os.getpid())], stdout=subprocess.PIPE, stderr=subprocess.PIPE,
+                            text=True, env=env)
+    with passing_signals_to(proc.send_signal):
+        out, err = proc.communicate()
+    check_stop()
+    lines = out.strip().splitlines()
+    try:
+        result = json.loads(lines[-1]) if lines else {}
+    except ValueError:
+        result = {}
+    if "error" in result:
+        raise ConfigError(result["error"])
+    if proc.returncode != 0 or "seconds" not in result:
+        last = (err.strip().splitlines() or ["no output"])[-1]
+        raise ChildFailed(f"tokenizing {source} with {spec} failed (exit code "
+                          f"{proc.returncode}): {last}")
+    result["process_s"] = time.perf_counter() - began
+    return result
+
+
+def folder_bytes(path: str) -> int:
+    """Bytes of the files under ``path``."""
+    return sum(os.path.getsize(os.path.join(d, f)) for d, _, files in os.walk(path)
+               for f in files)
+
+
+def slug(spec: str) -> str:
+    return re.sub(r"[^A-Za-z0-9_.-]+", "-", os.path.basename(spec.rstrip("/")))[-60:]
+
+
+def verdict(met: bool) -> str:
+    return "met" if met else "MISSED"
+
+
+def tokenize_row(exp: CorpusScaleSettings, spec: str, corpus_path: str, cache_dir: str) -> dict:
+    """Trains ``spec`` first if it is a bpe:N, then tokenizes the corpus with it into the fresh
+    ``cache_dir``; the table row."""
+    kind, _ = parse_spec(spec)
+    tokenizer, train, reused = spec, None, False
+    if kind == "bpe":
+        cache = bpe_cache(exp)
+        before = set(os.listdir(cache)) if os.path.isdir(cache) else set()
+        print(f"training {spec} on {exp.bpe_data} (or reading it from the cache {cache}) ...",
+              flush=True)
+        train = run_child(exp.bpe_data, spec, cache, exp.tokenize_batch_mb)
+        tokenizer = train["tokenizer_path"]
+        reused = os.path.basename(tokenizer) in before
+    shutil.rmtree(cache_dir, ignore_errors=True)
+    print(f"tokenizing {corpus_path} with {spec} ...", flush=True)
+    result = run_child(corpus_path, tokenizer, cache_dir, exp.tokenize_batch_mb)
+    stats = result["stats"]
+    text = stats["train_text_bytes"] + stats["val_text_bytes"]
+    docs = stats["train_documents"] + stats["val_documents"]
+    tokens = stats["train_tokens"] + stats["val_tokens"]
+    mb_per_s = text / MB / result["seconds"]
+    return {
+        "part": "tokenize",
+        "tokenizer": spec,
+        "tokenizer_file": None if kind == "bytes" else tokenizer,
+        "vocab_size": result["vocab_size"],
+        "text_mb": text / MB,
+        "documents": docs,
+        "tokens": tokens,
+        "bytes_per_token": text / (tokens - docs),        # per target token (BOS is none)
+        "seconds": result["seconds"],
+        "process_s": result["process_s"],
+        "mb_per_s": mb_per_s,
+        "cpu_s": result["cpu_s"],
+        "cores_used": result["cpu_s"] / result["seconds"],
+        "peak_rss_mb": result["peak_rss"] / MB,
+        "cache_mb": folder_bytes(cache_dir) / MB,
+        "cache_dir": cache_dir,
+        "speed_target": verdict(mb_per_s >= TOKENIZE_MB_PER_S),
+        "memory_target": verdict(result["peak_rss"] <= TOKENIZE_PEAK_BYTES),
+        "train_s": train["seconds"] if train and not reused else None,    # None: cached
+        "train_peak_rss_mb": train["peak_rss"] / MB if train and not reused else None,
+        "tokenizer_cached": reused,
+    }
+
+
+def bpe_cache(exp: CorpusScaleSettings) -> str:
+    return os.path.expanduser(exp.cache_dir or os.environ.get("JAXACCEL_CACHE_DIR")
+                              or "~/.cache/jaxaccel")
+
+
+# ---------------------------------------------------------------------------------------------
+# 3. The loader: memory-mapped tokens against the same tokens in memory.
+
+class _Reading(Documents):
+    """Documents that note which ones were read (to copy only those into memory)."""
+
+    def __init__(self, documents: Documents):
+        super().__init__(documents.tokens, documents.starts, documents.lengths)
+        self.read: set[int] = set()
+
+    def __getitem__(self, i):
+        if not isinstance(i, slice):
+            self.read.add(int(i))
+        return super().__getitem__(i)
+
+
+def loader_pass(documents, exp: CorpusScaleSettings) -> dict:
+    """Plans an epoch of packed batches and makes the first ``loader_batches`` on this thread."""
+    began = time.perf_counter()
+    stream = DataStream(documents, strategy="pack", seq_len=exp.seq_len,
+                        batch_size=exp.batch_size, seed=exp.seed)
+    stats = stream.stats
+    plan_s = time.perf_counter() - began
+    count = min(exp.loader_batches, stats["batches_per_epoch"])
+    real = 0.0
+    began, cpu = time.perf_counter(), time.process_time()
+    for i in range(count):
+        real += float(next(stream)["weights"].sum(dtype=np.float64))
+        if i % 32 == 0:
+            check_stop()
+    seconds, cpu_s = time.perf_counter() - began, time.process_time() - cpu
+    return {"plan_s": plan_s, "batches": count, "real_tokens": int(real), "seconds": seconds,
+            "tokens_per_s": real / seconds, "tokens_per_cpu_s": real / max(cpu_s, 1e-9),
+            "batches_per_epoch": stats["batches_per_epoch"],
+            "padding_efficiency": stats["padding_efficiency"]}
+
+
+def drop_cached_pages(path: str) -> bool:
+    """Asks the kernel to drop ``path``'s pages from its page cache (written back first); False
+    where there is no posix_fadvise."""
+    if not hasattr(os, "posix_fadvise"):
+        return False
+    fd = os.open(path, os.O_RDONLY)
+    try:
+        os.fsync(fd)
+        os.posix_fadvise(fd, 0, 0, os.POSIX_FADV_DONTNEED)
+    finally:
+        os.close(fd)
+    return True
+
+
+def available_memory() -> int:
+    """Bytes of memory available without swapping (MemAvailable), or all physical memory."""
+    try:
+        with open("/proc/meminfo") as f:
+            for line in f:
+                if line.startswith("MemAvailable:"):
+                    return int(line.split()[1]) * 1024
+    except OSError:
+        pass
+    return os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
+
+
+def in_memory(train: Documents, exp: CorpusScaleSettings) -> tuple[Documents, str]:
+    """``train``'s documents backed by an in-memory array: the whole token array if it takes at
+    most a quarter of the available memory, else only the documents the measured batches read
+    (found by an untimed pass), in a compact array; and which it is."""
+    tokens = train.tokens
+    if tokens.nbytes <= available_memory() // 4:
+        return Documents(np.array(tokens), train.starts, train.lengths), "memory"
+    reading = _Reading(train)
+    stream = DataStream(reading, strategy="pack", seq_len=exp.seq_len,
+                        batch_size=exp.batch_size, seed=exp.seed)
+    for _ in range(min(exp.loader_batches, stream.batches_per_epoch)):
+        next(stream)
+    read = np.array(sorted(reading.read), dtype=np.int64)
+    lengths = train.lengths[read]
+    offsets = np.cumsum(lengths) - lengths
+    compact = np.empty(int(lengths.sum()), dtype=tokens.dtype)
+    for doc, offset, length in zip(read.tolist(), offsets.tolist(), lengths.tolist()):
+        compact[offset : offset + length] = train[doc]
+    starts = np.zeros(len(train), dtype=np.int64)     # documents never read: never sliced
+    starts[read] = offsets
+    return Documents(compact, starts, train.lengths), f"memory ({len(read):,} docs read)"
+
+
+def loader_rows(exp: CorpusScaleSettings, spec: str, corpus_path: str, cache_dir: str,
+                tokenizer: str) -> list[dict]:
+    """The three loader passes over the corpus tokenized into ``cache_dir``."""
+    began = time.perf_counter()
+    corpus = load_corpus(corpus_path, tokenizer=tokenizer, cache_dir=cache_dir,
+                         tokenize_batch_mb=exp.tokenize_batch_mb)
+    load_s = time.perf_counter() - began
+    train = corpus.train
+    token_file = getattr(train.tokens, "filename", None)
+    rows = []
+    base = {"part": "loader", "tokenizer": spec, "documents": len(train),
+            "train_tokens": int(train.lengths.sum()), "load_s": load_s}
+    cold = token_file is not None and drop_cached_pages(token_file)
+    rows.append({**base, "source": "mmap, cold" if cold else "mmap",
+                 **loader_pass(train, exp)})
+    rows.append({**base, "source": "mmap, warm", **loader_pass(train, exp)})
+    began = time.perf_counter()
+    documents, source = in_memory(train, exp)
+    copy_s = time.perf_counter() - began
+    rows.append({**base, "source": source, "copy_s": copy_s, **loader_pass(documents, exp)})
+    del documents
+    memory_rate = rows[-1]["tokens_per_s"]
+    for row in rows:
+        row["vs_memory"] = row["tokens_per_s"] / memory_rate
+        row["loader_target"] = verdict(row["tokens_per_s"] >= LOADER_TOKENS_PER_S)
+    return rows
+
+
+# ---------------------------------------------------------------------------------------------
+
+def tokenize_targets(rows: list[dict], corpus_mb: float) -> list[str]:
+    scale = ("" if corpus_mb >= TARGET_CORPUS_MB else
+             f" (measured on {corpus_mb:g} MB; the target is for {TARGET_CORPUS_MB} MB)")
+    lines = []
+    for r in rows:
+        library = ("" if r["tokenizer_file"] else
+                   " (bytes needs no tokenizers library: for reference)")
+        lines.append(f"tokenizing >= {TOKENIZE_MB_PER_S:g} MB/s of text, {r['tokenizer']}: "
+                     f"{r['mb_per_s']:.1f} MB/s on {r['cores_used']:.2f} busy cores: "
+                     f"{r['speed_target']}{library}")
+        lines.append(f"peak RSS <= 1.5 GB, {r['tokenizer']}: {r['peak_rss_mb']:,.0f} MB: "
+                     f"{r['memory_target']}{scale}")
+    return lines
+
+
+def loader_targets(rows: list[dict]) -> list[str]:
+    return [f">= {LOADER_TOKENS_PER_S / 1e6:g} M real tokens/s per core with packing, "
+            f"{r['tokenizer']} {r['source']}: {r['tokens_per_s'] / 1e6:.2f} M/s "
+            f"({r['vs_memory']:.2f}x the in-memory pass): {r['loader_target']}"
+            for r in rows if r["source"].startswith("mmap")]
+
+
+def remove(path: str) -> float:
+    """Deletes a file or folder if it exists; the MB it held."""
+    if os.path.isdir(path):
+        size = folder_bytes(path)
+        shutil.rmtree(path, ignore_errors=True)
+        return size / MB
+    if os.path.exists(path):
+        size = os.path.getsize(path)
+        os.remove(path)
+        return size / MB
+    return 0.0
+
+
+@command(CorpusScaleConfig)
+def main(argv=None) -> int:
+    argv = sys.argv[1:] if argv is None else list(argv)
+    cfg = parse(argv, CorpusScaleConfig, description=__doc__.split("\n\n")[0])
+    exp = cfg.experiment
+    specs = parse_list(exp.tokenizers, "experiment.tokenizers")
+    for spec in specs:
+        try:
+            parse_spec(spec)            # one error line for a bad spec, before any work
+        except ConfigError as e:
+            raise ConfigError(str(e), field="experiment.tokenizers") from None
+    if exp.work_dir is not None and not exp.work_dir.strip():
+        raise ConfigError("work_dir is empty; pass a folder, or leave it out for the default",
+                          field="experiment.work_dir")
+    if any(parse_spec(s)[0] == "bpe" for s in specs) and exp.bpe_data != "stdlib" and \
+            not os.path.exists(os.path.expanduser(exp.bpe_data)):
+        raise ConfigError(f"bpe_data {exp.bpe_data} does not exist; pass stdlib or a corpus "
+                          f"path", field="experiment.bpe_data")
+    work_dir = exp.work_dir or os.path.join("runs", time.strftime("corpus-scale-%Y%m%d"))
+    check_writable("experiment.work_dir", work_dir, may_create=True)
+    created = not os.path.exists(work_dir)
+    os.makedirs(work_dir, exist_ok=True)
+    corpus_path = os.path.join(work_dir, "corpus.jsonl")
+    meta_path = os.path.join(work_dir, "corpus.meta.json")
+    target_bytes = max(1, round(exp.corpus_mb * MB))
+    wanted = corpus_meta(target_bytes, exp.seed)
+    caches = [os.path.join(work_dir, f"cache-{i}-{slug(s)}") for i, s in enumerate(specs)]
+
+    generated = False
+    tokenize, loader = [], []
+    try:
+        corpus = existing_corpus(corpus_path, meta_path, wanted)
+        if corpus is None:
+            remove(meta_path)
+            print(f"generating {exp.corpus_mb:g} MB of perturbed stdlib copies into "
+                  f"{corpus_path} ...", flush=True)
+            generated = True
+            corpus = {**wanted, **generate_corpus(corpus_path, target_bytes, exp.seed)}
+            with open(meta_path, "w") as f:
+                json.dump(corpus, f, indent=2)
+        print(f"corpus {corpus_path}: {corpus['bytes'] / MB:,.1f} MB, "
+              f"{corpus['documents']:,} documents from {corpus['copies']} perturbed "
+              f"cop{'y' if corpus['copies'] == 1 else 'ies'} (the last one partial) of "
+              f"{corpus['stdlib_files']:,} stdlib files"
+              + (f", generated in {corpus['generate_s']:.1f} s" if generated else
+                 " (reused)"), flush=True)
+        for spec, cache_dir in zip(specs, caches):
+            row = tokenize_row(exp, spec, corpus_path, cache_dir)
+            tokenize.append(row)
+            loader += loader_rows(exp, spec, corpus_path, cache_dir,
+                                  row["tokenizer_file"] or spec)
+    except ChildFailed as e:
+        print(f"error: {e}", file=sys.stderr)
+        return 1
+    finally:
+        if not exp.keep:
+            removed = sum(remove(c) for c in caches)
+            if generated:
+                removed += remove(corpus_path) + remove(meta_path)
+            what = "the generated corpus and " if generated else ""
+            print(f"removed {what}the tokenized caches ({removed:,.0f} MB); --keep keeps them",
+                  flush=True)
+            if created:
+                try:
+                    os.rmdir(work_dir)          # only if empty
+                except OSError:
+                    pass
+
+    cpus = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count()
+    print(f"\nTokenizing {corpus['bytes'] / MB:,.1f} MB of JSONL, each tokenizer in a fresh "
+          f"process with a fresh cache, {exp.tokenize_batch_mb:g} MB of text at a time, "
+          f"{cpus} cores")
+    print_table(tokenize, TOKENIZE_COLUMNS, tokenize_targets(tokenize, exp.corpus_mb))
+    print(f"\nLoader: pack, {exp.batch_size} x {exp.seq_len}, up to {exp.loader_batches:,} "
+          f"batches on one thread; mmap cold after dropping the token file's cached pages, warm "
+          f"after the cold pass read them")
+    print_table(loader, LOADER_COLUMNS, loader_targets(loader))
+    meta = {"command": "python -m experiments.corpus_scale " + shlex.join(argv),
+            "settings": dataclasses.asdict(exp), "corpus": corpus, "corpus_path": corpus_path,
+            "corpus_generated": generated, "kept": exp.keep, "cpus": cpus,
+            "memory_bytes": os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES"),
+            "tokenizers_parallelism": os.environ.get("TOKENIZERS_PARALLELISM"),
+            "targets": {"tokenize_mb_per_s": TOKENIZE_MB_PER_S,
+                        "tokenize_peak_bytes": TOKENIZE_PEAK_BYTES,
+                        "target_corpus_mb": TARGET_CORPUS_MB,
+                        "loader_tokens_per_s_per_core": LOADER_TOKENS_PER_S},
+            **environment()}
+    write_json(exp.json, tokenize + loader, meta)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
