@@ -22,7 +22,8 @@ tokens/s per core from memory-mapped tokens with packing. MB is 2^20 bytes, GB 2
    training a BPE on gigabytes is not what is measured. A row reports the seconds inside
    ``load_corpus`` (read, encode, write, index), MB of text per second, the cores it kept busy
    (CPU seconds / seconds), tokens, bytes of text per target token, the process's peak
-   resident memory (its own ``ru_maxrss``) and the cache's size on disk; ``bpe train s`` is
+   resident memory (its own ``VmHWM``: Linux's ``ru_maxrss`` would include the parent's peak,
+   kept across fork and exec) and the cache's size on disk; ``bpe train s`` is
    training the tokenizer and tokenizing ``--bpe-data`` with it (n/a: read from the cache).
 3. Loader: the cached corpus is opened again (memory-mapped tokens) and
    ``DataStream(train, strategy="pack", seq_len=--seq-len, batch_size=--batch-size)`` makes
@@ -264,9 +265,14 @@ except ConfigError as e:
     print(json.dumps({"error": str(e)}))
     sys.exit(2)
 seconds, cpu_s = time.perf_counter() - began, time.process_time() - cpu
-scale = 1 if sys.platform == "darwin" else 1024
-print(json.dumps({"seconds": seconds, "cpu_s": cpu_s,
-                  "peak_rss": resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * scale,
+# Its own peak: Linux's ru_maxrss keeps the parent's peak across fork and exec, VmHWM does not.
+try:
+    status = open("/proc/self/status").read()
+    peak = int(status.split("VmHWM:")[1].split()[0]) * 1024
+except (OSError, IndexError, ValueError):
+    peak = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * (
+        1 if sys.platform == "darwin" else 1024)
+print(json.dumps({"seconds": seconds, "cpu_s": cpu_s, "peak_rss": peak,
                   "stats": corpus.stats,
                   "vocab_size": corpus.tokenizer.vocab_size,
                   "tokenizer_path": getattr(corpus.tokenizer, "path", None)}))
