@@ -53,7 +53,6 @@ import shlex
 import shutil
 import subprocess
 import sys
-import sysconfig
 import time
 
 import numpy as np
@@ -61,7 +60,8 @@ import numpy as np
 from experiments.common import (check_stop, command, environment, parse_list,
                                 passing_signals_to, print_table, write_json)
 from jaxaccel.config import check_writable, parse, setting
-from jaxaccel.corpus import Documents, load_corpus
+from jaxaccel.corpus import Documents, cache_root, load_corpus, stdlib_root
+from jaxaccel.corpus import stdlib_files as corpus_stdlib_files
 from jaxaccel.data import DataStream
 from jaxaccel.errors import ConfigError
 from jaxaccel.tokenizer import parse_spec
@@ -71,7 +71,7 @@ TOKENIZE_MB_PER_S = 20.0            # issue 18's targets
 TOKENIZE_PEAK_BYTES = 1.5 * GB
 TARGET_CORPUS_MB = 2048
 LOADER_TOKENS_PER_S = 5e6           # per core: the loader runs on one thread
-CORPUS_FORMAT = 1                   # of the generated corpus: a change regenerates it
+CORPUS_FORMAT = 2                   # of the generated corpus: a change regenerates it
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
 
@@ -149,14 +149,9 @@ _LETTERS = np.array(list("abcdefghijklmnopqrstuvwxyz"))
 
 
 def stdlib_files() -> list[str]:
-    """The standard library's .py files, sorted, outside site-packages and __pycache__."""
-    root = sysconfig.get_paths()["stdlib"]
-    paths = []
-    for dirpath, dirnames, filenames in os.walk(root):
-        dirnames[:] = sorted(d for d in dirnames if d not in ("site-packages", "__pycache__")
-                             and not os.path.islink(os.path.join(dirpath, d)))
-        paths += [os.path.join(dirpath, f) for f in sorted(filenames) if f.endswith(".py")]
-    return paths
+    """The standard library's .py files (``jaxaccel.corpus.stdlib_files``), as full paths."""
+    root = stdlib_root()
+    return [str(root / rel) for rel in corpus_stdlib_files(root)]
 
 
 def perturb(text: str, names: list[str], copy: int, rng: np.random.Generator) -> str:
@@ -183,7 +178,7 @@ def perturb(text: str, names: list[str], copy: int, rng: np.random.Generator) ->
 def corpus_meta(target_bytes: int, seed: int) -> dict:
     """What a generated corpus must match to be reused."""
     return {"format": CORPUS_FORMAT, "target_bytes": target_bytes, "seed": seed,
-            "python": list(sys.version_info[:3]), "stdlib": sysconfig.get_paths()["stdlib"]}
+            "python": list(sys.version_info[:3]), "stdlib": str(stdlib_root())}
 
 
 def existing_corpus(path: str, meta_path: str, wanted: dict) -> dict | None:
@@ -204,7 +199,7 @@ def generate_corpus(path: str, target_bytes: int, seed: int) -> dict:
     meta written beside it. Memory is the stdlib's text (about 30 MB) and one file's copy."""
     files = stdlib_files()
     if not files:
-        raise ConfigError(f"no .py files under {sysconfig.get_paths()['stdlib']}: this "
+        raise ConfigError(f"no .py files under {stdlib_root()}: this "
                           f"interpreter has no standard library sources to generate from")
     sources: dict[int, tuple[str, list[str]]] = {}      # read on first use, then kept
     tmp = f"{path}.{os.getpid()}.tmp"
@@ -330,7 +325,7 @@ def tokenize_row(exp: CorpusScaleSettings, spec: str, corpus_path: str, cache_di
     kind, _ = parse_spec(spec)
     tokenizer, train, reused = spec, None, False
     if kind == "bpe":
-        cache = bpe_cache(exp)
+        cache = str(cache_root(exp.cache_dir))
         before = set(os.listdir(cache)) if os.path.isdir(cache) else set()
         print(f"training {spec} on {exp.bpe_data} (or reading it from the cache {cache}) ...",
               flush=True)
@@ -368,11 +363,6 @@ def tokenize_row(exp: CorpusScaleSettings, spec: str, corpus_path: str, cache_di
         "train_peak_rss_mb": train["peak_rss"] / MB if train and not reused else None,
         "tokenizer_cached": reused,
     }
-
-
-def bpe_cache(exp: CorpusScaleSettings) -> str:
-    return os.path.expanduser(exp.cache_dir or os.environ.get("JAXACCEL_CACHE_DIR")
-                              or "~/.cache/jaxaccel")
 
 
 # ---------------------------------------------------------------------------------------------

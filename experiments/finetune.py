@@ -43,7 +43,7 @@ from experiments.common import (command, environment, parse_list, plot_loss_curv
                                 train_until_stopped, write_json)
 from jaxaccel import lora
 from jaxaccel.config import TrainConfig, build, override, parse, read_config_file, setting
-from jaxaccel.corpus import from_config as load_corpus
+from jaxaccel.corpus import corpus_of
 from jaxaccel.errors import ConfigError
 from jaxaccel.loop import evaluate, load_trained_params
 from jaxaccel.model import describe_model, make_apply
@@ -192,7 +192,7 @@ def run_row(row_cfg, row: str, label: str, run_dir: str, full: dict | None) -> d
 def evaluate_params(cfg, model_cfg, params) -> float:
     """Validation loss of ``params`` (a model of ``model_cfg``) on ``cfg``'s corpus, over the
     batches a run's final evaluation takes."""
-    corpus = load_corpus(cfg.data)
+    corpus = corpus_of(cfg.data)
     eval_step = jax.jit(lm_eval_step(make_apply(model_cfg), cfg.policy()))
     loss, _ = evaluate(eval_step, init_state(params, optax.identity(), cfg.run.seed), corpus.val,
                        seq_len=cfg.seq_len, batch_size=cfg.run.eval_batch_size or cfg.batch_rows(),

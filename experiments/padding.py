@@ -23,7 +23,7 @@ import time
 from experiments.common import (Interrupted, command, environment, exit_code, matched_batch,
                                 parse_list, train_row, write_json)
 from jaxaccel.config import TrainConfig, override, parse, setting
-from jaxaccel.corpus import from_config as load_corpus
+from jaxaccel.corpus import corpus_of
 from jaxaccel.data import STRATEGIES, DataStream, batch_stats, batches
 from jaxaccel.errors import ConfigError
 from jaxaccel.model import describe_model
@@ -101,7 +101,7 @@ def strategy_config(cfg: PaddingConfig, documents, strategy: str, **fields) -> P
 
 def plan_strategy(cfg: PaddingConfig, strategy: str) -> dict:
     """Plan epoch 0 of ``strategy`` with the experiment's batch settings, and time the loader."""
-    documents = load_corpus(cfg.data).train
+    documents = corpus_of(cfg.data).train
     run_cfg = strategy_config(cfg, documents, strategy)
     data = run_cfg.data
     stream = DataStream(documents, strategy=strategy, seq_len=cfg.seq_len, seed=cfg.run.seed,
@@ -131,7 +131,7 @@ def _length(cfg: TrainConfig) -> str:
 
 def run_strategy(cfg: PaddingConfig, strategy: str, run_root: str) -> dict:
     """Measure the loader, train one strategy, and reduce both to a table row."""
-    documents = load_corpus(cfg.data).train
+    documents = corpus_of(cfg.data).train
     run_cfg = strategy_config(cfg, documents, strategy,
                               **{"run.run_dir": os.path.join(run_root, strategy),
                                  "run.json": None})

@@ -35,7 +35,7 @@ import orbax.checkpoint as ocp
 from experiments.common import (Interrupted, command, environment, exit_code, parse_list,
                                 plot_loss_curves, train_row, write_json)
 from jaxaccel.config import TrainConfig, override, parse, setting
-from jaxaccel.corpus import from_config as load_corpus
+from jaxaccel.corpus import corpus_of
 from jaxaccel.data import DataStream
 from jaxaccel.errors import ConfigError
 from jaxaccel.grads import value_and_grad
@@ -172,7 +172,7 @@ def underflow_probe(cfg: PrecisionConfig, trained_params) -> list[dict]:
     parallelism: its gradient is K times smaller, nearer float16's underflow.
     """
     model_cfg, data, exp = cfg.model, cfg.data, cfg.experiment
-    documents = load_corpus(data).train
+    documents = corpus_of(data).train
     stream = DataStream(documents, strategy=data.batching, seq_len=cfg.seq_len,
                         seed=cfg.run.seed, batch_size=exp.probe_batch_size,
                         pad_multiple=data.pad_multiple, num_buckets=data.buckets)

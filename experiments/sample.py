@@ -97,7 +97,8 @@ def sample(exp: SampleSettings) -> int:
         logits_BTV, _ = generator.prefill(params, prompt_BT)
         max_diff = check_logits(params, model_cfg, prompt_BT, logits_BTV)
 
-    samples = [tokenizer.decode(gen.cut_at_eos(row, tokenizer.eos_id)) for row in np.asarray(tokens_BN)]
+    samples = [tokenizer.decode(gen.cut_at_eos(row, tokenizer.eos_id))
+               for row in np.asarray(tokens_BN)]
     for i, text in enumerate(samples):
         print(f"--- sample {i} (step {step} of {exp.run_dir}) ---")
         print(exp.prompt + text)

@@ -37,7 +37,7 @@ from jax.sharding import NamedSharding
 from experiments.common import check_stop, command, environment, parse_list, write_json
 from jaxaccel.compiled import abstract, memory_bytes
 from jaxaccel.config import TrainConfig, override, parse, setting
-from jaxaccel.corpus import from_config as load_corpus
+from jaxaccel.corpus import corpus_of
 from jaxaccel.data import batches
 from jaxaccel.errors import ConfigError
 from jaxaccel.loader import abstract_batch, place_batch
@@ -96,7 +96,7 @@ COLUMNS = [
 
 def corpus_batches(cfg: ShardingConfig, seq_len: int):
     """The first ``--steps`` training batches and the first validation batch, on the host."""
-    corpus = load_corpus(cfg.data)
+    corpus = corpus_of(cfg.data)
     rows = cfg.data.batch_size
     stream = batches(corpus.train, strategy="fixed", seq_len=seq_len, batch_size=rows,
                      seed=cfg.run.seed)

@@ -65,7 +65,7 @@ from experiments.common import (PARENT_PID, Interrupted, check_stop, command, ex
                                 matched_batch, parse_list, passing_signals_to,
                                 plot_loss_curves, stop_requested, write_json)
 from jaxaccel.config import TrainConfig, override, parse, setting, write_config
-from jaxaccel.corpus import from_config as load_corpus
+from jaxaccel.corpus import corpus_of
 from jaxaccel.errors import ConfigError
 from jaxaccel.loop import RunSummary
 from jaxaccel.report import bar_chart, format_table
@@ -691,7 +691,7 @@ def main(argv=None) -> int:
     if os.path.exists(os.path.join(run_root, "report.md")):
         raise ConfigError(f"{run_root} already holds a speedup report; choose another run_dir",
                           field="run.run_dir")
-    documents = load_corpus(cfg.data).train
+    documents = corpus_of(cfg.data).train
     print(f"experiments.speedup: {exp.scale} preset on {devices['device_count']} x "
           f"{devices['device_kind']}; {len(techniques)} rows into {run_root}", flush=True)
 

@@ -23,7 +23,7 @@ import time
 from experiments.common import (Interrupted, command, environment, exit_code, parse_list,
                                 train_row, write_json)
 from jaxaccel.config import TrainConfig, override, parse, setting
-from jaxaccel.corpus import from_config as load_corpus
+from jaxaccel.corpus import corpus_of
 from jaxaccel.errors import ConfigError
 from jaxaccel.metrics import plot_curves, read_metrics, token_curve
 from jaxaccel.model import describe_model
@@ -70,7 +70,7 @@ def run_one(cfg: TokenizationConfig, run_root: str, spec: str) -> dict:
     row_cfg = override(cfg, {"data.tokenizer": spec, "run.json": None,
                              "run.run_dir": os.path.join(run_root, spec.replace(":", "-"))})
     began = time.perf_counter()
-    corpus = load_corpus(row_cfg.data)          # trains a bpe:N once; the run reads the cache
+    corpus = corpus_of(row_cfg.data)          # trains a bpe:N once; the run reads the cache
     tokenize_s = time.perf_counter() - began
     bytes_per_token = corpus.stats["train_text_bytes"] / corpus.stats["train_targets"]
     summary = train_row(row_cfg)

@@ -55,8 +55,8 @@ _DEFINITIONS = (ast.FunctionDef, ast.AsyncFunctionDef, ast.ClassDef)
 _STDLIB_SKIP_DIRS = frozenset({"site-packages", "__pycache__"})
 _SOURCES_HELP = ("pass 'stdlib', a directory of text files, a .jsonl file, Parquet files or a "
                  "Hugging Face dataset saved to disk")
-# Per-document arrays of a cache entry: file name and dtype.
-_DOC_ARRAYS = {"lengths": np.int64, "text_bytes": np.int64, "key_index": np.int64}
+# The int64 per-document arrays of a cache entry, each in its own file.
+_DOC_ARRAYS = ("lengths", "text_bytes", "key_index")
 _UNIGRAM_CHUNK = 1 << 24          # tokens counted at once by the unigram baseline
 
 # (split key, document bytes) pairs as a reader yields them; the key names the file or line.
@@ -139,7 +139,6 @@ class Corpus:
         """The unigram baseline in bits per byte of the train split's text."""
         return self.bits_per_byte(self.unigram_bits_per_token() * math.log(2), "train")
 
-    @functools.cache
     def _unigram_counts(self) -> np.ndarray:
         """Counts of each id among the train targets, ``_UNIGRAM_CHUNK`` tokens at a time."""
         counts_V = np.zeros(self.tokenizer.vocab_size, dtype=np.int64)
@@ -176,13 +175,13 @@ def load_corpus(
         raise ConfigError(f"tokenize_batch_mb must be > 0, got {tokenize_batch_mb}; pass e.g. "
                           f"16", field="data.tokenize_batch_mb")
     read, signature = _resolve_source(source, text_column, split)
-    root = _cache_root(cache_dir)
+    root = cache_root(cache_dir)
     tok = load_tokenizer(tokenizer, read, signature, root, val_percent)
     signature = {"format": CACHE_FORMAT_VERSION, "tokenizer": tok.fingerprint, **signature}
     entry = root / f"corpus-{_digest(signature)}"
     cached = _open_cache(entry, signature)
     if cached is None:
-        with _locked(entry / ".lock"):        # one process tokenizes; the others then read its entry
+        with _locked(entry / ".lock"):     # one process tokenizes, the others read its entry
             cached = _open_cache(entry, signature)
             if cached is None:
                 _tokenize(read, tok, entry, signature, int(tokenize_batch_mb * 2**20))
@@ -210,7 +209,7 @@ def _locked(path: Path):
             fcntl.flock(lock, fcntl.LOCK_UN)
 
 
-def from_config(data) -> Corpus:
+def corpus_of(data) -> Corpus:
     """The corpus of a ``DataConfig``: its path, tokenizer, cache and text settings."""
     return load_corpus(data.path, tokenizer=data.tokenizer or "bytes", cache_dir=data.cache_dir,
                        text_column=data.text_column, split=data.split,
@@ -234,7 +233,7 @@ def load_tokenizer(spec: str, read: Callable[[dict], Iterator[Doc]], signature: 
         with _locked(root / f"{path.stem}.lock"):        # one process trains it
             if not path.is_file():
                 texts = (doc.decode("utf-8", errors="replace") for key, doc in read({})
-                         if doc.strip() and not _is_val_key(key, val_percent))
+                         if doc.strip() and not _is_val(_key_hash(key), val_percent))
                 tok_lib.train_bpe(texts, value, str(path))
     return tok_lib.HFTokenizer(str(path), spec)
 
@@ -244,7 +243,7 @@ def _resolve_source(source: str, text_column: str, split: str | None
     """Returns the reader for ``source`` (it yields the documents and fills the stats it is
     given) and the signature that keys its cache entry."""
     if source == "stdlib":
-        root = Path(sysconfig.get_paths()["stdlib"])
+        root = stdlib_root()
         signature = {
             "source": "stdlib",
             "root": str(root),
@@ -285,10 +284,21 @@ def _size_and_mtime(path: Path) -> list[int]:
     return [st.st_size, st.st_mtime_ns]
 
 
+def stdlib_root() -> Path:
+    """The running interpreter's standard library."""
+    return Path(sysconfig.get_paths()["stdlib"])
+
+
+def stdlib_files(root: Path) -> list[str]:
+    """The standard library's Python files, relative to ``root`` and sorted, outside
+    site-packages and __pycache__."""
+    return [rel for rel in _directory_files(root, skip_dirs=_STDLIB_SKIP_DIRS)
+            if rel.endswith(".py")]
+
+
 def _read_stdlib(root: Path, stats: dict) -> Iterator[Doc]:
     """Splits every standard library module into its top-level definitions and the rest."""
-    rel_paths = _directory_files(root, skip_dirs=_STDLIB_SKIP_DIRS)
-    rel_paths = [rel for rel in rel_paths if rel.endswith(".py")]
+    rel_paths = stdlib_files(root)
     stats.update(_reader_stats(len(rel_paths)))
     for rel in rel_paths:
         source = (root / rel).read_bytes()
@@ -508,7 +518,8 @@ def _recorded_sizes(progress: dict) -> dict[str, int]:
     """The bytes each file of an entry held when ``progress`` was recorded."""
     return {"tokens.bin": progress["tokens"] * np.dtype(progress["dtype"]).itemsize,
             "keys.jsonl": progress["keys_bytes"],
-            **{f"{name}.bin": progress["docs"] * 8 for name in _DOC_ARRAYS}}
+            **{f"{name}.bin": progress["docs"] * np.dtype(np.int64).itemsize
+               for name in _DOC_ARRAYS}}
 
 
 def _holds(entry: Path, progress: dict) -> bool:
@@ -593,7 +604,7 @@ def _split(name: str, tok, cached: dict, val_percent: float) -> Corpus:
             field="data.path",
         )
     starts = np.cumsum(lengths) - lengths
-    is_val_N = (cached["key_hash"] % 10000 < val_percent * 100)[cached["key_index"]]
+    is_val_N = _is_val(cached["key_hash"], val_percent)[cached["key_index"]]
     splits, key_index = {}, {}
     for split, ids in (("train", np.flatnonzero(~is_val_N)), ("val", np.flatnonzero(is_val_N))):
         if len(ids) == 0:
@@ -620,12 +631,12 @@ def _key_hash(key: str) -> int:
                           "big")
 
 
-def _is_val_key(key: str, val_percent: float) -> bool:
-    """Whether documents of ``key`` go to validation (as ``_split`` decides)."""
-    return _key_hash(key) % 10000 < val_percent * 100
+def _is_val(key_hash, val_percent: float):
+    """Whether the documents of a split key (or of each, for an array) go to validation."""
+    return key_hash % 10000 < val_percent * 100
 
 
-def _cache_root(cache_dir: str | None) -> Path:
+def cache_root(cache_dir: str | None) -> Path:
     """The cache directory: the argument, else $JAXACCEL_CACHE_DIR, else ~/.cache/jaxaccel."""
     root = cache_dir or os.environ.get("JAXACCEL_CACHE_DIR") or "~/.cache/jaxaccel"
     return Path(root).expanduser()

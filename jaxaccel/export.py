@@ -9,9 +9,6 @@ one):
   ``token_drop.token_loss``: state the forward reads or training keeps, not trained weights),
   and ``config.json`` = the ModelConfig's fields, ``"format": "jaxaccel"``, the step and the
   tokenizer's ids. ``jaxaccel.model`` runs it as it is.
-
-Both write the run's tokenizer file beside them (``tokenizer.json`` or ``tokenizer.model``)
-when it was not trained on bytes.
 - ``llama``: Hugging Face's ``LlamaForCausalLM`` layout (``model.layers.{i}.self_attn.q_proj
   .weight`` ... as torch Linear weights [out, in], safetensors metadata ``format: pt`` as
   ``transformers`` requires) and its ``config.json``. Only for a model whose evaluation forward
@@ -23,6 +20,9 @@ when it was not trained on bytes.
   stochastic depth and token dropping act in training only. Branch gates (rezero, skipinit)
   come only with the inits that also remove the blocks' norms, so they are refused with them,
   not folded; adapters and FP8's quantise-dequantise matmuls are refused.
+
+Both write the run's tokenizer file beside them (``tokenizer.json`` or ``tokenizer.model``)
+when it was not trained on bytes.
 
 After writing, the files are read back: every tensor must equal what was meant bitwise, and a
 forward pass computed from the files alone (llama: ``llama_forward``, an independent NumPy
@@ -273,8 +273,9 @@ def check_out_dir(out_dir: str, overwrite: bool):
     if os.path.exists(out_dir) and not os.path.isdir(out_dir):
         raise ConfigError(f"out {out_dir} is a file; pass a folder", field="out")
     if os.path.isdir(out_dir) and os.listdir(out_dir) and not overwrite:
-        raise ConfigError(f"out {out_dir} is not empty; pass a new or empty folder, or "
-                          f"set overwrite to replace its {WEIGHTS}, {CONFIG} and tokenizer file", field="out")
+        raise ConfigError(f"out {out_dir} is not empty; pass a new or empty folder, or set "
+                          f"overwrite to replace its {WEIGHTS}, {CONFIG} and tokenizer file",
+                          field="out")
     check_writable("out", out_dir, may_create=True)
 
 

@@ -31,7 +31,7 @@ from jaxaccel.checkpoint import Checkpointer
 from jaxaccel.compiled import CompiledFn, abstract, largest_memory_bytes
 from jaxaccel.config import TrainConfig, build, check_json_outputs, check_writable, field_value, \
     override, read_config_file, stop_step, to_dict, write_config
-from jaxaccel.corpus import from_config as load_corpus, skipped_inputs
+from jaxaccel.corpus import corpus_of, skipped_inputs
 from jaxaccel.data import DataStream, batches
 from jaxaccel.errors import ConfigError
 from jaxaccel.loader import DevicePrefetcher, abstract_batch, place_batch
@@ -252,13 +252,13 @@ def set_up(cfg: TrainConfig, mesh, mesh_shape) -> Setup:
             field="data.batch_size")
     began = time.perf_counter()
     run_dir = resolve_run_dir(cfg)
-    corpus = load_corpus(cfg.data)
+    corpus = corpus_of(cfg.data)
     startup = {"corpus": time.perf_counter() - began}
     if corpus.tokenizer.vocab_size > cfg.model.vocab_size:
-        raise ConfigError(f"tokenizer {cfg.data.tokenizer} has {corpus.tokenizer.vocab_size} ids, "
-                          f"more than the model's vocab_size={cfg.model.vocab_size}; leave "
-                          f"vocab_size out of the config file (the tokenizer sets it)",
-                          field="model.vocab_size")
+        raise ConfigError(f"tokenizer {cfg.data.tokenizer} has {corpus.tokenizer.vocab_size} "
+                          f"ids, more than the model's vocab_size={cfg.model.vocab_size}; build "
+                          f"the config with config.build, which sets vocab_size from the "
+                          f"tokenizer", field="model.vocab_size")
     os.makedirs(run_dir, exist_ok=True)
     if jax.process_index() == 0:
         corpus.tokenizer.save(run_dir)          # the run keeps the tokenizer it trains with

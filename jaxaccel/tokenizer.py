@@ -11,8 +11,8 @@
   kept in the cache and in the run directory.
 
 Every tokenizer says which ids are PAD, BOS and EOS. A file's own special tokens are found by
-name (``SPECIAL_NAMES``); one it lacks gets a new id after its vocabulary, so GPT-2's
-``tokenizer.json`` (only ``<|endoftext|>``) has BOS = EOS = 50256 and PAD = 50257. The model's
+name (``SPECIAL_NAMES``); one it lacks gets a new id after its vocabulary, so a GPT-2-style
+``tokenizer.json`` (only ``<|endoftext|>``) has BOS = EOS = that id and PAD = the next. The model's
 embedding and output projection use ``padded_vocab_size``: ``vocab_size`` (all ids, new specials
 included) rounded up to a multiple of 128 (64 for bytes), for tensor-core friendly shapes; the
 extra ids are never produced. Decoding drops special and padding ids.
@@ -95,16 +95,8 @@ class ByteTokenizer:
 
     def encode_documents(self, docs: list[bytes]) -> tuple[np.ndarray, np.ndarray]:
         """All ``docs`` as BOS + ids + EOS back to back: (int32 tokens, int64 lengths [N])."""
-        lengths_N = np.array([len(doc) + 2 for doc in docs], dtype=np.int64)
-        ends = np.cumsum(lengths_N)
-        tokens = np.empty(int(ends[-1]) if len(docs) else 0, dtype=np.int32)
-        is_byte = np.ones(len(tokens), dtype=bool)
-        is_byte[ends - lengths_N] = is_byte[ends - 1] = False
-        tokens[ends - lengths_N] = BOS_ID
-        tokens[ends - 1] = EOS_ID
-        tokens[is_byte] = np.frombuffer(b"".join(docs), dtype=np.uint8).astype(np.int32)
-        tokens[is_byte] += BYTE_OFFSET
-        return tokens, lengths_N
+        ids = np.frombuffer(b"".join(docs), dtype=np.uint8).astype(np.int32) + BYTE_OFFSET
+        return _frame(ids, [len(doc) for doc in docs], BOS_ID, EOS_ID)
 
     def decode(self, ids) -> str:
         """Returns the text of the byte ids in ``ids``; special and out-of-range ids are dropped.
@@ -152,25 +144,15 @@ class _FileTokenizer:
             chunk.append(_as_text(doc))
             size += len(doc)
             if size >= ENCODE_CHUNK_BYTES or n == len(docs) - 1:
-                parts.append(self._frame(self._encode_texts(chunk)))
+                encoded = self._encode_texts(chunk)
+                ids = np.fromiter((i for doc_ids in encoded for i in doc_ids), dtype=np.int32,
+                                  count=sum(map(len, encoded)))
+                parts.append(_frame(ids, list(map(len, encoded)), self.bos_id, self.eos_id))
                 chunk, size = [], 0
         if not parts:
             return np.zeros(0, np.int32), np.zeros(0, np.int64)
         return (np.concatenate([tokens for tokens, _ in parts]),
                 np.concatenate([lengths for _, lengths in parts]))
-
-    def _frame(self, encoded: list[list[int]]) -> tuple[np.ndarray, np.ndarray]:
-        """The encoded documents as BOS + ids + EOS back to back, and their lengths."""
-        lengths_N = np.array([len(ids) + 2 for ids in encoded], dtype=np.int64)
-        tokens = np.empty(int(lengths_N.sum()), dtype=np.int32)
-        ends = np.cumsum(lengths_N)
-        tokens[ends - lengths_N] = self.bos_id
-        tokens[ends - 1] = self.eos_id
-        is_text = np.ones(len(tokens), dtype=bool)
-        is_text[ends - lengths_N] = is_text[ends - 1] = False
-        tokens[is_text] = np.fromiter((i for ids in encoded for i in ids), dtype=np.int32,
-                                      count=int(is_text.sum()))
-        return tokens, lengths_N
 
     def decode(self, ids) -> str:
         """The text of ``ids``; special, new and padding ids are dropped."""
@@ -243,6 +225,21 @@ class SentencePieceTokenizer(_FileTokenizer):
 
     def _decode_ids(self, ids: list[int]) -> str:
         return self._sp.decode(ids)
+
+
+def _frame(ids: np.ndarray, id_counts: list[int], bos_id: int, eos_id: int
+           ) -> tuple[np.ndarray, np.ndarray]:
+    """Documents whose ids lie back to back in ``ids`` (``id_counts`` each), each framed as
+    BOS + ids + EOS: (int32 tokens, int64 lengths [N])."""
+    lengths_N = np.asarray(id_counts, dtype=np.int64) + 2
+    ends = np.cumsum(lengths_N)
+    tokens = np.empty(int(ends[-1]) if len(ends) else 0, dtype=np.int32)
+    is_id = np.ones(len(tokens), dtype=bool)
+    is_id[ends - lengths_N] = is_id[ends - 1] = False
+    tokens[ends - lengths_N] = bos_id
+    tokens[ends - 1] = eos_id
+    tokens[is_id] = ids
+    return tokens, lengths_N
 
 
 def _as_text(text: str | bytes) -> str:

@@ -62,7 +62,8 @@ import io  # noqa: E402
 
 from jaxaccel import tokenizer as tok_lib  # noqa: E402
 
-TEXTS = [f"def function_{i}(value):\n    return value * {i} + 'héllo wörld'\n" for i in range(200)]
+TEXTS = [f"def function_{i}(value):\n    return value * {i} + 'héllo wörld'\n"
+         for i in range(200)]
 
 
 @pytest.fixture(scope="module")
