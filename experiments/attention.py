@@ -1,18 +1,31 @@
 """Attention implementations side by side: forward and forward+backward TFLOP/s, and the longest
-sequence each fits in memory.
+sequence each fits in memory; ``--tune`` tunes our kernel's parameters on this device.
 
-    python -m experiments.attention                   # a GPU: T 1k-16k, D 64 and 128, bf16, 4 impls
+    python -m experiments.attention                   # a GPU: T 1k-16k, D 64 and 128, bf16
     python -m experiments.attention --json attention.json
     python -m experiments.attention --seq-lens 64,128 --head-dims 64 --heads 2 --impls xla,pallas
+    python -m experiments.attention --tune            # a GPU: writes jaxaccel/kernels/tuned.json
 
 Implementations: ``xla`` (jaxaccel's plain jnp attention), ``cudnn``
 (``jax.nn.dot_product_attention(implementation="cudnn")``), ``jax_reference`` (the Pallas kernel
-JAX ships, ``jax.experimental.pallas.ops.gpu.attention.mha``) and ``pallas`` (ours,
-``jaxaccel.kernels.flash_attention``). Off the GPU the two Pallas kernels run in the Pallas
-interpreter: the table then checks that the program works, it measures no kernel speed. An
-implementation that cannot run a row (cuDNN off an NVIDIA GPU, the reference kernel with
-grouped-query heads or a length not a multiple of its 128-row blocks) is reported as skipped
-with the reason.
+JAX ships, ``jax.experimental.pallas.ops.gpu.attention.mha``), ``pallas`` (ours,
+``jaxaccel.kernels.flash_attention``) and the peers of tokamax, a kernel library on PyPI
+(``pip install 'jaxaccel[peers]'``): ``tokamax.dot_product_attention`` with its ``mosaic``
+(Mosaic GPU), ``triton`` and ``cudnn`` implementations. Off the GPU the two Pallas kernels run in
+the Pallas interpreter: the table then checks that the program works, it measures no kernel
+speed. An implementation that cannot run a row (cuDNN or tokamax off an NVIDIA GPU, tokamax not
+installed, the reference kernel with grouped-query heads or a length not a multiple of its
+128-row blocks, an implementation raising NotImplementedError) is reported as skipped with the
+reason.
+
+Layouts (``--layouts``): ``dense`` rows attend over the whole row; ``packed`` rows carry the
+segment ids of a real packed batch: the first batch of a seeded ``pack`` epoch of ``--data``
+(tokenized with ``--tokenizer``) holding at least ``--packed-docs`` documents per row on
+average. Each implementation takes them its own way: segment ids (``xla``, ``pallas``, the
+reference kernel) or a dense [B, 1, T, T] mask (cuDNN through jax's public API, tokamax). A packed
+row counts the same FLOPs as the dense row of its shape, so its TFLOP/s compares speed at equal
+shape (not useful work), and ``packed/dense`` is the dense row's forward+backward time over the
+packed one's (above 1: the packed batch is faster).
 
 FLOPs: 4 B H T^2 D forward (the two matmuls), halved when causal; the backward counts 2.5 times
 the forward, so forward+backward is 3.5 times. Times are medians of ``--iters`` runs after
@@ -23,6 +36,7 @@ least one) unless ``--batch`` is given. The longest length doubles T from the lo
 """
 
 import dataclasses
+import importlib.util
 import statistics
 import sys
 import time
@@ -30,15 +44,18 @@ import warnings
 
 import jax
 import jax.numpy as jnp
+import numpy as np
 
 from experiments.common import check_stop, command, environment, parse_list, write_json
-from jaxaccel.attention import dot_product_attention
+from jaxaccel.attention import attention_mask, dot_product_attention
 from jaxaccel.config import parse, setting
 from jaxaccel.errors import ConfigError
 from jaxaccel.kernels import flash_attention
 from jaxaccel.report import format_table
 
-IMPLS = ("xla", "cudnn", "jax_reference", "pallas")
+IMPLS = ("xla", "cudnn", "jax_reference", "pallas", "tokamax_mosaic", "tokamax_triton",
+         "tokamax_cudnn")
+LAYOUTS = ("dense", "packed")
 DTYPES = {"bfloat16": jnp.bfloat16, "float16": jnp.float16, "float32": jnp.float32}
 REFERENCE_BLOCK = 128   # the reference kernel's default forward block
 
@@ -61,8 +78,26 @@ class AttentionSettings:
     max_t_limit: int | None = setting(None, "longest T the memory search tries; 0: no search "
                                             "(default: 131072 on a GPU, no search elsewhere, "
                                             "where running out of host memory is no clean error)")
-    seed: int = setting(0, "seed of the random inputs")
+    seed: int = setting(0, "seed of the random inputs and of the packed batch's epoch")
+    layouts: str = setting("dense,packed", "comma-separated batch layouts: dense (no segments), "
+                                           "packed (a real packed batch's segment ids)")
+    data: str = setting("stdlib", "corpus of the packed batch (see experiments.train --data)")
+    tokenizer: str = setting("bytes", "tokenizer of the packed batch's corpus")
+    packed_docs: float = setting(3.0, "the packed batch: the first with at least this many "
+                                      "documents per row on average", above=0)
     json: str | None = setting(None, "also write the rows as JSON to this path")
+    tune: bool = setting(False, "sweep our kernel's block sizes, warps and stages per pass "
+                                "instead, check each against XLA, and write the tuned table "
+                                "jaxaccel.kernels.tuning reads for this device")
+    tune_seq_lens: str = setting("4096", "--tune: the lengths a candidate is timed at (summed "
+                                         "over these and --causal)")
+    tune_blocks: str = setting("64,128", "--tune: block sizes tried for query and key tiles "
+                                         "(the built-in row's are tried too)")
+    tune_warps: str = setting("4,8", "--tune: Triton warps tried")
+    tune_stages: str = setting("2,3", "--tune: Triton pipeline stages tried")
+    tuning_file: str | None = setting(None, "--tune: the table to write (default: "
+                                            "$JAXACCEL_FLASH_TUNING or jaxaccel/kernels/"
+                                            "tuned.json; required off the GPU)")
 
 
 @dataclasses.dataclass
@@ -74,6 +109,7 @@ class AttentionConfig:
 
 COLUMNS = [
     ("impl", "impl", ""),
+    ("layout", "layout", ""),
     ("T", "T", "d"),
     ("D", "D", "d"),
     ("causal", "causal", ""),
@@ -82,22 +118,38 @@ COLUMNS = [
     ("fwdbwd_ms", "fwd+bwd ms", ".3f"),
     ("fwd_tflops", "fwd TFLOP/s", ".3g"),
     ("fwdbwd_tflops", "fwd+bwd TFLOP/s", ".3g"),
+    ("docs_per_row", "docs/row", ".2f"),
+    ("packed_vs_dense", "packed/dense", ".2f"),
     ("max_T", "max T", "d"),
     ("status", "status", ""),
 ]
+TOKAMAX_IMPLS = {"tokamax_mosaic": "mosaic", "tokamax_triton": "triton",
+                 "tokamax_cudnn": "cudnn"}
 
 
-def attention_fn(impl: str, causal: bool, interpret: bool):
-    """``fn(q, k, v) -> out`` for one implementation, in [B, T, H, D] layout."""
+def attention_fn(impl: str, causal: bool, interpret: bool, segment_ids=None):
+    """``fn(q, k, v) -> out`` for one implementation, in [B, T, H, D] layout; ``segment_ids``
+    [B, T] (a packed batch's) are given to it in the form it takes."""
     if impl in ("xla", "cudnn"):
-        return lambda q, k, v: dot_product_attention(q, k, v, causal=causal, implementation=impl)
+        return lambda q, k, v: dot_product_attention(q, k, v, segment_ids=segment_ids,
+                                                     causal=causal, implementation=impl)
     if impl == "pallas":
-        return lambda q, k, v: flash_attention(q, k, v, causal=causal, interpret=interpret)
+        return lambda q, k, v: flash_attention(q, k, v, causal=causal, segment_ids=segment_ids,
+                                               interpret=interpret)
+    if impl in TOKAMAX_IMPLS:
+        import tokamax
+
+        def peer(q, k, v):
+            mask = None if segment_ids is None else attention_mask(
+                q.shape[1], k.shape[1], causal=False, segment_ids_q=segment_ids)
+            return tokamax.dot_product_attention(q, k, v, mask=mask, is_causal=causal,
+                                                 implementation=TOKAMAX_IMPLS[impl])
+        return peer
     with warnings.catch_warnings():
         warnings.simplefilter("ignore", DeprecationWarning)
         from jax.experimental.pallas.ops.gpu import attention as reference
 
-    return lambda q, k, v: reference.mha(q, k, v, None, sm_scale=q.shape[-1] ** -0.5,
+    return lambda q, k, v: reference.mha(q, k, v, segment_ids, sm_scale=q.shape[-1] ** -0.5,
                                          causal=causal, interpret=interpret)
 
 
@@ -105,6 +157,11 @@ def skip_reason(impl: str, T: int, heads: int, kv_heads: int) -> str | None:
     """Why an implementation cannot run this row on this backend, or None."""
     if impl == "cudnn" and jax.default_backend() != "gpu":
         return f"skipped: cuDNN needs an NVIDIA GPU, the backend is {jax.default_backend()}"
+    if impl in TOKAMAX_IMPLS and importlib.util.find_spec("tokamax") is None:
+        return "skipped: tokamax is not installed (pip install 'jaxaccel[peers]')"
+    if impl in TOKAMAX_IMPLS and jax.default_backend() != "gpu":
+        return (f"skipped: tokamax's {TOKAMAX_IMPLS[impl]} needs an NVIDIA GPU, the backend is "
+                f"{jax.default_backend()}")
     if impl == "jax_reference" and kv_heads != heads:
         return "skipped: the reference kernel has no grouped-query attention"
     if impl == "jax_reference" and T % min(REFERENCE_BLOCK, T):
@@ -143,22 +200,53 @@ def fwd_and_fwdbwd(attn):
     return fwd, fwdbwd
 
 
+def batch_rows(exp: AttentionSettings, T: int) -> int:
+    return exp.batch or max(1, exp.batch_tokens // T)
+
+
+def packed_segment_ids(exp: AttentionSettings, T: int, batch: int) -> tuple[np.ndarray, float]:
+    """int32 [batch, T] segment ids of a real packed batch (module docstring), and its mean
+    documents per row; ConfigError when no batch of the epoch holds enough documents."""
+    from jaxaccel import corpus, data
+
+    documents = corpus.load_corpus(exp.data, tokenizer=exp.tokenizer).train
+    most = 0.0
+    for b in data.batches(documents, strategy="pack", seq_len=T, batch_size=batch,
+                          seed=exp.seed):
+        segment_ids = b["segment_ids"]
+        docs = float(segment_ids.max(axis=1).mean())
+        if docs >= exp.packed_docs:
+            return segment_ids, docs
+        most = max(most, docs)
+    raise ConfigError(f"no packed batch of {batch} x {T} tokens of {exp.data} holds "
+                      f"{exp.packed_docs} documents per row on average (at most {most:.2f}); "
+                      f"pass a smaller --packed-docs or --layouts dense",
+                      field="experiment.packed_docs")
+
+
 def measure(exp: AttentionSettings, impl: str, T: int, D: int, causal: bool, interpret: bool,
-            key) -> dict:
-    """One row: median times and TFLOP/s, or the reason it has none."""
+            key, packed: tuple[np.ndarray, float] | None = None) -> dict:
+    """One row: median times and TFLOP/s, or the reason it has none; ``packed``: the packed
+    batch's segment ids and documents per row."""
     heads, kv_heads = exp.heads, exp.kv_heads or exp.heads
-    batch = exp.batch or max(1, exp.batch_tokens // T)
-    row = {"impl": impl, "T": T, "D": D, "causal": causal, "batch": batch, "fwd_ms": None,
-           "fwdbwd_ms": None, "fwd_tflops": None, "fwdbwd_tflops": None, "max_T": None,
+    batch = batch_rows(exp, T)
+    row = {"impl": impl, "layout": "packed" if packed else "dense", "T": T, "D": D,
+           "causal": causal, "batch": batch, "fwd_ms": None, "fwdbwd_ms": None,
+           "fwd_tflops": None, "fwdbwd_tflops": None, "max_T": None,
+           "docs_per_row": packed[1] if packed else None,
            "status": skip_reason(impl, T, heads, kv_heads)}
     if row["status"]:
         return row
     q, k, v, d_out = make_inputs(key, batch, T, heads, kv_heads, D, DTYPES[exp.dtype])
-    fwd, fwdbwd = fwd_and_fwdbwd(attention_fn(impl, causal, interpret))
+    segment_ids = jnp.asarray(packed[0]) if packed else None
+    fwd, fwdbwd = fwd_and_fwdbwd(attention_fn(impl, causal, interpret, segment_ids))
     flops = 4.0 * batch * heads * T * T * D / (2 if causal else 1)
     try:
         fwd_s = median_seconds(fwd, (q, k, v), exp.warmup, exp.iters)
         fwdbwd_s = median_seconds(fwdbwd, (q, k, v, d_out), exp.warmup, exp.iters)
+    except NotImplementedError as e:
+        row["status"] = f"skipped: {str(e).splitlines()[0] if str(e) else 'not implemented'}"
+        return row
     except Exception as e:   # noqa: BLE001 - every failure becomes the row's status
         row["status"] = "OOM" if is_out_of_memory(e) else f"error: {str(e).splitlines()[0]}"
         return row
@@ -190,14 +278,22 @@ def longest_fitting(exp: AttentionSettings, impl: str, D: int, causal: bool, sta
 
 
 def compare(rows: list[dict]):
-    """On our rows: forward and forward+backward throughput over cuDNN's and the reference's."""
-    by_key = {(r["impl"], r["T"], r["D"], r["causal"]): r for r in rows}
+    """On our rows: forward and forward+backward throughput over cuDNN's, the reference's and
+    tokamax's at the same layout; on packed rows: the dense row's time over theirs."""
+    by_key = {(r["impl"], r["layout"], r["T"], r["D"], r["causal"]): r for r in rows}
     for row in rows:
+        shape = (row["T"], row["D"], row["causal"])
+        dense = by_key.get((row["impl"], "dense", *shape))
+        if row["layout"] == "packed":
+            row["packed_vs_dense"] = (dense["fwdbwd_ms"] / row["fwdbwd_ms"]
+                                      if dense and dense["fwdbwd_ms"] and row["fwdbwd_ms"]
+                                      else None)
         if row["impl"] != "pallas":
             continue
         for other, fields in (("cudnn", ("fwd_tflops", "fwdbwd_tflops")),
-                              ("jax_reference", ("fwdbwd_tflops",))):
-            them = by_key.get((other, row["T"], row["D"], row["causal"]))
+                              ("jax_reference", ("fwdbwd_tflops",)),
+                              *((t, ("fwd_tflops", "fwdbwd_tflops")) for t in TOKAMAX_IMPLS)):
+            them = by_key.get((other, row["layout"], *shape))
             for field in fields:
                 mine, theirs = row[field], them and them[field]
                 row[f"{field}_vs_{other}"] = mine / theirs if mine and theirs else None
@@ -221,18 +317,25 @@ def main(argv=None) -> int:
                           f"kv_heads dividing heads", field="experiment.kv_heads")
     if exp.warmup < 0:
         raise ConfigError(f"warmup must be >= 0, got {exp.warmup}", field="experiment.warmup")
-
     gpu = jax.default_backend() == "gpu"
     interpret = not gpu
-    limit = exp.max_t_limit if exp.max_t_limit is not None else (131072 if gpu else 0)
     causal_modes = {"both": (True, False), "causal": (True,), "full": (False,)}[exp.causal]
+    if exp.tune:
+        from experiments import flash_tune
+
+        return flash_tune.run(exp, head_dims, causal_modes, interpret)
+    layouts = parse_list(exp.layouts, "experiment.layouts", valid=LAYOUTS)
+    packed = {T: packed_segment_ids(exp, T, batch_rows(exp, T)) for T in seq_lens} \
+        if "packed" in layouts else {}
+
+    limit = exp.max_t_limit if exp.max_t_limit is not None else (131072 if gpu else 0)
     key = jax.random.PRNGKey(exp.seed)
     rows, search = [], {}
     for impl in impls:
         for D in head_dims:
             for causal in causal_modes:
                 impl_rows = [measure(exp, impl, T, D, causal, interpret, key)
-                             for T in seq_lens]
+                             for T in seq_lens] if "dense" in layouts else []
                 timed = [r["T"] for r in impl_rows if r["status"] == "ok"]
                 if limit and timed:
                     max_T, stop = longest_fitting(exp, impl, D, causal, max(timed), limit,
@@ -240,13 +343,19 @@ def main(argv=None) -> int:
                     search[f"{impl} D={D} causal={causal}"] = {"max_T": max_T, "stopped": stop}
                     for r in impl_rows:
                         r["max_T"] = max_T
+                impl_rows += [measure(exp, impl, T, D, causal, interpret, key, packed[T])
+                              for T in seq_lens if packed]
                 rows += impl_rows
     compare(rows)
     meta = {"dtype": exp.dtype, "heads": exp.heads, "kv_heads": kv_heads,
             "batch": exp.batch, "batch_tokens": exp.batch_tokens, "warmup": exp.warmup,
             "iters": exp.iters, "interpret": interpret, "max_t_limit": limit,
-            "max_t_search": search,
-            "flops": "forward 4*B*H*T*T*D (halved when causal); forward+backward 3.5x that",
+            "max_t_search": search, "layouts": layouts,
+            "packed_batch": {"data": exp.data, "tokenizer": exp.tokenizer, "seed": exp.seed,
+                             "min_docs_per_row": exp.packed_docs,
+                             "docs_per_row": {T: p[1] for T, p in packed.items()}},
+            "flops": "forward 4*B*H*T*T*D (halved when causal); forward+backward 3.5x that; "
+                     "packed rows count their dense shape's",
             **environment()}
     print(f"\n{exp.dtype}, {exp.heads} heads ({kv_heads} key/value); {meta['device']}, "
           f"jax {meta['jax_version']}" + ("; Pallas interpreted, not a speed" if interpret
@@ -254,9 +363,9 @@ def main(argv=None) -> int:
     print(format_table(rows, COLUMNS))
     for r in rows if not interpret else []:
         ratios = ", ".join(f"{k.replace('_tflops', '')} {r[k]:.2f}x" for k in r
-                           if "_vs_" in k and r[k])
-        if ratios:
-            print(f"pallas T={r['T']} D={r['D']} causal={r['causal']}: {ratios}")
+                           if "_tflops_vs_" in k and r[k])
+        if r["impl"] == "pallas" and ratios:
+            print(f"pallas {r['layout']} T={r['T']} D={r['D']} causal={r['causal']}: {ratios}")
     if limit:
         print(f"max T: the longest T whose forward+backward ran at batch 1, doubling up to "
               f"{limit}; the search stopped at: "

@@ -1,5 +1,6 @@
 """Smoke tests of the experiment modules at a scale of seconds: structure, not figures."""
 
+import importlib.util
 import json
 
 import jax
@@ -138,23 +139,81 @@ def test_remat_experiment_measures_every_row(tmp_path, capsys):
 def test_attention_experiment_times_rows_and_reports_skips(tmp_path, capsys):
     out = tmp_path / "attention.json"
     code = attention.main([
-        "--seq-lens", "24,32", "--head-dims", "32", "--heads", "2", "--kv-heads", "1",
-        "--batch", "1", "--impls", "xla,cudnn,jax_reference,pallas", "--causal", "both",
+        "--seq-lens", "24", "--head-dims", "32", "--heads", "2", "--kv-heads", "1",
+        "--batch", "2", "--impls", ",".join(attention.IMPLS), "--causal", "both",
+        "--layouts", "dense,packed", "--packed-docs", "2",
         "--warmup", "1", "--iters", "1", "--max-t-limit", "64", "--json", str(out)])
     assert code == 0
     result = json.loads(out.read_text())
-    rows = {(r["impl"], r["T"], r["causal"]): r for r in result["rows"]}
-    assert len(rows) == 16
-    for (impl, T, causal), row in rows.items():
+    rows = {(r["impl"], r["layout"], r["causal"]): r for r in result["rows"]}
+    assert len(rows) == len(attention.IMPLS) * 4
+    docs = result["meta"]["packed_batch"]["docs_per_row"]["24"]
+    assert docs >= 2
+    for (impl, layout, causal), row in rows.items():
         assert set(row) >= {"impl", "T", "D", "causal", "fwd_tflops", "fwdbwd_tflops", "max_T"}
+        assert row["docs_per_row"] == (docs if layout == "packed" else None)
         if impl in ("xla", "pallas"):
             assert row["status"] == "ok" and row["fwd_tflops"] > 0 and row["fwdbwd_tflops"] > 0
-            assert row["max_T"] == 64
+            assert row["max_T"] == (48 if layout == "dense" else None)
+            if layout == "packed":
+                dense = rows[(impl, "dense", causal)]
+                assert row["packed_vs_dense"] == dense["fwdbwd_ms"] / row["fwdbwd_ms"]
         elif impl == "jax_reference":
             assert row["status"] == "skipped: the reference kernel has no grouped-query attention"
+        elif impl.startswith("tokamax") and importlib.util.find_spec("tokamax") is None:
+            assert row["status"].startswith("skipped: tokamax is not installed")
         elif jax.default_backend() != "gpu":
-            assert row["status"].startswith("skipped: cuDNN needs an NVIDIA GPU")
+            assert row["status"].startswith("skipped: ") and "NVIDIA GPU" in row["status"]
     assert all(v["stopped"] == "limit" for v in result["meta"]["max_t_search"].values())
     assert result["meta"]["interpret"] == (jax.default_backend() != "gpu")
     assert "| impl" in capsys.readouterr().out
-    assert attention.main(["--seq-lens", "0"]) == 2
+    # Bad input, one line each: a length, a layout, a packed batch the corpus cannot give.
+    for bad, flag in ((["--seq-lens", "0"], "--seq-lens"), (["--layouts", "ragged"], "--layouts"),
+                      (["--seq-lens", "24", "--packed-docs", "30"], "--packed-docs")):
+        assert attention.main(bad) == 2
+        err = capsys.readouterr().err.strip()
+        assert "\n" not in err and flag in err, err
+
+
+def test_attention_tune_checks_candidates_and_writes_the_table_the_kernel_reads(
+        tmp_path, monkeypatch, capsys):
+    from experiments import flash_tune
+    from jaxaccel.kernels import tuning
+
+    table = tmp_path / "tuned.json"
+    other = "NVIDIA H100 80GB HBM3"
+    tuning.write_entry(table, other, {64: tuning.TRITON[64]}, {"date": "2026-11-22"})
+    real_score = flash_tune.score
+
+    def score(shapes, params, **kwargs):     # a dQ candidate with 16-row tiles computes wrong
+        seconds, err = real_score(shapes, params, **kwargs)
+        return seconds, 1.0 if params.dq.block_q == 16 and kwargs["checked"] else err
+
+    monkeypatch.setattr(flash_tune, "score", score)
+    rows_path = tmp_path / "rows.json"
+    code = attention.main([
+        "--tune", "--tune-seq-lens", "24", "--head-dims", "16", "--heads", "2", "--kv-heads",
+        "1", "--batch", "1", "--causal", "causal", "--tune-blocks", "16", "--dtype", "float32",
+        "--warmup", "0", "--iters", "1", "--tuning-file", str(table), "--json", str(rows_path)])
+    assert code == 0
+    rows = json.loads(rows_path.read_text())["rows"]
+    # The built-in stage (32 x 32 in the interpreter) and the swept 16 x 16, in every pass.
+    assert [(r["pass"], r["block_q"], r["block_k"]) for r in rows] == [
+        (p, b, b) for p in tuning.PASSES for b in (32, 16)]
+    for r in rows:
+        if r["pass"] == "dq" and r["block_q"] == 16:
+            assert r["status"] == "rejected: relative error above 0.0001" and not r["best"]
+        else:
+            assert r["status"] == "ok" and r["rel_err"] < 1e-4 and r["ms"] > 0
+    winners = {r["pass"]: (r["block_q"], r["block_k"]) for r in rows if r["best"]}
+    assert list(winners) == list(tuning.PASSES) and winners["dq"] == (32, 32)
+    # The kernel reads the winners for this device; other devices' rows are kept.
+    monkeypatch.setenv(tuning.TABLE_ENV, str(table))
+    got = tuning.flash_params(16, 24, interpret=True)
+    assert {p: (s.block_q, s.block_k) for p, s in zip(tuning.PASSES, got.stages())} == winners
+    assert tuning.tuned_rows(other)[64] == tuning.TRITON[64]
+    assert "| pass" in capsys.readouterr().out
+    # Off the GPU the interpreter's table never goes where GPUs read theirs: one line, no work.
+    if jax.default_backend() != "gpu":
+        assert attention.main(["--tune"]) == 2
+        assert "--tuning-file" in capsys.readouterr().err

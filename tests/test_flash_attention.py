@@ -5,6 +5,7 @@ buffer with NaN before the kernel runs (checked below), so a comparison with the
 proves that the kernel wrote every element it returns.
 """
 
+import json
 import warnings
 
 import jax
@@ -306,3 +307,40 @@ def test_model_trains_the_same_with_pallas_as_with_xla():
             losses[impl].append(float(metrics["loss"]))
     np.testing.assert_allclose(losses["pallas"], losses["xla"], rtol=1e-5)
     assert losses["xla"][2] < losses["xla"][0]
+
+
+def test_tuned_table_per_device_with_fallbacks_and_one_line_errors(tmp_path, monkeypatch):
+    from jaxaccel.kernels import tuning
+
+    path = tmp_path / "tuned.json"
+    monkeypatch.setenv(tuning.TABLE_ENV, str(path))
+    h100, a100 = "NVIDIA H100 80GB HBM3", "NVIDIA A100-SXM4-80GB"
+    assert tuning.flash_params(64, 4096, interpret=False, kind=h100) == tuning.TRITON[64]
+    stage = tuning.Stage(64, 64, 4, 2)
+    mine = tuning.FlashParams(forward=stage, dkv=stage, dq=stage)
+    tuning.write_entry(path, h100, {64: mine}, {"date": "2026-11-25"})
+    assert tuning.flash_params(48, 4096, interpret=False, kind=h100) == mine
+    assert tuning.flash_params(128, 4096, interpret=False, kind=h100) == tuning.TRITON[128]
+    assert tuning.flash_params(64, 4096, interpret=False, kind=a100) == tuning.TRITON[64]
+    assert tuning.flash_params(64, 20, interpret=False, kind=h100).forward.block_q == 32
+    assert tuning.flash_params(64, 4096, interpret=True, kind="cpu") == tuning.INTERPRET
+    # A second device joins the table; the first keeps its rows.
+    tuning.write_entry(path, a100, {128: mine}, {"date": "2026-11-25"})
+    assert tuning.tuned_rows(h100) == {64: mine} and tuning.tuned_rows(a100) == {128: mine}
+    good = json.loads(path.read_text())
+    bad_block = json.loads(path.read_text())
+    bad_block["devices"][h100]["head_dims"]["64"]["dq"]["block_q"] = 24
+    bad_backend = json.loads(path.read_text())
+    bad_backend["devices"][h100]["head_dims"]["64"]["backend"] = "cuda"
+    for text, match in [("{", "cannot be read"),
+                        (json.dumps({**good, "format": 2}), "not a flash tuning table"),
+                        (json.dumps(bad_block), "dq block 24 is not a power of two"),
+                        (json.dumps(bad_backend), "backend 'cuda' is not one of")]:
+        path.write_text(text)
+        with pytest.raises(ConfigError, match=match) as info:
+            tuning.flash_params(64, 4096, interpret=False, kind=h100)
+        assert "\n" not in str(info.value) and "--tune" in str(info.value)
+    q = jnp.zeros((1, 32, 2, 16), jnp.float32)
+    odd = tuning.FlashParams(forward=tuning.Stage(24, 32), dkv=stage, dq=stage)
+    with pytest.raises(ConfigError, match="forward block 24"):
+        flash_attention(q, q, q, params=odd)

@@ -59,7 +59,7 @@ class _Plan:
 
 
 def flash_attention(q, k, v, *, causal=False, segment_ids=None, sm_scale=None, block_q=None,
-                    block_k=None, interpret=None):
+                    block_k=None, params=None, interpret=None):
     """Attention of [B, T, H, E] queries over [B, T, K, E] keys/values (K divides H), in Pallas.
 
     Args:
@@ -68,16 +68,21 @@ def flash_attention(q, k, v, *, causal=False, segment_ids=None, sm_scale=None, b
         segment 0, attends to padding, as in ``jaxaccel.attention``).
       sm_scale: softmax scale, default 1/sqrt(E).
       block_q, block_k: tile rows (powers of two >= 16) for every pass; default per head dim
-        from ``jaxaccel.kernels.tuning``.
+        from ``jaxaccel.kernels.tuning`` (the device's tuned table, else the built-in one).
+      params: a whole ``tuning.FlashParams`` (blocks, warps and stages per pass) instead of the
+        table's; what ``experiments.attention --tune`` sweeps.
       interpret: run the kernels in the Pallas interpreter; None: on every backend but the GPU.
     Returns:
       [B, T, H, E] in q's dtype. Differentiable in q, k and v.
     """
     _check_inputs(q, k, v, segment_ids, block_q, block_k)
+    if params is not None:
+        tuning.check_params(params)
     if interpret is None:
         interpret = jax.default_backend() != "gpu"
     _, T, H, E = q.shape
-    params = tuning.flash_params(E, T, interpret=interpret, block_q=block_q, block_k=block_k)
+    params = tuning.flash_params(E, T, interpret=interpret, block_q=block_q, block_k=block_k,
+                                 params=params)
     tile = max(max(s.block_q, s.block_k) for s in params.stages())
     plan = _Plan(
         seq_len=T, seq_pad=-(-T // tile) * tile,

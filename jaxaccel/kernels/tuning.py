@@ -1,20 +1,40 @@
 """Backend parameters of the flash attention kernel, kept apart from its algorithm.
 
 The algorithm (``jaxaccel.kernels.flash_attention``) needs only block sizes; how a backend runs a
-block (Triton's warps and software-pipelining stages today, Mosaic GPU's warpgroups tomorrow) is
-chosen here, per pass and per head dim. A new backend is a new table and a new
-``compiler_params`` branch.
+block (Triton's warps and software-pipelining stages) is chosen here, per pass and per head dim.
 
-The Triton table holds starting points in the spirit of Triton's fused-attention tutorial (wide
-query tiles forward, wide key tiles for dK/dV, wide query tiles for dQ; fewer, smaller tiles as
-the head dim grows, to stay within registers and shared memory). They have not been measured
-by us: ``python -m experiments.attention`` on a GPU is how to tune them.
+Where the parameters come from, first match wins:
+
+1. ``block_q``/``block_k`` or a whole ``FlashParams`` passed to the kernel;
+2. the tuned table for the present device (its ``device_kind``, e.g. "NVIDIA H100 80GB HBM3"):
+   ``tuned.json`` beside this file, or the file named by ``$JAXACCEL_FLASH_TUNING``, which
+   ``python -m experiments.attention --tune`` writes after sweeping block sizes, warps and stages
+   per pass on that device and checking every candidate against XLA's attention. Each entry
+   records its date, jax version and command. A head dim above the entry's largest falls to 3.;
+3. the built-in starting points: ``TRITON`` on a GPU (in the spirit of Triton's fused-attention
+   tutorial, not measured by us), ``INTERPRET`` in the Pallas interpreter.
+
+Every table row names its backend. Triton (``"triton"``) is the only one today; a Mosaic GPU
+(wgmma) backend for Hopper would add its own rows and ``compiler_params`` branch.
 """
 
 import dataclasses
+import json
+import os
+from pathlib import Path
 
+import jax
 from jax.experimental import pallas as pl
 from jax.experimental.pallas import triton as pl_triton
+
+from jaxaccel.errors import ConfigError
+
+TABLE_FILE = Path(__file__).with_name("tuned.json")
+TABLE_ENV = "JAXACCEL_FLASH_TUNING"
+TABLE_FORMAT = 1
+BACKENDS = ("triton",)
+PASSES = ("forward", "dkv", "dq")
+MIN_BLOCK = 16   # Triton's dot needs every dimension of a tile product >= 16
 
 
 @dataclasses.dataclass(frozen=True)
@@ -34,9 +54,13 @@ class FlashParams:
     forward: Stage
     dkv: Stage
     dq: Stage
+    backend: str = "triton"
 
     def stages(self) -> tuple[Stage, ...]:
         return (self.forward, self.dkv, self.dq)
+
+    def replace(self, **passes: Stage) -> "FlashParams":
+        return dataclasses.replace(self, **passes)
 
 
 # Largest head dim each row serves -> parameters (Triton backend, GPU).
@@ -53,25 +77,44 @@ TRITON = {
 # only cost time; 32 still gives several tiles at test lengths.
 INTERPRET = FlashParams(forward=Stage(32, 32), dkv=Stage(32, 32), dq=Stage(32, 32))
 
-MIN_BLOCK = 16   # Triton's dot needs every dimension of a tile product >= 16
+
+def device_kind() -> str:
+    """The name tuned tables are kept under: the first device's ``device_kind``."""
+    return jax.devices()[0].device_kind
+
+
+def table_path() -> Path:
+    """The table file read and, by default, written: ``$JAXACCEL_FLASH_TUNING`` or tuned.json."""
+    return Path(os.environ.get(TABLE_ENV) or TABLE_FILE)
+
+
+def default_params(head_dim: int, *, interpret: bool) -> FlashParams:
+    """The built-in row for this head dim (``INTERPRET`` in the interpreter)."""
+    if interpret:
+        return INTERPRET
+    return next(p for d, p in sorted(TRITON.items()) if head_dim <= d)
 
 
 def flash_params(head_dim: int, seq_len: int, *, interpret: bool, block_q: int | None = None,
-                 block_k: int | None = None) -> FlashParams:
-    """The table's parameters for this head dim; ``block_q``/``block_k`` override every pass.
+                 block_k: int | None = None, params: FlashParams | None = None,
+                 kind: str | None = None) -> FlashParams:
+    """The parameters a call uses (module docstring for the order); ``block_q``/``block_k``
+    override every pass. ``kind``: the device kind to look up (default: the present one).
 
     Blocks never exceed the sequence rounded up to a power of two (at least ``MIN_BLOCK``), so a
     short sequence is not padded to a long tile.
     """
-    params = INTERPRET if interpret else next(
-        p for d, p in sorted(TRITON.items()) if head_dim <= d)
+    if params is None:
+        tuned = tuned_rows(kind or device_kind())
+        params = next((p for d, p in sorted(tuned.items()) if head_dim <= d), None) \
+            or default_params(head_dim, interpret=interpret)
     cap = max(MIN_BLOCK, pl.next_power_of_2(seq_len))
 
     def fit(stage: Stage) -> Stage:
         return dataclasses.replace(stage, block_q=min(block_q or stage.block_q, cap),
                                    block_k=min(block_k or stage.block_k, cap))
 
-    return FlashParams(*(fit(s) for s in params.stages()))
+    return params.replace(**{name: fit(s) for name, s in zip(PASSES, params.stages())})
 
 
 def compiler_params(stage: Stage, *, interpret: bool):
@@ -79,3 +122,76 @@ def compiler_params(stage: Stage, *, interpret: bool):
     if interpret:
         return None
     return pl_triton.CompilerParams(num_warps=stage.num_warps, num_stages=stage.num_stages)
+
+
+# ---- the tuned table ---------------------------------------------------------------------------
+
+def tuned_rows(kind: str, path: Path | None = None) -> dict[int, FlashParams]:
+    """The tuned rows for a device kind ({largest head dim: params}), {} when it has none."""
+    path = path or table_path()
+    entry = read_table(path)["devices"].get(kind, {})
+    return {int(d): params_from_json(row, where=f"{path}: {kind}, head dim {d}")
+            for d, row in entry.get("head_dims", {}).items()}
+
+
+def read_table(path: Path) -> dict:
+    """The table file as JSON ({"format": 1, "devices": {kind: entry}}); an empty table when
+    there is no file. ConfigError, one line, when it is not a table."""
+    if not path.exists():
+        return {"format": TABLE_FORMAT, "devices": {}}
+    try:
+        table = json.loads(path.read_text())
+    except (OSError, ValueError) as e:
+        raise ConfigError(f"the flash tuning table {path} cannot be read ({e}); delete it or run "
+                          f"python -m experiments.attention --tune to write it again") from None
+    if not isinstance(table, dict) or table.get("format") != TABLE_FORMAT \
+            or not isinstance(table.get("devices"), dict):
+        raise ConfigError(f"{path} is not a flash tuning table of format {TABLE_FORMAT}; delete "
+                          f"it or run python -m experiments.attention --tune to write it again")
+    return table
+
+
+def params_to_json(params: FlashParams) -> dict:
+    return {"backend": params.backend,
+            **{name: dataclasses.asdict(s) for name, s in zip(PASSES, params.stages())}}
+
+
+def params_from_json(row: dict, *, where: str = "flash params") -> FlashParams:
+    """FlashParams from its JSON row; ConfigError, one line, for a row the kernel cannot run."""
+    try:
+        stages = {name: Stage(**row[name]) for name in PASSES}
+        backend = row.get("backend", "triton")
+    except (KeyError, TypeError) as e:
+        raise ConfigError(f"{where}: not a row of forward, dkv and dq stages ({e}); run "
+                          f"python -m experiments.attention --tune again") from None
+    params = FlashParams(**stages, backend=backend)
+    check_params(params, where=where, fix="run python -m experiments.attention --tune again")
+    return params
+
+
+def check_params(params: FlashParams, *, where: str = "flash params",
+                 fix: str = "pass powers of two such as 32, 64 or 128") -> None:
+    """ConfigError, one line, unless every block is a power of two >= MIN_BLOCK and the
+    backend is known."""
+    if params.backend not in BACKENDS:
+        raise ConfigError(f"{where}: backend {params.backend!r} is not one of "
+                          f"{', '.join(BACKENDS)}; {fix}")
+    for name, s in zip(PASSES, params.stages()):
+        for block in (s.block_q, s.block_k):
+            if not isinstance(block, int) or block < MIN_BLOCK or block & (block - 1):
+                raise ConfigError(f"{where}: {name} block {block!r} is not a power of two >= "
+                                  f"{MIN_BLOCK}; {fix}")
+
+
+def write_entry(path: Path, kind: str, head_dims: dict[int, FlashParams], meta: dict) -> None:
+    """Records the tuned rows of one device kind in the table file, keeping other devices' (and
+    this device's other head dims); written atomically."""
+    table = read_table(path)
+    entry = table["devices"].get(kind, {})
+    rows = {**entry.get("head_dims", {}),
+            **{str(d): params_to_json(p) for d, p in head_dims.items()}}
+    table["devices"][kind] = {**meta, "head_dims": dict(sorted(rows.items(), key=lambda r:
+                                                                 int(r[0])))}
+    tmp = path.with_name(path.name + ".tmp")
+    tmp.write_text(json.dumps(table, indent=1) + "\n")
+    os.replace(tmp, path)
