@@ -1,7 +1,9 @@
 """The tuning sweep of ``python -m experiments.attention --tune``: our flash kernel's block sizes,
 Triton warps and stages, per pass and head dim, on the present device.
 
-For each head dim the passes are tuned in turn, each with the others held at their best so far
+Candidates: the built-in stage, Triton's blocks x warps x stages and, for the forward pass on a
+Hopper GPU, the Mosaic GPU forward's blocks x ring depths (``--tune-backends``). For each head dim
+the passes are tuned in turn, each with the others held at their best so far
 (starting from the built-in row of ``jaxaccel.kernels.tuning``): the forward is timed alone, dK/dV
 and then dQ in a forward+backward. A candidate's score is its median time summed over
 ``--tune-seq-lens`` and ``--causal``, at ``--batch-tokens`` per batch. Every candidate's output
@@ -33,6 +35,7 @@ TOLERANCE = {"bfloat16": 2e-2, "float16": 1e-2, "float32": 1e-4}
 COLUMNS = [
     ("D", "D", "d"),
     ("pass", "pass", ""),
+    ("backend", "backend", ""),
     ("block_q", "block_q", "d"),
     ("block_k", "block_k", "d"),
     ("num_warps", "warps", ""),
@@ -44,9 +47,13 @@ COLUMNS = [
 ]
 
 
-def candidates(exp, base: tuning.Stage, interpret: bool) -> list[tuning.Stage]:
-    """The built-in stage first, then every combination of the swept values."""
+def candidates(exp, name: str, base: tuning.Stage, interpret: bool,
+               kind: str) -> list[tuning.Stage]:
+    """The built-in stage first, then every combination of the swept values: Triton's blocks,
+    warps and stages; for the forward on a Hopper GPU (or in the interpreter) also Mosaic GPU's
+    blocks (64 or 128 query rows a warpgroup) and ring depths, when ``--tune-backends`` has it."""
     blocks = parse_list(exp.tune_blocks, "experiment.tune_blocks", kind=int)
+    backends = parse_list(exp.tune_backends, "experiment.tune_backends", valid=tuning.BACKENDS)
     bad = [b for b in blocks if b < tuning.MIN_BLOCK or b & (b - 1)]
     if bad:
         raise ConfigError(f"tune_blocks {bad} are not powers of two >= {tuning.MIN_BLOCK}; pass "
@@ -55,8 +62,14 @@ def candidates(exp, base: tuning.Stage, interpret: bool) -> list[tuning.Stage]:
     stages = parse_list(exp.tune_stages, "experiment.tune_stages", kind=int)
     if interpret:   # the interpreter ignores warps and stages: one candidate per block pair
         warps, stages = [base.num_warps], [base.num_stages]
+    ring = parse_list(exp.tune_stages, "experiment.tune_stages", kind=int)
     grid = [tuning.Stage(bq, bk, w, n) for bq, bk, w, n in
-            itertools.product(blocks, blocks, warps, stages)]
+            itertools.product(blocks, blocks, warps, stages)] if "triton" in backends else []
+    if ("mosaic_gpu" in backends and name in tuning.MOSAIC_PASSES
+            and (interpret or tuning.is_hopper(kind))):
+        grid += [tuning.Stage(bq, bk, None, n, backend="mosaic_gpu") for bq, bk, n in
+                 itertools.product([b for b in blocks if b in (64, 128)],
+                                   [b for b in blocks if b >= 64], ring)]
     return [base] + [s for s in grid if s != base]
 
 
@@ -127,8 +140,10 @@ def tune_head_dim(exp, D: int, shapes: list[Shape], interpret: bool, timing):
     for name in tuning.PASSES:
         backward, checked = PASS_RUNS[name]
         pass_rows = []
-        for stage in candidates(exp, getattr(builtin, name), interpret):
-            row = {"D": D, "pass": name, "block_q": stage.block_q, "block_k": stage.block_k,
+        for stage in candidates(exp, name, getattr(builtin, name), interpret,
+                                tuning.device_kind()):
+            row = {"D": D, "pass": name, "backend": stage.backend, "block_q": stage.block_q,
+                   "block_k": stage.block_k,
                    "num_warps": stage.num_warps, "num_stages": stage.num_stages, "ms": None,
                    "rel_err": None, "best": "", "status": "ok"}
             try:
@@ -168,7 +183,7 @@ def run(exp, head_dims: list[int], causal_modes: tuple[bool, ...], interpret: bo
         if D > flash.MAX_HEAD_DIM:
             raise ConfigError(f"head dim {D} is above {flash.MAX_HEAD_DIM}, the kernel's "
                               f"largest; pass head dims up to it", field="experiment.head_dims")
-    candidates(exp, tuning.Stage(32, 32), interpret)   # the swept values, checked before work
+    candidates(exp, "forward", tuning.Stage(32, 32), interpret, "")   # checked before any work
 
     def timing(fn, args):
         return median_seconds(fn, args, exp.warmup, exp.iters)

@@ -213,6 +213,14 @@ def test_attention_tune_checks_candidates_and_writes_the_table_the_kernel_reads(
     assert {p: (s.block_q, s.block_k) for p, s in zip(tuning.PASSES, got.stages())} == winners
     assert tuning.tuned_rows(other)[64] == tuning.TRITON[64]
     assert "| pass" in capsys.readouterr().out
+    # Mosaic GPU candidates: the forward pass, on Hopper GPUs.
+    exp = attention.AttentionSettings(tune_blocks="64,128", tune_warps="4", tune_stages="2")
+    h100_forward = flash_tune.candidates(exp, "forward", tuning.TRITON[64].forward, False, other)
+    assert sum(s.backend == "mosaic_gpu" for s in h100_forward) == 4
+    assert all(s.backend == "triton" for s in flash_tune.candidates(
+        exp, "forward", tuning.TRITON[64].forward, False, "NVIDIA A100-SXM4-80GB"))
+    assert all(s.backend == "triton" for s in flash_tune.candidates(
+        exp, "dq", tuning.TRITON[64].dq, False, other))
     # Off the GPU the interpreter's table never goes where GPUs read theirs: one line, no work.
     if jax.default_backend() != "gpu":
         assert attention.main(["--tune"]) == 2

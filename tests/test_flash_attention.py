@@ -18,7 +18,7 @@ from jax.experimental import pallas as pl
 from jaxaccel.attention import dot_product_attention, resolve_implementation
 from jaxaccel.config import parse
 from jaxaccel.errors import ConfigError
-from jaxaccel.kernels import flash, flash_attention, tile_schedule
+from jaxaccel.kernels import flash, flash_attention, tile_schedule, tuning
 from jaxaccel.model import ModelConfig, init_params, make_apply
 from jaxaccel.state import init_state
 from jaxaccel.train import lm_train_step
@@ -114,6 +114,57 @@ def test_half_precision_inputs_stay_close_to_float64(dtype, T, K, E, causal, lay
     assert rel_err(out, ref_out) < 1e-2
     for g, ref_g in zip(grads, ref_grads):
         assert rel_err(g, ref_g) < 2e-2
+
+
+@pytest.mark.parametrize("dtype,T,K,E,causal,layout", [
+    (jnp.bfloat16, 150, 2, 64, True, "packed"),      # 3 programs, segments skip tiles
+    (jnp.float16, 50, 1, 128, False, "arbitrary"),   # one consumer's rows all past the end
+])
+def test_mosaic_gpu_forward_matches_float64_and_feeds_the_triton_backward(
+        dtype, T, K, E, causal, layout):
+    """The Mosaic GPU forward in its interpreter (three warpgroups, TMA copies, barriers,
+    wgmma), then the Triton backward from its output and log-sum-exp."""
+    rng = np.random.default_rng([T, K, E, 9])
+    q, k, v, d_out = inputs(rng, 2, T, 4, K, E, dtype)
+    seg = segments(rng, 2, T, layout)
+    stage = tuning.Stage(64, 64, None, 2, backend="mosaic_gpu")
+    params = tuning.FlashParams(forward=stage, dkv=tuning.Stage(32, 32), dq=tuning.Stage(32, 32))
+    out, grads = run(q, k, v, d_out, seg, causal, params=params)
+    ref_out, ref_grads = reference_attention(q, k, v, seg, causal, d_out)
+    assert out.dtype == dtype and rel_err(out, ref_out) < 1e-2
+    for g, ref_g in zip(grads, ref_grads):
+        assert rel_err(g, ref_g) < 2e-2
+    # float32 inputs, which wgmma's Mosaic path does not take, run the Triton forward.
+    q32, k32, v32 = (x[:, :20].astype(jnp.float32) for x in (q, k, v))
+    got = flash_attention(q32, k32, v32, causal=causal, params=params)
+    assert rel_err(got, reference_attention(q32, k32, v32, None, causal)) < 1e-5
+
+
+def test_mosaic_gpu_forward_lowers_for_an_h100_without_a_gpu():
+    """The Mosaic GPU lowering of the forward with swizzled tiles (and the Triton backward), for
+    an abstract H100; compiling it to machine code and running it need the GPU."""
+    device = jax.sharding.AbstractDevice(device_kind="NVIDIA H100 80GB HBM3", num_cores=None,
+                                         platform="gpu")
+    mesh = jax.sharding.AbstractMesh((1,), ("x",), abstract_device=device)
+    q = jax.ShapeDtypeStruct((2, 1000, 8, 128), jnp.bfloat16)
+    kv = jax.ShapeDtypeStruct((2, 1000, 2, 128), jnp.bfloat16)
+    seg = jax.ShapeDtypeStruct((2, 1000), jnp.int32)
+    stage = tuning.Stage(64, 128, None, 2, backend="mosaic_gpu")
+    params = tuning.TRITON[128].replace(forward=stage)
+
+    def fwd_bwd(q, k, v, seg, d_out):
+        out, vjp = jax.vjp(lambda q, k, v: flash_attention(
+            q, k, v, causal=True, segment_ids=seg, params=params, interpret=False), q, k, v)
+        return out, vjp(d_out)
+
+    with warnings.catch_warnings(), jax.sharding.use_abstract_mesh(mesh):
+        warnings.simplefilter("ignore", DeprecationWarning)
+        text = jax.jit(fwd_bwd).trace(q, kv, kv, seg, q).lower(
+            lowering_platforms=("cuda",)).as_text()
+    assert text.count("__gpu$xla.gpu.triton") == 2 and "mosaic_gpu" in text
+    with pytest.raises(ConfigError, match="runs the forward pass only"):
+        flash_attention(jnp.zeros((1, 8, 1, 64)), jnp.zeros((1, 8, 1, 64)),
+                        jnp.zeros((1, 8, 1, 64)), params=params.replace(dq=stage))
 
 
 def test_default_blocks_and_explicit_scale():
@@ -331,11 +382,11 @@ def test_tuned_table_per_device_with_fallbacks_and_one_line_errors(tmp_path, mon
     bad_block = json.loads(path.read_text())
     bad_block["devices"][h100]["head_dims"]["64"]["dq"]["block_q"] = 24
     bad_backend = json.loads(path.read_text())
-    bad_backend["devices"][h100]["head_dims"]["64"]["backend"] = "cuda"
+    bad_backend["devices"][h100]["head_dims"]["64"]["dkv"]["backend"] = "cuda"
     for text, match in [("{", "cannot be read"),
                         (json.dumps({**good, "format": 2}), "not a flash tuning table"),
                         (json.dumps(bad_block), "dq block 24 is not a power of two"),
-                        (json.dumps(bad_backend), "backend 'cuda' is not one of")]:
+                        (json.dumps(bad_backend), "dkv backend 'cuda' is not one of")]:
         path.write_text(text)
         with pytest.raises(ConfigError, match=match) as info:
             tuning.flash_params(64, 4096, interpret=False, kind=h100)

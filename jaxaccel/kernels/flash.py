@@ -31,7 +31,7 @@ from jax import lax
 from jax.experimental import pallas as pl
 
 from jaxaccel.errors import ConfigError
-from jaxaccel.kernels import tuning
+from jaxaccel.kernels import flash_mosaic, tuning
 
 DTYPES = (jnp.float32, jnp.bfloat16, jnp.float16)
 MAX_HEAD_DIM = 256
@@ -84,6 +84,8 @@ def flash_attention(q, k, v, *, causal=False, segment_ids=None, sm_scale=None, b
     params = tuning.flash_params(E, T, interpret=interpret, block_q=block_q, block_k=block_k,
                                  params=params)
     tile = max(max(s.block_q, s.block_k) for s in params.stages())
+    if params.forward.backend == "mosaic_gpu":
+        tile = max(tile, flash_mosaic.program_rows(params.forward))
     plan = _Plan(
         seq_len=T, seq_pad=-(-T // tile) * tile,
         head_dim_pad=max(tuning.MIN_BLOCK, pl.next_power_of_2(E)), groups=H // k.shape[2],
@@ -381,6 +383,16 @@ def _forward(q, k, v, segment_ids, plan: _Plan):
     """Output [B, T, H, E] and the base-2 log-sum-exp [B, H, T_pad] (float32)."""
     B, T, H, E = q.shape
     stage = plan.params.forward
+    if stage.backend == "mosaic_gpu":
+        if flash_mosaic.supports(q.dtype, plan.head_dim_pad) and (
+                plan.interpret or tuning.is_hopper(tuning.device_kind())):
+            sched = flash_mosaic.schedule(*_query_runs(segment_ids, plan, stage, B))
+            seg = None if segment_ids is None else _pad_seq(segment_ids, plan)
+            out, lse = flash_mosaic.forward(
+                _pad(q, plan), _pad(k, plan), _pad(v, plan), seg, sched, plan, stage,
+                empty_lse=_EMPTY_LSE, start_max=_START_MAX)
+            return out[:, :T, :, :E], lse
+        stage = dataclasses.replace(stage, backend="triton", num_warps=None)
     bq, G, Ep = stage.block_q, plan.groups, plan.head_dim_pad
     runs = _query_runs(segment_ids, plan, stage, B)
     q_spec = pl.BlockSpec((None, bq, None, Ep), lambda b, h, i: (b, i, h, 0))

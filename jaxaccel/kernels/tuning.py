@@ -14,8 +14,13 @@ Where the parameters come from, first match wins:
 3. the built-in starting points: ``TRITON`` on a GPU (in the spirit of Triton's fused-attention
    tutorial, not measured by us), ``INTERPRET`` in the Pallas interpreter.
 
-Every table row names its backend. Triton (``"triton"``) is the only one today; a Mosaic GPU
-(wgmma) backend for Hopper would add its own rows and ``compiler_params`` branch.
+Every stage names its backend: ``"triton"`` (Pallas's Triton backend, any GPU of sm80 or newer),
+or, for the forward pass on Hopper, ``"mosaic_gpu"`` (``jaxaccel.kernels.flash_mosaic``: TMA
+copies, wgmma, a producer warpgroup and two consumers; ``num_stages`` is its ring of key/value
+slots, ``block_q`` the rows of each consumer). The built-in rows use Triton; a tuned row takes
+Mosaic GPU where ``--tune`` measured it faster on that device. Stages a backend cannot run (Mosaic
+GPU with float32 inputs, head dims other than 64 and 128, or a GPU older than Hopper) run on
+Triton with the same blocks.
 """
 
 import dataclasses
@@ -32,7 +37,8 @@ from jaxaccel.errors import ConfigError
 TABLE_FILE = Path(__file__).with_name("tuned.json")
 TABLE_ENV = "JAXACCEL_FLASH_TUNING"
 TABLE_FORMAT = 1
-BACKENDS = ("triton",)
+BACKENDS = ("triton", "mosaic_gpu")
+MOSAIC_PASSES = ("forward",)   # the passes the Mosaic GPU backend runs
 PASSES = ("forward", "dkv", "dq")
 MIN_BLOCK = 16   # Triton's dot needs every dimension of a tile product >= 16
 
@@ -45,6 +51,7 @@ class Stage:
     block_k: int
     num_warps: int | None = None
     num_stages: int | None = None
+    backend: str = "triton"
 
 
 @dataclasses.dataclass(frozen=True)
@@ -54,7 +61,6 @@ class FlashParams:
     forward: Stage
     dkv: Stage
     dq: Stage
-    backend: str = "triton"
 
     def stages(self) -> tuple[Stage, ...]:
         return (self.forward, self.dkv, self.dq)
@@ -79,8 +85,10 @@ INTERPRET = FlashParams(forward=Stage(32, 32), dkv=Stage(32, 32), dq=Stage(32, 3
 
 
 def device_kind() -> str:
-    """The name tuned tables are kept under: the first device's ``device_kind``."""
-    return jax.devices()[0].device_kind
+    """The name tuned tables are kept under: the device kind of the abstract mesh in use (a
+    program lowered for another device), else of the first device."""
+    device = getattr(jax.sharding.get_abstract_mesh(), "abstract_device", None)
+    return device.device_kind if device is not None else jax.devices()[0].device_kind
 
 
 def table_path() -> Path:
@@ -111,17 +119,23 @@ def flash_params(head_dim: int, seq_len: int, *, interpret: bool, block_q: int |
     cap = max(MIN_BLOCK, pl.next_power_of_2(seq_len))
 
     def fit(stage: Stage) -> Stage:
-        return dataclasses.replace(stage, block_q=min(block_q or stage.block_q, cap),
+        most = max(cap, 64) if stage.backend == "mosaic_gpu" else cap   # a warpgroup's rows
+        return dataclasses.replace(stage, block_q=min(block_q or stage.block_q, most),
                                    block_k=min(block_k or stage.block_k, cap))
 
     return params.replace(**{name: fit(s) for name, s in zip(PASSES, params.stages())})
 
 
 def compiler_params(stage: Stage, *, interpret: bool):
-    """The ``pallas_call`` compiler parameters for a stage: Triton's, or none when interpreting."""
+    """The Triton ``pallas_call`` compiler parameters for a stage, or none when interpreting."""
     if interpret:
         return None
     return pl_triton.CompilerParams(num_warps=stage.num_warps, num_stages=stage.num_stages)
+
+
+def is_hopper(kind: str) -> bool:
+    """An sm90 GPU by its device kind (the Mosaic GPU backend's wgmma and TMA need one)."""
+    return any(name in kind for name in ("H100", "H200", "H800", "H20", "GH200"))
 
 
 # ---- the tuned table ---------------------------------------------------------------------------
@@ -152,31 +166,34 @@ def read_table(path: Path) -> dict:
 
 
 def params_to_json(params: FlashParams) -> dict:
-    return {"backend": params.backend,
-            **{name: dataclasses.asdict(s) for name, s in zip(PASSES, params.stages())}}
+    return {name: dataclasses.asdict(s) for name, s in zip(PASSES, params.stages())}
 
 
 def params_from_json(row: dict, *, where: str = "flash params") -> FlashParams:
     """FlashParams from its JSON row; ConfigError, one line, for a row the kernel cannot run."""
     try:
-        stages = {name: Stage(**row[name]) for name in PASSES}
-        backend = row.get("backend", "triton")
+        params = FlashParams(**{name: Stage(**row[name]) for name in PASSES})
     except (KeyError, TypeError) as e:
         raise ConfigError(f"{where}: not a row of forward, dkv and dq stages ({e}); run "
                           f"python -m experiments.attention --tune again") from None
-    params = FlashParams(**stages, backend=backend)
     check_params(params, where=where, fix="run python -m experiments.attention --tune again")
     return params
 
 
 def check_params(params: FlashParams, *, where: str = "flash params",
                  fix: str = "pass powers of two such as 32, 64 or 128") -> None:
-    """ConfigError, one line, unless every block is a power of two >= MIN_BLOCK and the
-    backend is known."""
-    if params.backend not in BACKENDS:
-        raise ConfigError(f"{where}: backend {params.backend!r} is not one of "
-                          f"{', '.join(BACKENDS)}; {fix}")
+    """ConfigError, one line, unless every block is a power of two >= MIN_BLOCK and every
+    backend is known and runs its pass."""
     for name, s in zip(PASSES, params.stages()):
+        if s.backend not in BACKENDS:
+            raise ConfigError(f"{where}: {name} backend {s.backend!r} is not one of "
+                              f"{', '.join(BACKENDS)}; {fix}")
+        if s.backend == "mosaic_gpu" and name not in MOSAIC_PASSES:
+            raise ConfigError(f"{where}: the mosaic_gpu backend runs the "
+                              f"{', '.join(MOSAIC_PASSES)} pass only, not {name}; {fix}")
+        if s.backend == "mosaic_gpu" and s.block_q not in (64, 128):
+            raise ConfigError(f"{where}: a mosaic_gpu stage takes block_q 64 or 128 (rows of a "
+                              f"warpgroup), not {s.block_q}; {fix}")
         for block in (s.block_q, s.block_k):
             if not isinstance(block, int) or block < MIN_BLOCK or block & (block - 1):
                 raise ConfigError(f"{where}: {name} block {block!r} is not a power of two >= "
