@@ -1,8 +1,8 @@
 """The tuning sweep of ``python -m experiments.attention --tune``: our flash kernel's block sizes,
 Triton warps and stages, per pass and head dim, on the present device.
 
-Candidates: the built-in stage, Triton's blocks x warps x stages and, for the forward pass on a
-Hopper GPU, the Mosaic GPU forward's blocks x ring depths (``--tune-backends``). For each head dim
+Candidates: the built-in stage, Triton's blocks x warps x stages and, on a Hopper GPU, the Mosaic
+GPU kernels' blocks x ring depths (``--tune-backends``). For each head dim
 the passes are tuned in turn, each with the others held at their best so far
 (starting from the built-in row of ``jaxaccel.kernels.tuning``): the forward is timed alone, dK/dV
 and then dQ in a forward+backward. A candidate's score is its median time summed over
@@ -65,11 +65,13 @@ def candidates(exp, name: str, base: tuning.Stage, interpret: bool,
     ring = parse_list(exp.tune_stages, "experiment.tune_stages", kind=int)
     grid = [tuning.Stage(bq, bk, w, n) for bq, bk, w, n in
             itertools.product(blocks, blocks, warps, stages)] if "triton" in backends else []
-    if ("mosaic_gpu" in backends and name in tuning.MOSAIC_PASSES
-            and (interpret or tuning.is_hopper(kind))):
-        grid += [tuning.Stage(bq, bk, None, n, backend="mosaic_gpu") for bq, bk, n in
-                 itertools.product([b for b in blocks if b in (64, 128)],
-                                   [b for b in blocks if b >= 64], ring)]
+    if "mosaic_gpu" in backends and (interpret or tuning.is_hopper(kind)):
+        own = [b for b in blocks if b in tuning.MOSAIC_ROWS]
+        streamed = [b for b in blocks if b >= 64]
+        pairs = itertools.product(streamed, own) if name == "dkv" else \
+            itertools.product(own, streamed)
+        grid += [tuning.Stage(bq, bk, None, n, backend="mosaic_gpu")
+                 for (bq, bk), n in itertools.product(pairs, ring)]
     return [base] + [s for s in grid if s != base]
 
 
@@ -102,12 +104,16 @@ class Shape:
 
         q, k, v, d_out = self.inputs
         if not backward:
-            fn, args = jax.jit(attn), (q, k, v)
+            fn, args = attn, (q, k, v)
         else:
             def fn(q, k, v, d_out):
                 out, vjp = jax.vjp(attn, q, k, v)
                 return (out, *vjp(d_out))
-            fn, args = jax.jit(fn), (q, k, v, d_out)
+            args = (q, k, v, d_out)
+        # Mosaic GPU's interpreter runs op by op: under a jit it can starve XLA's CPU threads
+        # (tests/test_flash_attention.py).
+        mosaic = any(s.backend == "mosaic_gpu" for s in params.stages())
+        fn = fn if self.interpret and mosaic else jax.jit(fn)
         got = fn(*args)
         seconds = timing(fn, args)
         return seconds, (got,) if not backward else got

@@ -213,14 +213,17 @@ def test_attention_tune_checks_candidates_and_writes_the_table_the_kernel_reads(
     assert {p: (s.block_q, s.block_k) for p, s in zip(tuning.PASSES, got.stages())} == winners
     assert tuning.tuned_rows(other)[64] == tuning.TRITON[64]
     assert "| pass" in capsys.readouterr().out
-    # Mosaic GPU candidates: the forward pass, on Hopper GPUs.
-    exp = attention.AttentionSettings(tune_blocks="64,128", tune_warps="4", tune_stages="2")
-    h100_forward = flash_tune.candidates(exp, "forward", tuning.TRITON[64].forward, False, other)
-    assert sum(s.backend == "mosaic_gpu" for s in h100_forward) == 4
-    assert all(s.backend == "triton" for s in flash_tune.candidates(
-        exp, "forward", tuning.TRITON[64].forward, False, "NVIDIA A100-SXM4-80GB"))
-    assert all(s.backend == "triton" for s in flash_tune.candidates(
-        exp, "dq", tuning.TRITON[64].dq, False, other))
+    # Mosaic GPU candidates, on Hopper GPUs only: 64 or 128 own rows (keys in dK/dV).
+    exp = attention.AttentionSettings(tune_blocks="32,64,128", tune_warps="4", tune_stages="2")
+    for name in tuning.PASSES:
+        base = getattr(tuning.TRITON[64], name)
+        mosaic = [s for s in flash_tune.candidates(exp, name, base, False, other)
+                  if s.backend == "mosaic_gpu"]
+        assert len(mosaic) == 4, name
+        for s in mosaic:
+            tuning.check_params(tuning.TRITON[64].replace(**{name: s}))
+        assert all(s.backend == "triton" for s in flash_tune.candidates(
+            exp, name, base, False, "NVIDIA A100-SXM4-80GB"))
     # Off the GPU the interpreter's table never goes where GPUs read theirs: one line, no work.
     if jax.default_backend() != "gpu":
         assert attention.main(["--tune"]) == 2

@@ -84,8 +84,9 @@ def flash_attention(q, k, v, *, causal=False, segment_ids=None, sm_scale=None, b
     params = tuning.flash_params(E, T, interpret=interpret, block_q=block_q, block_k=block_k,
                                  params=params)
     tile = max(max(s.block_q, s.block_k) for s in params.stages())
-    if params.forward.backend == "mosaic_gpu":
-        tile = max(tile, flash_mosaic.program_rows(params.forward))
+    for name, stage in zip(tuning.PASSES, params.stages()):
+        if stage.backend == "mosaic_gpu":
+            tile = max(tile, flash_mosaic.program_rows(name, stage))
     plan = _Plan(
         seq_len=T, seq_pad=-(-T // tile) * tile,
         head_dim_pad=max(tuning.MIN_BLOCK, pl.next_power_of_2(E)), groups=H // k.shape[2],
@@ -382,17 +383,13 @@ def _segment_args(segment_ids, plan, block, *, tile_of_queries: bool):
 def _forward(q, k, v, segment_ids, plan: _Plan):
     """Output [B, T, H, E] and the base-2 log-sum-exp [B, H, T_pad] (float32)."""
     B, T, H, E = q.shape
-    stage = plan.params.forward
+    stage = _on_triton_unless_mosaic(plan.params.forward, plan, q.dtype)
     if stage.backend == "mosaic_gpu":
-        if flash_mosaic.supports(q.dtype, plan.head_dim_pad) and (
-                plan.interpret or tuning.is_hopper(tuning.device_kind())):
-            sched = flash_mosaic.schedule(*_query_runs(segment_ids, plan, stage, B))
-            seg = None if segment_ids is None else _pad_seq(segment_ids, plan)
-            out, lse = flash_mosaic.forward(
-                _pad(q, plan), _pad(k, plan), _pad(v, plan), seg, sched, plan, stage,
-                empty_lse=_EMPTY_LSE, start_max=_START_MAX)
-            return out[:, :T, :, :E], lse
-        stage = dataclasses.replace(stage, backend="triton", num_warps=None)
+        sched = flash_mosaic.schedule(*_query_runs(segment_ids, plan, stage, B))
+        out, lse = flash_mosaic.forward(
+            _pad(q, plan), _pad(k, plan), _pad(v, plan), _padded_segments(segment_ids, plan),
+            sched, plan, stage, empty_lse=_EMPTY_LSE, start_max=_START_MAX)
+        return out[:, :T, :, :E], lse
     bq, G, Ep = stage.block_q, plan.groups, plan.head_dim_pad
     runs = _query_runs(segment_ids, plan, stage, B)
     q_spec = pl.BlockSpec((None, bq, None, Ep), lambda b, h, i: (b, i, h, 0))
@@ -413,38 +410,73 @@ def _forward(q, k, v, segment_ids, plan: _Plan):
 def _backward(q, k, v, segment_ids, out, lse, d_out, plan: _Plan):
     """dq, dk, dv from the saved output and log-sum-exp."""
     B, T, H, E = q.shape
-    K, G, Ep = k.shape[2], plan.groups, plan.head_dim_pad
     delta_BHT = _pad_seq(jnp.einsum("bthe,bthe->bht", out.astype(jnp.float32),
                                     d_out.astype(jnp.float32)), plan)
     qp, kp, vp, dop = (_pad(x, plan) for x in (q, k, v, d_out))
+    seg_BT = _padded_segments(segment_ids, plan)
 
-    stage = plan.params.dq
+    stage = _on_triton_unless_mosaic(plan.params.dq, plan, q.dtype)
+    if stage.backend == "mosaic_gpu":
+        dq = flash_mosaic.dq(qp, kp, vp, dop, lse, delta_BHT, seg_BT, flash_mosaic.schedule(
+            *_query_runs(segment_ids, plan, stage, B)), plan, stage)
+    else:
+        dq = _triton_dq(qp, kp, vp, dop, lse, delta_BHT, segment_ids, plan, stage)
+    stage = _on_triton_unless_mosaic(plan.params.dkv, plan, q.dtype)
+    if stage.backend == "mosaic_gpu":
+        dk, dv = flash_mosaic.dkv(qp, kp, vp, dop, lse, delta_BHT, seg_BT,
+                                  flash_mosaic.schedule(*_key_runs(segment_ids, plan, stage, B)),
+                                  plan, stage)
+    else:
+        dk, dv = _triton_dkv(qp, kp, vp, dop, lse, delta_BHT, segment_ids, plan, stage)
+    return dq[:, :T, :, :E], dk[:, :T, :, :E], dv[:, :T, :, :E]
+
+
+def _on_triton_unless_mosaic(stage: tuning.Stage, plan: _Plan, dtype) -> tuning.Stage:
+    """The stage as given, or on Triton when the Mosaic GPU kernels cannot run it (a dtype or
+    head dim they do not take, or a GPU before Hopper)."""
+    if stage.backend != "mosaic_gpu" or (
+            flash_mosaic.supports(dtype, plan.head_dim_pad)
+            and (plan.interpret or tuning.is_hopper(tuning.device_kind()))):
+        return stage
+    return dataclasses.replace(stage, backend="triton", num_warps=None)
+
+
+def _padded_segments(segment_ids, plan: _Plan):
+    return None if segment_ids is None else _pad_seq(segment_ids, plan)
+
+
+def _triton_dq(qp, kp, vp, dop, lse, delta_BHT, segment_ids, plan: _Plan, stage):
+    B, _, H, Ep = qp.shape
+    G = plan.groups
     bq = stage.block_q
     q_spec = pl.BlockSpec((None, bq, None, Ep), lambda b, h, i: (b, i, h, 0))
     kv_spec = pl.BlockSpec((None, plan.seq_pad, None, Ep), lambda b, h, i: (b, 0, h // G, 0))
     row_spec = pl.BlockSpec((None, None, bq), lambda b, h, i: (b, h, i))
     run_spec = pl.BlockSpec((None, None), lambda b, h, i: (b, i))
     seg_args, seg_specs = _segment_args(segment_ids, plan, bq, tile_of_queries=True)
-    dq = _call(
+    return _call(
         _dq_kernel, plan, stage, (B, H, plan.seq_pad // bq),
         [run_spec] * 3 + [q_spec, kv_spec, kv_spec, q_spec, row_spec, row_spec] + seg_specs,
-        q_spec, jax.ShapeDtypeStruct(qp.shape, q.dtype), "flash_attention_dq",
+        q_spec, jax.ShapeDtypeStruct(qp.shape, qp.dtype), "flash_attention_dq",
     )(*_query_runs(segment_ids, plan, stage, B), qp, kp, vp, dop, lse, delta_BHT, *seg_args)
 
-    stage = plan.params.dkv
+
+def _triton_dkv(qp, kp, vp, dop, lse, delta_BHT, segment_ids, plan: _Plan, stage):
+    B, _, K, Ep = kp.shape
+    G = plan.groups
     bk = stage.block_k
+    run_spec = pl.BlockSpec((None, None), lambda b, h, i: (b, i))
     group_spec = pl.BlockSpec((None, plan.seq_pad, G, Ep), lambda b, h, j: (b, 0, h, 0))
     kv_spec = pl.BlockSpec((None, bk, None, Ep), lambda b, h, j: (b, j, h, 0))
     group_row_spec = pl.BlockSpec((None, G, plan.seq_pad), lambda b, h, j: (b, h, 0))
     seg_args, seg_specs = _segment_args(segment_ids, plan, bk, tile_of_queries=False)
-    dk, dv = _call(
+    return _call(
         _dkv_kernel, plan, stage, (B, K, plan.seq_pad // bk),
         [run_spec] * 3 + [group_spec, kv_spec, kv_spec, group_spec, group_row_spec,
                           group_row_spec] + seg_specs,
-        [kv_spec, kv_spec], [jax.ShapeDtypeStruct(kp.shape, k.dtype)] * 2,
+        [kv_spec, kv_spec], [jax.ShapeDtypeStruct(kp.shape, kp.dtype)] * 2,
         "flash_attention_dkv",
     )(*_key_runs(segment_ids, plan, stage, B), qp, kp, vp, dop, lse, delta_BHT, *seg_args)
-    return dq[:, :T, :, :E], dk[:, :T, :, :E], dv[:, :T, :, :E]
 
 
 @functools.partial(jax.custom_vjp, nondiff_argnums=(4,))

@@ -1,28 +1,33 @@
-"""The flash attention forward pass on Hopper's Mosaic GPU backend: TMA copies and wgmma.
+"""Flash attention's three passes on Hopper's Mosaic GPU backend: TMA copies and wgmma.
 
-The same function and outputs as the Triton forward of ``jaxaccel.kernels.flash`` (the output and
-the base-2 log-sum-exp [B, H, T_pad], empty rows 0 and ``_EMPTY_LSE``), so the backward passes run
-on either. One program holds ``2 * block_q`` query rows of one head and runs three warpgroups:
+The same functions as the Triton passes of ``jaxaccel.kernels.flash``, with the same inputs and
+outputs (the base-2 log-sum-exp [B, H, T_pad], empty rows 0 and ``_EMPTY_LSE``), so each pass runs
+on either backend. Every pass has one shape: a program holds ``2 x rows`` rows of its own
+(queries for the forward and dQ, keys and values for dK/dV) and runs three warpgroups:
 
-- two consumers, each with ``block_q`` rows (64 or 128), compute the scores of their rows against
-  a key tile (``wgmma`` from shared memory, float32 accumulators in registers), the online
-  softmax in base 2, and the probabilities times the value tile (``wgmma`` with the
-  probabilities from registers);
-- a producer copies key and value tiles from global to shared memory by TMA into a ring of
-  ``num_stages`` slots, each slot reused when both consumers have arrived at its barrier (and
-  waits for the last tile of each slot before the program ends).
+- two consumers, each owning ``rows`` of them (64 or 128: a warpgroup's wgmma), loaded once;
+- a producer that streams the other side's tiles from global to shared memory by TMA into a ring
+  of ``num_stages`` slots (keys and values for the forward and dQ; queries and output gradients,
+  for every query head of the group in turn, for dK/dV), reusing a slot once both consumers have
+  arrived at its barrier, and waiting for the last tile of each slot before the program ends.
 
-The tiles visited come from the same tile schedule as the Triton kernel (``flash._runs``): the
-producer copies the union of the two consumers' runs of key tiles; a consumer computes only its own
-run (its mask-free tiles first, then the masked ones) and passes over the others' tiles at their
-barriers. Grouped-query heads read their key/value head; segment ids are read from global memory
-per tile. The sequence is padded outside to whole programs, the head dim to 64 or 128.
+Scores and products are ``wgmma`` from shared memory with float32 accumulators in registers;
+probabilities (and the scores' gradient) enter the second product from registers. The tiles
+visited come from the tile schedule of ``flash`` (``flash._runs``): the producer streams the union
+of the two consumers' runs; a consumer computes only its own run (mask-free tiles without a mask)
+and passes over the other's tiles at their barriers. Segment ids, log-sum-exps and deltas are read
+from global memory per tile in the layout of the scores' rows or columns.
 
-Off the GPU the kernel runs in Mosaic GPU's interpreter (``plgpu.InterpretGPUParams``), with
-plain shared-memory layouts and the probabilities passed to the second wgmma through shared
+Per pass (rows, streamed): forward (``block_q`` queries, ``block_k`` keys), dQ (``block_q``
+queries, ``block_k`` keys), dK/dV (``block_k`` keys, ``block_q`` queries).
+
+Off the GPU the kernels run in Mosaic GPU's interpreter (``plgpu.InterpretGPUParams``) with plain
+shared-memory layouts, and the register operand of the second product passes through shared
 memory (the interpreter's wgmma reads its left operand only from there); on the GPU the tiles are
-swizzled for wgmma and the probabilities stay in registers.
+swizzled for wgmma.
 """
+
+import dataclasses
 
 import jax
 import jax.numpy as jnp
@@ -30,31 +35,37 @@ from jax import lax
 from jax.experimental import pallas as pl
 from jax.experimental.pallas import mosaic_gpu as plgpu
 
-HEAD_DIMS = (64, 128)          # padded head dims the kernel takes (128-byte swizzle rows)
+HEAD_DIMS = (64, 128)          # padded head dims the kernels take (128-byte swizzled rows)
 DTYPES = (jnp.bfloat16, jnp.float16)
-BLOCK_Q = (64, 128)            # rows per consumer warpgroup
+ROWS = (64, 128)               # rows of a consumer warpgroup
 CONSUMERS = 2
+ROW = plgpu.Layout.WGMMA.reduce(1)      # a vector along the rows of a [rows, streamed] tile
+COLUMN = plgpu.Layout.WGMMA.reduce(0)   # a vector along its columns
 
 
 def supports(dtype, head_dim_pad: int) -> bool:
-    """Whether the Mosaic forward takes these inputs (else the Triton forward runs)."""
+    """Whether the Mosaic kernels take these inputs (else the Triton passes run)."""
     return jnp.dtype(dtype) in [jnp.dtype(d) for d in DTYPES] and head_dim_pad in HEAD_DIMS
 
 
-def program_rows(stage) -> int:
-    """Query rows per program: what the sequence is padded to a multiple of."""
-    return CONSUMERS * stage.block_q
+def own_rows(name: str, stage) -> int:
+    """Rows of one consumer in pass ``name``: keys for dK/dV, queries otherwise."""
+    return stage.block_k if name == "dkv" else stage.block_q
+
+
+def program_rows(name: str, stage) -> int:
+    """Rows of one program: what the sequence is padded to a multiple of."""
+    return CONSUMERS * own_rows(name, stage)
 
 
 def schedule(first, split, end):
-    """int32 [B, programs, 2 + 3 * CONSUMERS] from the per-query-tile runs [B, tiles]: the union
-    [lo, hi) of the program's consumers' runs, then each consumer's (first, split, end), an empty
-    run placed at lo so that every loop bound stays inside the union."""
+    """int32 [B, programs, 2 + 3 * CONSUMERS] from per-tile runs [B, tiles]: the union [lo, hi)
+    of the program's consumers' runs, then each consumer's (first, split, end), an empty run
+    placed at lo so that every loop bound stays inside the union."""
     B, n = first.shape
     runs = jnp.stack([first, split, end], -1).reshape(B, n // CONSUMERS, CONSUMERS, 3)
     empty = runs[..., 2] <= runs[..., 0]
-    big = jnp.iinfo(jnp.int32).max
-    lo = jnp.min(jnp.where(empty, big, runs[..., 0]), -1)
+    lo = jnp.min(jnp.where(empty, jnp.iinfo(jnp.int32).max, runs[..., 0]), -1)
     hi = jnp.max(jnp.where(empty, 0, runs[..., 2]), -1)
     lo = jnp.where(hi > 0, lo, 0)
     hi = jnp.maximum(hi, lo)
@@ -63,28 +74,91 @@ def schedule(first, split, end):
                             runs.reshape(B, n // CONSUMERS, 3 * CONSUMERS)], -1).astype(jnp.int32)
 
 
-def forward(q, k, v, segment_ids, sched, plan, stage, *, empty_lse: float, start_max: float):
-    """Output [B, T_pad, H, E_pad] and log-sum-exp [B, H, T_pad] of padded inputs; ``sched`` from
-    ``schedule``. ``plan`` is the flash kernel's (lengths, groups, causal, scale, interpret)."""
-    B, T_pad, H, E = q.shape
-    bq, bk, slots = stage.block_q, stage.block_k, stage.num_stages or 2
-    dtype = q.dtype
-    n_programs = T_pad // (CONSUMERS * bq)
-    interpret = plan.interpret
-    if interpret:
-        transforms = ()
-    else:   # 128-byte swizzled rows of 64 half-precision elements, 8 rows a tile
-        transforms = (plgpu.TilingTransform((8, 128 // jnp.dtype(dtype).itemsize)),
-                      plgpu.SwizzleTransform(128))
+@dataclasses.dataclass(frozen=True)
+class _Shape:
+    """What every pass's kernel needs to know, static."""
 
-    def body(sched_ref, q_ref, k_ref, v_ref, *refs):
-        if plan.segments:
-            seg_ref, out_ref, lse_ref, scratch = refs[0], refs[1], refs[2], refs[3:]
-        else:
-            seg_ref, (out_ref, lse_ref), scratch = None, refs[:2], refs[2:]
-        (sched_smem, q_smem, k_smem, v_smem, lse_smem, p_smem, sched_bar, q_bar, k_ready,
-         v_ready, k_free, v_free) = scratch
-        h, p, b = lax.axis_index("heads"), lax.axis_index("q"), lax.axis_index("batch")
+    plan: object          # flash._Plan
+    rows: int             # a consumer's own rows
+    streamed: int         # rows of a streamed tile
+    slots: int
+    dtype: object
+    head_dim: int
+    heads_per_program: int  # query heads a program walks (the group, for dK/dV)
+
+    @property
+    def transforms(self):
+        if self.plan.interpret:
+            return ()
+        item = jnp.dtype(self.dtype).itemsize   # 128-byte swizzled rows, 8 rows a tile
+        return (plgpu.TilingTransform((8, 128 // item)), plgpu.SwizzleTransform(128))
+
+    def tile(self, rows: int, count: int = 1):
+        return plgpu.SMEM((count, rows, self.head_dim), self.dtype, transforms=self.transforms)
+
+
+def _operand(x, staging, dtype):
+    """A register tile as wgmma's left operand (through ``staging`` in the interpreter)."""
+    x = x.astype(dtype)
+    if staging is None:
+        return x
+    staging[...] = x
+    plgpu.commit_smem()
+    return staging
+
+
+def _product(a, b, shape):
+    """a @ b by wgmma into a fresh float32 accumulator of ``shape``; its value."""
+    def run(acc_ref):
+        plgpu.wgmma(acc_ref, a, b)
+        return acc_ref[...]
+    return pl.run_scoped(run, plgpu.ACC(shape, jnp.float32))
+
+
+def _mask(shape: _Shape, own_first, other_first, b, seg_own, seg_ref, *, keys_own: bool):
+    """Boolean [rows, streamed] in the scores' layout: the query may attend to the key (None:
+    every pair may). With ``keys_own`` the rows are keys (dK/dV) and the columns queries."""
+    plan, tile = shape.plan, (shape.rows, shape.streamed)
+    own = plgpu.broadcasted_iota(jnp.int32, tile, 0, layout=plgpu.Layout.WGMMA) + own_first
+    other = plgpu.broadcasted_iota(jnp.int32, tile, 1, layout=plgpu.Layout.WGMMA) + other_first
+    q_pos, k_pos = (other, own) if keys_own else (own, other)
+    ok = None if keys_own else k_pos < plan.seq_len    # dK/dV drops keys past the end
+    if plan.causal:
+        ok = (q_pos >= k_pos) if ok is None else ok & (q_pos >= k_pos)
+    if plan.segments:
+        seg_other = plgpu.load(seg_ref.at[b, pl.ds(other_first, shape.streamed)],
+                               layout=COLUMN, optimized=False)
+        same = (lax.broadcast_in_dim(seg_own, tile, [0])
+                == lax.broadcast_in_dim(seg_other, tile, [1]))
+        ok = same if ok is None else ok & same
+    return ok
+
+
+def _masked(s, ok):
+    return s if ok is None else jnp.where(ok, s, -jnp.inf)
+
+
+def _run(shape: _Shape, grid_heads: int, n_programs: int, batch: int, out_type, own_index,
+         streamed_index, consumer, n_own: int, n_streamed: int, n_extra: int):
+    """The kernel of every pass: the schedule read by all, two consumers and a producer.
+
+    Its operands: the schedule, ``n_own`` arrays whose tiles the consumers own, ``n_streamed``
+    arrays streamed through the ring, ``n_extra`` more read by the consumers, the segment ids
+    (when the plan has segments). ``own_index(h, b, r0)`` and ``streamed_index(h, b, g, i)``
+    index one tile of each own and streamed array (streamed tile i of the program's query head
+    g); ``consumer(...)`` computes and writes one consumer's outputs.
+    """
+    plan, G = shape.plan, shape.heads_per_program
+
+    def body(sched_ref, *refs):
+        own_refs, refs = refs[:n_own], refs[n_own:]
+        stream_refs, refs = refs[:n_streamed], refs[n_streamed:]
+        extra_refs, refs = refs[:n_extra], refs[n_extra:]
+        seg_ref, refs = (refs[0], refs[1:]) if plan.segments else (None, refs)
+        n_out = len(jax.tree.leaves(out_type))
+        out_refs, scratch = refs[:n_out], refs[n_out:]
+        sched_smem, own_smem, ring, vectors, staging, sched_bar, own_bar, ready, free = scratch
+        h, p, b = lax.axis_index("heads"), lax.axis_index("p"), lax.axis_index("batch")
         wg = lax.axis_index("wg")
 
         @pl.when(wg == CONSUMERS)
@@ -93,156 +167,268 @@ def forward(q, k, v, segment_ids, sched, plan, stage, *, empty_lse: float, start
 
         plgpu.barrier_wait(sched_bar)
         lo, hi = sched_smem[0], sched_smem[1]
+        n = hi - lo
 
         @pl.when(wg < CONSUMERS)
         def _():
             plgpu.set_max_registers(232, action="increase")
-            _consumer(wg, h, b, p, lo, hi, sched_smem, q_ref, seg_ref, out_ref, lse_ref,
-                      q_smem.at[wg], k_smem, v_smem, lse_smem.at[wg],
-                      None if p_smem is None else p_smem.at[wg], q_bar.at[wg], k_ready,
-                      v_ready, k_free, v_free)
+            c = wg
+            r0 = (p * CONSUMERS + c) * shape.rows
+            tiles = [smem.at[c] for smem in own_smem]
+            for k, (ref, index) in enumerate(zip(own_refs, own_index(h, b, r0))):
+                plgpu.copy_gmem_to_smem(ref.at[index], tiles[k], own_bar.at[k, c])
+            runs = [sched_smem[2 + 3 * c + k] for k in range(3)]
+            seg_own = None
+            if plan.segments:
+                seg_own = plgpu.load(seg_ref.at[b, pl.ds(r0, shape.rows)], layout=ROW,
+                                     optimized=False)
+            for k in range(n_own):
+                plgpu.barrier_wait(own_bar.at[k, c])
+
+            def wait_tile(step):
+                slot = lax.rem(step, shape.slots)
+                for k in range(n_streamed):
+                    plgpu.barrier_wait(ready.at[k, slot])
+                return slot, [r.at[slot] for r in ring]
+
+            def release(slot):
+                for k in range(n_streamed):
+                    plgpu.barrier_arrive(free.at[k, slot])
+
+            consumer(h=h, b=b, r0=r0, lo=lo, hi=hi, n=n, runs=runs, tiles=tiles,
+                     wait_tile=wait_tile, release=release, seg_own=seg_own, seg_ref=seg_ref,
+                     staging=None if staging is None else staging.at[c], vector=vectors.at[c],
+                     out_refs=out_refs, extra_refs=extra_refs)
 
         @pl.when(wg == CONSUMERS)
         def _():
             plgpu.set_max_registers(40, action="decrease")   # 2 x 128 x 232 + 128 x 40 <= 64 K
-            _producer(h // plan.groups, b, lo, hi, k_ref, v_ref, k_smem, v_smem, k_ready,
-                      v_ready, k_free, v_free)
+            per_head = jnp.maximum(n, 1)
 
-    def _consumer(c, h, b, p, lo, hi, sched_smem, q_ref, seg_ref, out_ref, lse_ref, q_tile,
-                  k_smem, v_smem, lse_tile, p_tile, q_bar, k_ready, v_ready, k_free, v_free):
-        q0 = (p * CONSUMERS + c) * bq
-        plgpu.copy_gmem_to_smem(q_ref.at[b, pl.ds(q0, bq), h], q_tile, q_bar)
-        first = sched_smem[2 + 3 * c]
-        split = sched_smem[3 + 3 * c]
-        end = sched_smem[4 + 3 * c]
-        row = plgpu.Layout.WGMMA.reduce(1)
-        seg_q = None
-        if plan.segments:
-            seg_q = plgpu.load(seg_ref.at[b, pl.ds(q0, bq)], layout=row, optimized=False)
-        plgpu.barrier_wait(q_bar)
+            def load(step, wait):
+                slot = lax.rem(step, shape.slots)
+                g, i = step // per_head, lo + lax.rem(step, per_head)
+                for k, (ref, index) in enumerate(zip(stream_refs, streamed_index(h, b, g, i))):
+                    if wait:
+                        plgpu.barrier_wait(free.at[k, slot])
+                    plgpu.copy_gmem_to_smem(ref.at[index], ring[k].at[slot], ready.at[k, slot])
 
-        def pass_over(j, carry):
-            slot = lax.rem(j - lo, slots)
-            plgpu.barrier_wait(k_ready.at[slot])
-            plgpu.barrier_arrive(k_free.at[slot])
-            plgpu.barrier_wait(v_ready.at[slot])
-            plgpu.barrier_arrive(v_free.at[slot])
+            def drain(step, carry):
+                slot = lax.rem(step, shape.slots)
+                for k in range(n_streamed):
+                    plgpu.barrier_wait(free.at[k, slot])
+                return carry
+
+            steps = G * n
+            filled = jnp.minimum(steps, shape.slots)
+            lax.fori_loop(0, filled, lambda s, c: (load(s, False), c)[1], 0)
+            lax.fori_loop(filled, steps, lambda s, c: (load(s, True), c)[1], 0)
+            lax.fori_loop(jnp.maximum(0, steps - shape.slots), steps, drain, 0)
+
+    smem = [
+        plgpu.SMEM((2 + 3 * CONSUMERS,), jnp.int32),
+        [shape.tile(shape.rows, CONSUMERS) for _ in range(n_own)],
+        [shape.tile(shape.streamed, shape.slots) for _ in range(n_streamed)],
+        plgpu.SMEM((CONSUMERS, shape.rows), jnp.float32),
+        plgpu.SMEM((CONSUMERS, shape.rows, shape.streamed), shape.dtype)
+        if plan.interpret else None,
+        plgpu.Barrier(),
+        plgpu.Barrier(num_barriers=(n_own, CONSUMERS)),
+        plgpu.Barrier(num_barriers=(n_streamed, shape.slots)),
+        plgpu.Barrier(num_arrivals=CONSUMERS, num_barriers=(n_streamed, shape.slots)),
+    ]
+    return plgpu.kernel(
+        body, out_type=out_type, scratch_types=smem, grid=(grid_heads, n_programs, batch),
+        grid_names=("heads", "p", "batch"), num_threads=CONSUMERS + 1, thread_name="wg",
+        compiler_params=None if plan.interpret else plgpu.CompilerParams(approx_math=True),
+        interpret=plgpu.InterpretGPUParams() if plan.interpret else None)
+
+
+def _loops(lo, hi, runs, visit, pass_over, carry, *, free_first: bool, step0=0):
+    """Visit the own run's tiles (mask-free ones without a mask) and pass over the union's
+    others, in tile order; ``step0`` numbers the first tile's ring step."""
+    first, split, end = runs
+    masked_first = not free_first
+    carry = lax.fori_loop(lo, first, lambda i, c: pass_over(step0 + i - lo, c), carry)
+    carry = lax.fori_loop(first, split, lambda i, c: visit(i, step0 + i - lo, c, masked_first),
+                          carry)
+    carry = lax.fori_loop(split, end, lambda i, c: visit(i, step0 + i - lo, c, not masked_first),
+                          carry)
+    return lax.fori_loop(end, hi, lambda i, c: pass_over(step0 + i - lo, c), carry)
+
+
+def forward(q, k, v, segment_ids, sched, plan, stage, *, empty_lse: float, start_max: float):
+    """Output [B, T_pad, H, E_pad] and log-sum-exp [B, H, T_pad] of padded inputs."""
+    B, T_pad, H, E = q.shape
+    shape = _Shape(plan, stage.block_q, stage.block_k, stage.num_stages or 2, q.dtype, E, 1)
+    bq, bk = shape.rows, shape.streamed
+
+    def own_index(h, b, r0):
+        return [(b, pl.ds(r0, bq), h)]
+
+    def streamed_index(h, b, g, j):
+        keys = (b, pl.ds(j * bk, bk), h // plan.groups)
+        return [keys, keys]
+
+    def consumer(h, b, r0, lo, hi, n, runs, tiles, wait_tile, release, seg_own, seg_ref,
+                 staging, vector, out_refs, extra_refs):
+        (q_tile,) = tiles
+        out_ref, lse_ref = out_refs
+
+        def pass_over(step, carry):
+            release(wait_tile(step)[0])
             return carry
 
-        def visit(j, carry, masked):
+        def visit(j, step, carry, masked):
             row_max, row_sum, acc = carry
-            slot = lax.rem(j - lo, slots)
-            plgpu.barrier_wait(k_ready.at[slot])
-
-            def scores(acc_ref):
-                plgpu.wgmma(acc_ref, q_tile, k_smem.at[slot].T)
-                return acc_ref[...]
-
-            s = pl.run_scoped(scores, plgpu.ACC((bq, bk), jnp.float32))
-            plgpu.barrier_arrive(k_free.at[slot])
-            s = s * plan.scale_log2
+            slot, (k_tile, v_tile) = wait_tile(step)
+            s = _product(q_tile, k_tile.T, (bq, bk)) * plan.scale_log2
             if masked:
-                s = jnp.where(_mask(j, q0, b, seg_q, seg_ref), s, -jnp.inf)
+                s = _masked(s, _mask(shape, r0, j * bk, b, seg_own, seg_ref, keys_own=False))
             new_max = jnp.maximum(row_max, s.max(axis=1))
             rescale = jnp.exp2(row_max - new_max)
             probs = jnp.exp2(s - lax.broadcast_in_dim(new_max, s.shape, [0]))
             row_sum = row_sum * rescale + probs.sum(axis=1)
-            plgpu.barrier_wait(v_ready.at[slot])
-
-            probs_in = probs.astype(dtype)
-            if p_tile is not None:        # the interpreter's wgmma reads A from shared memory
-                p_tile[...] = probs_in
-                plgpu.commit_smem()
-                probs_in = p_tile
-
-            def values(acc_ref):
-                plgpu.wgmma(acc_ref, probs_in, v_smem.at[slot])
-                return acc_ref[...]
-
-            pv = pl.run_scoped(values, plgpu.ACC((bq, E), jnp.float32))
-            plgpu.barrier_arrive(v_free.at[slot])
+            pv = _product(_operand(probs, staging, shape.dtype), v_tile, (bq, E))
+            release(slot)
             acc = acc * lax.broadcast_in_dim(rescale, acc.shape, [0]) + pv
             return new_max, row_sum, acc
 
-        carry = (plgpu.layout_cast(jnp.full((bq,), start_max, jnp.float32), row),
-                 plgpu.layout_cast(jnp.zeros((bq,), jnp.float32), row),
+        carry = (plgpu.layout_cast(jnp.full((bq,), start_max, jnp.float32), ROW),
+                 plgpu.layout_cast(jnp.zeros((bq,), jnp.float32), ROW),
                  plgpu.layout_cast(jnp.zeros((bq, E), jnp.float32), plgpu.Layout.WGMMA))
-        lax.fori_loop(lo, first, pass_over, 0)
-        carry = lax.fori_loop(first, split, lambda j, c: visit(j, c, False), carry)
-        row_max, row_sum, acc = lax.fori_loop(split, end, lambda j, c: visit(j, c, True), carry)
-        lax.fori_loop(end, hi, pass_over, 0)
-
+        row_max, row_sum, acc = _loops(lo, hi, runs, visit, pass_over, carry, free_first=True)
         seen = row_sum > 0
         safe_sum = jnp.where(seen, row_sum, 1.0)
         out = acc / lax.broadcast_in_dim(safe_sum, acc.shape, [0])
-        out = jnp.where(lax.broadcast_in_dim(seen, acc.shape, [0]), out, 0.0)
-        q_tile[...] = out.astype(dtype)
-        lse_tile[...] = jnp.where(seen, row_max + jnp.log2(safe_sum), empty_lse)
-        plgpu.commit_smem()
-        plgpu.copy_smem_to_gmem(q_tile, out_ref.at[b, pl.ds(q0, bq), h])
-        plgpu.copy_smem_to_gmem(lse_tile, lse_ref.at[b, h, pl.ds(q0, bq)])
-        plgpu.wait_smem_to_gmem(0)
+        q_tile[...] = jnp.where(lax.broadcast_in_dim(seen, acc.shape, [0]), out,
+                                0.0).astype(shape.dtype)
+        lse = jnp.where(seen, row_max + jnp.log2(safe_sum), empty_lse)
+        _store(q_tile, out_ref.at[b, pl.ds(r0, bq), h])
+        vector[...] = lse
+        _store(vector, lse_ref.at[b, h, pl.ds(r0, bq)])
 
-    def _mask(j, q0, b, seg_q, seg_ref):
-        """Boolean [bq, bk] in the scores' layout: the query may attend to the key."""
-        shape, layout = (bq, bk), plgpu.Layout.WGMMA
-        k_pos = plgpu.broadcasted_iota(jnp.int32, shape, 1, layout=layout) + j * bk
-        ok = k_pos < plan.seq_len
-        if plan.causal:
-            q_pos = plgpu.broadcasted_iota(jnp.int32, shape, 0, layout=layout) + q0
-            ok = ok & (q_pos >= k_pos)
-        if plan.segments:
-            seg_k = plgpu.load(seg_ref.at[b, pl.ds(j * bk, bk)],
-                               layout=plgpu.Layout.WGMMA.reduce(0), optimized=False)
-            ok = ok & (lax.broadcast_in_dim(seg_q, shape, [0])
-                       == lax.broadcast_in_dim(seg_k, shape, [1]))
-        return ok
+    kernel = _run(shape, H, T_pad // (CONSUMERS * bq), B,
+                  (jax.ShapeDtypeStruct((B, T_pad, H, E), q.dtype),
+                   jax.ShapeDtypeStruct((B, H, T_pad), jnp.float32)),
+                  own_index, streamed_index, consumer, n_own=1, n_streamed=2, n_extra=0)
+    return kernel(sched, q, k, v, *_segments(plan, segment_ids))
 
-    def _producer(kv_head, b, lo, hi, k_ref, v_ref, k_smem, v_smem, k_ready, v_ready, k_free,
-                  v_free):
-        def load(j, wait):
-            slot = lax.rem(j - lo, slots)
-            keys = (b, pl.ds(j * bk, bk), kv_head)
-            if wait:
-                plgpu.barrier_wait(k_free.at[slot])
-            plgpu.copy_gmem_to_smem(k_ref.at[keys], k_smem.at[slot], k_ready.at[slot])
-            if wait:
-                plgpu.barrier_wait(v_free.at[slot])
-            plgpu.copy_gmem_to_smem(v_ref.at[keys], v_smem.at[slot], v_ready.at[slot])
 
-        def drain(j, carry):     # the last tile of each slot: freed before the program ends
-            slot = lax.rem(j - lo, slots)
-            plgpu.barrier_wait(k_free.at[slot])
-            plgpu.barrier_wait(v_free.at[slot])
+def dq(q, k, v, d_out, lse, delta, segment_ids, sched, plan, stage):
+    """dQ [B, T_pad, H, E_pad] of padded inputs, summed over each query's key tiles."""
+    B, T_pad, H, E = q.shape
+    shape = _Shape(plan, stage.block_q, stage.block_k, stage.num_stages or 2, q.dtype, E, 1)
+    bq, bk = shape.rows, shape.streamed
+
+    def own_index(h, b, r0):
+        return [(b, pl.ds(r0, bq), h)] * 2
+
+    def streamed_index(h, b, g, j):
+        return [(b, pl.ds(j * bk, bk), h // plan.groups)] * 2
+
+    def consumer(h, b, r0, lo, hi, n, runs, tiles, wait_tile, release, seg_own, seg_ref,
+                 staging, vector, out_refs, extra_refs):
+        q_tile, do_tile = tiles
+        (dq_ref,) = out_refs
+        lse_ref, delta_ref = extra_refs
+        lse = plgpu.load(lse_ref.at[b, h, pl.ds(r0, bq)], layout=ROW, optimized=False)
+        dlt = plgpu.load(delta_ref.at[b, h, pl.ds(r0, bq)], layout=ROW, optimized=False)
+
+        def pass_over(step, carry):
+            release(wait_tile(step)[0])
             return carry
 
-        filled = jnp.minimum(hi, lo + slots)
-        lax.fori_loop(lo, filled, lambda j, c: (load(j, False), c)[1], 0)
-        lax.fori_loop(filled, hi, lambda j, c: (load(j, True), c)[1], 0)
-        lax.fori_loop(jnp.maximum(lo, hi - slots), hi, drain, 0)
+        def visit(j, step, acc, masked):
+            slot, (k_tile, v_tile) = wait_tile(step)
+            s = _product(q_tile, k_tile.T, (bq, bk)) * plan.scale_log2
+            if masked:
+                s = _masked(s, _mask(shape, r0, j * bk, b, seg_own, seg_ref, keys_own=False))
+            probs = jnp.exp2(s - lax.broadcast_in_dim(lse, s.shape, [0]))
+            dp = _product(do_tile, v_tile.T, (bq, bk))
+            ds = probs * (dp - lax.broadcast_in_dim(dlt, s.shape, [0]))
+            acc = acc + _product(_operand(ds, staging, shape.dtype), k_tile, (bq, E))
+            release(slot)
+            return acc
 
-    smem = [
-        plgpu.SMEM((2 + 3 * CONSUMERS,), jnp.int32),
-        plgpu.SMEM((CONSUMERS, bq, E), dtype, transforms=transforms),
-        plgpu.SMEM((slots, bk, E), dtype, transforms=transforms),
-        plgpu.SMEM((slots, bk, E), dtype, transforms=transforms),
-        plgpu.SMEM((CONSUMERS, bq), jnp.float32),
-        plgpu.SMEM((CONSUMERS, bq, bk), dtype) if interpret else None,
-        plgpu.Barrier(),
-        plgpu.Barrier(num_barriers=CONSUMERS),
-        plgpu.Barrier(num_barriers=slots),
-        plgpu.Barrier(num_barriers=slots),
-        plgpu.Barrier(num_arrivals=CONSUMERS, num_barriers=slots),
-        plgpu.Barrier(num_arrivals=CONSUMERS, num_barriers=slots),
-    ]
-    kernel = plgpu.kernel(
-        body,
-        out_type=(jax.ShapeDtypeStruct((B, T_pad, H, E), dtype),
-                  jax.ShapeDtypeStruct((B, H, T_pad), jnp.float32)),
-        scratch_types=smem, grid=(H, n_programs, B), grid_names=("heads", "q", "batch"),
-        num_threads=CONSUMERS + 1, thread_name="wg",
-        compiler_params=None if interpret else plgpu.CompilerParams(approx_math=True),
-        interpret=plgpu.InterpretGPUParams() if interpret else None)
-    args = (sched, q, k, v) + ((segment_ids,) if plan.segments else ())
-    return kernel(*args)
+        acc = plgpu.layout_cast(jnp.zeros((bq, E), jnp.float32), plgpu.Layout.WGMMA)
+        acc = _loops(lo, hi, runs, visit, pass_over, acc, free_first=True)
+        q_tile[...] = (acc * plan.scale).astype(shape.dtype)
+        _store(q_tile, dq_ref.at[b, pl.ds(r0, bq), h])
 
+    kernel = _run(shape, H, T_pad // (CONSUMERS * bq), B,
+                  (jax.ShapeDtypeStruct((B, T_pad, H, E), q.dtype),), own_index,
+                  streamed_index, consumer, n_own=2, n_streamed=2, n_extra=2)
+    return kernel(sched, q, d_out, k, v, lse, delta, *_segments(plan, segment_ids))[0]
+
+
+def dkv(q, k, v, d_out, lse, delta, segment_ids, sched, plan, stage):
+    """dK and dV [B, T_pad, K, E_pad] of padded inputs, each key tile summed over the query
+    heads of its group and their query tiles, in a fixed order."""
+    B, T_pad, K, E = k.shape
+    G = plan.groups
+    shape = _Shape(plan, stage.block_k, stage.block_q, stage.num_stages or 2, k.dtype, E, G)
+    bk, bq = shape.rows, shape.streamed
+
+    def own_index(h, b, r0):
+        return [(b, pl.ds(r0, bk), h)] * 2
+
+    def streamed_index(h, b, g, i):
+        return [(b, pl.ds(i * bq, bq), h * G + g)] * 2
+
+    def consumer(h, b, r0, lo, hi, n, runs, tiles, wait_tile, release, seg_own, seg_ref,
+                 staging, vector, out_refs, extra_refs):
+        k_tile, v_tile = tiles
+        dk_ref, dv_ref = out_refs
+        lse_ref, delta_ref = extra_refs
+
+        def pass_over(step, carry):
+            release(wait_tile(step)[0])
+            return carry
+
+        def head(g, carry):
+            def visit(i, step, carry, masked):
+                dk, dv = carry
+                slot, (q_tile, do_tile) = wait_tile(step)
+                rows = pl.ds(i * bq, bq)
+                lse = plgpu.load(lse_ref.at[b, h * G + g, rows], layout=COLUMN, optimized=False)
+                dlt = plgpu.load(delta_ref.at[b, h * G + g, rows], layout=COLUMN,
+                                 optimized=False)
+                # st, pt, dst: scores, probabilities and the scores' gradient, transposed.
+                st = _product(k_tile, q_tile.T, (bk, bq)) * plan.scale_log2
+                if masked:
+                    st = _masked(st, _mask(shape, r0, i * bq, b, seg_own, seg_ref,
+                                           keys_own=True))
+                pt = jnp.exp2(st - lax.broadcast_in_dim(lse, st.shape, [1]))
+                dv = dv + _product(_operand(pt, staging, shape.dtype), do_tile, (bk, E))
+                dpt = _product(v_tile, do_tile.T, (bk, bq))
+                dst = pt * (dpt - lax.broadcast_in_dim(dlt, st.shape, [1]))
+                dk = dk + _product(_operand(dst, staging, shape.dtype), q_tile, (bk, E))
+                release(slot)
+                return dk, dv
+
+            return _loops(lo, hi, runs, visit, pass_over, carry, free_first=False,
+                          step0=g * n)
+
+        zeros = plgpu.layout_cast(jnp.zeros((bk, E), jnp.float32), plgpu.Layout.WGMMA)
+        dk, dv = lax.fori_loop(0, G, head, (zeros, zeros))
+        k_tile[...] = (dk * plan.scale).astype(shape.dtype)
+        v_tile[...] = dv.astype(shape.dtype)
+        _store(k_tile, dk_ref.at[b, pl.ds(r0, bk), h])
+        _store(v_tile, dv_ref.at[b, pl.ds(r0, bk), h])
+
+    out = jax.ShapeDtypeStruct((B, T_pad, K, E), k.dtype)
+    kernel = _run(shape, K, T_pad // (CONSUMERS * bk), B, (out, out), own_index,
+                  streamed_index, consumer, n_own=2, n_streamed=2, n_extra=2)
+    return kernel(sched, k, v, q, d_out, lse, delta, *_segments(plan, segment_ids))
+
+
+def _store(tile, dst):
+    """A shared-memory tile to global memory, waited for."""
+    plgpu.commit_smem()
+    plgpu.copy_smem_to_gmem(tile, dst)
+    plgpu.wait_smem_to_gmem(0)
+
+
+def _segments(plan, segment_ids):
+    return (segment_ids,) if plan.segments else ()

@@ -15,9 +15,9 @@ Where the parameters come from, first match wins:
    tutorial, not measured by us), ``INTERPRET`` in the Pallas interpreter.
 
 Every stage names its backend: ``"triton"`` (Pallas's Triton backend, any GPU of sm80 or newer),
-or, for the forward pass on Hopper, ``"mosaic_gpu"`` (``jaxaccel.kernels.flash_mosaic``: TMA
-copies, wgmma, a producer warpgroup and two consumers; ``num_stages`` is its ring of key/value
-slots, ``block_q`` the rows of each consumer). The built-in rows use Triton; a tuned row takes
+or, on Hopper, ``"mosaic_gpu"`` (``jaxaccel.kernels.flash_mosaic``: TMA copies, wgmma, a
+producer warpgroup and two consumers; ``num_stages`` is its ring of streamed slots; a consumer
+owns ``block_q`` query rows, or ``block_k`` key rows in dK/dV). The built-in rows use Triton; a tuned row takes
 Mosaic GPU where ``--tune`` measured it faster on that device. Stages a backend cannot run (Mosaic
 GPU with float32 inputs, head dims other than 64 and 128, or a GPU older than Hopper) run on
 Triton with the same blocks.
@@ -38,7 +38,7 @@ TABLE_FILE = Path(__file__).with_name("tuned.json")
 TABLE_ENV = "JAXACCEL_FLASH_TUNING"
 TABLE_FORMAT = 1
 BACKENDS = ("triton", "mosaic_gpu")
-MOSAIC_PASSES = ("forward",)   # the passes the Mosaic GPU backend runs
+MOSAIC_ROWS = (64, 128)   # a Mosaic GPU consumer warpgroup's own rows
 PASSES = ("forward", "dkv", "dq")
 MIN_BLOCK = 16   # Triton's dot needs every dimension of a tile product >= 16
 
@@ -118,12 +118,14 @@ def flash_params(head_dim: int, seq_len: int, *, interpret: bool, block_q: int |
             or default_params(head_dim, interpret=interpret)
     cap = max(MIN_BLOCK, pl.next_power_of_2(seq_len))
 
-    def fit(stage: Stage) -> Stage:
-        most = max(cap, 64) if stage.backend == "mosaic_gpu" else cap   # a warpgroup's rows
-        return dataclasses.replace(stage, block_q=min(block_q or stage.block_q, most),
-                                   block_k=min(block_k or stage.block_k, cap))
+    def fit(name: str, stage: Stage) -> Stage:
+        q_cap = k_cap = cap
+        if stage.backend == "mosaic_gpu":     # a warpgroup's own rows stay 64 or 128
+            q_cap, k_cap = (cap, max(cap, 64)) if name == "dkv" else (max(cap, 64), cap)
+        return dataclasses.replace(stage, block_q=min(block_q or stage.block_q, q_cap),
+                                   block_k=min(block_k or stage.block_k, k_cap))
 
-    return params.replace(**{name: fit(s) for name, s in zip(PASSES, params.stages())})
+    return params.replace(**{name: fit(name, s) for name, s in zip(PASSES, params.stages())})
 
 
 def compiler_params(stage: Stage, *, interpret: bool):
@@ -188,12 +190,10 @@ def check_params(params: FlashParams, *, where: str = "flash params",
         if s.backend not in BACKENDS:
             raise ConfigError(f"{where}: {name} backend {s.backend!r} is not one of "
                               f"{', '.join(BACKENDS)}; {fix}")
-        if s.backend == "mosaic_gpu" and name not in MOSAIC_PASSES:
-            raise ConfigError(f"{where}: the mosaic_gpu backend runs the "
-                              f"{', '.join(MOSAIC_PASSES)} pass only, not {name}; {fix}")
-        if s.backend == "mosaic_gpu" and s.block_q not in (64, 128):
-            raise ConfigError(f"{where}: a mosaic_gpu stage takes block_q 64 or 128 (rows of a "
-                              f"warpgroup), not {s.block_q}; {fix}")
+        own, field = (s.block_k, "block_k") if name == "dkv" else (s.block_q, "block_q")
+        if s.backend == "mosaic_gpu" and own not in MOSAIC_ROWS:
+            raise ConfigError(f"{where}: a mosaic_gpu {name} stage takes {field} 64 or 128 (a "
+                              f"warpgroup's rows), not {own}; {fix}")
         for block in (s.block_q, s.block_k):
             if not isinstance(block, int) or block < MIN_BLOCK or block & (block - 1):
                 raise ConfigError(f"{where}: {name} block {block!r} is not a power of two >= "
