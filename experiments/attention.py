@@ -21,7 +21,7 @@ reason.
 Layouts (``--layouts``): ``dense`` rows attend over the whole row; ``packed`` rows carry the
 segment ids of a real packed batch: the first batch of a seeded ``pack`` epoch of ``--data``
 (tokenized with ``--tokenizer``) holding at least ``--packed-docs`` documents per row on
-average. Each implementation takes them its own way: segment ids (``xla``, ``pallas``, the
+average (among its first 1,000). Each implementation takes them its own way: segment ids (``xla``, ``pallas``, the
 reference kernel) or a dense [B, 1, T, T] mask (cuDNN through jax's public API, tokamax). A packed
 row counts the same FLOPs as the dense row of its shape, so its TFLOP/s compares speed at equal
 shape (not useful work), and ``packed/dense`` is the dense row's forward+backward time over the
@@ -37,6 +37,7 @@ least one) unless ``--batch`` is given. The longest length doubles T from the lo
 
 import dataclasses
 import importlib.util
+import itertools
 import statistics
 import sys
 import time
@@ -56,6 +57,7 @@ from jaxaccel.report import format_table
 IMPLS = ("xla", "cudnn", "jax_reference", "pallas", "tokamax_mosaic", "tokamax_triton",
          "tokamax_cudnn")
 LAYOUTS = ("dense", "packed")
+PACKED_SEARCH = 1000   # batches of the packed epoch looked at for one with enough documents
 DTYPES = {"bfloat16": jnp.bfloat16, "float16": jnp.float16, "float32": jnp.float32}
 REFERENCE_BLOCK = 128   # the reference kernel's default forward block
 
@@ -214,14 +216,15 @@ def packed_segment_ids(exp: AttentionSettings, T: int, batch: int) -> tuple[np.n
 
     documents = corpus.load_corpus(exp.data, tokenizer=exp.tokenizer).train
     most = 0.0
-    for b in data.batches(documents, strategy="pack", seq_len=T, batch_size=batch,
-                          seed=exp.seed):
+    for b in itertools.islice(data.batches(documents, strategy="pack", seq_len=T,
+                                           batch_size=batch, seed=exp.seed), PACKED_SEARCH):
         segment_ids = b["segment_ids"]
         docs = float(segment_ids.max(axis=1).mean())
         if docs >= exp.packed_docs:
             return segment_ids, docs
         most = max(most, docs)
-    raise ConfigError(f"no packed batch of {batch} x {T} tokens of {exp.data} holds "
+    raise ConfigError(f"no packed batch of {batch} x {T} tokens of {exp.data} (of the first "
+                      f"{PACKED_SEARCH}) holds "
                       f"{exp.packed_docs} documents per row on average (at most {most:.2f}); "
                       f"pass a smaller --packed-docs or --layouts dense",
                       field="experiment.packed_docs")

@@ -141,20 +141,20 @@ def test_attention_experiment_times_rows_and_reports_skips(tmp_path, capsys):
     code = attention.main([
         "--seq-lens", "24", "--head-dims", "32", "--heads", "2", "--kv-heads", "1",
         "--batch", "2", "--impls", ",".join(attention.IMPLS), "--causal", "causal",
-        "--layouts", "dense,packed", "--packed-docs", "2",
-        "--warmup", "1", "--iters", "1", "--max-t-limit", "64", "--json", str(out)])
+        "--layouts", "dense,packed", "--packed-docs", "1.5",
+        "--warmup", "0", "--iters", "1", "--max-t-limit", "24", "--json", str(out)])
     assert code == 0
     result = json.loads(out.read_text())
     rows = {(r["impl"], r["layout"], r["causal"]): r for r in result["rows"]}
     assert len(rows) == len(attention.IMPLS) * 2
     docs = result["meta"]["packed_batch"]["docs_per_row"]["24"]
-    assert docs >= 2
+    assert docs >= 1.5
     for (impl, layout, causal), row in rows.items():
         assert set(row) >= {"impl", "T", "D", "causal", "fwd_tflops", "fwdbwd_tflops", "max_T"}
         assert row["docs_per_row"] == (docs if layout == "packed" else None)
         if impl in ("xla", "pallas"):
             assert row["status"] == "ok" and row["fwd_tflops"] > 0 and row["fwdbwd_tflops"] > 0
-            assert row["max_T"] == (48 if layout == "dense" else None)
+            assert row["max_T"] == (24 if layout == "dense" else None)
             if layout == "packed":
                 dense = rows[(impl, "dense", causal)]
                 assert row["packed_vs_dense"] == dense["fwdbwd_ms"] / row["fwdbwd_ms"]

@@ -84,12 +84,14 @@ def flash_attention(q, k, v, *, causal=False, segment_ids=None, sm_scale=None, b
     params = tuning.flash_params(E, T, interpret=interpret, block_q=block_q, block_k=block_k,
                                  params=params)
     tile = max(max(s.block_q, s.block_k) for s in params.stages())
+    head_dim_pad = max(tuning.MIN_BLOCK, pl.next_power_of_2(E))
     for name, stage in zip(tuning.PASSES, params.stages()):
         if stage.backend == "mosaic_gpu":
             tile = max(tile, flash_mosaic.program_rows(name, stage))
+            head_dim_pad = max(head_dim_pad, min(flash_mosaic.HEAD_DIMS))   # 128-byte rows
     plan = _Plan(
         seq_len=T, seq_pad=-(-T // tile) * tile,
-        head_dim_pad=max(tuning.MIN_BLOCK, pl.next_power_of_2(E)), groups=H // k.shape[2],
+        head_dim_pad=head_dim_pad, groups=H // k.shape[2],
         causal=causal, segments=segment_ids is not None,
         scale=E ** -0.5 if sm_scale is None else float(sm_scale), params=params,
         interpret=bool(interpret))

@@ -19,8 +19,8 @@ or, on Hopper, ``"mosaic_gpu"`` (``jaxaccel.kernels.flash_mosaic``: TMA copies, 
 producer warpgroup and two consumers; ``num_stages`` is its ring of streamed slots; a consumer
 owns ``block_q`` query rows, or ``block_k`` key rows in dK/dV). The built-in rows use Triton; a tuned row takes
 Mosaic GPU where ``--tune`` measured it faster on that device. Stages a backend cannot run (Mosaic
-GPU with float32 inputs, head dims other than 64 and 128, or a GPU older than Hopper) run on
-Triton with the same blocks.
+GPU with float32 inputs, head dims above 128, or a GPU older than Hopper) run on Triton with the
+same blocks.
 """
 
 import dataclasses
