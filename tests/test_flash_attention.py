@@ -394,6 +394,12 @@ def test_tuned_table_per_device_with_fallbacks_and_one_line_errors(tmp_path, mon
         with pytest.raises(ConfigError, match=match) as info:
             tuning.flash_params(64, 4096, interpret=False, kind=h100)
         assert "\n" not in str(info.value) and "--tune" in str(info.value)
+    # A block override a Mosaic GPU stage cannot take (own rows other than 64 or 128) puts
+    # that pass on Triton.
+    m = tuning.Stage(64, 64, None, 2, backend="mosaic_gpu")
+    got = tuning.flash_params(64, 4096, interpret=False, block_q=32,
+                              params=tuning.FlashParams(forward=m, dkv=m, dq=m))
+    assert [s.backend for s in got.stages()] == ["triton", "mosaic_gpu", "triton"]
     q = jnp.zeros((1, 32, 2, 16), jnp.float32)
     odd = tuning.FlashParams(forward=tuning.Stage(24, 32), dkv=stage, dq=stage)
     with pytest.raises(ConfigError, match="forward block 24"):

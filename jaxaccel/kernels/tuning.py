@@ -122,8 +122,12 @@ def flash_params(head_dim: int, seq_len: int, *, interpret: bool, block_q: int |
         q_cap = k_cap = cap
         if stage.backend == "mosaic_gpu":     # a warpgroup's own rows stay 64 or 128
             q_cap, k_cap = (cap, max(cap, 64)) if name == "dkv" else (max(cap, 64), cap)
-        return dataclasses.replace(stage, block_q=min(block_q or stage.block_q, q_cap),
-                                   block_k=min(block_k or stage.block_k, k_cap))
+        stage = dataclasses.replace(stage, block_q=min(block_q or stage.block_q, q_cap),
+                                    block_k=min(block_k or stage.block_k, k_cap))
+        own = stage.block_k if name == "dkv" else stage.block_q
+        if stage.backend == "mosaic_gpu" and own not in MOSAIC_ROWS:   # an override's blocks
+            stage = dataclasses.replace(stage, backend="triton", num_warps=None)
+        return stage
 
     return params.replace(**{name: fit(name, s) for name, s in zip(PASSES, params.stages())})
 
