@@ -98,8 +98,8 @@ class AttentionSettings:
     tune_warps: str = setting("4,8", "--tune: Triton warps tried")
     tune_stages: str = setting("2,3", "--tune: Triton pipeline stages (and Mosaic GPU ring "
                                       "slots) tried")
-    tune_backends: str = setting("triton,mosaic_gpu", "--tune: backends tried; mosaic_gpu "
-                                                      "runs the forward on Hopper GPUs only")
+    tune_backends: str = setting("triton,mosaic_gpu", "--tune: backends tried (mosaic_gpu on "
+                                                      "Hopper GPUs only)")
     tuning_file: str | None = setting(None, "--tune: the table to write (default: "
                                             "$JAXACCEL_FLASH_TUNING or jaxaccel/kernels/"
                                             "tuned.json; required off the GPU)")
