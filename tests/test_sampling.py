@@ -105,6 +105,22 @@ def test_accumulated_microbatches_give_the_whole_batch_loss(tiny_model):
     assert float(aux1["real_tokens"]) == float((np.asarray(batch["weights"]) > 0).sum())
 
 
+def test_row_scores_are_the_loss_and_the_gradient_bound_of_the_real_tokens():
+    rng = np.random.default_rng(4)
+    logits_BTV = rng.standard_normal((2, 5, 7)) * 3
+    batch = {"targets": rng.integers(0, 7, (2, 5)),
+             "weights": np.array([[1, 1, 1, 0, 0], [1, 1, 1, 1, 1]], np.float32)}
+    p_BTV = np.exp(logits_BTV) / np.exp(logits_BTV).sum(-1, keepdims=True)
+    onehot_BTV = np.eye(7)[batch["targets"]]
+    real_BT = batch["weights"] > 0
+    loss_B = (-np.log((p_BTV * onehot_BTV).sum(-1)) * real_BT).sum(-1)
+    bound_B = (np.linalg.norm(p_BTV - onehot_BTV, axis=-1) * real_BT).sum(-1)
+    got = {name: np.asarray(sampling.row_scores(jnp.asarray(logits_BTV), batch, name)[key])
+           for name, key in sampling.SCORE_KEYS.items()}
+    np.testing.assert_allclose(got["loss"], loss_B, rtol=1e-5)
+    np.testing.assert_allclose(got["grad-norm"], bound_B, rtol=1e-5)
+
+
 def test_every_document_stays_reachable():
     doc_W = fixed_rows(np.array([len(d) - 1 for d in DOCS]), SEQ_LEN).doc_Q
     for scores in ([0, 0, 0, 0, 1e30], [0, 0, 0, 0, 0], [1, 1, 1, 1, 1], [5, 0, 2, 0, 1e-20]):
@@ -229,7 +245,10 @@ def test_importance_experiment_runs_every_row(corpus_path, tmp_path, capsys):
         assert row["eval_curve"][-1]["tokens"] == row["real_tokens"] > 0
     uniform = rows["uniform"]
     assert uniform["step_vs_uniform"] == 1.0 and uniform["reach_share"] <= 1.0
-    assert len({row["val_loss"] for row in rows.values()}) == 3
+    # Each sampled row drew its own batches. The loss and grad-norm draws can coincide at this
+    # size (one random stream, close probabilities): they did on the machine of 2026-11-25's
+    # session, not in earlier runs. The two scores are checked by the row_scores test above.
+    assert all(rows[name]["val_loss"] != uniform["val_loss"] for name in ("loss", "grad-norm"))
     assert result["meta"]["uniform_val_loss"] == uniform["val_loss"]
     assert len(result["meta"]["targets"]) == 2
     assert (tmp_path / "runs" / "importance.png").stat().st_size > 1000
