@@ -32,6 +32,7 @@ import typing
 
 import yaml
 
+from jaxaccel import embedding
 from jaxaccel.attention import AUTO_PALLAS_MAX_T, IMPLEMENTATIONS
 from jaxaccel.data import STRATEGIES
 from jaxaccel.errors import ConfigError
@@ -140,6 +141,12 @@ MODEL_HELP = {
                   f"GPU: pallas for packed rows and up to {AUTO_PALLAS_MAX_T} tokens, cudnn "
                   "above; else xla)",
                   None, IMPLEMENTATIONS),
+    "embedding": ("token embedding lookup: auto (on GPUs one_hot up to "
+                  f"{embedding.ONE_HOT_MAX_VOCAB} ids, else sorted_sum; on a CPU gather for a "
+                  "float32 table, sorted_sum for a 16-bit one), one_hot (a matmul with "
+                  "the one-hot ids), sorted_sum (the gather, its backward a sorted segment sum), "
+                  "gather (the gather, its backward XLA's scatter-add); see "
+                  "experiments.embedding", None, embedding.METHODS),
     "remat": ("activations each block keeps for the backward pass: none (all), full (only its "
               "input), dots (matmul outputs), attention (q/k/v and attention output), mlp (MLP "
               "inner matmuls), offload (attention's, in pinned host memory)", None,

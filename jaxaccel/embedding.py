@@ -3,7 +3,8 @@
 The gradient of a gather (``table[ids]``) is a scatter-add of every token's gradient row into
 the table. On a GPU its atomic adds serialise on the rows that many tokens share, and real text
 is skewed (spaces, 'e', newlines): on an H100 the byte model's scatter took 38 of a 66 ms step
-(issue 16). For a vocabulary of up to ``ONE_HOT_MAX_VOCAB`` ids the lookup is therefore a
+(issue 16). On a GPU (and any accelerator) a vocabulary of up to ``ONE_HOT_MAX_VOCAB`` ids is
+therefore looked up as a
 matmul of the one-hot ids with the table, and its backward the matmul of the one-hot's transpose
 with the gradient: tensor-core work whatever the id distribution, at 2 * V * D FLOPs per token
 each way (0.5 MFLOP at V = 320, D = 768, against ~0.5 GFLOP per token for GPT-2 small's whole
@@ -21,9 +22,22 @@ Larger vocabularies keep the gather forward (``sharding.take_rows``; a one-hot w
 into one table row at once (``sorted_segment_sum``): each device sorts its tokens by id, sums
 each id's run of gradient rows with a segmented scan (a tree of additions in float32, no atomics)
 and writes every id's sum once, into distinct rows; a psum over the batch's mesh axes then adds
-the devices' tables, as the gather's own gradient would. It is deterministic, and it is
-unmeasured on a GPU so far (the figure to take: the embedding's backward in ``--profile`` at a
-subword vocabulary, against the scatter of ``gather_lookup``).
+the devices' tables, as the gather's own gradient would. It is deterministic.
+
+On a CPU ``auto`` keeps the plain gather for a float32 table: there the scatter-add runs on one
+core with no collisions to serialise, and the alternatives only add work. A bfloat16 or float16
+table gets the sorted sum instead, whose float32 sums round once: the scatter-add sums in the
+table's dtype (a relative error of 2.6e-2 against 1.7e-3 below). Measured with
+``python -m experiments.embedding`` on this project's 2-core CPU (jax 0.11.2, 2026-11-25), 8 x
+1024 byte ids of the stdlib, D = 128, V = 320, forward+backward: float32 0.84 ms for the gather,
+1.8 ms for the sorted sum, 11 ms for the one-hot; bfloat16 0.56, 2.5 and 110 ms (the CPU
+multiplies bfloat16 slowly). At V = 2,048 and 8,192 the one-hot took 91 to 377 ms.
+
+Which method is fastest where is measured by ``python -m experiments.embedding`` (each method's
+forward+backward per vocabulary size and id distribution, with its error against a float64
+scatter); ``--embedding`` (``model.embedding``) overrides the choice in a training run, for
+example ``gather`` to see the scatter in ``--profile``. The 2,048-id crossover and the sorted sum
+are unmeasured on a GPU so far.
 """
 
 import functools
@@ -32,21 +46,41 @@ import jax
 import jax.numpy as jnp
 from jax.sharding import PartitionSpec
 
-from jaxaccel.sharding import COMPUTE_RULES, einsum, logical_spec, take_rows
+from jaxaccel.sharding import COMPUTE_RULES, constrain, einsum, logical_spec, take_rows
 
 ONE_HOT_MAX_VOCAB = 2048
+METHODS = ("auto", "one_hot", "sorted_sum", "gather")
 
 
-def method(vocab_size: int) -> str:
-    """``one_hot`` or ``sorted_sum``: how ``lookup`` embeds ids of a vocabulary this size."""
+def platform() -> str:
+    """The platform the program is built for: the abstract mesh's device's (a program lowered
+    for another device), else the default backend's."""
+    device = getattr(jax.sharding.get_abstract_mesh(), "abstract_device", None)
+    return device.platform if device is not None else jax.default_backend()
+
+
+def method(vocab_size: int, on: str | None = None, dtype=jnp.float32) -> str:
+    """How ``auto`` embeds ids of a vocabulary this size from a table of ``dtype`` on platform
+    ``on`` (default ``platform()``). On a CPU, where the scatter's adds run one after another
+    and the gather was the fastest at every shape measured (module docstring): ``gather`` for a
+    float32 table, ``sorted_sum`` for a 16-bit one (the scatter-add would sum in 16 bits).
+    Elsewhere ``one_hot`` up to ``ONE_HOT_MAX_VOCAB`` ids, else ``sorted_sum``."""
+    if (on or platform()) == "cpu":
+        return "gather" if jnp.finfo(dtype).bits >= 32 else "sorted_sum"
     return "one_hot" if vocab_size <= ONE_HOT_MAX_VOCAB else "sorted_sum"
 
 
-def lookup(table_VD, ids_BT, out_axes):
+def lookup(table_VD, ids_BT, out_axes, how: str = "auto"):
     """Rows [B, T, D] of ``table_VD`` for ``ids_BT``, laid out as ``out_axes`` (module
-    docstring)."""
+    docstring). ``how``: one of ``METHODS``; ``auto`` is ``method(V)``, ``gather`` the plain
+    gather whose backward is XLA's scatter (to measure the others against)."""
+    if how not in METHODS:
+        raise ValueError(f"unknown embedding method {how!r}; choose from {', '.join(METHODS)}")
     V = table_VD.shape[0]
-    if method(V) == "sorted_sum":
+    how = method(V, dtype=table_VD.dtype) if how == "auto" else how
+    if how == "gather":
+        return take_rows(table_VD, ids_BT, tuple(out_axes))
+    if how == "sorted_sum":
         return sorted_sum_lookup(table_VD, ids_BT, tuple(out_axes))
     one_hot_BTV = jax.nn.one_hot(ids_BT, V, dtype=table_VD.dtype)
     return einsum("btv,vd->btd", one_hot_BTV, table_VD, out_axes,
@@ -85,9 +119,11 @@ def _lookup_backward(out_axes, residuals, g_BTD):
             grad_VD = sorted_segment_sum(ids_BT, g_BTD, V)
             return jax.lax.psum(grad_VD, summed) if summed else grad_VD
 
+        # The ids may come replicated (under Explicit axes shard_map takes them only as its
+        # in_specs say), so both are laid out as the forward's output first.
         grad_VD = jax.shard_map(local, in_specs=(PartitionSpec(*g_spec[:2]), g_spec),
                                 out_specs=PartitionSpec(None, g_spec[2]), check_vma=False)(
-            ids_BT, g_BTD)
+            constrain(ids_BT, out_axes[:2]), constrain(g_BTD, out_axes))
     return grad_VD.astype(table_VD.dtype), None
 
 

@@ -66,6 +66,7 @@ class ModelConfig:
     rope_base: float = 10_000.0
     dropout: float = 0.0
     attention: str = "xla"
+    embedding: str = "auto"
     remat: str = "none"
     scan_layers: bool = False
     init: str = "default"
@@ -119,6 +120,10 @@ class ModelConfig:
             raise ConfigError(
                 f"unknown attention {self.attention!r}; choose one of "
                 f"{', '.join(IMPLEMENTATIONS)}", field="model.attention")
+        if self.embedding not in embedding.METHODS:
+            raise ConfigError(
+                f"unknown embedding {self.embedding!r}; choose one of "
+                f"{', '.join(embedding.METHODS)}", field="model.embedding")
         remat_lib.check_policy(self.remat)
         if not 0.0 <= self.dropout < 1.0:
             raise ConfigError(f"dropout must be in [0, 1), got {self.dropout}",
@@ -554,7 +559,7 @@ class GPT(nnx.Module):
         # The table's own dtype (the policy's compute dtype when the caller cast the parameters):
         # nnx.Embed would promote it to its float32 default and take the whole model with it.
         table_VD = constrain(self.embed.embedding[...], PARAM_AXES["embed"])
-        return embedding.lookup(table_VD, inputs_BT, ACTIVATION_AXES)
+        return embedding.lookup(table_VD, inputs_BT, ACTIVATION_AXES, self.cfg.embedding)
 
     def logits(self, x_BTD):
         """The final norm and the output head: float32 logits [B, T, V]."""

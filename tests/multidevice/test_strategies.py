@@ -25,7 +25,9 @@ from jaxaccel.train import lm_train_step
 
 assert jax.device_count() == 8, "run with XLA_FLAGS=--xla_force_host_platform_device_count=8"
 
-CFG = ModelConfig(vocab_size=128, d_model=64, n_layers=2, n_heads=8, max_seq_len=32)
+# The one-hot embedding, as on a GPU (a CPU's auto is the gather; its case is below).
+CFG = ModelConfig(vocab_size=128, d_model=64, n_layers=2, n_heads=8, max_seq_len=32,
+                  embedding="one_hot")
 OPTIMIZER = make_optimizer("adamw", learning_rate=1e-2, weight_decay=0.1, warmup_steps=0,
                            total_steps=10)
 
@@ -67,23 +69,25 @@ def single_losses():
     return losses_on(single_device_mesh())[0]
 
 
-# Every strategy with Auto axes; with Explicit ones, the strategies that use each mesh axis.
-@pytest.mark.parametrize("strategy, axis_types", [
-    *((strategy, "auto") for strategy in STRATEGIES if not pipelined(strategy)),
-    ("tp", "explicit"), ("fsdp+tp", "explicit"), ("dp+fsdp", "explicit")])
-def test_every_strategy_trains_like_one_device(strategy, axis_types, single_losses):
+# Every strategy with Auto axes; with Explicit ones, the strategies that use each mesh axis. The
+# last one embeds with the plain gather (a CPU's auto): its gradient sums the same rows.
+@pytest.mark.parametrize("strategy, axis_types, how", [
+    *((strategy, "auto", "one_hot") for strategy in STRATEGIES if not pipelined(strategy)),
+    ("tp", "explicit", "one_hot"), ("fsdp+tp", "explicit", "one_hot"),
+    ("dp+fsdp", "explicit", "gather")])
+def test_every_strategy_trains_like_one_device(strategy, axis_types, how, single_losses):
     mesh = make_mesh(mesh_shape(strategy, 8), axis_types)
-    losses, state = losses_on(mesh)
+    losses, state = losses_on(mesh, dataclasses.replace(CFG, embedding=how))
     np.testing.assert_allclose(losses, single_losses, rtol=1e-5)
     assert state.params["blocks"][0]["mlp"]["w_in"]["kernel"].sharding.mesh.shape == mesh.shape
 
 
 @pytest.mark.parametrize("strategy, axis_types", [("dp+fsdp", "explicit"), ("fsdp+tp", "auto")])
-def test_a_large_vocabulary_sums_its_embedding_gradient_per_device_like_one_device(
-        strategy, axis_types):
-    """Above 2,048 ids the embedding's table gradient is summed sorted on each device's tokens
-    and then over the batch axes (``embedding.sorted_sum_lookup``): the same losses."""
-    cfg = dataclasses.replace(CFG, vocab_size=2304)
+def test_the_sorted_sum_embedding_trains_like_one_device(strategy, axis_types):
+    """``sorted_sum`` (a GPU's auto above 2,048 ids) sums the table gradient sorted on each
+    device's tokens and then over the batch axes (``embedding.sorted_sum_lookup``): the same
+    losses as one device."""
+    cfg = dataclasses.replace(CFG, embedding="sorted_sum")
     reference = losses_on(single_device_mesh(), cfg, steps=3)[0]
     mesh = make_mesh(mesh_shape(strategy, 8), axis_types)
     np.testing.assert_allclose(losses_on(mesh, cfg, steps=3)[0], reference, rtol=1e-5)

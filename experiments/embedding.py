@@ -1,0 +1,220 @@
+"""Embedding lookups side by side: forward+backward time of each method per vocabulary size and
+id distribution, and each gradient's error against a float64 scatter.
+
+    python -m experiments.embedding                  # a GPU: V 320 to 50,304, 16 x 1024 tokens
+    python -m experiments.embedding --vocabs 320,50304 --ids bytes --json embedding.json
+    python -m experiments.embedding --vocabs 64,512 --d-model 64 --batch 2 --seq-len 128
+
+Methods (``jaxaccel.embedding``, the training flag ``--embedding``): ``gather`` (the gather; its
+backward is XLA's scatter-add, whose atomic adds collide on the rows many tokens share),
+``one_hot`` (a matmul of the one-hot ids with the table, both ways) and ``sorted_sum`` (the
+gather, its backward the tokens sorted by id and each id's rows summed by a segmented scan, every
+row written once). ``auto`` marks the method the library picks for that vocabulary.
+
+Id distributions (``--ids``): ``uniform`` (every id equally likely: the case that hides the
+scatter's collisions), ``zipf`` (id of rank r drawn with probability proportional to
+r^-``--zipf-power``, ranks shuffled over the vocabulary: a stand-in for subword text) and
+``bytes`` (the byte ids of ``--data``'s first tokens, as the byte model trains on them: spaces,
+'e' and newlines dominate; vocabularies smaller than the byte tokenizer's are skipped).
+
+Each row times one jitted function returning the lookup's output and the table's gradient for a
+fixed random cotangent (median of ``--iters`` runs after ``--warmup``, each ended with
+``block_until_ready``). ``grad error`` is the norm of the difference between its gradient and a
+float64 NumPy scatter-add of the same cotangent, over the latter's norm; every method's output
+is checked to equal the gather's exactly.
+"""
+
+import dataclasses
+import statistics
+import sys
+import time
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+from experiments.common import check_stop, command, environment, parse_list, write_json
+from jaxaccel import embedding
+from jaxaccel.config import parse, setting
+from jaxaccel.model import ACTIVATION_AXES
+from jaxaccel.report import format_table
+
+METHODS = tuple(m for m in embedding.METHODS if m != "auto")
+ID_KINDS = ("uniform", "zipf", "bytes")
+DTYPES = {"bfloat16": jnp.bfloat16, "float16": jnp.float16, "float32": jnp.float32}
+
+
+@dataclasses.dataclass
+class EmbeddingSettings:
+    vocabs: str = setting("320,2048,8192,50304", "comma-separated vocabulary sizes V")
+    methods: str = setting(",".join(METHODS), "comma-separated lookup methods")
+    ids: str = setting(",".join(ID_KINDS), "comma-separated id distributions")
+    batch: int = setting(16, "rows of token ids", at_least=1)
+    seq_len: int = setting(1024, "tokens per row", at_least=1)
+    d_model: int = setting(768, "embedding width D", at_least=1)
+    dtype: str = setting("bfloat16", "the table's and the cotangent's dtype (a bf16 policy's "
+                                     "compute dtype: the table is cast before the lookup)",
+                         choices=tuple(DTYPES))
+    zipf_power: float = setting(1.0, "zipf ids: the exponent of the rank", above=0)
+    data: str = setting("stdlib", "bytes ids: the corpus (see experiments.train --data)")
+    warmup: int = setting(3, "untimed runs per row", at_least=0)
+    iters: int = setting(20, "timed runs per row (median)", at_least=1)
+    seed: int = setting(0, "seed of the table, the cotangent and the random ids")
+    json: str | None = setting(None, "also write the rows as JSON to this path")
+
+
+@dataclasses.dataclass
+class EmbeddingConfig:
+    """The rows to time and how: this experiment trains nothing, so it has only its own section."""
+
+    experiment: EmbeddingSettings = dataclasses.field(default_factory=EmbeddingSettings)
+
+
+COLUMNS = [
+    ("V", "V", "d"),
+    ("ids", "ids", ""),
+    ("distinct", "distinct ids", "d"),
+    ("top_share", "top id share", ".3f"),
+    ("method", "method", ""),
+    ("auto", "auto", ""),
+    ("ms", "fwd+bwd ms", ".3f"),
+    ("vs_gather", "vs gather", ".2f"),
+    ("grad_error", "grad error", ".1e"),
+    ("status", "status", ""),
+]
+
+
+def token_ids(kind: str, V: int, n: int, rng: np.random.Generator, exp) -> np.ndarray | str:
+    """``n`` int32 ids of distribution ``kind`` (module docstring), or the reason it has none
+    for a vocabulary of ``V``."""
+    if kind == "uniform":
+        return rng.integers(0, V, n, dtype=np.int32)
+    if kind == "zipf":
+        p = np.arange(1, V + 1, dtype=np.float64) ** -exp.zipf_power
+        ranks = rng.choice(V, size=n, p=p / p.sum())
+        return rng.permutation(V).astype(np.int32)[ranks]
+    from jaxaccel import corpus
+
+    data = corpus.load_corpus(exp.data, tokenizer="bytes")
+    if V < data.tokenizer.padded_vocab_size:
+        return f"skipped: bytes ids need V >= {data.tokenizer.padded_vocab_size}"
+    taken, total = [], 0
+    for doc in data.train:
+        taken.append(np.asarray(doc, np.int32)[: n - total])
+        total += len(taken[-1])
+        if total == n:
+            return np.concatenate(taken)
+    return f"skipped: {exp.data} holds {total} training tokens, fewer than {n}"
+
+
+def lookup_and_grad(how: str):
+    """jit(table, ids, cotangent) -> (the lookup's output, the table's gradient)."""
+
+    def fn(table_VD, ids_BT, g_BTD):
+        out_BTD, vjp = jax.vjp(lambda t: embedding.lookup(t, ids_BT, ACTIVATION_AXES, how),
+                               table_VD)
+        return out_BTD, vjp(g_BTD)[0]
+
+    return jax.jit(fn)
+
+
+def median_seconds(fn, args, warmup: int, iters: int) -> float:
+    for _ in range(warmup):
+        jax.block_until_ready(fn(*args))
+    seconds = []
+    for _ in range(iters):
+        check_stop()
+        start = time.perf_counter()
+        jax.block_until_ready(fn(*args))
+        seconds.append(time.perf_counter() - start)
+    return statistics.median(seconds)
+
+
+def measure_vocab(exp, V: int, kind: str, methods: list[str], rng) -> list[dict]:
+    """The rows of one vocabulary size and id distribution, one per method."""
+    B, T, D = exp.batch, exp.seq_len, exp.d_model
+    base = {"V": V, "ids": kind, "auto": ""}
+    ids = token_ids(kind, V, B * T, rng, exp)
+    if isinstance(ids, str):
+        return [{**base, "method": m, "status": ids} for m in methods]
+    counts = np.bincount(ids, minlength=V)
+    base.update(distinct=int((counts > 0).sum()), top_share=float(counts.max() / ids.size))
+    dtype = DTYPES[exp.dtype]
+    table_VD = jnp.asarray(rng.standard_normal((V, D), np.float32) * 0.02, dtype)
+    g_BTD = jnp.asarray(rng.standard_normal((B, T, D), np.float32), dtype)
+    ids_BT = jnp.asarray(ids.reshape(B, T))
+    exact_VD = np.zeros((V, D))
+    np.add.at(exact_VD, ids, np.asarray(g_BTD, np.float64).reshape(-1, D))
+    expected_BTD = np.asarray(table_VD)[ids.reshape(B, T)]
+    rows = []
+    for how in methods:
+        row = {**base, "method": how,
+               "auto": "*" if embedding.method(V, dtype=dtype) == how else ""}
+        fn = lookup_and_grad(how)
+        try:
+            out_BTD, grad_VD = jax.block_until_ready(fn(table_VD, ids_BT, g_BTD))
+            seconds = median_seconds(fn, (table_VD, ids_BT, g_BTD), exp.warmup, exp.iters)
+        except Exception as e:      # noqa: BLE001 - a method that cannot run is a row's status
+            if "RESOURCE_EXHAUSTED" not in str(e) and "out of memory" not in str(e).lower():
+                raise
+            rows.append({**row, "status": "out of memory"})
+            continue
+        diff = np.asarray(grad_VD, np.float64) - exact_VD
+        row.update(ms=seconds * 1e3,
+                   grad_error=float(np.linalg.norm(diff) / np.linalg.norm(exact_VD)),
+                   status="ok" if np.array_equal(np.asarray(out_BTD), expected_BTD)
+                   else "error: output differs from the gather's")
+        rows.append(row)
+    gather = next((r for r in rows if r["method"] == "gather" and "ms" in r), None)
+    for r in rows:
+        r["vs_gather"] = gather["ms"] / r["ms"] if gather and "ms" in r else None
+    return rows
+
+
+def fastest(rows: list[dict], dtype) -> list[str]:
+    """Per vocabulary and id distribution: the fastest method, and the one ``auto`` picks for a
+    table of ``dtype``."""
+    lines = []
+    for key in dict.fromkeys((r["V"], r["ids"]) for r in rows):
+        timed = [r for r in rows if (r["V"], r["ids"]) == key and r.get("status") == "ok"]
+        if not timed:
+            continue
+        best = min(timed, key=lambda r: r["ms"])
+        pick = embedding.method(key[0], dtype=dtype)
+        auto = next((r for r in timed if r["method"] == pick), None)
+        verdict = (f"auto picks {pick}" + (f", {auto['ms'] / best['ms']:.2f}x the fastest's time"
+                                           if auto else " (not timed)"))
+        lines.append(f"V={key[0]} {key[1]}: fastest {best['method']} ({best['ms']:.3f} ms); "
+                     f"{verdict}")
+    return lines
+
+
+@command(EmbeddingConfig)
+def main(argv=None) -> int:
+    cfg = parse(argv, EmbeddingConfig, description=__doc__.split("\n\n")[0])
+    exp = cfg.experiment
+    vocabs = parse_list(exp.vocabs, "experiment.vocabs", kind=int)
+    methods = parse_list(exp.methods, "experiment.methods", valid=METHODS)
+    kinds = parse_list(exp.ids, "experiment.ids", valid=ID_KINDS)
+    if "bytes" in kinds:        # load (or fail on) the corpus before any row runs
+        from jaxaccel import corpus
+
+        corpus.load_corpus(exp.data, tokenizer="bytes")
+    rng = np.random.default_rng(exp.seed)
+    rows = [r for V in vocabs for kind in kinds for r in measure_vocab(exp, V, kind, methods, rng)]
+    meta = {"batch": exp.batch, "seq_len": exp.seq_len, "d_model": exp.d_model,
+            "dtype": exp.dtype, "zipf_power": exp.zipf_power, "data": exp.data,
+            "warmup": exp.warmup, "iters": exp.iters, "one_hot_max_vocab":
+            embedding.ONE_HOT_MAX_VOCAB, "timed": "jit(lookup output, table gradient) for a "
+            "fixed cotangent", **environment()}
+    print(f"\n{exp.batch} x {exp.seq_len} ids, D={exp.d_model}, {exp.dtype}; {meta['device']}, "
+          f"jax {meta['jax_version']}")
+    print(format_table(rows, COLUMNS))
+    for line in fastest(rows, DTYPES[exp.dtype]):
+        print(line)
+    write_json(exp.json, rows, meta)
+    return 1 if any(r["status"].startswith("error") for r in rows) else 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
