@@ -36,6 +36,8 @@ least one) unless ``--batch`` is given. The longest length doubles T from the lo
 """
 
 import dataclasses
+import functools
+import importlib
 import importlib.util
 import itertools
 import statistics
@@ -158,12 +160,25 @@ def attention_fn(impl: str, causal: bool, interpret: bool, segment_ids=None):
                                          causal=causal, interpret=interpret)
 
 
+@functools.cache
+def tokamax_missing() -> str | None:
+    """Why tokamax cannot be used here (not installed, or its import fails: a requirement
+    missing), or None."""
+    if importlib.util.find_spec("tokamax") is None:
+        return "skipped: tokamax is not installed (pip install 'jaxaccel[peers]')"
+    try:
+        importlib.import_module("tokamax")
+    except ImportError as e:
+        return f"skipped: tokamax does not import ({e}); install its requirements"
+    return None
+
+
 def skip_reason(impl: str, T: int, heads: int, kv_heads: int) -> str | None:
     """Why an implementation cannot run this row on this backend, or None."""
     if impl == "cudnn" and jax.default_backend() != "gpu":
         return f"skipped: cuDNN needs an NVIDIA GPU, the backend is {jax.default_backend()}"
-    if impl in TOKAMAX_IMPLS and importlib.util.find_spec("tokamax") is None:
-        return "skipped: tokamax is not installed (pip install 'jaxaccel[peers]')"
+    if impl in TOKAMAX_IMPLS and tokamax_missing():
+        return tokamax_missing()
     if impl in TOKAMAX_IMPLS and jax.default_backend() != "gpu":
         return (f"skipped: tokamax's {TOKAMAX_IMPLS[impl]} needs an NVIDIA GPU, the backend is "
                 f"{jax.default_backend()}")
