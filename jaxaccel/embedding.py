@@ -30,7 +30,7 @@ table gets the sorted sum instead, whose float32 sums round once: the scatter-ad
 table's dtype (a relative error of 2.6e-2 against 1.7e-3 below). Measured with
 ``python -m experiments.embedding`` on this project's 2-core CPU (jax 0.11.2, 2026-11-25), 8 x
 1024 byte ids of the stdlib, D = 128, V = 320, forward+backward: float32 0.84 ms for the gather,
-1.8 ms for the sorted sum, 11 ms for the one-hot; bfloat16 0.56, 2.5 and 110 ms (the CPU
+1.8 ms for the sorted sum, 11 ms for the one-hot; bfloat16 0.59, 2.2 and 109 ms (the CPU
 multiplies bfloat16 slowly). At V = 2,048 and 8,192 the one-hot took 91 to 377 ms.
 
 Which method is fastest where is measured by ``python -m experiments.embedding`` (each method's

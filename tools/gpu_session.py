@@ -47,7 +47,7 @@ class Step:
     argv: list             # a python module and its arguments ("-m", ...) or a script
     limit_s: int
     smoke: list = dataclasses.field(default_factory=list)   # arguments appended in --smoke
-    needs: str | None = None     # "cuda" (torch on a GPU), "peer" (PEER), "tokamax"
+    needs: str | None = None     # "peer": the torch script PEER, torch and a CUDA GPU
     json: bool = True            # the step takes --json PATH
 
 
