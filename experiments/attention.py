@@ -40,16 +40,14 @@ import functools
 import importlib
 import importlib.util
 import itertools
-import statistics
 import sys
-import time
 import warnings
 
 import jax
 import jax.numpy as jnp
 import numpy as np
 
-from experiments.common import check_stop, command, environment, parse_list, write_json
+from experiments.common import command, environment, median_seconds, parse_list, write_json
 from jaxaccel.attention import attention_mask, dot_product_attention
 from jaxaccel.config import parse, setting
 from jaxaccel.errors import ConfigError
@@ -194,18 +192,6 @@ def make_inputs(key, batch: int, T: int, heads: int, kv_heads: int, D: int, dtyp
     shapes = [(batch, T, heads, D), (batch, T, kv_heads, D), (batch, T, kv_heads, D),
               (batch, T, heads, D)]
     return [jax.random.normal(k, s, jnp.float32).astype(dtype) for k, s in zip(keys, shapes)]
-
-
-def median_seconds(fn, args, warmup: int, iters: int) -> float:
-    for _ in range(warmup):
-        jax.block_until_ready(fn(*args))
-    seconds = []
-    for _ in range(iters):
-        check_stop()
-        start = time.perf_counter()
-        jax.block_until_ready(fn(*args))
-        seconds.append(time.perf_counter() - start)
-    return statistics.median(seconds)
 
 
 def is_out_of_memory(error: Exception) -> bool:

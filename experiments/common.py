@@ -6,6 +6,7 @@ import dataclasses
 import functools
 import os
 import signal
+import statistics
 import sys
 import threading
 import time
@@ -256,6 +257,20 @@ def parse_list(text: str, field: str, *, valid=None, kind=str) -> list:
         raise ConfigError(f"unknown {name} {unknown}; choose from {', '.join(valid)}",
                           field=field)
     return items
+
+
+def median_seconds(fn, args, warmup: int, iters: int) -> float:
+    """The median wall time of ``iters`` calls ``fn(*args)`` after ``warmup`` untimed ones, each
+    ended with ``block_until_ready`` (a signal stops between calls)."""
+    for _ in range(warmup):
+        jax.block_until_ready(fn(*args))
+    seconds = []
+    for _ in range(iters):
+        check_stop()
+        start = time.perf_counter()
+        jax.block_until_ready(fn(*args))
+        seconds.append(time.perf_counter() - start)
+    return statistics.median(seconds)
 
 
 def environment() -> dict:

@@ -25,15 +25,13 @@ is checked to equal the gather's exactly.
 """
 
 import dataclasses
-import statistics
 import sys
-import time
 
 import jax
 import jax.numpy as jnp
 import numpy as np
 
-from experiments.common import check_stop, command, environment, parse_list, write_json
+from experiments.common import command, environment, median_seconds, parse_list, write_json
 from jaxaccel import embedding
 from jaxaccel.config import parse, setting
 from jaxaccel.model import ACTIVATION_AXES
@@ -116,18 +114,6 @@ def lookup_and_grad(how: str):
         return out_BTD, vjp(g_BTD)[0]
 
     return jax.jit(fn)
-
-
-def median_seconds(fn, args, warmup: int, iters: int) -> float:
-    for _ in range(warmup):
-        jax.block_until_ready(fn(*args))
-    seconds = []
-    for _ in range(iters):
-        check_stop()
-        start = time.perf_counter()
-        jax.block_until_ready(fn(*args))
-        seconds.append(time.perf_counter() - start)
-    return statistics.median(seconds)
 
 
 def measure_vocab(exp, V: int, kind: str, methods: list[str], rng) -> list[dict]:

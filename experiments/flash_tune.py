@@ -176,7 +176,7 @@ def tune_head_dim(exp, D: int, shapes: list[Shape], interpret: bool, timing):
 
 def run(exp, head_dims: list[int], causal_modes: tuple[bool, ...], interpret: bool) -> int:
     """The sweep, the table entry, the printed tables; the experiment's exit code."""
-    from experiments.attention import median_seconds
+    from experiments.common import median_seconds
 
     seq_lens = parse_list(exp.tune_seq_lens, "experiment.tune_seq_lens", kind=int)
     if exp.tuning_file is None and interpret:
