@@ -47,7 +47,8 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from experiments.common import command, environment, median_seconds, parse_list, write_json
+from experiments.common import (Interrupted, command, environment, median_seconds, parse_list,
+                                write_json)
 from jaxaccel.attention import attention_mask, dot_product_attention
 from jaxaccel.config import parse, setting
 from jaxaccel.errors import ConfigError
@@ -254,12 +255,23 @@ def measure(exp: AttentionSettings, impl: str, T: int, D: int, causal: bool, int
     except NotImplementedError as e:
         row["status"] = f"skipped: {str(e).splitlines()[0] if str(e) else 'not implemented'}"
         return row
+    except Interrupted:
+        raise                   # a signal stops the experiment; it is no row's failure
     except Exception as e:   # noqa: BLE001 - every failure becomes the row's status
         row["status"] = "OOM" if is_out_of_memory(e) else f"error: {str(e).splitlines()[0]}"
         return row
     row.update(fwd_ms=fwd_s * 1e3, fwdbwd_ms=fwdbwd_s * 1e3, fwd_tflops=flops / fwd_s / 1e12,
                fwdbwd_tflops=3.5 * flops / fwdbwd_s / 1e12, status="ok")
     return row
+
+
+def progress(row: dict) -> str:
+    """One row as it is measured: a long sweep shows its figures as it goes, and a cut one
+    keeps them in its output."""
+    what = (f"fwd {row['fwd_ms']:.3f} ms, fwd+bwd {row['fwdbwd_ms']:.3f} ms "
+            f"({row['fwdbwd_tflops']:.1f} TFLOP/s)" if row["status"] == "ok" else row["status"])
+    return (f"  {row['impl']} {row['layout']} T={row['T']} D={row['D']} causal={row['causal']}: "
+            f"{what}")
 
 
 def longest_fitting(exp: AttentionSettings, impl: str, D: int, causal: bool, start_T: int,
@@ -343,6 +355,8 @@ def main(argv=None) -> int:
             for causal in causal_modes:
                 impl_rows = [measure(exp, impl, T, D, causal, interpret, key)
                              for T in seq_lens] if "dense" in layouts else []
+                for r in impl_rows:
+                    print(progress(r), flush=True)
                 timed = [r["T"] for r in impl_rows if r["status"] == "ok"]
                 if limit and timed:
                     max_T, stop = longest_fitting(exp, impl, D, causal, max(timed), limit,
@@ -350,8 +364,9 @@ def main(argv=None) -> int:
                     search[f"{impl} D={D} causal={causal}"] = {"max_T": max_T, "stopped": stop}
                     for r in impl_rows:
                         r["max_T"] = max_T
-                impl_rows += [measure(exp, impl, T, D, causal, interpret, key, packed[T])
-                              for T in seq_lens if packed]
+                for T in seq_lens if packed else []:
+                    impl_rows.append(measure(exp, impl, T, D, causal, interpret, key, packed[T]))
+                    print(progress(impl_rows[-1]), flush=True)
                 rows += impl_rows
     compare(rows)
     meta = {"dtype": exp.dtype, "heads": exp.heads, "kv_heads": kv_heads,

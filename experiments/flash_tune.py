@@ -22,7 +22,7 @@ import sys
 import jax
 import jax.numpy as jnp
 
-from experiments.common import environment, parse_list, write_json
+from experiments.common import Interrupted, environment, median_seconds, parse_list, write_json
 from jaxaccel.attention import xla_attention
 from jaxaccel.errors import ConfigError
 from jaxaccel.kernels import flash, flash_attention, tuning
@@ -137,8 +137,10 @@ class NoCandidate(RuntimeError):
 PASS_RUNS = {"forward": (False, (0,)), "dkv": (True, (0, 2, 3)), "dq": (True, (0, 1))}
 
 
-def tune_head_dim(exp, D: int, shapes: list[Shape], interpret: bool, timing):
-    """(rows, tuned params, built-in params) for one head dim."""
+def tune_head_dim(exp, D: int, shapes: list[Shape], interpret: bool, timing,
+                  on_pass=lambda name, best: None):
+    """(rows, tuned params, built-in params) for one head dim; ``on_pass(name, params)`` after
+    each pass with the params tuned so far (the later passes still built in)."""
     from experiments.attention import is_out_of_memory
 
     builtin = tuning.default_params(D, interpret=interpret)
@@ -155,6 +157,8 @@ def tune_head_dim(exp, D: int, shapes: list[Shape], interpret: bool, timing):
             try:
                 seconds, err = score(shapes, best.replace(**{name: stage}), backward=backward,
                                      checked=checked, timing=timing)
+            except Interrupted:
+                raise               # a signal stops the sweep; it rejects no candidate
             except Exception as e:   # noqa: BLE001 - a candidate that fails is rejected
                 row["status"] = ("rejected: out of memory" if is_out_of_memory(e)
                                  else f"rejected: {str(e).splitlines()[0][:120]}")
@@ -163,6 +167,10 @@ def tune_head_dim(exp, D: int, shapes: list[Shape], interpret: bool, timing):
                 if err > TOLERANCE[exp.dtype]:
                     row["status"] = f"rejected: relative error above {TOLERANCE[exp.dtype]:g}"
             pass_rows.append((row, stage))
+            print(f"  D={D} {name} {stage.backend} blocks {stage.block_q}x{stage.block_k}, "
+                  f"{stage.num_warps} warps, {stage.num_stages} stages: "
+                  + (f"{row['ms']:.3f} ms, error {row['rel_err']:.1e}" if row["status"] == "ok"
+                     else row["status"]), flush=True)
         ok = [(r, s) for r, s in pass_rows if r["status"] == "ok"]
         if not ok:
             raise NoCandidate(f"no candidate of the {name} pass at head dim {D} ran correctly, "
@@ -171,12 +179,12 @@ def tune_head_dim(exp, D: int, shapes: list[Shape], interpret: bool, timing):
         winner["best"] = "*"
         best = best.replace(**{name: stage})
         rows += [r for r, _ in pass_rows]
+        on_pass(name, best)
     return rows, best, builtin
 
 
 def run(exp, head_dims: list[int], causal_modes: tuple[bool, ...], interpret: bool) -> int:
     """The sweep, the table entry, the printed tables; the experiment's exit code."""
-    from experiments.common import median_seconds
 
     seq_lens = parse_list(exp.tune_seq_lens, "experiment.tune_seq_lens", kind=int)
     if exp.tuning_file is None and interpret:
@@ -196,20 +204,6 @@ def run(exp, head_dims: list[int], causal_modes: tuple[bool, ...], interpret: bo
 
     key = jax.random.PRNGKey(exp.seed)
     rows, tuned, summary = [], {}, []
-    for D in head_dims:
-        shapes = [Shape(exp, T, D, causal, interpret, key) for T in seq_lens
-                  for causal in causal_modes]
-        try:
-            d_rows, best, builtin = tune_head_dim(exp, D, shapes, interpret, timing)
-        except NoCandidate as e:
-            print(f"error: {e}; the table was not written", file=sys.stderr)
-            return 1
-        rows += d_rows
-        tuned[D] = best
-        before = score(shapes, builtin, backward=True, checked=(), timing=timing)[0]
-        after = score(shapes, best, backward=True, checked=(), timing=timing)[0]
-        summary.append({"D": D, "builtin_ms": before * 1e3, "tuned_ms": after * 1e3,
-                        "speedup": before / after, "tuned": tuning.params_to_json(best)})
     env = environment()
     meta = {**env, "command": "python -m experiments.attention " + " ".join(sys.argv[1:]),
             "dtype": exp.dtype, "heads": exp.heads, "kv_heads": exp.kv_heads or exp.heads,
@@ -217,6 +211,27 @@ def run(exp, head_dims: list[int], causal_modes: tuple[bool, ...], interpret: bo
             "causal": list(causal_modes), "interpret": interpret,
             "score": "median seconds summed over the shapes; forward alone for the forward "
                      "pass, forward+backward for dkv and dq"}
+    for D in head_dims:
+        shapes = [Shape(exp, T, D, causal, interpret, key) for T in seq_lens
+                  for causal in causal_modes]
+
+        def record(name, best, D=D):
+            # each finished pass is kept at once: a sweep cut short keeps what it measured
+            done = list(tuning.PASSES[:tuning.PASSES.index(name) + 1])
+            tuning.write_entry(path, env["device"], {D: best}, meta, passes={D: done})
+
+        try:
+            d_rows, best, builtin = tune_head_dim(exp, D, shapes, interpret, timing, record)
+        except NoCandidate as e:
+            print(f"error: {e}; the table keeps only the passes tuned before it",
+                  file=sys.stderr)
+            return 1
+        rows += d_rows
+        tuned[D] = best
+        before = score(shapes, builtin, backward=True, checked=(), timing=timing)[0]
+        after = score(shapes, best, backward=True, checked=(), timing=timing)[0]
+        summary.append({"D": D, "builtin_ms": before * 1e3, "tuned_ms": after * 1e3,
+                        "speedup": before / after, "tuned": tuning.params_to_json(best)})
     tuning.write_entry(path, env["device"], tuned, meta)
     print(f"\ntuning {env['device']}, jax {env['jax_version']}, {exp.dtype}, T "
           f"{', '.join(map(str, seq_lens))}" + ("; interpreted, not a speed" if interpret

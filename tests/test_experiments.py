@@ -213,6 +213,27 @@ def test_attention_tune_checks_candidates_and_writes_the_table_the_kernel_reads(
     assert {p: (s.block_q, s.block_k) for p, s in zip(tuning.PASSES, got.stages())} == winners
     assert tuning.tuned_rows(other)[64] == tuning.TRITON[64]
     assert "| pass" in capsys.readouterr().out
+    devices = json.loads(table.read_text())["devices"]
+    assert devices[other]["tuned_by"]["64"]["date"] == "2026-11-22"
+    mine = devices[jax.devices()[0].device_kind]["tuned_by"]["16"]
+    assert mine["passes"] == list(tuning.PASSES) and mine["command"].startswith("python -m")
+    # A sweep stopped in its second pass keeps its first in the table at once.
+    from experiments.common import Interrupted
+
+    def stop_in_dkv(shapes, params, **kwargs):
+        if kwargs["backward"]:
+            raise Interrupted("SIGTERM")
+        return real_score(shapes, params, **kwargs)
+
+    monkeypatch.setattr(flash_tune, "score", stop_in_dkv)
+    cut = tmp_path / "cut.json"
+    assert attention.main([
+        "--tune", "--tune-seq-lens", "24", "--head-dims", "16", "--heads", "2", "--batch", "1",
+        "--causal", "causal", "--tune-blocks", "16", "--dtype", "float32", "--warmup", "0",
+        "--iters", "1", "--tuning-file", str(cut)]) == 143
+    kept = json.loads(cut.read_text())["devices"][jax.devices()[0].device_kind]
+    assert kept["tuned_by"]["16"]["passes"] == ["forward"] and list(kept["head_dims"]) == ["16"]
+    capsys.readouterr()
     # Mosaic GPU candidates, on Hopper GPUs only: 64 or 128 own rows (keys in dK/dV).
     exp = attention.AttentionSettings(tune_blocks="32,64,128", tune_warps="4", tune_stages="2")
     for name in tuning.PASSES:

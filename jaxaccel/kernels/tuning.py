@@ -204,15 +204,24 @@ def check_params(params: FlashParams, *, where: str = "flash params",
                                   f"{MIN_BLOCK}; {fix}")
 
 
-def write_entry(path: Path, kind: str, head_dims: dict[int, FlashParams], meta: dict) -> None:
+def write_entry(path: Path, kind: str, head_dims: dict[int, FlashParams], meta: dict,
+                passes: dict[int, list[str]] | None = None) -> None:
     """Records the tuned rows of one device kind in the table file, keeping other devices' (and
-    this device's other head dims); written atomically."""
+    this device's other head dims); written atomically. ``meta`` (date, jax version, command)
+    describes the entry's latest write and, under ``tuned_by``, each head dim written now, with
+    the passes tuned (``passes``, default all; the others are built-in rows)."""
     table = read_table(path)
     entry = table["devices"].get(kind, {})
     rows = {**entry.get("head_dims", {}),
             **{str(d): params_to_json(p) for d, p in head_dims.items()}}
+    provenance = {key: meta[key] for key in ("date", "jax_version", "command") if key in meta}
+    tuned_by = {**entry.get("tuned_by", {}),
+                **{str(d): {**provenance, "passes": list((passes or {}).get(d, PASSES))}
+                   for d in head_dims}}
     table["devices"][kind] = {**meta, "head_dims": dict(sorted(rows.items(), key=lambda r:
-                                                                 int(r[0])))}
+                                                                 int(r[0]))),
+                              "tuned_by": dict(sorted(tuned_by.items(), key=lambda r:
+                                                      int(r[0])))}
     tmp = path.with_name(path.name + ".tmp")
     tmp.write_text(json.dumps(table, indent=1) + "\n")
     os.replace(tmp, path)
