@@ -18,8 +18,9 @@ them in ``.whl`` (37 MB; carry ``.whl`` too), and the driver installs them there
 first step; without them those rows say that tokamax is not installed.
 
 Calls, in the order the issues want them: ``train`` (issue 16: start-up cold and warm, the loop
-against its step alone, the profile, the torch peer, the embedding methods, cuDNN and Pallas
-attention in the loop, FP8), ``speedup`` (issue 16: ``experiments.speedup --scale gpu``),
+against its step alone, the profile, the torch peer; cuDNN against our kernel on fixed and on
+packed rows, which ``--attention auto`` chooses between; the scatter embedding in the loop, the
+embedding methods alone, FP8), ``speedup`` (issue 16: ``experiments.speedup --scale gpu``),
 ``attention`` (issue 19: ours with the built-in rows against cuDNN and JAX's reference kernel,
 then tuning at D=128) and
 ``tune64`` (issue 19: tuning at D=64, the comparison again with the tuned table, the peers).
@@ -98,12 +99,13 @@ CALLS = {
         train("cold", 150),
         train("warm", 60),
         Step("torch_peer", [str(PEER), "--vocab", "320"], 150, needs="peer", json=False),
-        Step("embedding", ["-m", "experiments.embedding"], 90,
+        train("fixed_cudnn", 90, batching="fixed", attention="cudnn"),
+        train("fixed_pallas", 90, batching="fixed", attention="pallas"),
+        train("pack_cudnn", 90, attention="cudnn"),
+        train("gather", 60, embedding="gather"),
+        Step("embedding", ["-m", "experiments.embedding"], 120,
              smoke=["--vocabs", "64,320", "--d-model", "32", "--batch", "2", "--seq-len", "64",
                     "--iters", "2"]),
-        train("fixed_cudnn", 90, batching="fixed", attention="cudnn"),
-        train("pallas", 90, attention="pallas"),
-        train("gather", 60, embedding="gather"),
         Step("fp8", ["-m", "experiments.precision", "--model", "small", "--seq-len", "1024",
                      "--batch-size", "16", "--precisions", "bf16,fp8", "--train-tokens",
                      "1000000", "--run-dir", "{work}/fp8"], 120,
