@@ -46,34 +46,29 @@ import jax
 import jax.numpy as jnp
 from jax.sharding import PartitionSpec
 
-from jaxaccel.sharding import COMPUTE_RULES, constrain, einsum, logical_spec, take_rows
+from jaxaccel.sharding import (COMPUTE_RULES, constrain, einsum, logical_spec, take_rows,
+                               target_device)
 
 ONE_HOT_MAX_VOCAB = 2048
 METHODS = ("auto", "one_hot", "sorted_sum", "gather")
 
 
-def platform() -> str:
-    """The platform the program is built for: the abstract mesh's device's (a program lowered
-    for another device), else the default backend's."""
-    device = getattr(jax.sharding.get_abstract_mesh(), "abstract_device", None)
-    return device.platform if device is not None else jax.default_backend()
-
-
 def method(vocab_size: int, on: str | None = None, dtype=jnp.float32) -> str:
     """How ``auto`` embeds ids of a vocabulary this size from a table of ``dtype`` on platform
-    ``on`` (default ``platform()``). On a CPU, where the scatter's adds run one after another
-    and the gather was the fastest at every shape measured (module docstring): ``gather`` for a
-    float32 table, ``sorted_sum`` for a 16-bit one (the scatter-add would sum in 16 bits).
-    Elsewhere ``one_hot`` up to ``ONE_HOT_MAX_VOCAB`` ids, else ``sorted_sum``."""
-    if (on or platform()) == "cpu":
+    ``on`` (default: ``sharding.target_device()``'s). On a CPU, where the scatter's adds run one
+    after another and the gather was the fastest at every shape measured (module docstring):
+    ``gather`` for a float32 table, ``sorted_sum`` for a 16-bit one (the scatter-add would sum
+    in 16 bits). Elsewhere ``one_hot`` up to ``ONE_HOT_MAX_VOCAB`` ids, else ``sorted_sum``."""
+    if (on or target_device().platform) == "cpu":
         return "gather" if jnp.finfo(dtype).bits >= 32 else "sorted_sum"
     return "one_hot" if vocab_size <= ONE_HOT_MAX_VOCAB else "sorted_sum"
 
 
 def lookup(table_VD, ids_BT, out_axes, how: str = "auto"):
     """Rows [B, T, D] of ``table_VD`` for ``ids_BT``, laid out as ``out_axes`` (module
-    docstring). ``how``: one of ``METHODS``; ``auto`` is ``method(V)``, ``gather`` the plain
-    gather whose backward is XLA's scatter (to measure the others against)."""
+    docstring). ``how``: one of ``METHODS``; ``auto`` is ``method`` of the table's size and
+    dtype, ``gather`` the plain gather whose backward is XLA's scatter (to measure the others
+    against)."""
     if how not in METHODS:
         raise ValueError(f"unknown embedding method {how!r}; choose from {', '.join(METHODS)}")
     V = table_VD.shape[0]

@@ -207,6 +207,13 @@ def logical_spec(axes, rules: dict) -> PartitionSpec:
     return PartitionSpec(*spec)
 
 
+def target_device():
+    """The device a program is built for: the abstract mesh's (a program lowered for another
+    device, ``jax.sharding.AbstractDevice``), else the first device."""
+    device = getattr(jax.sharding.get_abstract_mesh(), "abstract_device", None)
+    return device if device is not None else jax.devices()[0]
+
+
 def _explicit(mesh) -> bool:
     """Whether the mesh's axes are Explicit (those a ``shard_map`` has not made Manual)."""
     types = [t for t in mesh.axis_types if t != AxisType.Manual]

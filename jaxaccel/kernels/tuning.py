@@ -28,11 +28,11 @@ import json
 import os
 from pathlib import Path
 
-import jax
 from jax.experimental import pallas as pl
 from jax.experimental.pallas import triton as pl_triton
 
 from jaxaccel.errors import ConfigError
+from jaxaccel.sharding import target_device
 
 TABLE_FILE = Path(__file__).with_name("tuned.json")
 TABLE_ENV = "JAXACCEL_FLASH_TUNING"
@@ -87,8 +87,7 @@ INTERPRET = FlashParams(forward=Stage(32, 32), dkv=Stage(32, 32), dq=Stage(32, 3
 def device_kind() -> str:
     """The name tuned tables are kept under: the device kind of the abstract mesh in use (a
     program lowered for another device), else of the first device."""
-    device = getattr(jax.sharding.get_abstract_mesh(), "abstract_device", None)
-    return device.device_kind if device is not None else jax.devices()[0].device_kind
+    return target_device().device_kind
 
 
 def table_path() -> Path:
