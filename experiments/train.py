@@ -32,17 +32,13 @@ def format_summary(s: RunSummary) -> str:
         ("model", f"{s.model}, {s.params:,} parameters" + _techniques(s)),
         ("optimizer", f"{s.optimizer}, peak lr {s.learning_rate:.3g}, weight decay "
                       f"{s.weight_decay:.3g}, state {s.optimizer_state_bytes:,} bytes"),
-        ("precision", f"{s.precision}" + (f" ({s.fp8})" if s.fp8 else "")
-                      + (f", {s.fp8_gemms} FP8 GEMMs in the step" if s.fp8_gemms is not None
-                         else "")
+        ("precision", f"{s.precision}" + _fp8(s.techniques.get("fp8"))
                       + f", loss scale {s.loss_scale:g}, {s.skipped_steps} skipped steps"),
         ("remat", _remat_line(s)),
         ("sharding", f"{s.sharding} over mesh {_mesh(s.mesh)} ({s.mesh_axis_types} axes), "
                      f"{s.process_count} process(es); parameters + optimizer state "
                      f"{s.param_opt_bytes_per_device:,} bytes per device"
-                     + (f"; pipeline {s.pipeline_schedule} over {s.mesh['stage']} stages x "
-                        f"{s.accumulate} microbatches, bubble {s.pipeline_bubble:.1%}"
-                        if s.pipeline_schedule else "")),
+                     + _pipeline(s)),
         *([("real tokens/s", f"{s.real_tokens_per_s:,.0f}"),
            ("model FLOP/s", f"{s.achieved_flops_per_s / 1e9:,.1f} GFLOP/s (MFU {mfu})"),
            ("padding efficiency", f"{s.padding_efficiency:.1%}"),
@@ -86,23 +82,41 @@ def _startup_line(startup: dict) -> str:
 
 def _techniques(s: RunSummary) -> str:
     """The survey techniques the run used, for the model line."""
-    parts = []
-    if s.init != "default":
-        parts.append(f"init {s.init}")
+    t, parts = s.techniques, []
+    if "init" in t:
+        parts.append(f"init {t['init']}")
     if s.trainable_params != s.params:
         parts.append(f"{s.trainable_params:,} trainable ({s.trainable_params / s.params:.2%})")
-    if s.init_from:
-        parts.append(f"from {s.init_from}")
-    if s.stochastic_depth:
-        parts.append(f"stochastic depth {s.stochastic_depth:g} (blocks compute "
-                     f"{s.stochastic_depth_kept:.1%} of their rows)")
-    if s.sparsity != "none":
-        parts.append(f"{s.sparsity} sparse ({s.sparsity_density:.1%} of the masked weights "
-                     f"kept)")
-    if s.progressive_stages:
+    if (t.get("lora") or {}).get("init_from") or t.get("init_from"):
+        parts.append(f"from {(t.get('lora') or {}).get('init_from') or t.get('init_from')}")
+    if "stochastic_depth" in t:
+        sd = t["stochastic_depth"]
+        parts.append(f"stochastic depth {sd['rate']:g} (blocks compute {sd['kept']:.1%} of "
+                     f"their rows)")
+    if "token_drop" in t:
+        parts.append(f"token keep {t['token_drop']['keep']:g} ({t['token_drop']['score']})")
+    if "sparsity" in t:
+        parts.append(f"{t['sparsity']['pattern']} sparse ({t['sparsity']['density']:.1%} of the "
+                     f"masked weights kept)")
+    if "stacking" in t:
         parts.append("stacked " + " -> ".join(f"{depth} layers at step {start}"
-                                              for start, depth in s.progressive_stages))
+                                              for start, depth in t["stacking"]["stages"]))
     return "; " + "; ".join(parts) if parts else ""
+
+
+def _fp8(fp8: dict | None) -> str:
+    if not fp8:
+        return ""
+    gemms = f", {fp8['gemms']} FP8 GEMMs in the step" if fp8.get("gemms") is not None else ""
+    return f" ({fp8['note']}){gemms}"
+
+
+def _pipeline(s: RunSummary) -> str:
+    pipe = s.techniques.get("pipeline")
+    if not pipe:
+        return ""
+    return (f"; pipeline {pipe['schedule']} over {s.mesh['stage']} stages x {s.accumulate} "
+            f"microbatches, bubble {pipe['bubble']:.1%}")
 
 
 def _mesh(shape: dict) -> str:
@@ -111,11 +125,12 @@ def _mesh(shape: dict) -> str:
 
 def _remat_line(s: RunSummary) -> str:
     """The remat policy and layout, and with a memory budget each policy's compiled figures."""
-    line = f"{s.remat}{', scanned layers' if s.scan_layers else ''}"
+    remat = s.techniques.get("remat") or {}
+    line = f"{remat.get('policy', 'none')}{', scanned layers' if remat.get('scan_layers') else ''}"
     step = s.step_memory_bytes
     if step:
         line += f", step {step['total']:,} bytes ({step['temp']:,} temporary)"
-    plan = s.remat_plan
+    plan = remat.get("plan")
     if plan:
         figures = "; ".join(
             f"{r['policy']} {r['total_bytes']:,} B{'' if r['fits'] else ' (too big)'}, "

@@ -21,6 +21,9 @@ offsets (``q_offsets``, ``kv_offsets``, a static maximum of segments per row), n
 mask.
 """
 
+import contextlib
+import contextvars
+
 import jax
 import jax.numpy as jnp
 
@@ -146,6 +149,8 @@ def dot_product_attention(q, k, v, *, segment_ids=None, causal=True, implementat
       [B, T, H, E] in q's dtype.
     """
     check_shapes(q, k, v)
+    if _COUNTING.get():
+        implementation = "xla"
     implementation = resolve_implementation(implementation, q.shape[1], segment_ids is not None,
                                             q.shape[-1])
     if implementation == "xla":
@@ -156,4 +161,19 @@ def dot_product_attention(q, k, v, *, segment_ids=None, causal=True, implementat
         return pallas_attention(q, k, v, segment_ids=segment_ids, causal=causal, sm_scale=sm_scale)
     raise ConfigError(
         f"unknown attention implementation {implementation!r}; choose one of "
-        f"{', '.join(IMPLEMENTATIONS)}", field="model.attention")
+        f"{', '.join(IMPLEMENTATIONS)}", field="gpt.attention")
+
+
+_COUNTING = contextvars.ContextVar("jaxaccel_attention_counting", default=False)
+
+
+@contextlib.contextmanager
+def as_xla():
+    """Inside, every implementation traces as ``xla``: the einsums whose FLOPs
+    ``jaxaccel.trace.matmul_flops`` counts (the full T x S score matrix, as MFU counts it), and
+    the reference an export's logits are checked against (it runs on any device)."""
+    token = _COUNTING.set(True)
+    try:
+        yield
+    finally:
+        _COUNTING.reset(token)

@@ -22,6 +22,11 @@ import orbax.checkpoint as ocp
 from jaxaccel.errors import ConfigError
 
 
+# Version of what a checkpoint holds: 2 is the TrainState of any NNX model (``nnx.State``
+# parameters, technique state as variables of their own types); 1 was jaxaccel's GPT's dict.
+FORMAT = 2
+
+
 class Checkpointer:
     """Saves and restores checkpoints under ``directory`` (one subdirectory per step)."""
 
@@ -54,8 +59,8 @@ class Checkpointer:
         with self._writing(step):
             self._manager.save(step, args=ocp.args.Composite(
                 state=ocp.args.StandardSave(state),
-                meta=ocp.args.JsonSave({"loader_position": loader_position, "config": config,
-                                        "recent_history": history or []}),
+                meta=ocp.args.JsonSave({"format": FORMAT, "loader_position": loader_position,
+                                        "config": config, "recent_history": history or []}),
             ))
 
     def wait(self):
@@ -87,6 +92,12 @@ class Checkpointer:
                 meta=ocp.args.JsonRestore()))["meta"]
         except Exception as e:
             raise ConfigError(_unreadable(where, e), field="run.run_dir") from None
+        if meta.get("format", 1) != FORMAT:
+            raise ConfigError(
+                f"checkpoint {where} is in format {meta.get('format', 1)} (written before the "
+                f"model became any NNX model's state); this version reads format {FORMAT}: "
+                f"train a new run_dir, or finish that run with the jaxaccel that wrote it",
+                field="run.run_dir")
         mismatched = [
             f"{key}={meta['config'].get(key)!r} (now {value!r})"
             for key, value in config.items()

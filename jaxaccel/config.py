@@ -1,19 +1,22 @@
 """Run configuration: nested dataclass sections, a YAML file, overrides and flags.
 
-A ``TrainConfig`` has six sections: ``model`` (a ``jaxaccel.model.ModelConfig``), ``data``,
-``optimizer``, ``precision``, ``mesh`` and ``run``. An experiment's config is a ``TrainConfig``
+A ``TrainConfig`` has a section per concern: ``model`` (which model: a preset of jaxaccel's GPT or
+a factory of one's own, ``jaxaccel.model.ModelConfig``), ``gpt`` (the preset's fields),
+``data``, ``optimizer``, ``precision``, ``mesh``, ``run``, and one per technique, each declared in
+the technique's own module (``init``, ``remat``, ``stochastic_depth``, ``token_drop``, ``lora``,
+``adapters``, ``sparsity``, ``fp8``, ``stacking``). An experiment's config is a ``TrainConfig``
 with one more section, ``experiment``, for its own settings.
 
 ``parse(argv, cls)`` is the one place where fields meet the command line. Every field is a flag
 (``--seq-len`` sets ``data.seq_len``; a field may name another flag, as ``mesh.strategy`` is
 ``--sharding``), ``--help`` groups them by section, and the values come from, lowest first:
 
-1. the field's default (the model section: the ``--model`` preset, ``tiny`` by default);
+1. the field's default;
 2. the experiment's own defaults (``parse(..., defaults={"data.seq_len": 256})``);
 3. ``--config FILE.yaml``, a nested mapping of sections to fields;
 4. ``section.field=value`` overrides and flags.
 
-Library code raises ``ConfigError`` naming the field (``field="model.n_heads"``);
+Library code raises ``ConfigError`` naming the field (``field="gpt.n_heads"``);
 ``describe_error`` adds the flag that sets it. ``to_dict`` and ``write_config`` give the resolved
 config back as the same nested mapping, which ``--config`` reads again.
 
@@ -32,173 +35,29 @@ import typing
 
 import yaml
 
-from jaxaccel import embedding
-from jaxaccel.attention import AUTO_PALLAS_MAX_T, IMPLEMENTATIONS
+from jaxaccel import gpt as gpt_lib
 from jaxaccel.data import STRATEGIES
 from jaxaccel.errors import ConfigError
-from jaxaccel.tokenizer import TOKENIZER_HELP, vocab_of as tokenizer_vocab
-from jaxaccel.init import INIT_SCHEMES
-from jaxaccel.model import MLP_KINDS, PRESET_TOKENIZERS, PRESETS, ModelConfig, preset
-from jaxaccel.optim import LR_SCALING, NO_DECAY_PATTERNS, OPTIMIZERS, SCHEDULES, describe_defaults
-from jaxaccel.precision import LOSS_SCALE_KINDS, get_policy, make_loss_scale
-from jaxaccel.remat import REMAT_POLICIES
-from jaxaccel.sampling import SAMPLING
+from jaxaccel.fp8 import Fp8Settings
+from jaxaccel.init import InitSettings
+from jaxaccel.lora import AdapterSettings, LoRASettings
+from jaxaccel.model import ModelConfig, is_preset
+from jaxaccel.optim import LR_SCALING, OPTIMIZERS, SCHEDULES, describe_defaults
 from jaxaccel.pipeline import SCHEDULES as PIPELINE_SCHEDULES
+from jaxaccel.precision import LOSS_SCALE_KINDS, get_policy, make_loss_scale
+from jaxaccel.remat import RematSettings
+from jaxaccel.sampling import SAMPLING
+from jaxaccel.settings import FLOAT_RANGE, INT_LIMIT, INT_RANGE, Range, setting
 from jaxaccel.sharding import AXIS_TYPES, STRATEGIES as SHARDING_STRATEGIES
+from jaxaccel.sparsity import SparsitySettings
+from jaxaccel.stacking import StackingSettings
+from jaxaccel.stochastic_depth import StochasticDepthSettings
+from jaxaccel.token_drop import TokenDropSettings
+from jaxaccel.tokenizer import TOKENIZER_HELP, vocab_of as tokenizer_vocab
 
 MATMUL_PRECISIONS = ("default", "high", "highest")
 
 
-# Every int setting fits int32 (steps, sizes and seeds live in int32 arrays) unless its range
-# says otherwise; below this, a huge value would wrap around or ask for absurd memory.
-INT_LIMIT = 2**31 - 1
-
-
-@dataclasses.dataclass(frozen=True)
-class Range:
-    """The values a numeric setting accepts: a float must be finite, an int fit ``INT_LIMIT``
-    (unless ``at_most`` allows more), and both lie within the bounds given: ``at_least`` /
-    ``above`` (inclusive / exclusive lower), ``at_most`` / ``below`` (upper). ``note`` says what
-    a special value means (``0 = off``). ``check`` raises ConfigError naming the field, its
-    value and the range."""
-
-    at_least: float | None = None
-    above: float | None = None
-    at_most: float | None = None
-    below: float | None = None
-    note: str = ""
-
-    def describe(self, kind) -> str:
-        """``at least 1``, ``a finite number in [0, 1)``, ``an integer in [1, 64]``..."""
-        low = self.at_least if self.above is None else self.above
-        high = self.at_most if self.below is None else self.below
-        if low is None and high is None:
-            return "a finite number"
-        if low is not None and high is not None:
-            interval = (f"{'[' if self.above is None else '('}{_number(low)}, "
-                        f"{_number(high)}{']' if self.below is None else ')'}")
-            return f"an integer in {interval}" if kind is int else f"in {interval}"
-        if low is None:
-            return f"a finite number {'<=' if self.below is None else '<'} {_number(high)}"
-        if kind is int:
-            return f"at least {_number(low)}" if self.above is None else \
-                f"more than {_number(low)}"
-        return f"a finite number {'>=' if self.above is None else '>'} {_number(low)}"
-
-    def contains(self, value) -> bool:
-        if isinstance(value, float) and not math.isfinite(value):
-            return False
-        high = self.at_most if self.at_most is not None else (
-            INT_LIMIT if isinstance(value, int) and self.below is None else None)
-        return not ((self.at_least is not None and value < self.at_least)
-                    or (self.above is not None and value <= self.above)
-                    or (high is not None and value > high)
-                    or (self.below is not None and value >= self.below))
-
-    def check(self, path: str, value):
-        if not self.contains(value):
-            name = path.rpartition(".")[2]
-            note = f" ({self.note})" if self.note else ""
-            if isinstance(value, int) and value > INT_LIMIT and self.at_most is None:
-                raise ConfigError(f"{name} must be at most {INT_LIMIT} (an int32), got {value}",
-                                  field=path)
-            raise ConfigError(f"{name} must be {self.describe(type(value))}{note}, got {value}",
-                              field=path)
-
-
-def _number(x) -> str:
-    return str(x) if isinstance(x, int) else f"{x:g}"
-
-
-INT_RANGE, FLOAT_RANGE = Range(at_least=0), Range()     # the ranges of a field that names none
-
-
-def setting(default, help_text: str, *, flag: str | None = None, choices=None,
-            at_least=None, above=None, at_most=None, below=None, note: str = ""):
-    """A config field with its help text; ``flag`` when its flag is not ``--<field name>``.
-    A numeric field's range (``Range``): ``at_least``/``above`` and ``at_most``/``below``
-    (without them: an int >= 0, a float finite); ``validate`` checks every field against it."""
-    metadata = {"help": help_text, "flag": flag, "choices": choices,
-                "range": Range(at_least, above, at_most, below, note)}
-    return dataclasses.field(default=default, metadata=metadata)
-
-
-# The model section is jaxaccel.model.ModelConfig; its help lives here with the other flags.
-MODEL_HELP = {
-    "preset": ("model preset the other model fields start from", "model", tuple(PRESETS)),
-    "d_model": ("model width",),
-    "n_layers": ("number of transformer blocks",),
-    "n_heads": ("attention heads; must divide d_model",),
-    "n_kv_heads": ("key/value heads (grouped-query; default n_heads); must divide n_heads",),
-    "d_ff": ("MLP inner width (default 4*d for gelu, ~8/3*d for swiglu)",),
-    "max_seq_len": ("model context length",),
-    "mlp": ("MLP kind", None, MLP_KINDS),
-    "tie_embeddings": ("share the input embedding with the output head",),
-    "rope_base": ("rotary embedding base",),
-    "dropout": ("residual dropout rate (0 = off)",),
-    "attention": ("attention implementation: xla, cudnn (NVIDIA GPUs), pallas (our flash "
-                  "attention kernel; interpreted, slowly, off the GPU) or auto (on an NVIDIA "
-                  f"GPU: pallas for packed rows and up to {AUTO_PALLAS_MAX_T} tokens, cudnn "
-                  "above; else xla)",
-                  None, IMPLEMENTATIONS),
-    "embedding": ("token embedding lookup: auto (on GPUs one_hot up to "
-                  f"{embedding.ONE_HOT_MAX_VOCAB} ids, else sorted_sum; on a CPU gather for a "
-                  "float32 table, sorted_sum for a 16-bit one), one_hot (a matmul with "
-                  "the one-hot ids), sorted_sum (the gather, its backward a sorted segment sum), "
-                  "gather (the gather, its backward XLA's scatter-add); see "
-                  "experiments.embedding", None, embedding.METHODS),
-    "remat": ("activations each block keeps for the backward pass: none (all), full (only its "
-              "input), dots (matmul outputs), attention (q/k/v and attention output), mlp (MLP "
-              "inner matmuls), offload (attention's, in pinned host memory)", None,
-              REMAT_POLICIES),
-    "scan_layers": ("stack the blocks' parameters and apply them with one lax.scan (one block "
-                    "to compile instead of n_layers)",),
-    "init": ("initialisation scheme (jaxaccel.init): default (GPT-2's, pre-norm blocks), rezero "
-             "(a learned gate per block starting at 0), skipinit (a learned multiplier per "
-             "residual branch starting at 0) or tfixup (Xavier weights scaled by (9L)^-1/4, for "
-             "training without warmup); the last three drop the blocks' norms", None,
-             INIT_SCHEMES),
-    "stochastic_depth": ("stochastic depth: the last block's skip rate P, block l of L skipped "
-                         "at l/L*P for a random set of rows, which it does not compute (0 = "
-                         "off)",),
-    "lora_rank": ("LoRA rank on the lora_targets projections; with it only the LoRA matrices "
-                  "(and adapters) train (0 = off)",),
-    "lora_alpha": ("LoRA scale numerator: the update is (lora_alpha / lora_rank) A B",),
-    "lora_targets": ("comma-separated projections that get LoRA: q, k, v, o (attention), in, "
-                     "gate, out (MLP)",),
-    "adapter_dim": ("bottleneck adapter width on every attention and MLP branch; with it only "
-                    "the adapters (and LoRA) train (0 = off)",),
-    "sparsity": ("N:M structured sparsity of the blocks' dense weights, e.g. 2:4 (keep the 2 "
-                 "largest of every 4 input weights), masks from the weights' magnitudes, "
-                 "SR-STE gradients (none = off)",),
-    "sparsity_every": ("recompute the N:M masks from the weights every this many steps",),
-    "sparsity_decay": ("SR-STE decay of the pruned weights (lambda_W; 0 = plain "
-                       "straight-through)",),
-    "token_keep": ("token dropping: share of each row's tokens the token_drop_layers compute "
-                   "in training, K = keep x seq_len rounded to a multiple of 8; the others skip "
-                   "those layers unchanged, evaluation runs every token (1 = off)",),
-    "token_drop_layers": ("token dropping: layers START:END (0-based, END excluded) that see "
-                          "only the kept tokens (default: the middle half, e.g. 3:9 of 12; a model of "
-                          "fewer than 3 layers must name them)",),
-    "token_drop_score": ("token dropping: how the middle layers' tokens are drawn each step: "
-                         "random (uniformly), or loss (weighted by the running loss of the "
-                         "token's target id); padding is dropped first", None,
-                         ("random", "loss")),
-}
-# Set by other settings (the tokenizer; the precision policy): a config file may hold them, no
-# flag sets them, and ``build`` derives them.
-MODEL_FIXED = ("vocab_size", "fp8")
-# The model fields' ranges (``Range``); an int field not named here is >= 0.
-MODEL_RANGES = {
-    "vocab_size": Range(at_least=1), "d_model": Range(at_least=1),
-    "n_layers": Range(at_least=1), "n_heads": Range(at_least=1),
-    "n_kv_heads": Range(at_least=1), "d_ff": Range(at_least=1),
-    "max_seq_len": Range(at_least=1), "rope_base": Range(above=1),
-    "dropout": Range(at_least=0, below=1), "stochastic_depth": Range(at_least=0, below=1),
-    "lora_rank": Range(at_least=0, note="0 = off"), "lora_alpha": Range(above=0),
-    "adapter_dim": Range(at_least=0, note="0 = off"), "sparsity_every": Range(at_least=1),
-    "sparsity_decay": Range(at_least=0), "token_keep": Range(above=0, at_most=1),
-}
 # Size caps: more length buckets than this plans for minutes (O(buckets x lengths^2)); more
 # batches ready than this only holds device memory (two or three hide the loader).
 MAX_BUCKETS = 1024
@@ -273,9 +132,10 @@ class OptimizerConfig:
                                    at_least=1)
     weight_decay: float | None = setting(None, "weight decay (default: the optimizer's)",
                                          at_least=0)
-    no_decay: str = setting(",".join(NO_DECAY_PATTERNS),
-                            "comma-separated regexes of parameter paths exempt from weight decay "
-                            "and trust ratios (tensors under 2-D per layer are always exempt)")
+    no_decay: str | None = setting(None, "comma-separated regexes of variable paths exempt from "
+                                         "weight decay and trust ratios besides those exempt "
+                                         "always: tensors under 2-D per layer and embedding "
+                                         "tables")
     clip_norm: float = setting(1.0, "global gradient-norm clip (0 = off)", at_least=0,
                                note="0 = off")
     accumulate: int = setting(1, "split each batch into this many microbatches and average "
@@ -348,6 +208,12 @@ class MeshConfig:
                                        "(SLURM, Open MPI, ...) instead of coordinator")
     distributed_timeout: int = setting(300, "seconds to wait for all processes to reach the "
                                             "coordinator", at_least=1)
+    axis_rules: str | None = setting(None, "logical axes for variables the model does not "
+                                           "annotate, as PATH_REGEX=axis,axis;... with axes "
+                                           "embed, heads, kv_heads, mlp, vocab, layers (or - for "
+                                           "a dimension kept whole), e.g. 'qkv/kernel=embed,heads'"
+                                           "; tensor parallelism needs them on a model without "
+                                           "nnx.with_partitioning")
 
 
 @dataclasses.dataclass
@@ -360,7 +226,7 @@ class RunConfig:
     memory_budget: int | str | None = setting(
         None, "device bytes the train step may use, or auto (this device's memory): compile "
               "every remat policy and take the fastest (fewest FLOPs) that fits the batch; "
-              "overrides model.remat", choices=("auto",), at_least=1,
+              "overrides remat.policy", choices=("auto",), at_least=1,
         at_most=2**62)
     run_dir: str | None = setting(None, "run directory (default: a new runs/train-<time>; with "
                                         "resume, the latest one)")
@@ -412,12 +278,6 @@ class RunConfig:
                                           "directory (its latest checkpoint), e.g. to fine-tune "
                                           "it with LoRA or adapters; the model's shape must "
                                           "match its")
-    progressive_stack: int = setting(1, "progressive layer stacking: train in this many stages, "
-                                        "the depth doubling after each up to n_layers "
-                                        "(1 = off)", at_least=1)
-    stack_at: str | None = setting(None, "comma-separated steps at which progressive stacking "
-                                         "doubles the depth (default: equal shares of the "
-                                         "steps)")
 
 
 def parse_stop_at(text) -> int | tuple[int, int]:
@@ -454,14 +314,24 @@ def _section(cls):
 
 @dataclasses.dataclass
 class TrainConfig:
-    """Every setting of a training run, by section."""
+    """Every setting of a training run, by section (module docstring)."""
 
-    model: ModelConfig = dataclasses.field(default_factory=lambda: PRESETS["tiny"])
+    model: ModelConfig = _section(ModelConfig)
+    gpt: gpt_lib.GPTSettings = _section(gpt_lib.GPTSettings)
     data: DataConfig = _section(DataConfig)
     optimizer: OptimizerConfig = _section(OptimizerConfig)
     precision: PrecisionConfig = _section(PrecisionConfig)
     mesh: MeshConfig = _section(MeshConfig)
     run: RunConfig = _section(RunConfig)
+    init: InitSettings = _section(InitSettings)
+    remat: RematSettings = _section(RematSettings)
+    stochastic_depth: StochasticDepthSettings = _section(StochasticDepthSettings)
+    token_drop: TokenDropSettings = _section(TokenDropSettings)
+    lora: LoRASettings = _section(LoRASettings)
+    adapters: AdapterSettings = _section(AdapterSettings)
+    sparsity: SparsitySettings = _section(SparsitySettings)
+    fp8: Fp8Settings = _section(Fp8Settings)
+    stacking: StackingSettings = _section(StackingSettings)
 
     @property
     def seq_len(self) -> int:
@@ -495,10 +365,11 @@ class TrainConfig:
             growth_factor=p.growth_factor, backoff_factor=p.backoff,
             growth_interval=p.growth_interval, min_scale=p.min_scale, static_scale=p.init_scale)
 
-
     def validate(self):
         """Check the settings: each numeric field in its range (``check_ranges``), then
-        together (ConfigError naming the field otherwise)."""
+        together (ConfigError naming the field otherwise); each technique checks what it cannot
+        combine with (``jaxaccel.techniques.check``)."""
+        from jaxaccel import techniques
         check_ranges(self)
         if self.run.profile is not None:
             from jaxaccel.profiling import parse_window
@@ -527,7 +398,14 @@ class TrainConfig:
         self.validate_sampling()
         from jaxaccel.trackers import check as check_trackers
         check_trackers(self.run.trackers, self.run.wandb_mode)
-        self.validate_techniques()
+        from jaxaccel.sharding import parse_axis_rules
+        parse_axis_rules(self.mesh.axis_rules)
+        techniques.check(self)
+        if self.run.init_from is not None and not os.path.isfile(
+                os.path.join(self.run.init_from, "config.yaml")):
+            raise ConfigError(f"init_from={self.run.init_from!r} is not a run directory (no "
+                              f"config.yaml in it); pass the run_dir of a trained run",
+                              field="run.init_from")
 
     def validate_sampling(self):
         """Importance sampling's settings (``jaxaccel.sampling``)."""
@@ -544,47 +422,6 @@ class TrainConfig:
             raise ConfigError(f"sampling_floor must be in (0, 1] so that every document stays "
                               f"reachable, got {data.sampling_floor}", field="data.sampling_floor")
 
-    def validate_techniques(self):
-        """The survey techniques' settings against each other and the mesh."""
-        from jaxaccel.sharding import pipelined
-        from jaxaccel.stacking import depths
-        model, run = self.model, self.run
-        depths(model.n_layers, run.progressive_stack)
-        if pipelined(self.mesh.strategy):
-            for field, name, on in (
-                    ("model.stochastic_depth", "stochastic_depth", model.stochastic_depth > 0),
-                    ("model.lora_rank", "lora_rank", model.lora_rank > 0),
-                    ("model.adapter_dim", "adapter_dim", model.adapter_dim > 0),
-                    ("run.progressive_stack", "progressive_stack", run.progressive_stack > 1),
-                    ("precision.policy", "the fp8 policy", model.fp8),
-                    ("model.sparsity", "sparsity", model.sparsity != "none"),
-                    ("model.token_keep", "token dropping", model.token_keep < 1.0),
-                    ("data.sampling", "importance sampling", self.data.sampling != "uniform")):
-                if on:
-                    raise ConfigError(f"{name} does not run with the pipeline strategy "
-                                      f"{self.mesh.strategy}; choose a strategy without pp",
-                                      field=field)
-        if model.token_keep < 1.0:
-            from jaxaccel.token_drop import layer_range
-            start, end = layer_range(model)
-            if start >= end:
-                raise ConfigError(
-                    f"token_keep={model.token_keep} would drop no tokens: the default layers "
-                    f"(the middle half) of n_layers={model.n_layers} are none; name them with "
-                    f"--token-drop-layers START:END or use at least 3 layers",
-                    field="model.token_drop_layers")
-        if run.progressive_stack > 1 and (model.lora_rank or model.adapter_dim):
-            raise ConfigError("progressive_stack grows a model being trained from scratch, not a "
-                              "LoRA/adapter fine-tune; leave one out", field="run.progressive_stack")
-        if (model.lora_rank or model.adapter_dim) and not run.init_from and not run.resume:
-            raise ConfigError("LoRA and adapters tune a trained model; pass the run directory "
-                              "whose weights they start from", field="run.init_from")
-        if run.init_from is not None and not os.path.isfile(
-                os.path.join(run.init_from, "config.yaml")):
-            raise ConfigError(f"init_from={run.init_from!r} is not a run directory (no "
-                              f"config.yaml in it); pass the run_dir of a trained run",
-                              field="run.init_from")
-
 
 # ---------------------------------------------------------------------------------------------
 # Ranges: every numeric field of every section, checked the same way.
@@ -595,9 +432,7 @@ def field_ranges(cls) -> dict[str, "Range | None"]:
     ranges = {}
     for section, section_cls in _sections(cls).items():
         for f in dataclasses.fields(section_cls):
-            declared = (MODEL_RANGES.get(f.name) if section_cls is ModelConfig
-                        else f.metadata.get("range"))
-            ranges[f"{section}.{f.name}"] = declared
+            ranges[f"{section}.{f.name}"] = f.metadata.get("range")
     return ranges
 
 
@@ -669,18 +504,9 @@ def _sections(cls) -> dict[str, type]:
 
 def _fields(section_cls):
     """(name, type, help, flag name, choices) of a section's settable fields."""
-    if section_cls is ModelConfig:
-        name, _, choices = MODEL_HELP["preset"]
-        yield "preset", str, name, "model", choices
-        for f in dataclasses.fields(ModelConfig):
-            if f.name in MODEL_FIXED:
-                yield f.name, f.type, "", None, None
-                continue
-            help_text, flag, choices = (*MODEL_HELP[f.name], None, None)[:3]
-            yield f.name, f.type, help_text, flag or f.name, choices
-        return
     for f in dataclasses.fields(section_cls):
-        yield f.name, f.type, f.metadata["help"], f.metadata["flag"] or f.name, \
+        flag = f.metadata["flag"]       # "" for a field no flag sets (model.vocab_size)
+        yield f.name, f.type, f.metadata["help"], None if flag == "" else flag or f.name, \
             f.metadata["choices"]
 
 
@@ -746,13 +572,18 @@ def _field_table(cls) -> dict[str, tuple]:
 
 
 def build(cls=None, values: dict | None = None):
-    """A ``cls`` (default TrainConfig) from ``{"section.field": value}``; the model section
-    starts from ``model.preset`` (default tiny) and applies the model fields given, re-deriving
-    n_kv_heads and d_ff unless they are given (``jaxaccel.model.preset``)."""
+    """A ``cls`` (default TrainConfig) from ``{"section.field": value}``, with what the other
+    settings imply resolved: the model's context (``model.max_seq_len``: the preset's, else
+    ``data.seq_len``, else 256), the tokenizer (the preset's when none is given: bytes, or
+    bpe:50257 for gpt2) and the model's vocabulary (its padded size; a config file's own
+    vocab_size is kept if the tokenizer's fits in it). A preset's fields are checked here."""
     cls = cls or TrainConfig
     table = _field_table(cls)
     by_section = {section: {} for section in _sections(cls)}
     for path, value in (values or {}).items():
+        path = RENAMED.get(path, path)
+        if path is None:
+            continue
         if path not in table:
             sections = sorted({p.partition(".")[0] for p in table})
             raise ConfigError(f"unknown config field {path!r}; write section.field with a section "
@@ -760,32 +591,51 @@ def build(cls=None, values: dict | None = None):
         kind, _, _, choices = table[path]
         section, _, name = path.partition(".")
         by_section[section][name] = _coerce(path, value, kind, choices)
-    sections, model_given = {}, dict(by_section.get("model", {}))
-    for section, section_cls in _sections(cls).items():
-        given = by_section[section]
-        if section_cls is ModelConfig:
-            sections[section] = preset(given.pop("preset", None) or "tiny", **given)
-        else:
-            sections[section] = section_cls(**given)
-    if "model" in sections and "data" in sections:        # the tokenizer sets the vocabulary
-        sections["data"], sections["model"] = _match_vocab(sections["data"], sections["model"],
-                                                           model_given)
-    if "model" in sections and "precision" in sections:   # fp8 matmuls follow the policy
-        fp8 = get_policy(sections["precision"].policy).fp8
-        sections["model"] = dataclasses.replace(sections["model"], fp8=fp8)
+    sections = {section: section_cls(**by_section[section])
+                for section, section_cls in _sections(cls).items()}
+    if "model" in sections and "data" in sections:
+        sections["model"], sections["data"] = _resolve_model(sections["model"], sections["data"],
+                                                             sections.get("gpt"))
     return cls(**sections)
 
 
-def _match_vocab(data: "DataConfig", model: ModelConfig, given: dict):
-    """The data section with its tokenizer resolved (the preset's when none is given: bytes, or
-    bpe:50257 for gpt2) and the model with that tokenizer's padded vocabulary. A config file's
-    own vocab_size is kept if the tokenizer's fits in it."""
-    spec = data.tokenizer or PRESET_TOKENIZERS.get(given.get("preset") or "tiny", "bytes")
+# Fields of configuration files written before the any-model change (config format 1), and
+# where they live now (None: derived, dropped).
+RENAMED = {"model.preset": "model.name", "model.fp8": None,
+           **{f"model.{f}": f"gpt.{f}" for f in (
+               "d_model", "n_layers", "n_heads", "n_kv_heads", "d_ff", "mlp", "tie_embeddings",
+               "rope_base", "dropout", "attention", "embedding")},
+           "model.remat": "remat.policy", "model.scan_layers": "remat.scan_layers",
+           "model.init": "init.scheme", "model.stochastic_depth": "stochastic_depth.rate",
+           "model.lora_rank": "lora.rank", "model.lora_alpha": "lora.alpha",
+           "model.lora_targets": "lora.targets", "model.adapter_dim": "adapters.dim",
+           "model.sparsity": "sparsity.pattern", "model.sparsity_every": "sparsity.every",
+           "model.sparsity_decay": "sparsity.decay", "model.token_keep": "token_drop.keep",
+           "model.token_drop_layers": "token_drop.layers",
+           "model.token_drop_score": "token_drop.score",
+           "run.progressive_stack": "stacking.stages", "run.stack_at": "stacking.at"}
+
+
+def _resolve_model(model: ModelConfig, data: "DataConfig", gpt_settings):
+    """The model section with its context and vocabulary resolved, and the data section with
+    its tokenizer (``build``)."""
+    preset = is_preset(model.name)
+    if preset and model.name not in gpt_lib.PRESETS:
+        raise ConfigError(f"unknown model {model.name!r}: give a preset "
+                          f"({', '.join(gpt_lib.PRESETS)}) or a factory FILE.py:FUNCTION or "
+                          f"package.module:FUNCTION", field="model.name")
+    context = model.max_seq_len or (gpt_lib.PRESETS[model.name].max_seq_len if preset
+                                    else data.seq_len or 256)
+    spec = data.tokenizer or (gpt_lib.PRESET_TOKENIZERS.get(model.name, "bytes") if preset
+                              else "bytes")
     vocab = tokenizer_vocab(spec)
-    if given.get("vocab_size", 0) >= vocab:
-        vocab = given["vocab_size"]
-    return (dataclasses.replace(data, tokenizer=spec),
-            dataclasses.replace(model, vocab_size=vocab))
+    if (model.vocab_size or 0) >= vocab:
+        vocab = model.vocab_size
+    model = dataclasses.replace(model, max_seq_len=context, vocab_size=vocab)
+    if preset and gpt_settings is not None:
+        given = {k: v for k, v in dataclasses.asdict(gpt_settings).items() if v is not None}
+        gpt_lib.preset(model.name, vocab_size=vocab, max_seq_len=context, **given)
+    return model, dataclasses.replace(data, tokenizer=spec)
 
 
 def override(cfg, values: dict):
@@ -863,8 +713,7 @@ def build_parser(cls=None, *, defaults: dict | None = None, fixed: tuple = (),
             raise ValueError(f"flag --{flag} of {path} is also {flags[flag]}'s")
         flags[flag] = path
         group = _group(parser, section)
-        default = (defaults or {}).get("model.preset", "tiny") if path == "model.preset" else \
-            shown[section].get(name)
+        default = shown[section].get(name)
         accepts = _accepts(ranges.get(path), kind)
         kwargs = {"dest": path, "default": argparse.SUPPRESS,
                   "help": f"{help_text} ({path}, default: {default}{accepts})".replace("%", "%%")}

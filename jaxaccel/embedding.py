@@ -8,8 +8,8 @@ therefore looked up as a
 matmul of the one-hot ids with the table, and its backward the matmul of the one-hot's transpose
 with the gradient: tensor-core work whatever the id distribution, at 2 * V * D FLOPs per token
 each way (0.5 MFLOP at V = 320, D = 768, against ~0.5 GFLOP per token for GPT-2 small's whole
-training step). Like the gather, it is left out of ``model.flops_per_token`` (MFU counts the
-blocks' and the head's matmuls).
+training step). Like the gather, it is left out of the run's FLOPs (``jaxaccel.trace``: MFU
+counts the blocks' and the head's matmuls).
 
 The forward values equal the gather's exactly: each output is one table row times 1 plus zeros,
 computed at ``Precision.HIGHEST`` so that no TF32 or bf16 pass rounds a float32 table. The
@@ -50,6 +50,7 @@ from jaxaccel.sharding import (COMPUTE_RULES, constrain, einsum, logical_spec, t
                                target_device)
 
 ONE_HOT_MAX_VOCAB = 2048
+SKIP_SCOPE = "jaxaccel_embedding"   # jaxaccel.trace leaves it out of the FLOPs
 METHODS = ("auto", "one_hot", "sorted_sum", "gather")
 
 
@@ -73,6 +74,11 @@ def lookup(table_VD, ids_BT, out_axes, how: str = "auto"):
         raise ValueError(f"unknown embedding method {how!r}; choose from {', '.join(METHODS)}")
     V = table_VD.shape[0]
     how = method(V, dtype=table_VD.dtype) if how == "auto" else how
+    with jax.named_scope(SKIP_SCOPE):          # a lookup, not a matmul of the model's FLOPs
+        return _lookup(table_VD, ids_BT, tuple(out_axes), how, V)
+
+
+def _lookup(table_VD, ids_BT, out_axes, how, V):
     if how == "gather":
         return take_rows(table_VD, ids_BT, tuple(out_axes))
     if how == "sorted_sum":

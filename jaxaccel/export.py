@@ -3,13 +3,13 @@
 Two layouts (``export(run_dir, out_dir, format)``; ``export_native`` and ``export_llama`` name
 one):
 
-- ``native``: every leaf of the parameter dict (LoRA merged, float32) under its dotted path
-  (``blocks.0.attn.wq.kernel``; with ``scan_layers`` ``blocks.attn.wq.kernel``, layer axis
-  first), buffers included under their own names (``fp8_amax``, bool ``nm_mask``,
-  ``token_drop.token_loss``: state the forward reads or training keeps, not trained weights),
-  and ``config.json`` = the ModelConfig's fields, ``"format": "jaxaccel"``, the step and the
-  tokenizer's ids. ``jaxaccel.model`` runs it as it is.
-- ``llama``: Hugging Face's ``LlamaForCausalLM`` layout (``model.layers.{i}.self_attn.q_proj
+- ``native``, for any model: every variable of the model's state (LoRA merged, float32) under
+  its dotted path (``blocks.layers.0.attn.wq.kernel``; a scanned stack's without the index,
+  layer axis first), buffers included (FP8's histories, bool N:M masks: state the forward
+  reads or training keeps), and ``config.json`` = the run's settings (``train_config``: the
+  model's factory and every technique, so ``load_native`` rebuilds the same model),
+  ``"format": "jaxaccel"``, the step and the tokenizer's ids.
+- ``llama``, for jaxaccel's GPT: Hugging Face's ``LlamaForCausalLM`` layout (``model.layers.{i}.self_attn.q_proj
   .weight`` ... as torch Linear weights [out, in], safetensors metadata ``format: pt`` as
   ``transformers`` requires) and its ``config.json``. Only for a model whose evaluation forward
   is Llama's (``blocker`` names what is in the way otherwise): RMSNorm before each branch and at
@@ -26,7 +26,7 @@ when it was not trained on bytes.
 
 After writing, the files are read back: every tensor must equal what was meant bitwise, and a
 forward pass computed from the files alone (llama: ``llama_forward``, an independent NumPy
-Llama in float64; native: ``model.make_apply`` on the read parameters and config) must give our
+Llama in float64; native: the model rebuilt from the config, ``load_native``) must give our
 model's float32 logits on a short sequence to ``LOGIT_TOLERANCE`` times the largest logit
 (at least 1). A failure raises ``ExportCheckError`` naming the check and leaves the files in
 place. Files are written under temporary names and renamed, so a crash never leaves a half file
@@ -71,66 +71,54 @@ class ExportCheckError(RuntimeError):
 
 
 def blocker(cfg) -> tuple[str, str] | None:
-    """(why, fix) for the first option that keeps model ``cfg`` from Hugging Face's Llama
-    layout; None when it has that layout."""
-    gates = " and gates their branches" if cfg.init in ("rezero", "skipinit") else ""
+    """(why, fix) for the first setting of the run ``cfg`` (a TrainConfig) that keeps its model
+    from Hugging Face's Llama layout; None when it has that layout."""
+    from jaxaccel import gpt, model as model_lib
+    if not model_lib.is_preset(cfg.model.name):
+        return (f"the model is {cfg.model.name}, not jaxaccel's GPT", "a --model preset")
+    shape = gpt.preset(cfg.model.name, **{k: v for k, v in dataclasses.asdict(cfg.gpt).items()
+                                         if v is not None})
+    gates = " and gates their branches" if cfg.init.scheme in ("rezero", "skipinit") else ""
     reasons = [
-        (cfg.mlp != "swiglu", f"mlp={cfg.mlp} (Llama's MLP is SwiGLU)", "mlp=swiglu"),
-        (cfg.tie_embeddings, "tie_embeddings=True (Llama's output head is untied)",
+        (shape.mlp != "swiglu", f"mlp={shape.mlp} (Llama's MLP is SwiGLU)", "mlp=swiglu"),
+        (shape.tie_embeddings, "tie_embeddings=True (Llama's output head is untied)",
          "tie_embeddings=False"),
-        (not cfg.block_norms, f"init={cfg.init} removes the blocks' RMSNorms{gates}",
-         "init=default"),
-        (cfg.adapter_dim > 0, f"adapter_dim={cfg.adapter_dim} (Llama has no adapters)",
+        (cfg.init.scheme != "default", f"init={cfg.init.scheme} removes the blocks' "
+                                       f"RMSNorms{gates}", "init=default"),
+        (cfg.adapters.dim > 0, f"adapter_dim={cfg.adapters.dim} (Llama has no adapters)",
          "adapter_dim=0"),
-        (cfg.fp8, "precision.policy=fp8 quantises its matmuls (Llama's are plain)",
+        (cfg.policy().fp8, "precision.policy=fp8 quantises its matmuls (Llama's are plain)",
          "another precision.policy"),
     ]
     return next(((why, fix) for blocked, why, fix in reasons if blocked), None)
 
 
 def refuse_llama(cfg):
-    """One ConfigError line naming the option that keeps ``cfg`` from the Llama layout."""
+    """One ConfigError line naming the setting that keeps ``cfg`` from the Llama layout."""
     why, fix = blocker(cfg)
     raise ConfigError(f"the model has no Hugging Face Llama layout: {why}; export in format "
                       f"native instead, or retrain with {fix}", field="format")
 
 
-def flatten(params) -> dict[str, np.ndarray]:
-    """The leaves of a nested parameter dict by dotted path, as NumPy arrays."""
-    flat = {}
-    for path, leaf in jax.tree_util.tree_flatten_with_path(params)[0]:
-        name = ".".join(str(getattr(k, "key", getattr(k, "idx", k))) for k in path)
-        flat[name] = np.asarray(leaf)
-    return flat
+def flatten(state) -> dict[str, np.ndarray]:
+    """The variables of a model's state by dotted path, as NumPy arrays."""
+    from jaxaccel.sharding import path_name
+    return {path_name(path).replace("/", "."): np.asarray(leaf)
+            for path, leaf in jax.tree_util.tree_flatten_with_path(state)[0]}
 
 
-def nest(flat: dict[str, np.ndarray]) -> dict:
-    """``flatten``'s inverse from the names alone: all-digit parts (layer indices) become ints."""
-    tree = {}
-    for name, value in flat.items():
-        *parents, leaf = [int(p) if p.isdigit() else p for p in name.split(".")]
-        node = tree
-        for part in parents:
-            node = node.setdefault(part, {})
-        node[leaf] = value
-    return tree
-
-
-def layer_params(cfg, params) -> list[dict]:
-    """The blocks' parameters, one dict per layer (scanned layers unstacked)."""
-    blocks = params["blocks"]
-    if cfg.scan_layers:
-        return [jax.tree.map(lambda a, i=i: a[i], blocks) for i in range(cfg.n_layers)]
-    return [blocks[i] for i in range(cfg.n_layers)]
-
-
-def torch_weight(dense: dict) -> np.ndarray:
-    """A Dense layer's kernel [in, out] as a torch Linear weight [out, in], its N:M mask (if
-    any) applied as the evaluation forward applies it."""
-    kernel = np.asarray(dense["kernel"], np.float32)
-    if "nm_mask" in dense:
-        kernel = np.where(np.asarray(dense["nm_mask"]), kernel, np.float32(0))
-    return np.ascontiguousarray(kernel.T)
+def plain_gpt(model):
+    """jaxaccel's GPT as the plain architecture the Llama layout holds: N:M masks folded into
+    their weights (evaluation multiplies by them: exact), the stack unscanned, block
+    techniques off."""
+    from jaxaccel import nn, sparsity, surgery
+    for path, wrapper in surgery.wrappers(model, sparsity.Sparse):
+        kernel = wrapper.kernel
+        kernel[...] = jnp.where(wrapper.mask[...], kernel[...], 0).astype(kernel[...].dtype)
+    surgery.unwrap(model)
+    for _, stack in nn.stacks(model):
+        stack.unscan()
+    return model
 
 
 LLAMA_NAMES = {("attn", "wq"): "self_attn.q_proj", ("attn", "wk"): "self_attn.k_proj",
@@ -139,20 +127,24 @@ LLAMA_NAMES = {("attn", "wq"): "self_attn.q_proj", ("attn", "wk"): "self_attn.k_
                ("mlp", "w_out"): "mlp.down_proj"}
 
 
-def llama_tensors(cfg, params) -> dict[str, np.ndarray]:
-    """The Hugging Face Llama tensors of our parameters, float32."""
+def llama_tensors(model) -> dict[str, np.ndarray]:
+    """The Hugging Face Llama tensors of jaxaccel's GPT (``plain_gpt``), float32; a linear
+    layer's kernel [in, out] becomes a torch Linear weight [out, in]."""
     def vector(x):
-        return np.asarray(x, np.float32)
+        return np.asarray(x[...], np.float32)
 
-    out = {"model.embed_tokens.weight": vector(params["embed"]["embedding"]),
-           "model.norm.weight": vector(params["final_norm"]["scale"]),
-           "lm_head.weight": torch_weight(params["head"])}
-    for i, layer in enumerate(layer_params(cfg, params)):
+    def torch_weight(linear):
+        return np.ascontiguousarray(vector(linear.kernel).T)
+
+    out = {"model.embed_tokens.weight": vector(model.embed.embedding),
+           "model.norm.weight": vector(model.final_norm.scale),
+           "lm_head.weight": torch_weight(model.head)}
+    for i, layer in enumerate(model.blocks.layers):
         prefix = f"model.layers.{i}."
         for (part, ours), theirs in LLAMA_NAMES.items():
-            out[prefix + theirs + ".weight"] = torch_weight(layer[part][ours])
-        out[prefix + "input_layernorm.weight"] = vector(layer["attn_norm"]["scale"])
-        out[prefix + "post_attention_layernorm.weight"] = vector(layer["mlp_norm"]["scale"])
+            out[prefix + theirs + ".weight"] = torch_weight(getattr(getattr(layer, part), ours))
+        out[prefix + "input_layernorm.weight"] = vector(layer.attn_norm.scale)
+        out[prefix + "post_attention_layernorm.weight"] = vector(layer.mlp_norm.scale)
     return out
 
 
@@ -167,12 +159,13 @@ def tokenizer_record(tok) -> dict:
     return {**record, "file": RUN_FILES[tok.kind], "fingerprint": tok.fingerprint}
 
 
-def llama_config(cfg, step: int, tok) -> dict:
-    """HF ``LlamaConfig`` fields of the model, plus our step and tokenizer under ``jaxaccel``."""
+def llama_config(model, step: int, tok) -> dict:
+    """HF ``LlamaConfig`` fields of the GPT, plus our step and tokenizer under ``jaxaccel``."""
+    cfg = model.cfg
     return {
         "architectures": ["LlamaForCausalLM"], "model_type": "llama",
         "hidden_size": cfg.d_model, "intermediate_size": cfg.d_ff,
-        "num_hidden_layers": cfg.n_layers, "num_attention_heads": cfg.n_heads,
+        "num_hidden_layers": len(model.blocks), "num_attention_heads": cfg.n_heads,
         "num_key_value_heads": cfg.n_kv_heads, "head_dim": cfg.head_dim,
         "vocab_size": cfg.vocab_size, "max_position_embeddings": cfg.max_seq_len,
         "rms_norm_eps": RMS_EPS, "rope_theta": cfg.rope_base, "hidden_act": "silu",
@@ -182,16 +175,29 @@ def llama_config(cfg, step: int, tok) -> dict:
     }
 
 
-def native_config(cfg, step: int, tok) -> dict:
-    """The ModelConfig's fields, the format, the step and the tokenizer."""
-    return {**dataclasses.asdict(cfg), "format": "jaxaccel", "step": step,
+def native_config(train_config: dict, step: int, tok) -> dict:
+    """The run's settings (``train_config``, as ``config.to_dict`` gives them), the format, the
+    step and the tokenizer."""
+    return {"format": "jaxaccel", "train_config": train_config, "step": step,
             "tokenizer": tokenizer_record(tok)}
 
 
-def model_config_of(config: dict):
-    """The ModelConfig a native config.json records."""
-    from jaxaccel.model import ModelConfig
-    return ModelConfig(**{f.name: config[f.name] for f in dataclasses.fields(ModelConfig)})
+def load_native(tensors: dict[str, np.ndarray], config: dict):
+    """The model a native export holds, rebuilt from its config (its factory and techniques)
+    and its tensors, in evaluation mode."""
+    from flax import nnx
+
+    from jaxaccel import techniques
+    from jaxaccel.config import TrainConfig, build, flatten as flat_config
+    cfg = build(TrainConfig, flat_config(config["train_config"]))
+    model = techniques.abstract(cfg)
+    graphdef, abstract_state = nnx.split(model)
+    names = flatten(jax.tree.map(lambda x: np.zeros((), np.int8), abstract_state))
+    leaves, treedef = jax.tree_util.tree_flatten(abstract_state)
+    state = jax.tree_util.tree_unflatten(treedef, [jnp.asarray(tensors[name]) for name in names])
+    model = nnx.merge(graphdef, state)
+    model.eval()
+    return model
 
 
 def llama_forward(tensors: dict[str, np.ndarray], config: dict, ids_T: np.ndarray) -> np.ndarray:
@@ -244,18 +250,24 @@ def llama_forward(tensors: dict[str, np.ndarray], config: dict, ids_T: np.ndarra
 
 
 def native_forward(tensors: dict[str, np.ndarray], config: dict, ids_T: np.ndarray) -> np.ndarray:
-    """Logits [T, V] of one sequence from native tensors and config alone (our model)."""
-    return our_logits(model_config_of(config), nest(tensors), ids_T)
+    """Logits [T, V] of one sequence from native tensors and config alone (``load_native``)."""
+    return our_logits(load_native(tensors, config), ids_T)
 
 
-def our_logits(cfg, params, ids_T) -> np.ndarray:
-    """Our model's float32 logits [T, V] of one sequence in evaluation mode, with the plain XLA
-    attention (every implementation computes the same; this one runs on any device)."""
+def our_logits(model, ids_T) -> np.ndarray:
+    """The model's float32 logits [T, V] of one sequence in evaluation mode, with jaxaccel's
+    attention as the plain XLA einsums (every implementation computes the same; this one runs
+    on any device)."""
+    from flax import nnx
+
+    from jaxaccel.attention import as_xla
     from jaxaccel.model import make_apply, sequence_batch
 
+    graphdef, state = nnx.split(model)
     batch = sequence_batch(jnp.asarray(ids_T, jnp.int32)[None])
-    apply = make_apply(dataclasses.replace(cfg, attention="xla"))
-    return np.asarray(jax.jit(apply)(params, batch)[0])
+    with as_xla():
+        logits = jax.jit(make_apply(graphdef))(state, batch)
+    return np.asarray(logits[0], np.float32)
 
 
 def check_format(format: str):
@@ -334,13 +346,12 @@ def read_back(out_dir: str, tensors: dict[str, np.ndarray], config: dict):
     return read, config_read
 
 
-def check_logits(cfg, params, forward, read, config_read, out_dir, tok) -> float:
+def check_logits(model, context: int, forward, read, config_read, out_dir, tok) -> float:
     """The largest difference between our model's logits and ``forward``'s from the files;
     ExportCheckError beyond the tolerance."""
-    real_ids = min(cfg.vocab_size, tok.vocab_size)
-    ids_T = np.random.default_rng(0).integers(BYTE_OFFSET, real_ids,
-                                              min(CHECK_TOKENS, cfg.max_seq_len))
-    expected_TV = our_logits(cfg, params, ids_T)
+    real_ids = min(model_vocab(model, context), tok.vocab_size)
+    ids_T = np.random.default_rng(0).integers(BYTE_OFFSET, real_ids, min(CHECK_TOKENS, context))
+    expected_TV = our_logits(model, ids_T)
     got_TV = forward(read, config_read, ids_T)
     diff = float(np.max(np.abs(got_TV - expected_TV)))
     limit = LOGIT_TOLERANCE * max(1.0, float(np.max(np.abs(expected_TV))))
@@ -351,6 +362,16 @@ def check_logits(cfg, params, forward, read, config_read, out_dir, tok) -> float
     return diff
 
 
+def model_vocab(model, context: int) -> int:
+    """The vocabulary size of a model's logits."""
+    from flax import nnx
+
+    from jaxaccel.model import make_apply, sequence_batch
+    graphdef, state = nnx.split(model)
+    batch = sequence_batch(jax.ShapeDtypeStruct((1, min(4, context)), jnp.int32))
+    return jax.eval_shape(make_apply(graphdef), state, batch).shape[-1]
+
+
 def export(run_dir: str, out_dir: str, format: str = "auto", *,
            overwrite: bool = False) -> Exported:
     """Write the model of ``run_dir``'s latest checkpoint to ``out_dir`` in ``format`` (auto:
@@ -358,32 +379,43 @@ def export(run_dir: str, out_dir: str, format: str = "auto", *,
     (module docstring). ConfigError, before anything is written, for a bad format or run
     directory, an out_dir that is not empty (without ``overwrite``, which replaces only the
     two files) or not writable, and format llama for a model without that layout."""
+    from flax import nnx
+
+    from jaxaccel.config import to_dict
     from jaxaccel.generate import load_run, read_run_config
 
     check_format(format)
-    trained = read_run_config(run_dir).model
+    trained = read_run_config(run_dir)
     if format == "llama" and blocker(trained):
         refuse_llama(trained)
     check_out_dir(out_dir, overwrite)
-    cfg, params, step = load_run(run_dir)
+    cfg, model, step = load_run(run_dir)
     tok = tokenizer_from_run(run_dir)
     chosen = format if format != "auto" else ("native" if blocker(cfg) else "llama")
     if chosen == "llama":
-        tensors, config = llama_tensors(cfg, params), llama_config(cfg, step, tok)
+        model = plain_gpt(model)
+        tensors, config = llama_tensors(model), llama_config(model, step, tok)
         metadata, forward = {"format": "pt"}, llama_forward
     else:
-        tensors, config = flatten(params), native_config(cfg, step, tok)
+        tensors = flatten(nnx.state(model))
+        config = native_config(to_dict(_without_lora(cfg)), step, tok)
         metadata, forward = {"format": "jaxaccel"}, native_forward
     write_files(out_dir, tensors, config, metadata)
     tok.save(out_dir)
     read, config_read = read_back(out_dir, tensors, config)
-    diff = check_logits(cfg, params, forward, read, config_read, out_dir, tok)
+    diff = check_logits(model, cfg.model.max_seq_len, forward, read, config_read, out_dir, tok)
     return Exported(out_dir=out_dir, format=chosen, step=step, tensors=len(tensors),
                     bytes=os.path.getsize(os.path.join(out_dir, WEIGHTS)), max_logit_diff=diff)
 
 
+def _without_lora(cfg):
+    """The settings of the exported model: its LoRA merged into the weights, none left."""
+    from jaxaccel.config import override
+    return override(cfg, {"lora.rank": 0, "run.init_from": None})
+
+
 def export_native(run_dir: str, out_dir: str, *, overwrite: bool = False) -> Exported:
-    """``export`` in the native layout: every parameter and buffer under its own name."""
+    """``export`` in the native layout: every variable under its own name."""
     return export(run_dir, out_dir, "native", overwrite=overwrite)
 
 

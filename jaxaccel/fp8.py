@@ -1,11 +1,12 @@
-"""FP8 matmuls with delayed scaling (``--precision fp8``).
+"""FP8 matmuls with delayed scaling (``--precision fp8``), for the linear layers of any model.
 
-Hopper's tensor cores multiply float8 at twice bfloat16's rate. The blocks' dense layers (q, k,
-v, o and the MLP's) compute ``x @ w`` with both operands in ``float8_e4m3fn`` (3 mantissa bits,
+Hopper's tensor cores multiply float8 at twice bfloat16's rate. The layers ``--fp8-targets``
+names (default: every linear layer in the model's ``nn.Stack``) compute ``x @ w`` with both
+operands in ``float8_e4m3fn`` (3 mantissa bits,
 largest 448) and the backward pass's output gradient in ``float8_e5m2`` (2 mantissa bits,
 largest 57,344: range rather than precision), accumulating in float32. Everything numerically
-sensitive stays out of FP8: the embedding and the output head, norms, softmax, rotary angles and
-the loss run in the policy's bfloat16/float32, and the master weights are float32.
+sensitive stays out of FP8 by default: the embedding and the output head, norms, softmax, rotary
+angles and the loss run in the policy's bfloat16/float32, and the master weights are float32.
 
 float8 has too little range for raw tensors, so each is scaled per tensor before the cast: a
 tensor ``t`` is stored as ``cast(clip(t * s))`` and read back as ``cast(...) / s``. The scale
@@ -17,36 +18,44 @@ amax of this step's tensor is recorded for the next. Values beyond the range sat
 format's largest value (never inf or NaN); until a tensor has a history (the first step) its own
 amax is used.
 
-The histories are buffers (``jaxaccel.buffers``): each fp8 layer holds ``fp8_amax`` [3, HISTORY]
-(rows: input, weight, output gradient; column 0 the newest) in the parameter dict, stacked with
-``scan_layers``, sharded, checkpointed and restored with the weights, never trained. The step
-reads the new amaxes as the cotangent of that leaf: ``matmul``'s backward pass returns them in
-column 0 instead of a gradient, ``grads.value_and_grad(observed=...)`` takes them out of the
-gradients (the maximum over microbatches), and ``update_histories`` shifts them into the history
-after the optimizer's update.
+``apply`` wraps each targeted ``nnx.Linear`` in ``Fp8`` (module surgery, ``jaxaccel.surgery``),
+whose history ``History`` [3, HISTORY] (rows: input, weight, output gradient; column 0 the newest)
+is an ``nn.Observation`` buffer: stacked with a scanned stack, sharded (replicated), checkpointed
+and restored with the weights, never trained. Around the layer's call the wrapper hands the layer
+a ``dot_general`` that quantises both operands (the layer's own dtype promotion, bias and sharding
+stay as they are). The step reads the new amaxes as the cotangent of the history: ``matmul``'s
+backward pass returns them in column 0 instead of a gradient, ``grads.value_and_grad(observed=
+nn.Observation)`` takes them out of the gradients (the maximum over microbatches), and
+``Fp8.update`` shifts them into the history after the optimizer's update.
 
 The matmul is written as quantise, dequantise, ``dot`` (the "QDQ" form): XLA's GPU compiler
 rewrites ``dot(dequantise(f8), dequantise(f8))`` into one cuBLASLt FP8 GEMM with the scales as
 operands on sm89+ GPUs; elsewhere (the CPU) the same program runs emulated, with FP8's rounding
 and saturation but at the compute dtype's speed. We wrote this rather than use flax's
 ``Fp8DotGeneralOp`` (whose amax histories are variables updated through the optimizer, with a
-special "overwrite with gradient" rule) or qwix (quantisation-aware training by rules over
-modules): the model is a pure function of a parameter dict here, and a buffer updated by the step
-keeps the optimizer, LoRA's trainable predicate and the checkpoint unchanged.
+special "overwrite with gradient" rule): a buffer the step updates keeps the optimizer and what
+trains unchanged.
 """
 
+import dataclasses
 import functools
 
 import jax
 import jax.numpy as jnp
 
-from jaxaccel.buffers import map_parents
-from jaxaccel.sharding import einsum
+from jaxaccel import nn, surgery
+from jaxaccel.settings import setting
+from jaxaccel.sharding import constrain, einsum
 
 E4M3, E5M2 = jnp.float8_e4m3fn, jnp.float8_e5m2
 HISTORY = 16             # steps of amax history a scale looks back over
-BUFFER = "fp8_amax"      # the history leaf of an fp8 layer, [3, HISTORY]
 INPUT, WEIGHT, GRAD = 0, 1, 2
+
+
+@dataclasses.dataclass
+class Fp8Settings:
+    targets: str = setting("blocks", "with --precision fp8, the layers whose matmuls run in "
+                                     "float8: " + surgery.TARGETS_HELP, flag="fp8_targets")
 
 
 def format_max(dtype) -> float:
@@ -90,8 +99,8 @@ def matmul(x, w, history, axes=(None, None)):
     ([3, HISTORY] amaxes of input, weight, output gradient); the output in ``x``'s dtype.
     Differentiating it gives the e5m2 backward pass for x and w, and for ``history`` the
     observed amaxes in column 0 (zeros elsewhere), not a gradient (module docstring). ``axes``
-    are the kernel's logical axes (``model.PARAM_AXES``): each product is laid out by them under
-    a mesh (``sharding.einsum``)."""
+    are the kernel's logical axes: each product is laid out by them under a mesh
+    (``sharding.einsum``)."""
     return _matmul(x, w.astype(x.dtype), history, tuple(axes))
 
 
@@ -140,12 +149,36 @@ def record(history, observed):
     return shifted.at[..., 0].set(observed[..., 0].astype(history.dtype))
 
 
-def update_histories(params, observed):
-    """``params`` with every ``fp8_amax`` history advanced by the step's observations
-    (``aux["observed_max"]``, shaped like those leaves)."""
-    return map_parents(params, BUFFER,
-                       lambda layer, seen: {**layer, BUFFER: record(layer[BUFFER], seen[BUFFER])},
-                       observed)
+class History(nn.Observation):
+    """An FP8 layer's amax history [3, HISTORY] (module docstring)."""
+
+
+class Fp8(surgery.Wrapper, nn.Updated):
+    """The wrapped layer's product through float8 with delayed scaling."""
+
+    def __init__(self, base):
+        super().__init__(base)
+        self.history = History(new_history(), out_sharding=(None, None), eager_sharding=False)
+
+    def __call__(self, x, *args, **kwargs):
+        history, axes = self.history[...], surgery.kernel_axes(self)
+
+        def fp8_dot(inner):
+            def dot(x, kernel, *_, **__):
+                return matmul(x, constrain(kernel, axes), history, axes)
+            return dot
+
+        with surgery.dot(self.linear(), fp8_dot):
+            return self.base(x, *args, **kwargs)
+
+    def update(self, step, stats, observed):
+        self.history[...] = record(self.history[...], observed["history"][...])
+
+
+def apply(model, settings: Fp8Settings) -> int:
+    """Wrap the targeted linear layers of ``model`` in ``Fp8``; how many."""
+    return surgery.wrap(model, settings.targets, lambda path, layer: Fp8(layer),
+                        field="fp8.targets")
 
 
 def check_device(device=None) -> str:

@@ -1,25 +1,21 @@
-"""Text generation from a trained GPT with a key/value cache.
+"""Text generation from a trained model: a key/value cache where the model offers one, else the
+prefix recomputed.
 
-The model's own blocks do the work (``model.GPT.decode``): the prefill is the training forward
-pass over the prompt (so its logits are the forward pass's) that also writes every layer's
-keys and values into a cache of fixed size S = prompt + new tokens; each decode step then runs
-one token per row through the blocks, writes its keys and values at its position and attends to
-the cache's filled slots. The whole decode is one jitted ``lax.fori_loop``: no host round trip
+A model offers a cache by two methods (jaxaccel's GPT has them): ``init_cache(batch, length,
+dtype)`` and ``decode(inputs_BT, positions_BT, cache, cache_index=None) -> (logits_BTV, cache)``,
+the prefill without ``cache_index`` (the forward pass over the prompt, filling the cache from
+slot 0) and a cached step with it. Then the prompt runs once and each new token is one cached
+step. A model without them still samples: its "cache" is the row of ids so far, S = prompt + new
+tokens long, and each step runs the model over all of it and reads the logits at the new
+token's position (its causal attention never sees the empty slots after it): S times the work,
+the same tokens. Either way the whole decode is one jitted ``lax.fori_loop``: no host round trip
 per token, one compile per (prompt length, new tokens) pair.
-
-Cache layout: a pair (k, v) of [L, B, S, K, E] arrays with ``scan_layers`` (scanned with the
-stacked blocks), else tuples of L [B, S, K, E] arrays; K is the model's key/value heads, so a
-grouped-query model caches K, not H, heads. Rotary angles come from each token's position.
 
 Sampling: temperature 0 is greedy (argmax); otherwise the logits over the tokenizer's real ids
 (``valid_ids``: the padded tail of the vocabulary is never sampled) divided by the temperature,
-restricted to the ``top_k`` largest, drawn with ``fold_in(key, i)`` for new token i.
-
-Model options: grouped-query attention, RoPE, both layer layouts, the init schemes' gates, LoRA
-(``lora.merge`` first, by ``load_run``) and adapters, N:M sparsity (the masks applied, as in
-evaluation) and FP8 (its QDQ matmuls with the stored amax histories, as in evaluation but in the
-parameters' float32) all run; dropout, stochastic depth and token dropping are training-only
-and off, as in evaluation.
+restricted to the ``top_k`` largest, drawn with ``fold_in(key, i)`` for new token i. The model
+runs as in evaluation: no dropout, every token through every layer; LoRA is merged into its
+weights (``load_run``), and its other techniques run as they trained.
 """
 
 import dataclasses
@@ -29,19 +25,49 @@ import time
 import jax
 import jax.numpy as jnp
 import numpy as np
+from flax import nnx
 
 from jaxaccel.errors import ConfigError
-from jaxaccel.model import make_decode
+from jaxaccel.model import make_apply, sequence_batch
 
 
-def init_cache(cfg, batch: int, length: int, dtype=jnp.float32):
-    """An empty key/value cache of ``length`` slots for ``batch`` rows (layout above)."""
-    shape = (batch, length, cfg.n_kv_heads, cfg.head_dim)
-    if cfg.scan_layers:
-        zeros_LBSKE = jnp.zeros((cfg.n_layers, *shape), dtype)
-        return zeros_LBSKE, zeros_LBSKE
-    layers = tuple(jnp.zeros(shape, dtype) for _ in range(cfg.n_layers))
-    return layers, layers
+def cached(model) -> bool:
+    """Whether ``model`` offers a key/value cache (``init_cache`` and ``decode``)."""
+    return callable(getattr(model, "init_cache", None)) and callable(getattr(model, "decode",
+                                                                             None))
+
+
+def make_decode(model):
+    """``(prefill, step)`` of ``model`` as pure functions of its state: ``prefill(state,
+    prompt_BT, length) -> (logits_BTV, cache)`` and ``step(state, inputs_B1, cache, index) ->
+    (logits_B1V, cache)`` (the token at position ``index``), cached or by recomputing."""
+    graphdef = nnx.graphdef(model)
+    if cached(model):
+        def prefill(state, prompt_BT, length):
+            m = nnx.merge(graphdef, state)
+            B, T = prompt_BT.shape
+            dtype = jax.tree.leaves(nnx.filter_state(state, nnx.Param))[0].dtype
+            positions_BT = jnp.broadcast_to(jnp.arange(T, dtype=jnp.int32), (B, T))
+            return m.decode(prompt_BT, positions_BT, m.init_cache(B, length, dtype))
+
+        def step(state, inputs_B1, cache, index):
+            positions_B1 = jnp.full(inputs_B1.shape, index, jnp.int32)
+            return nnx.merge(graphdef, state).decode(inputs_B1, positions_B1, cache, index)
+
+        return prefill, step
+    apply = make_apply(graphdef)
+
+    def prefill(state, prompt_BT, length):
+        B, T = prompt_BT.shape
+        ids_BS = jnp.zeros((B, length), jnp.int32).at[:, :T].set(prompt_BT)
+        return apply(state, sequence_batch(ids_BS))[:, :T], ids_BS
+
+    def step(state, inputs_B1, ids_BS, index):
+        ids_BS = jax.lax.dynamic_update_slice_in_dim(ids_BS, inputs_B1, index, axis=1)
+        logits_BSV = apply(state, sequence_batch(ids_BS))
+        return jax.lax.dynamic_slice_in_dim(logits_BSV, index, 1, axis=1), ids_BS
+
+    return prefill, step
 
 
 def sample(logits_BV, key, *, temperature: float, top_k: int, valid_ids: int | None = None):
@@ -60,27 +86,19 @@ def sample(logits_BV, key, *, temperature: float, top_k: int, valid_ids: int | N
     return jax.random.categorical(key, logits_BV, axis=-1).astype(jnp.int32)
 
 
-def make_prefill(cfg, cache_len: int):
-    """``prefill(params, prompt_BT) -> (logits_BTV, cache)``, jitted: the forward pass over the
+def make_prefill(model, cache_len: int):
+    """``prefill(state, prompt_BT) -> (logits_BTV, cache)``, jitted: the forward pass over the
     prompt, filling a fresh cache of ``cache_len`` slots."""
-    decode = make_decode(cfg)
-
-    @jax.jit
-    def prefill(params, prompt_BT):
-        B, T = prompt_BT.shape
-        dtype = jax.tree.leaves(params["embed"])[0].dtype
-        positions_BT = jnp.broadcast_to(jnp.arange(T, dtype=jnp.int32), (B, T))
-        return decode(params, prompt_BT, positions_BT, init_cache(cfg, B, cache_len, dtype))
-
-    return prefill
+    prefill, _ = make_decode(model)
+    return jax.jit(lambda state, prompt_BT: prefill(state, prompt_BT, cache_len))
 
 
-def make_decode_loop(cfg, *, max_new_tokens: int, temperature: float, top_k: int,
+def make_decode_loop(model, *, max_new_tokens: int, temperature: float, top_k: int,
                      valid_ids: int | None = None):
-    """``decode_loop(params, last_logits_BV, cache, prompt_len, key) -> tokens_BN``, jitted:
+    """``decode_loop(state, last_logits_BV, cache, prompt_len, key) -> tokens_BN``, jitted:
     token 0 from the prefill's last logits, then N - 1 cached steps in one ``lax.fori_loop``
     (token i - 1 in, token i out, at position prompt_len + i - 1)."""
-    decode = make_decode(cfg)
+    _, decode = make_decode(model)
     N = max_new_tokens
 
     def pick(logits_BV, key, i):
@@ -88,7 +106,7 @@ def make_decode_loop(cfg, *, max_new_tokens: int, temperature: float, top_k: int
                       top_k=top_k, valid_ids=valid_ids)
 
     @jax.jit
-    def decode_loop(params, last_logits_BV, cache, prompt_len, key):
+    def decode_loop(state, last_logits_BV, cache, prompt_len, key):
         B = last_logits_BV.shape[0]
         tokens_BN = jnp.zeros((B, N), jnp.int32).at[:, 0].set(pick(last_logits_BV, key, 0))
 
@@ -96,8 +114,7 @@ def make_decode_loop(cfg, *, max_new_tokens: int, temperature: float, top_k: int
             tokens_BN, cache = carry
             index = prompt_len + i - 1
             inputs_B1 = jax.lax.dynamic_slice_in_dim(tokens_BN, i - 1, 1, axis=1)
-            positions_B1 = jnp.full((B, 1), index, jnp.int32)
-            logits_B1V, cache = decode(params, inputs_B1, positions_B1, cache, index)
+            logits_B1V, cache = decode(state, inputs_B1, cache, index)
             token_B = pick(logits_B1V[:, 0], key, i)
             return jax.lax.dynamic_update_slice_in_dim(tokens_BN, token_B[:, None], i,
                                                        axis=1), cache
@@ -108,25 +125,29 @@ def make_decode_loop(cfg, *, max_new_tokens: int, temperature: float, top_k: int
     return decode_loop
 
 
-def generate(params, cfg, prompt_BT, *, max_new_tokens: int, temperature: float = 0.0,
-             top_k: int = 1, key=None, valid_ids: int | None = None):
-    """``max_new_tokens`` new ids [B, N] after ``prompt_BT`` (every row the same length);
-    prefill, then the cached decode loop. Compiles on each call: for timing use ``Generator``."""
-    return Generator(cfg, prompt_BT.shape[1], max_new_tokens, temperature=temperature,
-                     top_k=top_k, valid_ids=valid_ids).run(params, prompt_BT, key)[0]
+def generate(model, prompt_BT, *, max_new_tokens: int, temperature: float = 0.0,
+             top_k: int = 1, key=None, valid_ids: int | None = None, context: int | None = None):
+    """``max_new_tokens`` new ids [B, N] after ``prompt_BT`` (every row the same length) from
+    ``model`` (an nnx module, in evaluation mode); prefill, then the decode loop. Compiles on
+    each call: for timing use ``Generator``."""
+    return Generator(model, prompt_BT.shape[1], max_new_tokens, temperature=temperature,
+                     top_k=top_k, valid_ids=valid_ids, context=context).run(
+        nnx.state(model), prompt_BT, key)[0]
 
 
 class Generator:
     """Prefill and decode loop for one prompt length and one count of new tokens, compiled
     ahead of time (``compile``) so that ``run`` times only the work."""
 
-    def __init__(self, cfg, prompt_len: int, max_new_tokens: int, *, temperature: float,
-                 top_k: int, valid_ids: int | None = None):
-        check_lengths(cfg, prompt_len, max_new_tokens)
+    def __init__(self, model, prompt_len: int, max_new_tokens: int, *, temperature: float,
+                 top_k: int, valid_ids: int | None = None, context: int | None = None):
+        if context is not None:
+            check_lengths(context, prompt_len, max_new_tokens)
         check_sampling(temperature, top_k)
         self.prompt_len, self.max_new_tokens = prompt_len, max_new_tokens
-        self.prefill = make_prefill(cfg, prompt_len + max_new_tokens)
-        self.decode_loop = make_decode_loop(cfg, max_new_tokens=max_new_tokens,
+        self.cached = cached(model)
+        self.prefill = make_prefill(model, prompt_len + max_new_tokens)
+        self.decode_loop = make_decode_loop(model, max_new_tokens=max_new_tokens,
                                             temperature=temperature, top_k=top_k,
                                             valid_ids=valid_ids)
         self.compile_seconds = None
@@ -177,22 +198,22 @@ class Timings:
         return self.decode_steps / self.decode_seconds if self.decode_steps else None
 
 
-def check_lengths(cfg, prompt_len: int, max_new_tokens: int):
+def check_lengths(context: int, prompt_len: int, max_new_tokens: int):
     """One ConfigError line if the prompt or prompt + new tokens exceed the model's context."""
     if prompt_len < 1:
         raise ConfigError("the prompt is empty; give at least one token", field="prompt")
-    if prompt_len >= cfg.max_seq_len:
+    if prompt_len >= context:
         raise ConfigError(
-            f"the prompt is {prompt_len} tokens, but the model's context is {cfg.max_seq_len} "
+            f"the prompt is {prompt_len} tokens, but the model's context is {context} "
             f"and at least one new token must fit; shorten the prompt", field="prompt")
     if max_new_tokens < 1:
         raise ConfigError(f"max_new_tokens must be at least 1, got {max_new_tokens}",
                           field="max_new_tokens")
-    if prompt_len + max_new_tokens > cfg.max_seq_len:
+    if prompt_len + max_new_tokens > context:
         raise ConfigError(
             f"prompt ({prompt_len} tokens) + max_new_tokens ({max_new_tokens}) exceeds the "
-            f"model's context of {cfg.max_seq_len}; ask for at most "
-            f"{cfg.max_seq_len - prompt_len} new tokens", field="max_new_tokens")
+            f"model's context of {context}; ask for at most "
+            f"{context - prompt_len} new tokens", field="max_new_tokens")
 
 
 def check_sampling(temperature: float, top_k: int):
@@ -231,22 +252,22 @@ def read_run_config(run_dir: str):
 
 
 def load_run(run_dir: str):
-    """``(model_cfg, params, step)`` of a training run's latest checkpoint, in float32, with
-    LoRA merged into its weights (``lora.merge``; adapters stay)."""
+    """``(config, model, step)`` of a training run's latest checkpoint: the model in evaluation
+    mode, in float32, with LoRA merged into its weights (``lora.merge``; adapters stay)."""
     from jaxaccel import lora
     from jaxaccel.loop import read_trained_run
 
     read_run_config(run_dir)
     try:
-        trained, params, step = read_trained_run(run_dir)
+        trained, model, step = read_trained_run(run_dir, field="run_dir")
     except ConfigError as e:
         raise ConfigError(str(e), field="run_dir") from None
-    model_cfg = trained.model
-    if model_cfg.lora_rank:
-        params, model_cfg = lora.merge(params, model_cfg), lora.merged_config(model_cfg)
-    params = jax.tree.map(lambda a: a.astype(jnp.float32)
-                          if jnp.issubdtype(a.dtype, jnp.floating) else a, params)
-    return model_cfg, params, step
+    lora.merge(model)
+    model.eval()
+    graphdef, state = nnx.split(model)
+    state = jax.tree.map(lambda a: a.astype(jnp.float32)
+                         if jnp.issubdtype(a.dtype, jnp.floating) else a, state)
+    return trained, nnx.merge(graphdef, state), step
 
 
 def valid_ids_of(tokenizer) -> int:

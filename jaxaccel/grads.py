@@ -12,6 +12,7 @@ and returns one with the same signature, so they compose in any order:
 
 import jax
 import jax.numpy as jnp
+from flax import nnx
 
 from jaxaccel.errors import ConfigError
 
@@ -26,78 +27,63 @@ def value_and_grad(loss_fn, *, trainable=None, observed=None):
 
     The backward pass starts from ``scale`` (default 1) instead of 1: the gradient of
     ``scale * loss``, computed without changing the loss function, bit for bit what
-    ``jax.grad(lambda p: scale * loss_fn(p, ...)[0])`` gives.
+    ``jax.grad(lambda p: scale * loss_fn(p, ...)[0])`` gives. ``params`` is any pytree.
 
-    With ``trainable`` (a predicate on a parameter's path name, see ``partition``) only those
-    parameters are differentiated: the gradients are the trainable part of the tree alone, and
-    the others enter the forward pass as constants, so no gradient is computed for them at all
-    (LoRA and adapters, ``jaxaccel.lora``).
+    With ``trainable`` (an NNX filter: a variable type, ``nn.trainable(state)``) ``params`` is a
+    model's ``nnx.State`` and only the variables it matches are differentiated: the gradients are
+    that part of the state alone, and the others enter the forward pass as constants, so no
+    gradient is computed for them at all (LoRA and adapters freeze the base weights; buffers
+    are never trained).
 
-    With ``observed`` (a predicate on path names) the frozen leaves it accepts are probes: they
+    With ``observed`` (a filter, ``nn.Observation``) the variables it matches are probes: they
     are differentiated too, but their cotangents are observations the backward pass reports
-    (FP8's amax, ``jaxaccel.fp8``), not gradients. They come back as ``aux["observed_max"]`` (a
-    nested dict shaped like those leaves, combined across microbatches by maximum), never in the
-    gradients.
+    (FP8's amax), not gradients. They come back as ``aux["observed_max"]`` (a State shaped like
+    those variables, combined across microbatches by maximum), never in the gradients.
     """
 
     def grad_fn(params, batch, key, *, scale=None):
-        train, frozen = partition(params, trainable)
-        probes, frozen = partition(frozen, observed) if observed else ({}, frozen)
+        train, probes, frozen = partition(params, trainable, observed)
         loss, backward, aux = jax.vjp(
-            lambda t, p: loss_fn(combine(combine(t, p), frozen), batch, key), train, probes,
+            lambda t, p: loss_fn(combine(t, p, frozen), batch, key), train, probes,
             has_aux=True)
         seed = jnp.ones_like(loss) if scale is None else jnp.asarray(scale, loss.dtype)
         grads, observations = backward(seed)
-        if observed:
+        if observed is not None:
             aux = {**aux, OBSERVED_MAX: observations}
         return (loss, aux), grads
 
     return grad_fn
 
 
-def partition(params, trainable=None):
-    """``(trainable part, frozen part)`` of a nested dict of parameters: two nested dicts
-    holding the leaves whose path name (``blocks/attn/wq/lora_a``) ``trainable`` accepts, and
-    the others; empty branches are left out. Without a predicate everything is trainable."""
-    if trainable is None:
-        return params, {}
-
-    def split(tree, prefix):
-        train, frozen = {}, {}
-        for key, value in tree.items():
-            name = f"{prefix}{key}"
-            if isinstance(value, dict):
-                t, f = split(value, name + "/")
-            elif trainable(name):
-                t, f = value, None
-            else:
-                t, f = None, value
-            if not (t is None or isinstance(t, dict) and not t):
-                train[key] = t
-            if not (f is None or isinstance(f, dict) and not f):
-                frozen[key] = f
-        return train, frozen
-
-    return split(params, "")
+def partition(params, trainable=None, observed=None):
+    """``(trainable part, observed part, the rest)`` of a model's state by NNX filters
+    (``nnx.split_state``); without filters the whole of ``params`` (any pytree) trains."""
+    if trainable is None and observed is None:
+        return params, {}, {}
+    train_filter = nnx.Param if trainable is None else trainable
+    if observed is None:
+        train, rest = nnx.split_state(params, train_filter, ...)
+        return train, nnx.State({}), rest
+    return nnx.split_state(params, train_filter, observed, ...)
 
 
-def _matching(params, grads):
-    """The leaves of ``params`` that ``grads`` (all of params, or its trainable part) holds."""
-    if not isinstance(grads, dict) or not isinstance(params, dict):
-        return params
-    return {key: _matching(params[key], value) for key, value in grads.items()}
+def combine(*parts):
+    """A state again from the parts of ``partition`` (empty parts skipped)."""
+    parts = [p for p in parts if not (isinstance(p, dict) and not p)
+             and not (isinstance(p, nnx.State) and not len(p))]
+    if len(parts) == 1:
+        return parts[0]
+    return nnx.merge_state(*parts)
 
 
-def combine(train, frozen):
-    """The whole nested dict again from the two parts of ``partition``."""
-    if not frozen:
-        return train
-    if not train:
-        return frozen
-    merged = dict(frozen)
-    for key, value in train.items():
-        merged[key] = combine(value, frozen[key]) if key in frozen else value
-    return merged
+def _zeros_like_grads(params, grads_shape):
+    """Zeros shaped like the gradients (all of ``params``, or its trainable part), each made like
+    the parameter at its path (so with its sharding)."""
+    by_path = {jax.tree_util.keystr(p): leaf
+               for p, leaf in jax.tree_util.tree_flatten_with_path(params)[0]}
+    flat, treedef = jax.tree_util.tree_flatten_with_path(grads_shape)
+    return jax.tree_util.tree_unflatten(
+        treedef, [jnp.zeros_like(by_path.get(jax.tree_util.keystr(p), s)) for p, s in flat])
 
 
 def _add_aux(total, aux):
@@ -175,7 +161,7 @@ def accumulate(grad_fn, microbatches: int, *, reduce: str = "mean", weight: str 
         aux_shape = {k: v for k, v in aux_shape.items() if k != ROWS}
         zeros = (jnp.zeros((), jnp.float32), jnp.zeros((), jnp.float32),
                  jax.tree.map(lambda s: jnp.zeros(s.shape, s.dtype), aux_shape),
-                 jax.tree.map(jnp.zeros_like, _matching(params, grads_shape)))
+                 _zeros_like_grads(params, grads_shape))
         (loss, total_weight, aux, grads), rows = jax.lax.scan(add_microbatch, zeros, parts)
         if rows is not None:     # [M, B / M, ...] back to the batch's rows (split_microbatches)
             aux[ROWS] = jax.tree.map(

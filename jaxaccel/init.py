@@ -1,58 +1,144 @@
-"""Initialisation schemes that let a transformer train without warmup or normalisation.
+"""Initialisation schemes that let a transformer train without warmup or normalisation, as
+transformations of any model whose blocks are an ``nn.Stack``.
 
-``model.init`` picks one; ``jaxaccel.model.init_params`` builds the architecture it needs (the
-Fixup family drops the blocks' RMSNorms, keeping only the final norm before the head, which is
-outside the residual stream these papers analyse) and then calls ``initialize(params, cfg, key)``,
-a function of the parameter tree and the model config. Each scheme is one function:
+``--init`` picks one; ``apply(model, settings, key)`` changes the freshly built model:
 
-- ``default``: GPT-2's: every matmul weight and the embedding N(0, 0.02), the residual output
-  projections (``wo``, ``w_out``) N(0, 0.02 / sqrt(2 L)), with pre-norm blocks. What the model
-  builds; nothing changes.
+- ``default``: the model as its factory built it (jaxaccel's GPT: GPT-2's, every matmul weight
+  and the embedding N(0, 0.02), the residual output projections N(0, 0.02 / sqrt(2 L)),
+  pre-norm blocks).
 - ``rezero`` (Bachlechner et al. 2020, "ReZero is All You Need: Fast Convergence at Large
   Depth"): ``x_{l+1} = x_l + alpha_l F_l(x_l)`` with one learned scalar ``alpha_l`` per block,
-  shared by its attention and MLP branches as in the paper's transformer layer, initialised to
-  ``alpha_l = 0``, and no normalisation: every block starts as the identity map.
+  shared by its residual branches as in the paper's transformer layer, starting at 0, and no
+  normalisation in the blocks: every block starts as the identity map.
 - ``skipinit`` (De & Smith 2020, "Batch Normalization Biases Residual Blocks Towards the
   Identity Function in Deep Networks"): a learned scalar multiplier at the end of every
-  residual branch (``attn_alpha``, ``mlp_alpha``: two per block), initialised to 0, the
-  normalisation removed; also the identity map at initialisation.
+  residual branch, starting at 0, the normalisation removed; also the identity at the start.
 - ``tfixup`` (Huang et al. 2020, "Improving Transformer Optimization Through Better
   Initialization"), the decoder's rule with M = L blocks: Xavier-uniform initialisation of every
-  projection (U(-a, a), a = sqrt(6 / (fan_in + fan_out))), the input embedding N(0, d^-1/2),
-  then the embedding, each block's value and output projections (``wv``, ``wo``) and its MLP
-  weights scaled by ``(9 L)^(-1/4)``; queries and keys keep their Xavier scale. No
-  normalisation in the blocks and, the paper's point, no learning-rate warmup.
+  linear layer (U(-a, a), a = sqrt(6 / (fan_in + fan_out))), the input embedding N(0, d^-1/2),
+  then the embedding and the layers ``--tfixup-scaled`` names (jaxaccel's GPT: each block's value
+  and output projections and its MLP; queries and keys keep their Xavier scale) scaled by
+  ``(9 L)^(-1/4)``. No normalisation in the blocks and, the paper's point, no warmup.
 
-Random draws are keyed by each weight's path and layer index, so unrolled and stacked
-(``scan_layers``) blocks get the same values for the same key.
+The surgery is generic: the norms removed are the blocks' ``nnx.RMSNorm`` and ``nnx.LayerNorm``
+layers (replaced by ``Identity``; the final norm before the head is outside the residual stream
+these papers analyse and stays); a gate multiplies the output of each layer ``--gate-targets``
+names (jaxaccel's GPT: ``o,out``, the ends of its attention and MLP branches), one ``nnx.Param``
+scalar shared within a block for ReZero. Random draws are keyed by each weight's path with the
+layer index taken out and folded in apart (``blocks/attn/wv/kernel``, layer 3), so a scanned and
+an unrolled stack start from the same values.
 """
 
+import dataclasses
 import zlib
 
 import jax
 import jax.numpy as jnp
+from flax import nnx
+
+from jaxaccel import nn, surgery
+from jaxaccel.errors import ConfigError
+from jaxaccel.settings import setting
+
+SCHEMES = ("default", "rezero", "skipinit", "tfixup")
+NORMS = (nnx.RMSNorm, nnx.LayerNorm)
+INIT_KEY = 0x1417     # folded into the model's key for the scheme's own draws
 
 
+@dataclasses.dataclass
+class InitSettings:
+    scheme: str = setting("default", "initialisation scheme: default (the model's own), rezero "
+                                     "(a learned gate per block starting at 0), skipinit (a "
+                                     "learned multiplier per residual branch starting at 0) or "
+                                     "tfixup (Xavier weights scaled by (9L)^-1/4, for training "
+                                     "without warmup); the last three drop the blocks' norms",
+                          flag="init", choices=SCHEMES)
+    gates: str | None = setting(None, "rezero, skipinit: the layers that end each residual "
+                                      "branch, whose outputs the gates multiply (default: the "
+                                      "model's; o,out for jaxaccel's GPT): "
+                                      + surgery.TARGETS_HELP, flag="gate_targets")
+    scaled: str | None = setting(None, "tfixup: the layers whose weights are scaled by "
+                                       "(9L)^-1/4 besides the embedding (default: the model's; "
+                                       "v,o,in,gate,out for jaxaccel's GPT; else blocks): "
+                                       + surgery.TARGETS_HELP, flag="tfixup_scaled")
 
-def _named_leaves(params):
-    """(name, layer, leaf, rebuild) for every leaf: ``name`` the path without the layer index,
-    ``layer`` the index of an unrolled block (None for stacked blocks and other weights)."""
-    flat, treedef = jax.tree_util.tree_flatten_with_path(params)
-    out = []
-    for path, leaf in flat:
-        keys = [getattr(k, "key", getattr(k, "idx", k)) for k in path]
-        layer = None
-        if keys[0] == "blocks" and len(keys) > 1 and isinstance(keys[1], int):
-            layer = keys[1]
-            keys = [keys[0], *keys[2:]]
-        out.append(("/".join(map(str, keys)), layer, leaf))
-    return out, treedef
+
+class Identity(nnx.Module):
+    """Where a block's norm was."""
+
+    def __call__(self, x, *args, **kwargs):
+        return x
 
 
-def _layer_names(name: str) -> tuple[str, str]:
-    """(layer, leaf) of a path name: ``blocks/attn/wv/kernel`` -> (``wv``, ``kernel``)."""
-    parts = name.split("/")
-    return (parts[-2] if len(parts) > 1 else parts[0]), parts[-1]
+class Gated(surgery.Wrapper):
+    """The wrapped layer's output times a learned scalar ``gate`` (shared within a block for
+    ReZero)."""
+
+    def __init__(self, base, gate: nnx.Param):
+        super().__init__(base)
+        self.gate = gate
+
+    def __call__(self, x, *args, **kwargs):
+        y = self.base(x, *args, **kwargs)
+        return y * self.gate[...].astype(y.dtype)
+
+
+def apply(model, settings: InitSettings, key) -> None:
+    """Initialise ``model`` (freshly built) by the scheme, in place."""
+    if settings.scheme == "default":
+        return
+    stack_path, stack = nn.the_stack(model, f"init {settings.scheme}")
+    for path, node in list(nnx.iter_graph(stack)):
+        if isinstance(node, NORMS):
+            surgery.replace(stack, path, Identity())
+    if settings.scheme in ("rezero", "skipinit"):
+        _gate(model, settings, stack_path)
+    else:
+        _tfixup(model, settings, jax.random.fold_in(key, INIT_KEY), stack_path, len(stack))
+
+
+def _gate(model, settings: InitSettings, stack_path: tuple) -> None:
+    spec = settings.gates or surgery.default_targets(model, "gates", None, "init.gates")
+    shared = {}
+
+    def gate_for(path):
+        block = _block_index(path, stack_path)
+        if block is None:
+            raise ConfigError(f"{settings.scheme} gates the blocks' residual branches, but "
+                              f"{surgery.path_text(path)} is outside the model's Stack; name "
+                              f"layers inside it", field="init.gates")
+        if settings.scheme == "skipinit":
+            return _scalar()
+        return shared.setdefault(block, _scalar())
+
+    surgery.wrap(model, spec, lambda path, layer: Gated(layer, gate_for(path)),
+                 field="init.gates")
+
+
+def _scalar() -> nnx.Param:
+    return nnx.Param(jnp.zeros((), jnp.float32), out_sharding=(), eager_sharding=False)
+
+
+def _block_index(path: tuple, stack_path: tuple):
+    """The layer index of a path inside an unrolled stack's ``layers``, else None."""
+    head = (*stack_path, "layers")
+    if path[:len(head)] == head and len(path) > len(head) and isinstance(path[len(head)], int):
+        return path[len(head)]
+    return None
+
+
+def canonical(path: tuple, stack_path: tuple) -> tuple[str, int | None]:
+    """(name without the layer index, layer index or None): ``blocks/attn/wv/kernel``, 3."""
+    layer = _block_index(path, stack_path)
+    if layer is None:
+        return surgery.path_text(path), None
+    rest = path[len(stack_path) + 2:]
+    return surgery.path_text((*stack_path, *rest)), layer
+
+
+def _draw(key, name: str, layer, shape, sample):
+    key = jax.random.fold_in(key, zlib.crc32(name.encode()))
+    return sample(jax.random.fold_in(key, 0 if layer is None else layer), shape)
 
 
 def _xavier(key, shape, dtype):
@@ -62,71 +148,25 @@ def _xavier(key, shape, dtype):
     return jax.random.uniform(key, shape, dtype, -limit, limit)
 
 
-def _draw(key, name, layer, leaf, sample):
-    """``sample(key, shape)`` keyed by the weight's name and layer (per layer for stacked ones)."""
-    key = jax.random.fold_in(key, zlib.crc32(name.encode()))
-    if name.startswith("blocks/") and layer is None and leaf.ndim >= 1:   # stacked [L, ...]
-        return jnp.stack([sample(jax.random.fold_in(key, i), leaf.shape[1:])
-                          for i in range(leaf.shape[0])])
-    return sample(jax.random.fold_in(key, 0 if layer is None else layer), leaf.shape)
-
-
-def default(params, cfg, key):
-    """GPT-2's initialisation, as the model builds it."""
-    return params
-
-
-def _zero_gates(params, gates):
-    leaves, treedef = _named_leaves(params)
-    return jax.tree_util.tree_unflatten(treedef, [
-        jnp.zeros_like(leaf) if _layer_names(name)[0] in gates else leaf
-        for name, _, leaf in leaves])
-
-
-def rezero(params, cfg, key):
-    """ReZero: every block's ``alpha`` = 0."""
-    return _zero_gates(params, ("alpha",))
-
-
-def skipinit(params, cfg, key):
-    """SkipInit: every branch's multiplier (``attn_alpha``, ``mlp_alpha``) = 0."""
-    return _zero_gates(params, ("attn_alpha", "mlp_alpha"))
-
-
-# T-Fixup's weights, by layer name.
-TFIXUP_PROJECTIONS = ("wq", "wk", "wv", "wo", "w_in", "w_gate", "w_out", "head")
-TFIXUP_SCALED = ("embed", "wv", "wo", "w_in", "w_gate", "w_out")
-
-
 def tfixup_scale(n_layers: int) -> float:
     """T-Fixup's decoder factor ``(9 L)^(-1/4)``."""
     return (9.0 * n_layers) ** -0.25
 
 
-def tfixup(params, cfg, key):
-    """T-Fixup: Xavier projections, N(0, d^-1/2) embedding, the embedding, v, o and MLP weights
-    scaled by ``(9 L)^(-1/4)``."""
-    scale = tfixup_scale(cfg.n_layers)
-    leaves, treedef = _named_leaves(params)
-    new = []
-    for name, layer, leaf in leaves:
-        module, leaf_name = _layer_names(name)
-        if leaf_name == "kernel" and module in TFIXUP_PROJECTIONS:
-            leaf = _draw(key, name, layer, leaf, lambda k, s: _xavier(k, s, leaf.dtype))
-        elif module == "embed" and leaf_name == "embedding":
-            std = cfg.d_model ** -0.5
-            leaf = _draw(key, name, layer, leaf,
-                         lambda k, s: std * jax.random.normal(k, s, leaf.dtype))
-        if module in TFIXUP_SCALED and leaf_name in ("kernel", "embedding"):
-            leaf = leaf * scale
-        new.append(leaf)
-    return jax.tree_util.tree_unflatten(treedef, new)
-
-
-SCHEMES = {"default": default, "rezero": rezero, "skipinit": skipinit, "tfixup": tfixup}
-INIT_SCHEMES = tuple(SCHEMES)
-
-
-def initialize(params, cfg, key):
-    """``params`` (as the model built them) initialised by ``cfg.init``'s scheme."""
-    return SCHEMES[cfg.init](params, cfg, key)
+def _tfixup(model, settings: InitSettings, key, stack_path: tuple, n_layers: int) -> None:
+    spec = settings.scaled or surgery.default_targets(model, "tfixup", "blocks", "init.scaled")
+    scaled = {path for path, _ in surgery.select(model, spec, field="init.scaled")}
+    scale = tfixup_scale(n_layers)
+    for path, layer in surgery.linear_layers(model):
+        kernel = surgery.innermost(layer).kernel
+        name, index = canonical((*path, "kernel"), stack_path)
+        value = _draw(key, name, index, kernel.shape, lambda k, s: _xavier(k, s, kernel.dtype))
+        kernel[...] = value * scale if path in scaled else value
+    for path, node in nnx.iter_graph(model):
+        if isinstance(node, nnx.Embed):
+            table = node.embedding
+            name, index = canonical((*path, "embedding"), stack_path)
+            std = table.shape[-1] ** -0.5
+            value = _draw(key, name, index, table.shape,
+                          lambda k, s: std * jax.random.normal(k, s, table.dtype))
+            table[...] = value * scale

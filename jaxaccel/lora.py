@@ -1,127 +1,165 @@
-"""Parameter-efficient fine-tuning: LoRA and bottleneck adapters.
+"""Parameter-efficient fine-tuning of any NNX model: LoRA and bottleneck adapters.
 
-LoRA (Hu et al. 2021, "LoRA: Low-Rank Adaptation of Large Language Models") freezes a pretrained
+LoRA (Hu et al. 2021, "LoRA: Low-Rank Adaptation of Large Language Models") freezes a trained
 weight W [d_in, d_out] and learns its update as a product of two low-rank matrices,
-``W + (alpha / r) A B`` with A [d_in, r] (Gaussian at the start) and B [r, d_out] (zero, so the
-model starts as the pretrained one). ``model.lora_rank`` > 0 puts A and B (``lora_a``,
-``lora_b``) on the projections ``model.lora_targets`` names (q, k, v, o of attention; in, gate,
-out of the MLP). ``merge`` folds them back into W for evaluation and export, after which the
-model is the base architecture again, with the same logits.
+``W + (alpha / r) A B``, A [d_in, r] Gaussian (std d_in^-1/2) and B [r, d_out] zero, so the model
+starts as the trained one. ``apply_lora`` wraps the linear layers ``--lora-targets`` names
+(module surgery, ``jaxaccel.surgery``) in ``LoRA``, whose factors are flax's ``nnx.LoRAParam``.
+``merge`` folds them back into W (ours, and flax's own ``nnx.LoRA(base_module=...)``), after
+which the model is its base again, with the same logits.
 
 Adapters (Houlsby et al. 2019, "Parameter-Efficient Transfer Learning for NLP") are the
-addition-based alternative: ``model.adapter_dim`` > 0 puts a bottleneck ``h + up(gelu(down(h)))``
-on the output of every attention and MLP branch (``up`` starting at zero). They add a little
-compute and cannot be merged.
+addition-based alternative: ``apply_adapters`` puts a bottleneck ``h + up(gelu(down(h)))`` on the
+output of each layer ``--adapter-targets`` names (jaxaccel's GPT: the attention and MLP branches'
+last projections, ``o,out``), ``up`` starting at zero. They add a little compute and cannot be
+merged; their weights are ``nn.Tuned``.
 
-With either, ``trainable(cfg)`` says which parameters train: only the LoRA matrices and the
-adapters. The step differentiates only those (``grads.value_and_grad(trainable=...)``: no
-gradient is computed for the frozen weights), the optimizer keeps state only for them
-(``state.init_state``), and the frozen weights pass through every step bit for bit. A run starts
-from a trained run's weights with ``run.init_from`` (``python -m experiments.finetune --from``).
+What trains is a filter on variable types (``nn.trainable``): a model holding ``LoRAParam`` or
+``Tuned`` variables trains only those; the step differentiates only them, the optimizer keeps
+state only for them, and the frozen weights pass through every step bit for bit. Random draws are
+keyed by each layer's path, so any model, any order of techniques, gets the same factors.
 """
 
 import dataclasses
+import zlib
 
+import jax
 import jax.numpy as jnp
+from flax import nnx
 
-from jaxaccel import buffers
-
-TRAINABLE_NAMES = ("lora_a", "lora_b", "attn_adapter", "mlp_adapter")
-
-
-def trainable(cfg):
-    """The predicate on parameter path names of what trains under ``cfg``, or None (everything)
-    when the model has neither LoRA nor adapters nor buffers (``jaxaccel.buffers``, never
-    trained)."""
-    tuned = bool(cfg.lora_rank or cfg.adapter_dim)
-    if not tuned and not buffers.present(cfg):
-        return None
-
-    def is_trainable(name: str) -> bool:
-        if buffers.is_buffer(name):
-            return False
-        return not tuned or any(part in TRAINABLE_NAMES for part in name.split("/"))
-
-    return is_trainable
+from jaxaccel import nn, surgery
+from jaxaccel.errors import ConfigError
+from jaxaccel.settings import setting
+from jaxaccel.sharding import constrain, matmul
 
 
-def base_config(cfg):
-    """The model config without LoRA and adapters: the architecture a fine-tune starts from."""
-    return dataclasses.replace(cfg, lora_rank=0, adapter_dim=0)
+@dataclasses.dataclass
+class LoRASettings:
+    rank: int = setting(0, "LoRA rank on the lora_targets layers; with it only the LoRA "
+                           "matrices (and adapters) train (0 = off)", flag="lora_rank",
+                        note="0 = off")
+    alpha: float = setting(16.0, "LoRA scale numerator: the update is (lora_alpha / lora_rank) "
+                                 "A B", flag="lora_alpha", above=0)
+    targets: str | None = setting(None, "layers that get LoRA (default: the model's, q,v for "
+                                        "jaxaccel's GPT; else blocks): " + surgery.TARGETS_HELP,
+                                  flag="lora_targets")
 
 
-def merged_config(cfg):
-    """The config of ``merge``'s parameters: without LoRA (adapters, if any, stay)."""
-    return dataclasses.replace(cfg, lora_rank=0)
+@dataclasses.dataclass
+class AdapterSettings:
+    dim: int = setting(0, "bottleneck adapter width on the output of each adapter_targets "
+                          "layer; with it only the adapters (and LoRA) train (0 = off)",
+                       flag="adapter_dim", note="0 = off")
+    targets: str | None = setting(None, "layers whose outputs get an adapter (default: the "
+                                        "model's, o,out for jaxaccel's GPT: the end of each "
+                                        "residual branch): " + surgery.TARGETS_HELP,
+                                  flag="adapter_targets")
 
 
-def merge(params, cfg):
-    """``params`` with every LoRA pair folded into its weight, ``W + (alpha / r) A B`` (computed
-    in float32), and the pairs removed: the parameters of ``merged_config(cfg)``."""
-    scale = cfg.lora_alpha / cfg.lora_rank if cfg.lora_rank else 0.0
-
-    def fold(tree):
-        if not isinstance(tree, dict):
-            return tree
-        if "lora_a" in tree:
-            a, b, w = tree["lora_a"], tree["lora_b"], tree["kernel"]
-            update = jnp.matmul(a.astype(jnp.float32), b.astype(jnp.float32))
-            rest = {k: v for k, v in tree.items() if k not in ("lora_a", "lora_b", "kernel")}
-            return {**rest, "kernel": (w.astype(jnp.float32) + scale * update).astype(w.dtype)}
-        return {key: fold(value) for key, value in tree.items()}
-
-    return fold(params)
+def _key(key, path):
+    return jax.random.fold_in(key, zlib.crc32(surgery.path_text(path).encode()))
 
 
-def attach(base_params, fresh_params):
-    """Parameters of a LoRA/adapter model: ``fresh_params`` (its initialisation) with every
-    weight the base model has taken from ``base_params``; shapes must agree."""
+class LoRA(surgery.Wrapper):
+    """``base(x) + (alpha / rank) (x A) B``, A and B flax's ``nnx.LoRAParam``."""
 
-    def take(fresh, base, path):
-        if isinstance(fresh, dict):
-            return {k: take(v, base.get(k) if isinstance(base, dict) else None, f"{path}/{k}")
-                    for k, v in fresh.items()}
-        if base is None:
-            return fresh
-        if base.shape != fresh.shape:
-            raise ValueError(f"{path.lstrip('/')}: base {base.shape} vs model {fresh.shape}")
-        return jnp.asarray(base, fresh.dtype)
+    def __init__(self, base, rank: int, alpha: float, key):
+        super().__init__(base)
+        d_in, d_out = self.kernel.shape[-2:]
+        if rank > min(d_in, d_out):
+            raise ConfigError(f"lora_rank={rank} exceeds the width {min(d_in, d_out)} of a "
+                              f"targeted layer; choose a rank of at most its smaller dimension",
+                              field="lora.rank")
+        in_axis, out_axis = surgery.kernel_axes(base)
+        self.scale = alpha / rank
+        self.out_axes = ("batch", "seq", out_axis)
+        self.lora_a = nnx.LoRAParam(
+            nnx.initializers.normal(stddev=d_in ** -0.5)(key, (d_in, rank)),
+            out_sharding=(in_axis, "lora"), eager_sharding=False)
+        self.lora_b = nnx.LoRAParam(jnp.zeros((rank, d_out)), out_sharding=("lora", out_axis),
+                                    eager_sharding=False)
 
-    return take(fresh_params, base_params, "")
+    def __call__(self, x, *args, **kwargs):
+        y = self.base(x, *args, **kwargs)
+        low = x @ self.lora_a[...].astype(x.dtype)
+        update = matmul(low, self.lora_b[...].astype(x.dtype), self.out_axes[-x.ndim:])
+        return y + (self.scale * update).astype(y.dtype)
 
 
-def count(params, cfg) -> tuple[int, int]:
-    """(trainable, total) parameter counts under ``cfg`` (buffers are neither)."""
-    from jaxaccel.grads import partition
-    from jaxaccel.model import count_params
-    return count_params(partition(params, trainable(cfg))[0]), count_params(params)
+class Adapter(surgery.Wrapper):
+    """``h + up(gelu(down(h)))`` on the wrapped layer's output ``h``; ``up`` starts at zero."""
+
+    def __init__(self, base, dim: int, key):
+        super().__init__(base)
+        d = self.kernel.shape[-1]
+        out_axis = surgery.kernel_axes(base)[1]
+        self.axes = (out_axis, "adapter")
+        self.adapter_down = nn.Tuned(nnx.initializers.normal(stddev=0.02)(key, (d, dim)),
+                                     out_sharding=(out_axis, "adapter"), eager_sharding=False)
+        self.adapter_up = nn.Tuned(jnp.zeros((dim, d)), out_sharding=("adapter", out_axis),
+                                   eager_sharding=False)
+
+    def __call__(self, x, *args, **kwargs):
+        h = self.base(x, *args, **kwargs)
+        rows = ("batch", "seq")[:h.ndim - 1]
+        down = constrain(self.adapter_down[...].astype(h.dtype), self.axes)
+        up = constrain(self.adapter_up[...].astype(h.dtype), self.axes[::-1])
+        inner = matmul(h, down, (*rows, "adapter"))
+        return h + matmul(jax.nn.gelu(inner), up, (*rows, self.axes[0]))
 
 
-def export_merged(run_dir: str, out_dir: str) -> str:
-    """Write the model of the LoRA run ``run_dir`` (its latest checkpoint) with its LoRA merged
-    into the base weights as a run directory ``out_dir``: ``config.yaml`` (the merged model,
-    ``lora_rank`` 0) and an orbax checkpoint of its TrainState at the same step (with a fresh
-    optimizer state), which ``run.init_from``, evaluation and further training read like any
-    run's."""
-    import os
+def apply_lora(model, settings: LoRASettings, key) -> int:
+    """Wrap the targeted linear layers of ``model`` in ``LoRA``; how many (0 when off)."""
+    if not settings.rank:
+        return 0
+    targets = settings.targets or surgery.default_targets(model, "lora", "blocks", "lora.targets")
+    return surgery.wrap(model, targets, lambda path, layer: LoRA(
+        layer, settings.rank, settings.alpha, _key(key, path)), field="lora.targets")
 
-    from jaxaccel.checkpoint import Checkpointer
-    from jaxaccel.config import write_config
-    from jaxaccel.loop import read_trained_run
-    from jaxaccel.optim import build_optimizer
-    from jaxaccel.state import init_state
 
-    trained, params, step = read_trained_run(run_dir)
-    cfg = dataclasses.replace(trained, model=merged_config(trained.model))
-    optimizer, _, _ = build_optimizer(cfg.optimizer, batch_rows=cfg.batch_rows(),
-                                      total_steps=cfg.run.steps)
-    state = init_state(merge(params, trained.model), optimizer, cfg.run.seed,
-                       cfg.make_loss_scale(), cfg.policy(), trainable(cfg.model))
-    os.makedirs(out_dir, exist_ok=True)
-    write_config(cfg, out_dir)
-    checkpointer = Checkpointer(os.path.join(out_dir, "checkpoints"))
-    try:
-        checkpointer.save(step, state, loader_position={}, config={})
-    finally:
-        checkpointer.close()
-    return out_dir
+def apply_adapters(model, settings: AdapterSettings, key) -> int:
+    """Put an ``Adapter`` on the output of each targeted layer; how many (0 when off)."""
+    if not settings.dim:
+        return 0
+    targets = settings.targets or surgery.default_targets(model, "adapters", None, "adapters.targets")
+    adapter_key = jax.random.fold_in(key, 0xADA)
+    return surgery.wrap(model, targets, lambda path, layer: Adapter(
+        layer, settings.dim, _key(adapter_key, path)), field="adapters.targets")
+
+
+def _fold(wrapper) -> None:
+    """Fold a LoRA wrapper's update into the kernel of the layer it wraps, in float32."""
+    kernel = wrapper.kernel
+    a, b = (jnp.asarray(v[...], jnp.float32) for v in (wrapper.lora_a, wrapper.lora_b))
+    scale = getattr(wrapper, "scale", 1.0)
+    w = kernel[...]
+    kernel[...] = (w.astype(jnp.float32) + scale * (a @ b)).astype(w.dtype)
+
+
+def merge(model) -> int:
+    """Fold every LoRA update into its weight, in place: ours (``LoRA``) and flax's
+    ``nnx.LoRA(base_module=...)``; the model is its base architecture again. How many."""
+    merged = 0
+    for path, layer in [(p, n) for p, n in nnx.iter_graph(model) if isinstance(n, LoRA)]:
+        _fold(layer)
+        surgery.replace(model, path, layer.base)
+        merged += 1
+    for path, layer in [(p, n) for p, n in nnx.iter_graph(model) if isinstance(n, nnx.LoRA)]:
+        base = getattr(layer, "base_module", None)
+        if base is None or not hasattr(base, "kernel"):
+            raise ConfigError(f"{surgery.path_text(path)} is an nnx.LoRA without a base layer: "
+                              f"it has no weight to merge into")
+        a, b = (jnp.asarray(v[...], jnp.float32) for v in (layer.lora_a, layer.lora_b))
+        base.kernel[...] = (base.kernel[...].astype(jnp.float32) + a @ b).astype(
+            base.kernel[...].dtype)
+        surgery.replace(model, path, base)
+        merged += 1
+    return merged
+
+
+def count(state) -> tuple[int, int]:
+    """(trainable, total) weights of a model's state (buffers are neither)."""
+    weights = nnx.filter_state(state, nnx.Param)
+    train = nnx.filter_state(state, nn.trainable(state))
+    size = lambda s: sum(x.size for x in jax.tree.leaves(s))        # noqa: E731
+    return size(train), size(weights)

@@ -5,9 +5,10 @@
 rules are optax's own transformations; this module is the glue around them:
 
 - weight decay (and the LAMB/LARS trust ratio) applies to the weight matrices only: the default
-  ``decay_mask`` leaves out biases, normalisation scales (every leaf under two dimensions within
-  one layer, stacked blocks included) and the embeddings, judged from the parameter tree's
-  paths; pass ``mask=`` to choose otherwise;
+  ``decay_mask`` leaves out biases and normalisation scales (every variable under two
+  dimensions within one layer, scanned stacks included) and embedding tables (``nnx.Embed``,
+  ``mark_no_decay``), judged by rank, variable type and metadata, never by name; pass
+  ``mask=`` to choose otherwise;
 - one schedule family for all: constant, or linear warmup then cosine or linear decay, or
   inverse square root (``make_schedule``);
 - ``scale_learning_rate`` moves a learning rate tuned at one batch size to another (linear or
@@ -28,6 +29,7 @@ import re
 import jax
 import jax.numpy as jnp
 import optax
+from flax import nnx
 
 from jaxaccel.errors import ConfigError
 
@@ -118,29 +120,27 @@ def scale_learning_rate(learning_rate: float, rule: str, batch_size: float,
     return learning_rate * {"none": 1.0, "linear": ratio, "sqrt": ratio ** 0.5}[rule]
 
 
-# Parameter paths that never take weight decay or trust ratios, whatever their rank.
-NO_DECAY_PATTERNS = (r"(^|/)embed(/|$)", r"norm", r"(^|/)bias$")
-
-
 def path_name(path) -> str:
-    """A tree path as ``blocks/0/attn/wq/kernel``."""
-    return "/".join(str(getattr(k, "key", getattr(k, "name", getattr(k, "idx", k)))) for k in path)
+    """A tree path as ``blocks/layers/0/attn/wq/kernel`` (a Variable's ``.value`` left out)."""
+    return "/".join(str(getattr(k, "key", getattr(k, "name", getattr(k, "idx", k))))
+                    for k in path if getattr(k, "name", None) != "value")
 
 
-def layer_rank(path, leaf) -> int:
-    """A parameter's rank within one layer: stacked blocks (``blocks/<name>/...`` rather than
-    ``blocks/<index>/...``, the ``scan_layers`` layout) carry a leading layer axis that does not
-    count, so a stacked norm scale [n_layers, d] is still a vector."""
-    keys = [getattr(k, "key", getattr(k, "name", getattr(k, "idx", k))) for k in path]
-    stacked = len(keys) > 1 and keys[0] == "blocks" and not str(keys[1]).isdigit()
-    return leaf.ndim - 1 if stacked else leaf.ndim
+def mark_no_decay(model) -> None:
+    """Mark every embedding table of ``model`` (``nnx.Embed``) as taking no weight decay
+    (metadata ``weight_decay=False``), in place: an embedding row is a lookup, not a weight
+    matrix, whatever its rank."""
+    for _, module in nnx.iter_graph(model):
+        if isinstance(module, nnx.Embed):
+            module.embedding.set_metadata("weight_decay", False)
 
 
-def decay_mask(params, exclude: tuple[str, ...] = NO_DECAY_PATTERNS):
-    """True on the leaves weight decay applies to: tensors of rank >= 2 (per layer, see
-    ``layer_rank``) whose path matches none of the ``exclude`` regular expressions (by default
-    embeddings, norms and biases). The same parameters decay in the unrolled and stacked
-    layouts."""
+def decay_mask(params, exclude: tuple[str, ...] = ()):
+    """True on the variables weight decay (and LAMB/LARS trust ratios) applies to: weights of
+    two or more dimensions per layer (a scanned stack's leading layer axis does not count), but
+    not those whose metadata says ``weight_decay=False`` (embedding tables, ``mark_no_decay``)
+    or whose path matches one of the ``exclude`` regular expressions (``--no-decay``). Judged by
+    rank, type and metadata, never by a variable's name; a plain pytree is judged by rank."""
     try:
         patterns = [re.compile(p) for p in exclude]
     except re.error as e:
@@ -148,10 +148,17 @@ def decay_mask(params, exclude: tuple[str, ...] = NO_DECAY_PATTERNS):
                           field="optimizer.no_decay") from None
 
     def decays(path, leaf):
-        name = path_name(path)
-        return layer_rank(path, leaf) >= 2 and not any(p.search(name) for p in patterns)
+        if any(p.search(path_name(path)) for p in patterns):
+            return False
+        if not isinstance(leaf, nnx.Variable):
+            return leaf.ndim >= 2
+        meta = leaf.get_metadata()
+        rank = leaf.ndim - bool(meta.get("stacked"))
+        return (isinstance(leaf, nnx.Param) and rank >= 2
+                and meta.get("weight_decay", True) is not False)
 
-    return jax.tree_util.tree_map_with_path(decays, params)
+    return jax.tree_util.tree_map_with_path(decays, params,
+                                            is_leaf=lambda x: isinstance(x, nnx.Variable))
 
 
 def with_state_dtype(inner: optax.GradientTransformation, dtype) -> optax.GradientTransformation:
@@ -268,7 +275,7 @@ def build_optimizer(settings, *, batch_rows: int, total_steps: int):
                                              settings.weight_decay)
     learning_rate = scale_learning_rate(base_lr, settings.lr_scaling, batch_rows,
                                         settings.base_batch_size)
-    patterns = tuple(p.strip() for p in settings.no_decay.split(",") if p.strip())
+    patterns = tuple(p.strip() for p in (settings.no_decay or "").split(",") if p.strip())
     optimizer = make_optimizer(
         settings.name, learning_rate=learning_rate, weight_decay=weight_decay,
         schedule=settings.schedule, warmup_steps=settings.warmup_steps, total_steps=total_steps,

@@ -1,12 +1,14 @@
 """Pipeline parallelism: the stacked blocks split into stages over the mesh's ``stage`` axis, the
 batch into microbatches that flow through the stages on a schedule.
 
-Layout. The blocks' parameters are stacked ([L, ...], ``model.scan_layers``) and their ``layers``
-dimension is split over ``stage`` (``sharding.PARAM_RULES``): stage s holds layers
-``s * L/S .. (s+1) * L/S - 1``, and their optimizer state with them. The embedding runs on the
-first stage and the final norm, the output head and the loss on the last, one microbatch at a
-time, so logits never exist for the whole batch. Their weights, though, are *spread*: replicated
-over ``stage`` (and split over ``fsdp``/``tensor`` as in every strategy), their gradients summed
+Layout. It runs any model whose blocks are an ``nn.Stack``, scanned (``--scan-layers``): the
+stack's variables are stacked ([L, ...]) and their ``layers`` dimension is split over ``stage``
+(``sharding.PARAM_RULES``): stage s holds layers ``s * L/S .. (s+1) * L/S - 1``, and their
+optimizer state with them. The model is cut at its stack (``model.parts``: its own forward pass
+run up to the stack, and from it): what comes before the stack (the embedding) runs on the first
+stage and what comes after it (the final norm, the output head) and the loss on the last, one
+microbatch at a time, so logits never exist for the whole batch. Their weights, though, are
+*spread*: replicated over ``stage`` (and split over ``fsdp``/``tensor`` as in every strategy), their gradients summed
 over stages at the end of the step. Placing them on the end stages alone would make those
 stages' parameter shards differently shaped from the others', which one SPMD program over the
 ``stage`` axis cannot express; the price is their bytes on every stage (stated apart in
@@ -45,11 +47,12 @@ import dataclasses
 import jax
 import jax.numpy as jnp
 import numpy as np
+from flax import nnx
 from jax.sharding import PartitionSpec as P
 
-from jaxaccel import grads as grads_lib
+from jaxaccel import grads as grads_lib, nn
 from jaxaccel.errors import ConfigError
-from jaxaccel.model import ACTIVATION_AXES, model_parts
+from jaxaccel.model import join_at, parts as model_parts, split_at, stack_of
 from jaxaccel.precision import POLICIES, Policy
 from jaxaccel.sharding import constrain
 from jaxaccel.train import weighted_cross_entropy
@@ -135,21 +138,25 @@ def _stage_kinds(stages: int):
     return ((True, False), (False, False), (False, True))
 
 
-def _stage_function(parts, policy, mbs, keys):
-    """``stage_fn(kind, stage_blocks, rest, x_BTD, m, first_layer)``: stage ``kind`` (first?,
-    last?) on microbatch m of ``mbs``: the embedding on the first stage (``x_BTD`` unused), the
-    stage's blocks, and on the last the summed token loss and weight instead of activations."""
+def _stage_function(parts, policy, mbs, keys, frozen, total_layers):
+    """``stage_fn(kind, stage_layers, rest, x_BTD, m, first_layer)``: stage ``kind`` (first?,
+    last?) on microbatch m of ``mbs``: the model up to its stack on the first stage (``x_BTD``
+    unused), the stage's layers of the stack, and on the last what follows the stack and the
+    summed token loss and weight instead of activations."""
 
-    def stage_fn(kind, stage_blocks, rest, x_BTD, m, first_layer):
+    def stage_fn(kind, stage_layers, rest, x_BTD, m, first_layer):
         first, last = kind
         mb = _select(mbs, m)
-        params = {**rest, "blocks": stage_blocks}
+        state = _join(grads_lib.combine(rest, frozen), stage_layers, parts.stack_path)
+        embedded, token_args = parts.embed(state, mb)
         if first:
-            x_BTD = parts.embed(params, mb["inputs"])
-        y_BTD = parts.blocks(params, x_BTD, mb, None if keys is None else keys[m], first_layer)
+            x_BTD = embedded
+        key = None if keys is None else keys[m]
+        y_BTD = parts.blocks(stack_of(state, parts.stack_path), x_BTD, token_args, mb, key,
+                             first_layer, total_layers)
         if not last:
             return y_BTD
-        logits_BTV = policy.cast_to_output(parts.head(params, y_BTD))
+        logits_BTV = policy.cast_to_output(parts.head(state, mb, y_BTD))
         return weighted_cross_entropy(logits_BTV, mb["targets"], mb["weights"])
 
     return stage_fn
@@ -179,8 +186,18 @@ def _on_stages(run, stages: int, in_specs, out_specs):
                          check_vma=False)
 
 
-def _split(params):
-    return {k: v for k, v in params.items() if k != "blocks"}, params["blocks"]
+def _split(state, stack_path):
+    """``(rest, layers)``: the stack's stacked layers apart from every other variable."""
+    return split_at(state, (*stack_path, "layers"))
+
+
+def _join(rest, layers, stack_path):
+    """The state again from ``_split``'s parts (``layers``: all of them, or a stage's)."""
+    return join_at(rest, (*stack_path, "layers"), layers)
+
+
+def _activation_axes(ndim: int) -> tuple:
+    return ("batch", "seq", *(None,) * (ndim - 2))
 
 
 def _zeros_like(tree, dtype=None):
@@ -202,41 +219,69 @@ def _shift(x, stages, direction):
     return jax.lax.ppermute(x, AXIS, pairs) if pairs else jnp.zeros_like(x)
 
 
-def pipeline_grad_fn(model_cfg, microbatches: int, schedule: str = "gpipe", *,
-                     policy: Policy = POLICIES["fp32"]):
-    """The gradient function (``jaxaccel.grads`` signature) of the language-model loss with the
-    blocks pipelined over the ``stage`` axis of the mesh in context, ``microbatches`` per step.
+def _check_model(model) -> tuple:
+    """The path of the model's stack; ConfigError unless it is scanned."""
+    path, stack = nn.the_stack(model, "pipeline parallelism")
+    if not stack.scanned:
+        raise ConfigError("pipeline stages split the stacked blocks, but the stack is not "
+                          "scanned; turn --scan-layers on", field="remat.scan_layers")
+    return path
+
+
+def check_layers(model, stages: int) -> None:
+    """One clear line if the model's layers do not split evenly over the stages."""
+    _check_model(model)
+    layers = len(nn.the_stack(model, "pipeline parallelism")[1])
+    if layers < stages or layers % stages:
+        raise ConfigError(f"the model's {layers} layers do not split evenly over {stages} "
+                          f"pipeline stages; choose a stage count (mesh stage=N) dividing "
+                          f"{layers}", field="mesh.shape")
+
+
+def pipeline_grad_fn(model, microbatches: int, schedule: str = "gpipe", *,
+                     policy: Policy = POLICIES["fp32"], trainable=None):
+    """The gradient function (``jaxaccel.grads`` signature) of the language-model loss of
+    ``model`` (abstract or not) with its stack pipelined over the ``stage`` axis of the mesh in
+    context, ``microbatches`` per step; ``trainable`` (an NNX filter) says which variables it
+    differentiates (the others are constants).
 
     Its loss, aux (``real_tokens``, ``padded_tokens``) and gradients are those of
     ``accumulate(value_and_grad(lm_loss(cast(apply, policy))), microbatches,
     weight="real_tokens")``; microbatch i gets the key ``fold_in(key, i)`` (the key itself when
     there is one microbatch), as there.
     """
-    parts = model_parts(model_cfg)
+    _check_model(model)
+    graphdef, abstract_state = nnx.split(model)
+    parts = model_parts(graphdef, abstract_state)
+    total_layers = len(nn.the_stack(model, "pipeline parallelism")[1])
     check(schedule, 1, microbatches)
 
     def grad_fn(params, batch, key, *, scale=None):
         stages = stage_count()
         plan = make_schedule(schedule, stages, microbatches)
-        layers = model_cfg.n_layers // stages
+        layers = total_layers // stages
         mbs = grads_lib.split_microbatches(batch, microbatches)
         keys = (key[None] if microbatches == 1 else
                 jax.vmap(lambda i: jax.random.fold_in(key, i))(jnp.arange(microbatches)))
         real_tokens = jnp.sum(batch["weights"].astype(jnp.float32))
         seed = (1.0 if scale is None else scale) / jnp.maximum(real_tokens, 1.0)
-        rest, blocks = _split(policy.cast_to_compute(params))
+        train, _, frozen = grads_lib.partition(params, trainable)
+        rest, blocks = _split(policy.cast_to_compute(train), parts.stack_path)
+        frozen = policy.cast_to_compute(frozen)
         kinds = _stage_kinds(stages)
-        x_shape = (*mbs["inputs"].shape[1:], model_cfg.d_model)
+        x_spec, _ = jax.eval_shape(parts.embed, policy.cast_to_compute(params),
+                                   _select(mbs, 0))
+        x_axes = _activation_axes(len(x_spec.shape))
 
         def run(stage_blocks, rest, seed, mbs, keys):
-            stage_fn = _stage_function(parts, policy, mbs, keys)
+            stage_fn = _stage_function(parts, policy, mbs, keys, frozen, total_layers)
             s, kind = _position(stages)
             first_layer = s * layers
             forward, backward = jnp.asarray(plan.forward), jnp.asarray(plan.backward)
-            x0 = constrain(jnp.zeros(x_shape, policy.compute_dtype), ACTIVATION_AXES)
+            x0 = constrain(jnp.zeros(x_spec.shape, x_spec.dtype), x_axes)
             carry = dict(sent=x0, returned=x0,
-                         inputs=constrain(jnp.zeros((plan.slots, *x_shape), x0.dtype),
-                                          (None, *ACTIVATION_AXES)),
+                         inputs=constrain(jnp.zeros((plan.slots, *x_spec.shape), x0.dtype),
+                                          (None, *x_axes)),
                          d_blocks=_zeros_like(stage_blocks, jnp.float32),
                          d_rest=_zeros_like(rest, jnp.float32),
                          loss_sum=jnp.zeros((), jnp.float32))
@@ -306,8 +351,8 @@ def pipeline_grad_fn(model_cfg, microbatches: int, schedule: str = "gpipe", *,
         staged = _on_stages(run, stages, in_specs=(P(AXIS), P(), P(), P(), P()),
                             out_specs=(P(), P(), P(AXIS)))
         loss_sum, d_rest, d_blocks = staged(blocks, rest, seed, mbs, keys)
-        grads = jax.tree.map(lambda g, p: g.astype(p.dtype), {**d_rest, "blocks": d_blocks},
-                             params)
+        grads = jax.tree.map(lambda g, p: g.astype(p.dtype),
+                             _join(d_rest, d_blocks, parts.stack_path), train)
         loss = loss_sum / jnp.maximum(real_tokens, 1.0)
         aux = {"real_tokens": real_tokens,
                "padded_tokens": jnp.sum(batch["segment_ids"] == 0).astype(jnp.float32)}
@@ -316,24 +361,29 @@ def pipeline_grad_fn(model_cfg, microbatches: int, schedule: str = "gpipe", *,
     return grad_fn
 
 
-def pipeline_eval_fn(model_cfg, microbatches: int, *, policy: Policy = POLICIES["fp32"]):
+def pipeline_eval_fn(model, microbatches: int, *, policy: Policy = POLICIES["fp32"]):
     """``eval_step(state, batch) -> {"loss_sum", "weight_sum"}`` (``train.make_eval_step``'s
-    contract) with the blocks pipelined over the ``stage`` axis: every microbatch forward, one
+    contract) with the stack pipelined over the ``stage`` axis: every microbatch forward, one
     stage per tick, the last stage adding up the loss. Nothing is kept for a backward pass."""
-    parts = model_parts(model_cfg)
+    _check_model(model)
+    graphdef, abstract_state = nnx.split(model)
+    parts = model_parts(graphdef, abstract_state, segment_attention=False)
+    total_layers = len(nn.the_stack(model, "pipeline parallelism")[1])
 
     def eval_step(state, batch):
         stages = stage_count()
-        layers = model_cfg.n_layers // stages
+        layers = total_layers // stages
         mbs = grads_lib.split_microbatches(batch, microbatches)
-        rest, blocks = _split(policy.cast_to_compute(state.params))
+        params = policy.cast_to_compute(state.params)
+        rest, blocks = _split(params, parts.stack_path)
         kinds = _stage_kinds(stages)
-        x_shape = (*mbs["inputs"].shape[1:], model_cfg.d_model)
+        x_spec, _ = jax.eval_shape(parts.embed, params, _select(mbs, 0))
+        x_axes = _activation_axes(len(x_spec.shape))
 
         def run(stage_blocks, rest, mbs):
-            stage_fn = _stage_function(parts, policy, mbs, None)
+            stage_fn = _stage_function(parts, policy, mbs, None, {}, total_layers)
             s, kind = _position(stages)
-            x0 = constrain(jnp.zeros(x_shape, policy.compute_dtype), ACTIVATION_AXES)
+            x0 = constrain(jnp.zeros(x_spec.shape, x_spec.dtype), x_axes)
             zero = jnp.zeros((), jnp.float32)
 
             def branch(k):

@@ -165,15 +165,14 @@ def choose_policy(rows: list[dict], budget: int, batch_size: int) -> tuple[str, 
     return best["policy"], criterion
 
 
-def choose_remat(make_step, model_cfg, abstract_state, shapes, budget: int, batch_sharding=None):
+def choose_remat(make_step, abstract_state, shapes, budget: int, batch_sharding=None):
     """The remat policy a run's ``memory_budget`` chooses, and the plan: ``plan_remat`` at the
     run's batch shape with the most tokens (the longest among those), every policy's step
-    compiled ahead of time, nothing run. ``make_step(model_cfg)`` builds the run's step for a
-    model config. The largest batch per policy is left to ``experiments.remat``
+    compiled ahead of time, nothing run. ``make_step(policy)`` builds the run's step with that
+    remat policy. The largest batch per policy is left to ``experiments.remat``
     (``search=True``): its search costs several compiles per policy, too long a start for a run.
     """
     rows, seq_len = max(shapes, key=lambda shape: (shape[0] * shape[1], shape[1]))
-    plan = plan_remat(lambda name: make_step(dataclasses.replace(model_cfg, remat=name)),
-                      abstract_state, seq_len=seq_len, batch_size=rows, budget=budget,
+    plan = plan_remat(make_step, abstract_state, seq_len=seq_len, batch_size=rows, budget=budget,
                       search=False, batch_sharding=batch_sharding)
     return plan.policy, plan

@@ -27,7 +27,7 @@ from typing import Any, Self
 import jax
 import jax.numpy as jnp
 import optax
-from flax import struct
+from flax import nnx, struct
 
 from jaxaccel.errors import ConfigError
 
@@ -51,8 +51,7 @@ def _cast_floating(tree, dtype):
 @dataclasses.dataclass(frozen=True)
 class Policy:
     """Which dtype parameters are stored in, the model computes in, and outputs are returned in;
-    with ``fp8`` the blocks' dense layers multiply in float8 (``jaxaccel.fp8``: the model's
-    ``fp8`` field, which ``config.build`` sets from the policy)."""
+    with ``fp8`` the targeted linear layers multiply in float8 (``jaxaccel.fp8``)."""
 
     param_dtype: Any
     compute_dtype: Any
@@ -305,6 +304,32 @@ def cast(fn, policy: Policy):
         return policy.cast_to_output(fn(policy.cast_to_compute(params), *args, **kwargs))
 
     return cast_fn
+
+
+def compute_in(model, dtype) -> int:
+    """Make ``model``'s flax layers compute in ``dtype`` (a 16-bit policy's), in place: each
+    layer with a ``dtype`` of None (infer from the inputs and variables) gets ``dtype``, as flax's
+    own mixed precision sets it. Without this, ``nnx.Embed`` returns its table in float32 even
+    when its variables were cast, and every later matmul would promote to float32. How many."""
+    changed = 0
+    for _, module in nnx.iter_graph(model):
+        if isinstance(module, nnx.Module) and hasattr(module, "param_dtype") and \
+                getattr(module, "dtype", "missing") is None:
+            module.dtype = jnp.dtype(dtype)
+            changed += 1
+    return changed
+
+
+def float32_warning(locations: list[str], policy: Policy) -> str | None:
+    """The warning line for matmuls a 16-bit policy still computes in float32 (``locations``,
+    ``jaxaccel.trace.float32_matmuls`` of the step), or None."""
+    if policy.compute_dtype == jnp.float32 or not locations:
+        return None
+    shown = "; ".join(locations[:4]) + (f"; and {len(locations) - 4} more"
+                                         if len(locations) > 4 else "")
+    return (f"warning: under --precision {policy.name} the model still multiplies in float32 "
+            f"at {shown}: an operand stayed float32 (a float32 constant or an explicit cast); "
+            f"cast it to the input's dtype")
 
 
 def loss_scaled(grad_fn):

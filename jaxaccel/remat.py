@@ -1,65 +1,134 @@
-"""Rematerialization by name: which activations a transformer block keeps for the backward pass.
+"""How a model's stack of blocks is compiled: remat by policy, and scanned layers.
 
 Activations, not weights, fill the memory of transformer training. ``jax.checkpoint`` trades
 memory for recomputation: a checkpointed block keeps only what its policy saves and recomputes
-the rest during the backward pass. The model tags its intermediate tensors with
-``checkpoint_name`` (the names below), so each policy is one line:
+the rest in the backward pass. ``apply`` installs ``Remat`` on the model's ``nn.Stack``, which
+checkpoints every block under the policy ``--remat`` names:
 
 - ``none``: no remat, every activation is kept;
 - ``full``: only the block's input is kept, the whole block is recomputed;
 - ``dots``: matmul outputs without batch dimensions are kept (the projections, not the
   attention scores), XLA's ``dots_with_no_batch_dims_saveable``;
-- ``attention``: the q/k/v projections and the attention output are kept, the MLP is recomputed;
-- ``mlp``: the MLP's inner matmul outputs are kept, attention is recomputed;
-- ``offload``: what ``attention`` keeps, but moved to pinned host memory and fetched back for the
+- ``attention``: the tensors tagged ``query``, ``key``, ``value`` and ``attention_out``
+  (``nn.tag``) are kept, the MLP is recomputed;
+- ``mlp``: the tensors tagged ``mlp_in`` and ``mlp_gate`` are kept, attention is recomputed;
+- ``offload``: what ``attention`` keeps, moved to pinned host memory and fetched back for the
   backward pass (``save_and_offload_only_these_names``). The CPU backend of jax 0.11 accepts
-  the policy and computes the same numbers; there, host and device memory are the same RAM, so
-  it saves nothing and its figures equal ``attention``'s up to the copies.
+  the policy and computes the same numbers; there host and device memory are the same RAM, so
+  it saves nothing;
+- ``save:NAME,NAME``: the tensors a model tagged with these names of its own.
+
+The tag-based policies need the model to tag those tensors (``nn.tag``): ``check_tags`` refuses
+a policy none of whose names the model's step ever names (it would silently act as ``full``).
+
+``--scan-layers`` (``scan``) stacks the blocks' variables on a leading layer axis and runs them
+with one ``lax.scan``: XLA compiles one block instead of n (``nn.Stack.scan``).
 """
+
+import dataclasses
 
 import jax
 
+from jaxaccel import nn
 from jaxaccel.errors import ConfigError
+from jaxaccel.settings import setting
 
-# Names the model gives its intermediate tensors (see jaxaccel.model).
-QUERY = "query"               # q after the rotary embedding, [B, T, H, E]
-KEY = "key"                   # k after the rotary embedding, [B, T, K, E]
-VALUE = "value"               # v, [B, T, K, E]
-ATTENTION_OUT = "attention_out"   # attention's output before the output projection, [B, T, H, E]
-MLP_IN = "mlp_in"             # x W_in, [B, T, F]
-MLP_GATE = "mlp_gate"         # x W_gate (SwiGLU only), [B, T, F]
-
-ATTENTION_NAMES = (QUERY, KEY, VALUE, ATTENTION_OUT)
-MLP_NAMES = (MLP_IN, MLP_GATE)
-
-_POLICIES = {
-    "none": None,
-    "full": jax.checkpoint_policies.nothing_saveable,
-    "dots": jax.checkpoint_policies.dots_with_no_batch_dims_saveable,
-    "attention": jax.checkpoint_policies.save_only_these_names(*ATTENTION_NAMES),
-    "mlp": jax.checkpoint_policies.save_only_these_names(*MLP_NAMES),
-    "offload": jax.checkpoint_policies.save_and_offload_only_these_names(
-        names_which_can_be_saved=(), names_which_can_be_offloaded=ATTENTION_NAMES,
-        offload_src="device", offload_dst="pinned_host"),
+POLICY_TAGS = {
+    "attention": (nn.QUERY, nn.KEY, nn.VALUE, nn.ATTENTION_OUT),
+    "mlp": (nn.MLP_IN, nn.MLP_GATE),
+    "offload": (nn.QUERY, nn.KEY, nn.VALUE, nn.ATTENTION_OUT),
 }
-REMAT_POLICIES = tuple(_POLICIES)
+REMAT_POLICIES = ("none", "full", "dots", "attention", "mlp", "offload")
+
+
+@dataclasses.dataclass
+class RematSettings:
+    policy: str = setting("none", "activations each block keeps for the backward pass: none "
+                                  "(all), full (only its input), dots (matmul outputs), attention "
+                                  "(the tensors tagged query/key/value/attention_out), mlp "
+                                  "(mlp_in/mlp_gate), offload (attention's, in pinned host "
+                                  "memory), save:NAME,NAME (tensors the model tagged so)",
+                          flag="remat")
+    scan_layers: bool = setting(False, "stack the blocks' variables and run them with one "
+                                       "lax.scan (one block to compile instead of n_layers)",
+                                flag="scan_layers")
+
+
+def tags(name: str) -> tuple[str, ...]:
+    """The tensor names a policy keeps (empty for those that name none)."""
+    if name.startswith("save:"):
+        return tuple(t.strip() for t in name[5:].split(",") if t.strip())
+    return POLICY_TAGS.get(name, ())
+
+
+def policy(name: str):
+    """The ``jax.checkpoint`` policy of a name (None: no remat); ConfigError if unknown."""
+    if name == "none":
+        return None
+    if name == "full":
+        return jax.checkpoint_policies.nothing_saveable
+    if name == "dots":
+        return jax.checkpoint_policies.dots_with_no_batch_dims_saveable
+    if name == "offload":
+        return jax.checkpoint_policies.save_and_offload_only_these_names(
+            names_which_can_be_saved=(), names_which_can_be_offloaded=tags(name),
+            offload_src="device", offload_dst="pinned_host")
+    if name in POLICY_TAGS or (name.startswith("save:") and tags(name)):
+        return jax.checkpoint_policies.save_only_these_names(*tags(name))
+    raise ConfigError(f"unknown remat policy {name!r}; choose one of {', '.join(REMAT_POLICIES)} "
+                      f"or save:NAME,NAME", field="remat.policy")
 
 
 def check_policy(name: str) -> str:
-    """``name`` if it is a policy, else a ConfigError listing the valid ones."""
-    if name not in _POLICIES:
-        raise ConfigError(f"unknown remat policy {name!r}; choose one of "
-                          f"{', '.join(REMAT_POLICIES)}", field="model.remat")
+    policy(name)
     return name
 
 
-def remat(fn, name: str, *, prevent_cse: bool = True):
-    """``fn`` checkpointed under the named policy (``fn`` itself for ``none``).
+class Remat(nn.BlockTransform):
+    """Every block checkpointed under a named policy (innermost of the block transforms)."""
 
-    ``fn`` must be a pure function of arrays. Inside ``lax.scan`` pass ``prevent_cse=False``:
-    the loop already keeps XLA from merging the recomputation with the forward pass, and the
-    barrier would only cost speed.
-    """
-    if check_policy(name) == "none":
-        return fn
-    return jax.checkpoint(fn, policy=_POLICIES[name], prevent_cse=prevent_cse)
+    order = 0
+
+    def __init__(self, name: str):
+        self.name = check_policy(name)
+
+    def wrap(self, fn, variant, scanned: bool):
+        if self.name == "none":
+            return fn
+        # Inside lax.scan the loop already keeps XLA from merging the recomputation with the
+        # forward pass; the barrier would only cost speed.
+        return jax.checkpoint(fn, policy=policy(self.name), prevent_cse=not scanned)
+
+
+def apply(model, settings: RematSettings) -> None:
+    """Scan the model's stack (``scan_layers``) and install the remat policy on it."""
+    check_policy(settings.policy)
+    if not settings.scan_layers and settings.policy == "none":
+        return
+    _, stack = nn.the_stack(model, "remat and scanned layers")
+    if settings.scan_layers:
+        stack.scan()
+    if settings.policy != "none":
+        stack.add(Remat(settings.policy))
+
+
+def set_policy(model, name: str) -> None:
+    """Replace the stack's remat policy (the memory planner compiles each in turn)."""
+    _, stack = nn.the_stack(model, "remat")
+    for i in reversed(range(len(stack.transforms))):
+        if isinstance(stack.transforms[i], Remat):
+            del stack.transforms[i]
+    if name != "none":
+        stack.add(Remat(check_policy(name)))
+
+
+def check_tags(name: str, named: set[str]) -> None:
+    """ConfigError when the policy keeps tagged tensors and the model's step names none of
+    them (``named``: the tags found in it, ``jaxaccel.trace.tags``)."""
+    wanted = tags(name)
+    if wanted and not set(wanted) & named:
+        found = f"it names {', '.join(sorted(named))}" if named else "it tags no tensor"
+        raise ConfigError(
+            f"remat {name} keeps the tensors tagged {', '.join(wanted)}, but the model's blocks "
+            f"never tag them ({found}), so it would recompute everything like full; tag them "
+            f"with jaxaccel.nn.tag, or choose full, dots or save:NAME", field="remat.policy")

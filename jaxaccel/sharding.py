@@ -20,12 +20,15 @@ Mesh axes are Auto (XLA's propagation completes the shardings from the constrain
 the model runs under both.
 """
 
+import dataclasses
 import math
+import re
 import socket
 import time
 
 import jax
 import jax.numpy as jnp
+from flax import nnx
 from jax.sharding import AxisType, NamedSharding, PartitionSpec
 
 from jaxaccel.errors import ConfigError
@@ -150,11 +153,11 @@ def format_mesh(shape: dict[str, int]) -> str:
     return ",".join(f"{a}={shape[a]}" for a in MESH_AXES if a in shape)
 
 
-def build_mesh(strategy: str, mesh: str | None = None, axis_types: str = "auto", model_cfg=None,
+def build_mesh(strategy: str, mesh: str | None = None, axis_types: str = "auto",
                num_devices: int | None = None):
     """The run's mesh and its axis sizes for ``strategy``, the ``mesh`` text (``parse_mesh``) and
     ``axis_types``, over all devices of all processes (or the first ``num_devices`` of a single
-    process), checked against the model."""
+    process)."""
     devices = jax.devices()
     if num_devices is not None and num_devices != len(devices):
         if jax.process_count() > 1 or not 1 <= num_devices <= len(devices):
@@ -165,8 +168,6 @@ def build_mesh(strategy: str, mesh: str | None = None, axis_types: str = "auto",
                 field="mesh.num_devices")
         devices = devices[:num_devices]
     shape = mesh_shape(strategy, len(devices), parse_mesh(mesh), jax.process_count())
-    if model_cfg is not None:
-        check_model(shape, model_cfg)
     if batch_shards(shape) % jax.process_count():
         raise ConfigError(
             f"mesh {format_mesh(shape)} splits the batch into {batch_shards(shape)} parts, fewer "
@@ -199,7 +200,8 @@ def logical_spec(axes, rules: dict) -> PartitionSpec:
     """
     taken, spec = set(), []
     for name in axes:
-        mesh_axes = rules[name] if name is not None else None
+        # a logical name by its rule, a mesh axis's name as itself; other names keep it whole
+        mesh_axes = rules[name] if name in rules else (name if name in MESH_AXES else None)
         mesh_axes = (mesh_axes,) if isinstance(mesh_axes, str) else tuple(mesh_axes or ())
         mesh_axes = tuple(a for a in mesh_axes if a not in taken)
         taken.update(mesh_axes)
@@ -258,6 +260,22 @@ def einsum(subscripts: str, a, b, out_axes, **kwargs):
     return jax.lax.with_sharding_constraint(jnp.einsum(subscripts, a, b, **kwargs), spec)
 
 
+@dataclasses.dataclass(frozen=True)
+class LogicalDot:
+    """The ``dot_general`` of an ``nnx.Linear`` whose kernel has the logical ``axes`` (in, out):
+    the kernel gathered to its compute layout where it is used (FSDP's all-gather, one layer at
+    a time) and the output's features laid out as its output axis (split over ``tensor`` for
+    heads and the MLP's inner dimension). Without a mesh it is ``x @ kernel``."""
+
+    axes: tuple
+
+    def __call__(self, x, kernel, dimension_numbers=None, precision=None, out_sharding=None,
+                 preferred_element_type=None):
+        kernel = constrain(kernel, self.axes)
+        rows = ("batch", "seq")[:x.ndim - 1] if x.ndim <= 3 else (None,) * (x.ndim - 1)
+        return matmul(x, kernel, (*rows, self.axes[-1]))
+
+
 def take_rows(table, ids, out_axes):
     """``table[ids]`` (an embedding lookup) laid out as ``out_axes``; under Explicit axes the
     gather is told its output sharding, which it cannot infer from a batch-split ``ids``."""
@@ -284,14 +302,130 @@ def per_shard(fn, in_axes, out_axes):
                          check_vma=False)
 
 
-def param_shardings(mesh, axes_tree):
-    """NamedShardings for a tree of logical-axes tuples (one per parameter). Without pipeline
-    stages the stacked layers are not split at all (a ``stage`` axis of size 1 in their type
-    would only keep Explicit axes from scanning over them)."""
-    rules = PARAM_RULES if dict(mesh.shape).get("stage", 1) > 1 else {**PARAM_RULES,
-                                                                      "layers": None}
-    return jax.tree.map(lambda axes: NamedSharding(mesh, logical_spec(axes, rules)),
-                        axes_tree, is_leaf=lambda x: isinstance(x, tuple))
+# Logical axis names a variable's ``out_sharding`` metadata may hold (None: a dimension kept
+# whole), besides ``AUTO``: a dimension the mesh may split over fsdp if it divides.
+AUTO = "auto"
+
+
+def variable_axes(abstract_params, rules=None):
+    """The logical axes of every variable of a model's state (a tree of tuples shaped like it).
+
+    From, first to last: ``rules`` (``{regex: axes}``, searched in the variable's path
+    ``blocks/layers/attn/wq/kernel``, ``parse_axis_rules``), the variable's own ``out_sharding``
+    metadata (``nnx.with_partitioning``, or ``kernel_metadata``), else its rank: a parameter of
+    two or more dimensions is ``AUTO`` on each (FSDP splits the first that divides), anything
+    else (norm scales, biases, scalars) is kept whole. Never from a variable's name. A variable
+    of a scanned stack (metadata ``stacked``) has ``layers`` in front."""
+    compiled = [(re.compile(k), tuple(v)) for k, v in (rules or {}).items()]
+
+    def axes(path, variable):
+        stacked = bool(variable.get_metadata().get("stacked"))
+        names = per_layer(path, variable, variable.ndim - stacked)
+        return ("layers", *names) if stacked else names
+
+    def per_layer(path, variable, ndim):
+        name = path_name(path)
+        for pattern, given in compiled:
+            if pattern.search(name):
+                if len(given) != ndim:
+                    raise ConfigError(f"axis rule {pattern.pattern!r} gives {len(given)} axes to "
+                                      f"{name}, which has {ndim} dimensions per layer; give one "
+                                      f"per dimension", field="mesh.axis_rules")
+                return given
+        declared = variable.get_metadata().get("out_sharding")
+        if declared is not None:
+            return tuple(declared)
+        if isinstance(variable, nnx.Param) and ndim >= 2:
+            return (AUTO,) * ndim
+        return (None,) * ndim
+
+    return jax.tree_util.tree_map_with_path(axes, abstract_params,
+                                            is_leaf=lambda x: isinstance(x, nnx.Variable))
+
+
+def path_name(path) -> str:
+    """``blocks/layers/0/attn/wq/kernel`` for a key path into a state (``.value`` left out)."""
+    parts = []
+    for key in path:
+        if isinstance(key, jax.tree_util.GetAttrKey) and key.name == "value":
+            continue
+        parts.append(str(getattr(key, "key", getattr(key, "idx", getattr(key, "name", key)))))
+    return "/".join(parts)
+
+
+def parse_axis_rules(text: str | None) -> dict:
+    """``"qkv/kernel=embed,heads;fc1/kernel=embed,mlp"`` -> {regex: axes}; ``-`` or ``none`` is
+    a dimension kept whole."""
+    rules = {}
+    for item in (text or "").split(";"):
+        if not item.strip():
+            continue
+        pattern, sep, names = item.partition("=")
+        axes = tuple(None if n.strip() in ("-", "none") else n.strip() for n in names.split(","))
+        unknown = [a for a in axes if a is not None and a not in PARAM_RULES and a != AUTO
+                   and a not in MESH_AXES]
+        try:
+            re.compile(pattern.strip())
+        except re.error:
+            unknown = [pattern]
+        if not sep or unknown:
+            raise ConfigError(f"bad axis rule {item.strip()!r}: write PATH_REGEX=axis,axis with "
+                              f"axes from {', '.join(PARAM_RULES)} (or - to keep a dimension "
+                              f"whole), rules separated by ';'", field="mesh.axis_rules")
+        rules[pattern.strip()] = axes
+    return rules
+
+
+def param_shardings(mesh, abstract_params, rules=None):
+    """NamedShardings for every variable of a model's state over ``mesh``, from its logical
+    axes (``variable_axes``) and ``PARAM_RULES``; an ``AUTO`` dimension takes fsdp if it is the
+    first that divides. Without pipeline stages the stacked layers are not split (a ``stage``
+    axis of size 1 in their type would only keep Explicit axes from scanning over them)."""
+    shape = dict(mesh.shape)
+    param_rules = PARAM_RULES if shape.get("stage", 1) > 1 else {**PARAM_RULES, "layers": None}
+    fsdp = shape.get("fsdp", 1)
+
+    def sharding(variable, axes):
+        if AUTO in axes:
+            dims = [i for i, a in enumerate(axes) if a == AUTO]
+            chosen = next((i for i in dims if variable.shape[i] % fsdp == 0), None)
+            axes = tuple("embed" if i == chosen else (None if a == AUTO else a)
+                         for i, a in enumerate(axes))
+        return NamedSharding(mesh, logical_spec(axes, param_rules))
+
+    axes_tree = variable_axes(abstract_params, rules)
+    return jax.tree.map(sharding, abstract_params, axes_tree,
+                        is_leaf=lambda x: isinstance(x, (nnx.Variable, tuple)))
+
+
+def check_split(mesh_shape: dict[str, int], abstract_params, rules=None, strategy: str = ""):
+    """One clear line if a variable's dimension does not divide over the mesh axis its logical
+    axes put it on, or if the strategy splits over ``tensor`` and the model names no dimension
+    for it (tensor parallelism would silently replicate everything)."""
+    param_rules = {**PARAM_RULES, "layers": "stage"}
+    axes_tree = variable_axes(abstract_params, rules)
+    flat_axes = jax.tree.leaves(axes_tree, is_leaf=lambda x: isinstance(x, tuple))
+    flat = jax.tree_util.tree_flatten_with_path(
+        abstract_params, is_leaf=lambda x: isinstance(x, nnx.Variable))[0]
+    tensor_used = False
+    for (path, variable), axes in zip(flat, flat_axes):
+        for dim, name in enumerate(axes):
+            axis = param_rules.get(name) if name in param_rules else (
+                name if name in MESH_AXES else None)
+            size = mesh_shape.get(axis, 1) if axis else 1
+            tensor_used |= axis == "tensor"
+            if size > 1 and variable.shape[dim] % size:
+                field = "mesh.shape"
+                raise ConfigError(
+                    f"{path_name(path)} {tuple(variable.shape)}: dimension {dim} "
+                    f"({variable.shape[dim]}, logical axis {name}) does not split over the "
+                    f"{axis} axis ({size} devices); choose a model size divisible by {size} or a "
+                    f"smaller {axis} axis in the mesh", field=field)
+    if mesh_shape.get("tensor", 1) > 1 and not tensor_used:
+        raise ConfigError(
+            f"strategy {strategy} splits over the tensor axis, but the model names no dimension "
+            f"for it (heads, kv_heads or mlp); annotate its kernels with nnx.with_partitioning("
+            f"init, ('embed', 'mlp')) or pass --axis-rules", field="mesh.strategy")
 
 
 def state_shardings(mesh, abstract_state, params_sharding):
@@ -334,35 +468,6 @@ def replicated(mesh):
 def batch_shards(shape: dict[str, int]) -> int:
     """How many parts the batch's rows are split into."""
     return shape["data"] * shape["fsdp"]
-
-
-def check_model(shape: dict[str, int], cfg) -> None:
-    """One clear line if the model's shape cannot be split over this mesh."""
-    tensor, fsdp, stages = shape["tensor"], shape["fsdp"], shape.get("stage", 1)
-    if stages > 1:
-        if not cfg.scan_layers:
-            raise ConfigError(
-                f"pipeline stages split the stacked blocks, but scan_layers is off; turn "
-                f"scan_layers on to train on {stages} stages",
-                field="model.scan_layers")
-        if cfg.n_layers < stages:
-            raise ConfigError(
-                f"the mesh has {stages} pipeline stages but the model only {cfg.n_layers} "
-                f"layers; use at most {cfg.n_layers} stages (mesh stage=N)", field="mesh.shape")
-        if cfg.n_layers % stages:
-            raise ConfigError(
-                f"n_layers={cfg.n_layers} does not split evenly over {stages} pipeline stages; "
-                f"choose n_layers divisible by the stage axis or a stage count dividing "
-                f"{cfg.n_layers}", field="model.n_layers")
-    for name, value, axis, size in (("n_heads", cfg.n_heads, "tensor", tensor),
-                                    ("n_kv_heads", cfg.n_kv_heads, "tensor", tensor),
-                                    ("d_ff", cfg.d_ff, "tensor", tensor),
-                                    ("d_model", cfg.d_model, "fsdp", fsdp)):
-        if value % size:
-            raise ConfigError(
-                f"{name}={value} is not divisible by the {axis} axis ({size} devices); choose "
-                f"{name} divisible by {size} or a smaller {axis} axis in the mesh",
-                field=f"model.{name}")
 
 
 def bytes_per_device(tree) -> int:

@@ -5,17 +5,17 @@ along K, the reduction axis, as NVIDIA's sparse tensor cores need), only the N o
 magnitude are kept. 2:4 halves the multiplications of those matmuls; Ampere and Hopper tensor
 cores run a 2:4 sparse operand at up to twice the dense rate.
 
-The masks are buffers (``jaxaccel.buffers``): each sparse layer holds ``nm_mask`` (bool, the
-kernel's shape) beside its kernel, computed from the kernel at initialisation and again from the
-updated kernel every ``sparsity_every`` steps (``update_masks``). The forward pass multiplies by
+``apply`` wraps each linear layer ``--sparsity-targets`` names (default: every linear layer in
+the model's ``nn.Stack``) in ``Sparse`` (module surgery, ``jaxaccel.surgery``), whose ``Mask``
+(bool, the kernel's shape and axes) is an ``nn.Buffer``: computed from the kernel when the layer
+is wrapped and again from the updated kernel every ``sparsity_every`` steps (``Sparse.update``). The forward pass multiplies by
 ``w * mask``; the backward pass is SR-STE's (Zhou et al. 2021, "Learning N:M Fine-grained
 Structured Sparse Neural Networks From Scratch"): the dense weights get the gradient of the
 sparse ones as if the mask were not there (straight-through), so pruned weights keep learning
 and can grow back into the mask, plus ``sparsity_decay * (1 - mask) * w``, a decay on the pruned
 weights only that keeps the masks from flipping back and forth.
 
-Which layers: the blocks' q, k, v, o and MLP projections; the embedding and the output head stay
-dense. What this saves and what runs: ``savings`` counts the FLOPs and weight bytes a 2:4 sparse
+The embedding and the output head stay dense by default. What this saves and what runs: ``savings`` counts the FLOPs and weight bytes a 2:4 sparse
 matmul would save. The speed itself needs sparse tensor-core kernels (cuSPARSELt, or CUTLASS's
 sparse GEMMs), which XLA does not emit and jax 0.11.2 does not expose (``jax.experimental.sparse``
 has BCOO/BCSR formats for unstructured sparsity, lowered to gathers and cuSPARSE SpMM, no N:M
@@ -23,15 +23,31 @@ format); so here the masked matmul is a dense one and runs at the dense speed: w
 quality cost of N:M training, and the savings stay counted, not timed.
 """
 
+import dataclasses
 import functools
 
 import jax
 import jax.numpy as jnp
 
-from jaxaccel.buffers import map_parents
-from jaxaccel.errors import ConfigError
+from flax import nnx
 
-BUFFER = "nm_mask"
+from jaxaccel import nn, surgery
+from jaxaccel.errors import ConfigError
+from jaxaccel.settings import setting
+
+
+@dataclasses.dataclass
+class SparsitySettings:
+    pattern: str = setting("none", "N:M structured sparsity of the sparsity_targets layers, "
+                                   "e.g. 2:4 (keep the 2 largest of every 4 input weights), "
+                                   "masks from the weights' magnitudes, SR-STE gradients (none = "
+                                   "off)", flag="sparsity")
+    every: int = setting(100, "recompute the N:M masks from the weights every this many steps",
+                         flag="sparsity_every", at_least=1)
+    decay: float = setting(2e-4, "SR-STE decay of the pruned weights (lambda_W; 0 = plain "
+                                 "straight-through)", flag="sparsity_decay", at_least=0)
+    targets: str = setting("blocks", "layers under N:M masks: " + surgery.TARGETS_HELP,
+                           flag="sparsity_targets")
 
 
 def parse_pattern(text: str) -> tuple[int, int]:
@@ -43,7 +59,7 @@ def parse_pattern(text: str) -> tuple[int, int]:
         n = m = None
     if not sep or n is None or not 0 < n < m:
         raise ConfigError(f"sparsity must be N:M with 0 < N < M (e.g. 2:4) or none, got "
-                          f"{text!r}", field="model.sparsity")
+                          f"{text!r}", field="sparsity.pattern")
     return n, m
 
 
@@ -80,62 +96,78 @@ def _sparse_bwd(decay, residuals, g):
 sparse_weight.defvjp(_sparse_fwd, _sparse_bwd)
 
 
-def update_masks(params, step, cfg):
-    """``params`` with every ``nm_mask`` recomputed from its (updated) kernel after steps
-    ``sparsity_every - 1``, ``2 * sparsity_every - 1``, ...; unchanged after the others."""
-    n, m = parse_pattern(cfg.sparsity)
-    due = (step + 1) % cfg.sparsity_every == 0
-
-    def refresh(layer):
-        fresh = nm_mask(layer["kernel"], n, m)
-        return {**layer, BUFFER: jnp.where(due, fresh, layer[BUFFER])}
-
-    return map_parents(params, BUFFER, refresh)
+class Mask(nn.Buffer):
+    """A sparse layer's N:M mask (bool, the kernel's shape)."""
 
 
-def init_masks(params, cfg):
-    """``params`` with every ``nm_mask`` set from its freshly initialised kernel."""
-    n, m = parse_pattern(cfg.sparsity)
-    return map_parents(params, BUFFER,
-                       lambda layer: {**layer, BUFFER: nm_mask(layer["kernel"], n, m)})
+class Sparse(surgery.Wrapper, nn.Updated):
+    """The wrapped layer multiplies by its N:M-masked kernel (SR-STE gradients)."""
+
+    def __init__(self, base, n: int, m: int, decay: float, every: int):
+        super().__init__(base)
+        k_in = self.kernel.shape[-2]
+        if k_in % m:
+            raise ConfigError(f"sparsity {n}:{m} groups {m} input features, but a targeted "
+                              f"layer has {k_in}; choose layers (--sparsity-targets) or a "
+                              f"model whose input widths are multiples of {m}",
+                              field="sparsity.pattern")
+        self.n, self.m, self.decay, self.every = n, m, decay, every
+        self.mask = Mask(nm_mask(self.kernel[...], n, m), eager_sharding=False,
+                         out_sharding=surgery.kernel_axes(base))
+
+    def __call__(self, x, *args, **kwargs):
+        mask, decay = self.mask[...], self.decay
+
+        def masked(inner):
+            return lambda x, kernel, *a, **kw: inner(x, sparse_weight(kernel, mask, decay), *a,
+                                                     **kw)
+
+        with surgery.dot(self.linear(), masked):
+            return self.base(x, *args, **kwargs)
+
+    def update(self, step, stats, observed):
+        """Recompute the mask from the updated kernel after steps ``every - 1``,
+        ``2 every - 1``, ...; unchanged after the others (a ``where``: nothing recompiles)."""
+        due = (step + 1) % self.every == 0
+        fresh = nm_mask(self.kernel[...], self.n, self.m)
+        self.mask[...] = jnp.where(due, fresh, self.mask[...])
 
 
-def density(params) -> float:
+def apply(model, settings: SparsitySettings) -> int:
+    """Wrap the targeted linear layers of ``model`` in ``Sparse``; how many (0 when off)."""
+    if settings.pattern == "none":
+        return 0
+    n, m = parse_pattern(settings.pattern)
+    return surgery.wrap(model, settings.targets, lambda path, layer: Sparse(
+        layer, n, m, settings.decay, settings.every), field="sparsity.targets")
+
+
+def masks(state) -> list:
+    return jax.tree.leaves(nnx.filter_state(state, Mask))
+
+
+def density(state) -> float:
     """The share of the masked weights that the masks keep (N/M when every mask is N:M)."""
-    kept, total = 0, 0
-    for leaf_path, leaf in jax.tree_util.tree_leaves_with_path(params):
-        if str(getattr(leaf_path[-1], "key", "")) == BUFFER:
-            kept += int(jnp.sum(leaf))
-            total += leaf.size
-    return kept / max(total, 1)
+    leaves = masks(state)
+    return sum(int(jnp.sum(m)) for m in leaves) / max(sum(m.size for m in leaves), 1)
 
 
-def sparse_params(cfg) -> int:
-    """Weights of ``cfg``'s model under N:M masks (the blocks' projections)."""
-    d, hd = cfg.d_model, cfg.head_dim
-    attn = d * cfg.n_heads * hd * 2 + d * cfg.n_kv_heads * hd * 2
-    mlp = d * cfg.d_ff * (3 if cfg.mlp == "swiglu" else 2)
-    return cfg.n_layers * (attn + mlp)
+def savings(state, pattern: str, flops_per_token: float, bytes_per_weight: int = 2) -> dict:
+    """What an N:M sparse matmul would save on a model per token trained:
 
-
-def savings(cfg, seq_len: int, bytes_per_weight: int = 2) -> dict:
-    """What an N:M sparse matmul would save on the model of ``cfg`` per token trained:
-
-    - ``flops_share``: the share of the training FLOPs (``model.flops_per_token``) that the
-      sparse operand removes, (1 - N/M) of the masked weights' 6 FLOPs per token (forward and
-      both backward matmuls; the weight gradient is dense in NVIDIA's recipe, so the share
-      counting only forward and input gradient, 4 of the 6, is ``flops_share_fwd_dgrad``);
+    - ``flops_share``: the share of the training FLOPs (``flops_per_token``) that the sparse
+      operand removes, (1 - N/M) of the masked weights' 6 FLOPs per token (forward and both
+      backward matmuls; the weight gradient is dense in NVIDIA's recipe, so the share counting
+      only forward and input gradient, 4 of the 6, is ``flops_share_fwd_dgrad``);
     - ``weight_bytes_share``: the share of the masked weights' bytes saved when stored
       compressed (values N/M of them, plus 2 bits of index per kept value for 2:4, as
       cuSPARSELt stores them).
     """
-    from jaxaccel.model import flops_per_token
-    n, m = parse_pattern(cfg.sparsity)
-    sparse = sparse_params(cfg)
-    total = flops_per_token(cfg, seq_len)
+    n, m = parse_pattern(pattern)
+    sparse = sum(mask.size for mask in masks(state))
     index_bits = max(1, (m - 1).bit_length())
     compressed = n / m * (1 + index_bits / (8 * bytes_per_weight))
     return {"pattern": f"{n}:{m}", "sparse_params": sparse,
-            "flops_share": 6 * sparse * (1 - n / m) / total,
-            "flops_share_fwd_dgrad": 4 * sparse * (1 - n / m) / total,
+            "flops_share": 6 * sparse * (1 - n / m) / flops_per_token,
+            "flops_share_fwd_dgrad": 4 * sparse * (1 - n / m) / flops_per_token,
             "weight_bytes_share": 1 - compressed}

@@ -2,34 +2,57 @@
 Stacking"): train a shallow model, then double its depth by stacking a copy of its trained
 blocks on top (new block ``L + i`` starts as block ``i``), and go on training.
 
-``run.progressive_stack = S`` trains in S stages of depth ``n_layers / 2^(S-1)``, twice that, ...,
-``n_layers``; the stages end at ``run.stack_at`` (the steps where the depth doubles, default
-equal shares of the run). The optimizer continues across a growth: its schedule (the step
+``--progressive-stack S`` trains in S stages of depth ``L / 2^(S-1)``, twice that, ..., ``L``; the
+stages end at ``--stack-at`` (the steps where the depth doubles, default equal shares of the
+run). It acts on any model whose blocks are an ``nn.Stack``: a stage's model is the full model
+with its stack cut to the stage's first blocks (``truncate``, before any other technique), so
+the shallow model starts as the deep one's first blocks. The optimizer continues across a growth: its schedule (the step
 count), and its moments, copied along with the blocks they belong to, so the new blocks
 continue from their originals' statistics. The loader continues from its position, and the
 checkpoint written at the end of a stage holds the shallow state, so a run resumed at any step
 rebuilds the depth of that step's stage (``depth_at``) and grows again where it should.
 """
 
+import dataclasses
 import re
 
 import jax
 import jax.numpy as jnp
+from flax import nnx
 
+from jaxaccel import nn
 from jaxaccel.errors import ConfigError
+from jaxaccel.settings import setting
+
+
+@dataclasses.dataclass
+class StackingSettings:
+    stages: int = setting(1, "progressive layer stacking: train in this many stages, the depth "
+                             "doubling after each up to the model's (1 = off)",
+                          flag="progressive_stack", at_least=1)
+    at: str | None = setting(None, "comma-separated steps at which progressive stacking doubles "
+                                   "the depth (default: equal shares of the steps)",
+                             flag="stack_at")
+
+
+def truncate(model, depth: int) -> None:
+    """Cut the model's stack to its first ``depth`` blocks, in place."""
+    _, stack = nn.the_stack(model, "progressive stacking")
+    if depth < len(stack):
+        stack.layers = nnx.List(list(stack.layers)[:depth])
 
 
 def depths(n_layers: int, stages: int) -> list[int]:
     """The depth of each stage: halvings of ``n_layers``, the last being ``n_layers``."""
     if stages < 1:
         raise ConfigError(f"progressive_stack must be at least 1 (1 = off), got {stages}",
-                          field="run.progressive_stack")
+                          field="stacking.stages")
     first = n_layers // 2 ** (stages - 1)
     if first < 1 or first * 2 ** (stages - 1) != n_layers:
         raise ConfigError(
             f"progressive_stack={stages} halves n_layers={n_layers} {stages - 1} times, which "
             f"does not divide it; use n_layers divisible by {2 ** (stages - 1)} or fewer stages",
-            field="run.progressive_stack")
+            field="stacking.stages")
     return [first * 2 ** s for s in range(stages)]
 
 
@@ -51,7 +74,7 @@ def boundaries(total_steps: int, stages: int, stack_at: str | None = None) -> li
             f"stack_at={stack_at!r} must give {stages - 1} increasing steps between 1 and "
             f"{total_steps - 1} (the run has {total_steps} steps); e.g. "
             f"{','.join(str(round(total_steps * s / stages)) for s in range(1, stages))}",
-            field="run.stack_at")
+            field="stacking.at")
     return steps
 
 
@@ -65,21 +88,21 @@ def stage_end(step: int, total_steps: int, ends: list[int]) -> int:
     return next((end for end in ends if end > step), total_steps)
 
 
-_INDEXED = re.compile(r"\['blocks'\]\[(\d+)\]")
-
-
-def grow(old_state, new_abstract, old_depth: int):
+def grow(old_state, new_abstract, old_depth: int, stack_path: tuple):
     """The state of the model twice as deep, from ``old_state``: every leaf of ``new_abstract``
-    (an abstract TrainState of the deeper model) taken from the leaf at the same path, unrolled
-    block ``i`` from old block ``i mod old_depth`` and stacked blocks concatenated with a copy
-    of themselves; the optimizer state goes along with the parameters, scalars are kept."""
+    (an abstract TrainState of the deeper model) taken from the leaf at the same path, block
+    ``i`` of the stack at ``stack_path`` from old block ``i mod old_depth`` (stacked blocks
+    concatenated with a copy of themselves); the optimizer state goes along with the
+    parameters, scalars are kept."""
+    prefix = re.escape("".join(f"[{k!r}]" for k in (*stack_path, "layers")))
+    indexed = re.compile("(" + prefix + r")\[(\d+)\]")
     old = {jax.tree_util.keystr(path): leaf
            for path, leaf in jax.tree_util.tree_flatten_with_path(old_state)[0]}
     new_leaves, treedef = jax.tree_util.tree_flatten_with_path(new_abstract)
 
     def take(path, target):
-        name = _INDEXED.sub(lambda m: f"['blocks'][{int(m.group(1)) % old_depth}]",
-                            jax.tree_util.keystr(path))
+        name = indexed.sub(lambda m: f"{m.group(1)}[{int(m.group(2)) % old_depth}]",
+                           jax.tree_util.keystr(path))
         leaf = old[name]
         if leaf.shape != target.shape:                     # stacked blocks [L, ...] -> [2L, ...]
             if leaf.shape[1:] != target.shape[1:] or target.shape[0] != 2 * leaf.shape[0]:

@@ -1,19 +1,21 @@
-"""The initial TrainState: parameters, optimizer state, step, key and loss scale, made sharded.
+"""The initial TrainState: the model's state, optimizer state, step, key and loss scale, made
+sharded.
 
-``init_state`` builds it from parameters on the host's default device; ``init_sharded_state``
-creates it directly in its shards over a mesh: the initialisation is jitted with the state's
-shardings as its outputs, so no device ever holds more than its shard, and the PRNG key is an
-argument of that function, not a constant in it (XLA would otherwise constant-fold the whole
-random initialisation at compile time, minutes for a GPT-2-sized model on a GPU).
+``init_state`` builds it from a model's state (``nnx.State``) on the host's default device;
+``init_sharded_state`` creates it directly in its shards over a mesh: the model is built inside a
+function jitted with the state's shardings as its outputs, so no device ever holds more than its
+shard, and the PRNG key is an argument of that function, not a constant in it (XLA would
+otherwise constant-fold the whole random initialisation at compile time, minutes for a
+GPT-2-sized model on a GPU). The optimizer's state covers what trains (``nn.trainable``: a filter
+on the variables' types).
 """
 
 import jax
 import jax.numpy as jnp
 import optax
 
+from jaxaccel import nn
 from jaxaccel.grads import partition
-from jaxaccel.lora import trainable as trainable_of
-from jaxaccel.model import init_params, param_axes
 from jaxaccel.precision import NoLossScale, Policy
 from jaxaccel.sharding import param_shardings, state_shardings
 from jaxaccel.train import TrainState
@@ -21,8 +23,8 @@ from jaxaccel.train import TrainState
 
 def init_state(params, optimizer: optax.GradientTransformation, seed: int, loss_scale=None,
                policy: Policy | None = None, trainable=None) -> TrainState:
-    """The state at step 0; the parameters stored in ``policy.param_dtype`` when given; the
-    optimizer's state covers only the ``trainable`` parameters when a predicate is given."""
+    """The state at step 0; the variables stored in ``policy.param_dtype`` when given; the
+    optimizer's state covers only the ``trainable`` variables (an NNX filter) when given."""
     if policy is not None:
         params = policy.cast_to_param(params)
     return TrainState(params=params, opt_state=optimizer.init(partition(params, trainable)[0]),
@@ -30,29 +32,33 @@ def init_state(params, optimizer: optax.GradientTransformation, seed: int, loss_
                       loss_scale=NoLossScale.create() if loss_scale is None else loss_scale)
 
 
-def init_sharded_state(model_cfg, optimizer, seed: int, loss_scale, mesh,
-                       policy: Policy | None = None):
-    """The initial TrainState of a GPT, created in its shards over ``mesh``, and the
-    shardings (a TrainState of NamedShardings)."""
-    make_state, abstract_state, shardings = _state_maker(model_cfg, optimizer, seed, loss_scale,
-                                                         mesh, policy)
-    return jax.jit(make_state, out_shardings=shardings)(jax.random.PRNGKey(seed)), shardings
+def init_sharded_state(make_params, optimizer, seed: int, loss_scale, mesh,
+                       policy: Policy | None = None, *, axis_rules=None, args=()):
+    """The initial TrainState of the model ``make_params(key, *args) -> nnx.State`` builds,
+    created in its shards over ``mesh``, and the shardings (a TrainState of NamedShardings)."""
+    make_state, abstract_state, shardings = state_maker(make_params, optimizer, seed, loss_scale,
+                                                        mesh, policy, axis_rules, args)
+    state = jax.jit(make_state, out_shardings=shardings)(jax.random.PRNGKey(seed), *args)
+    return state, shardings
 
 
-def abstract_sharded_state(model_cfg, optimizer, seed: int, loss_scale, mesh,
-                           policy: Policy | None = None):
+def abstract_sharded_state(make_params, optimizer, seed: int, loss_scale, mesh,
+                           policy: Policy | None = None, *, axis_rules=None, args=()):
     """The shapes of ``init_sharded_state``'s state (nothing computed) and its shardings."""
-    _, abstract_state, shardings = _state_maker(model_cfg, optimizer, seed, loss_scale, mesh,
-                                                policy)
+    _, abstract_state, shardings = state_maker(make_params, optimizer, seed, loss_scale, mesh,
+                                               policy, axis_rules, args)
     return abstract_state, shardings
 
 
-def _state_maker(model_cfg, optimizer, seed, loss_scale, mesh, policy):
-    def make_state(key):
-        return init_state(init_params(model_cfg, key), optimizer, seed, loss_scale, policy,
-                          trainable_of(model_cfg))
+def state_maker(make_params, optimizer, seed, loss_scale, mesh, policy, axis_rules, args=()):
+    key = jax.random.PRNGKey(seed)
+    trainable = nn.trainable(jax.eval_shape(make_params, key, *args))
 
-    abstract_state = jax.eval_shape(make_state, jax.random.PRNGKey(seed))
+    def make_state(key, *args):
+        return init_state(make_params(key, *args), optimizer, seed, loss_scale, policy,
+                          trainable)
+
+    abstract_state = jax.eval_shape(make_state, key, *args)
     shardings = state_shardings(mesh, abstract_state,
-                                param_shardings(mesh, param_axes(abstract_state.params)))
+                                param_shardings(mesh, abstract_state.params, axis_rules))
     return make_state, abstract_state, shardings

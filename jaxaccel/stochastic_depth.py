@@ -14,14 +14,59 @@ test time. The shapes are static, so nothing recompiles.
 
 Under a mesh the batch's rows are split over ``data`` x ``fsdp``; the rows are chosen within
 each shard (the same count in each), so the gather and scatter stay on their devices.
+
+It acts on any model whose blocks are an ``nn.Stack``: ``apply`` installs ``StochasticDepth``,
+a block transform whose static choice per layer is its kept rows (a scanned stack runs one
+``lax.scan`` per run of layers with equal counts). Layer l's rows are drawn from the step's key
+folded with l and ``SKIP_KEY``. It needs static layer indices, so pipeline strategies refuse it.
 """
+
+import dataclasses
 
 import jax
 import jax.numpy as jnp
 
+from jaxaccel import nn
+from jaxaccel.settings import setting
 from jaxaccel.sharding import constrain
 
 ACTIVATION_AXES = ("batch", "seq", "embed")
+SKIP_KEY = 0x5D       # folded into a layer's key for its rows (its dropout uses the key itself)
+
+
+@dataclasses.dataclass
+class StochasticDepthSettings:
+    rate: float = setting(0.0, "stochastic depth: the last block's skip rate P, block l of L "
+                               "skipped at l/L*P for a random set of rows, which it does not "
+                               "compute (0 = off)", flag="stochastic_depth", at_least=0, below=1)
+
+
+class StochasticDepth(nn.BlockTransform):
+    """Block l computes ``kept_rows(B, l/L x rate)`` of the batch's rows in training."""
+
+    order = 10
+
+    def __init__(self, rate: float):
+        self.rate = rate
+
+    def variant(self, layer: int, total: int, rows: int, training: bool):
+        if not training:
+            return rows
+        return kept_rows(rows, drop_rates(self.rate, total)[layer], row_groups())
+
+    def wrap(self, fn, kept, scanned: bool):
+        def skipping(state, x, token_args, index):
+            if kept >= x.shape[0]:
+                return fn(state, x, token_args, index)
+            key = jax.random.fold_in(jax.random.fold_in(nn.current().key, index), SKIP_KEY)
+            return skip_rows(lambda x, args: fn(state, x, args, index), x, token_args, key,
+                             kept, row_groups())
+        return skipping
+
+
+def apply(model, settings: StochasticDepthSettings) -> None:
+    if settings.rate > 0:
+        nn.the_stack(model, "stochastic depth")[1].add(StochasticDepth(settings.rate))
 
 
 def drop_rates(rate: float, n_layers: int) -> list[float]:
@@ -53,13 +98,13 @@ def kept_fraction(rate: float, n_layers: int, rows: int, groups: int = 1) -> flo
     return sum(kept) / (rows * n_layers)
 
 
-def skip_rows(block, x_BTD, row_args, key, kept: int, groups: int):
-    """``block(x_KTD, *row_args_K)`` on ``kept`` randomly chosen rows of ``x_BTD`` (chosen in each
+def skip_rows(block, x_BTD, row_args: dict, key, kept: int, groups: int):
+    """``block(x_KTD, row_args_K)`` on ``kept`` randomly chosen rows of ``x_BTD`` (chosen in each
     of ``groups`` shards of the rows), the others passed through; the kept rows' change is scaled
-    by rows / kept. ``row_args`` are per-row arrays [B, ...] (positions' sines, segment ids)."""
+    by rows / kept. ``row_args`` are per-row arrays [B, ...] or None, by name."""
     B = x_BTD.shape[0]
     if kept >= B:
-        return block(x_BTD, *row_args)
+        return block(x_BTD, row_args)
     shard, per_group = B // groups, kept // groups
     scores_GS = jax.random.uniform(key, (groups, shard))
     rows_GK = jnp.sort(jnp.argsort(scores_GS, axis=1)[:, :per_group], axis=1)
@@ -70,7 +115,7 @@ def skip_rows(block, x_BTD, row_args, key, kept: int, groups: int):
         return a_GS[group_G1, rows_GK].reshape(kept, *a.shape[1:])
 
     x_KTD = constrain(take(x_BTD), ACTIVATION_AXES)
-    y_KTD = block(x_KTD, *(None if a is None else take(a) for a in row_args))
+    y_KTD = block(x_KTD, {k: None if a is None else take(a) for k, a in row_args.items()})
     delta_KTD = ((y_KTD - x_KTD) * (B / kept)).astype(x_BTD.dtype)
     x_GSTD = x_BTD.reshape(groups, shard, *x_BTD.shape[1:])
     x_GSTD = x_GSTD.at[group_G1, rows_GK].add(delta_KTD.reshape(groups, per_group,

@@ -5,7 +5,7 @@
 shards. ``grad_fn`` is any gradient function of ``jaxaccel.grads``, built by composing
 transformations of a loss function:
 
-    loss_fn = lm_loss(precision.cast(make_apply(model_cfg), policy))  # bf16 model, f32 loss
+    loss_fn = lm_loss(precision.cast(model.make_apply(graphdef), policy))  # bf16 model, f32 loss
     grad_fn = grads.accumulate(grads.value_and_grad(loss_fn), 4, weight="real_tokens")
     step = make_train_step(grad_fn, optimizer)
 
@@ -23,7 +23,7 @@ import jax.numpy as jnp
 import optax
 from flax import struct
 
-from jaxaccel import grads, precision, token_drop
+from jaxaccel import grads, precision
 from jaxaccel.sampling import row_scores
 
 
@@ -46,7 +46,7 @@ def weighted_cross_entropy(logits_BTV, targets_BT, weights_BT):
     return jnp.sum(token_loss_BT * weights_BT), jnp.sum(weights_BT)
 
 
-def lm_loss(apply_fn, *, sampling: str = "uniform"):
+def lm_loss(apply_fn, *, sampling: str = "uniform", stats=None):
     """The language-model loss of a Batch: ``loss_fn(params, batch, key) -> (loss, aux)``.
 
     ``loss`` is the mean cross entropy over the batch's real tokens (``sum(weights * token_loss)
@@ -58,8 +58,9 @@ def lm_loss(apply_fn, *, sampling: str = "uniform"):
     carry each row's importance weight: the loss is normalised by the real-token count instead,
     ``real_tokens`` is that count, and ``aux["rows"]`` holds each row's score sum.
 
-    When ``params`` hold token dropping's running loss per id, ``aux["buffer_stats"]`` holds the
-    batch's per-id loss sums and counts it is updated from (``jaxaccel.token_drop.loss_stats``).
+    ``stats(params, logits_BTV, batch)`` (``nn.loss_stats(model)``), when given, puts the
+    statistics the model's buffers are updated from into ``aux["buffer_stats"]`` (token
+    dropping's per-id loss sums and counts).
     """
 
     def loss_fn(params, batch, key):
@@ -68,9 +69,8 @@ def lm_loss(apply_fn, *, sampling: str = "uniform"):
                                                       batch["weights"])
         aux = {"real_tokens": weight_sum,
                "padded_tokens": jnp.sum(batch["segment_ids"] == 0).astype(jnp.float32)}
-        stats = token_drop.loss_stats(params, logits_BTV, batch)
         if stats is not None:
-            aux[BUFFER_STATS] = stats
+            aux[BUFFER_STATS] = stats(params, logits_BTV, batch)
         if sampling != "uniform":
             real_tokens = jnp.sum(batch["weights"] > 0).astype(jnp.float32)
             aux |= {"real_tokens": real_tokens,
@@ -98,13 +98,13 @@ def make_train_step(grad_fn, optimizer: optax.GradientTransformation, schedule=N
     sharded jit every device takes the same decision. ``schedule(step)``, when given, puts the
     learning rate into the metrics; ``grad_fn``'s aux statistics go into them too.
 
-    With ``trainable`` (a predicate on parameter path names, ``grads.partition``) ``grad_fn``
-    must return the gradients of the trainable part only (``grads.value_and_grad(...,
-    trainable=...)``); the optimizer's state covers that part (``state.init_state``) and the
-    other parameters pass through the step untouched, bit for bit.
+    With ``trainable`` (an NNX filter, ``nn.trainable``) ``grad_fn`` must return the gradients
+    of that part of the state only (``grads.value_and_grad(..., trainable=...)``); the
+    optimizer's state covers that part (``state.init_state``) and the other variables pass
+    through the step untouched, bit for bit.
 
-    ``update_buffers(params, step, stats) -> params``, when given, updates the model's buffers
-    (leaves of the parameters that hold state, not weights: ``jaxaccel.buffers``) after the
+    ``update_buffers(params, step, stats) -> params`` (``nn.updater(model)``), when given,
+    updates the model's buffers (``nn.Buffer``: technique state, not weights) after the
     optimizer's update, from ``stats``: the aux entries ``observed_max`` and ``buffer_stats``,
     which are taken out of the metrics.
     """
@@ -120,7 +120,7 @@ def make_train_step(grad_fn, optimizer: optax.GradientTransformation, schedule=N
         finite = aux.pop("grads_finite")
         stats = {k: aux.pop(k) for k in (grads.OBSERVED_MAX, BUFFER_STATS) if k in aux}
         update = always if isinstance(state.loss_scale, precision.NoLossScale) else skipping
-        train, frozen = grads.partition(state.params, trainable)
+        train, _, frozen = grads.partition(state.params, trainable)
         updates, opt_state = update.update(grads_, state.opt_state, train, grads_finite=finite)
         params = grads.combine(optax.apply_updates(train, updates), frozen)
         if update_buffers is not None:
@@ -156,16 +156,16 @@ def make_eval_step(apply_fn):
 
 def lm_train_step(apply_fn, optimizer, schedule=None, *, policy=precision.POLICIES["fp32"],
                   accumulate: int = 1, trainable=None, observed=None, update_buffers=None,
-                  sampling: str = "uniform"):
+                  stats=None, sampling: str = "uniform"):
     """The train step of a language model (``jaxaccel.model.make_apply``): the model under
     ``policy``, the token-mean loss, ``accumulate`` microbatches weighted by their real tokens,
-    only the ``trainable`` parameters trained when given (``jaxaccel.lora.trainable``), the
-    model's buffers updated by ``update_buffers`` from the ``observed`` leaves' observations
-    (``jaxaccel.buffers``: ``observed`` and ``updater(model_cfg)``), the loss reweighted for
-    importance ``sampling`` (``jaxaccel.sampling``).
+    only the ``trainable`` variables trained when given (an NNX filter, ``nn.trainable``), the
+    model's buffers updated by ``update_buffers`` (``nn.updater``) from the ``observed``
+    variables' observations (``nn.Observation``) and the loss's ``stats`` (``nn.loss_stats``),
+    the loss reweighted for importance ``sampling`` (``jaxaccel.sampling``).
     Every caller that trains builds its step here, so a setting cannot reach one step and miss
     another."""
-    loss_fn = lm_loss(precision.cast(apply_fn, policy), sampling=sampling)
+    loss_fn = lm_loss(precision.cast(apply_fn, policy), sampling=sampling, stats=stats)
     grad_fn = grads.accumulate(
         grads.value_and_grad(loss_fn, trainable=trainable, observed=observed), accumulate,
         weight="real_tokens")

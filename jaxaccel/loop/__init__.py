@@ -1,0 +1,127 @@
+"""The training loop: ``train(cfg)`` runs one training run of any model and returns its summary.
+
+It reads top to bottom, one file per phase:
+
+0. here, before any work: join the other processes, check the settings, build the model
+   abstractly with every technique and check it (the contract of ``jaxaccel.nn``, the remat
+   policy's tags, the precision's matmuls, the mesh's splits);
+1. ``setup``: run directory, corpus, stream, optimizer, the sharded state, the checkpoint;
+2. ``compile``: the train and eval steps for every batch shape, the OOM pre-flight;
+3. ``run``: the steps, metrics, evaluations, checkpoints, signals; progressive stacking grows
+   the model between stages;
+4. ``finish``: the final evaluation, the plot, the summary (``record.RunSummary``, written to
+   ``summary.json``); ``console`` is what the run shows meanwhile.
+
+It is deterministic: a run resumed from a checkpoint continues with the same state, batches and
+keys, so on the CPU it ends bitwise identical to an uninterrupted run. SIGINT and SIGTERM finish
+the step in flight, save a checkpoint and return with ``interrupted`` set. The run happens on a
+device mesh (``jaxaccel.sharding``; one device is a mesh of one): the state is created sharded,
+the steps are jitted with the state's and the batch's shardings, and with several processes each
+loads and places only its own rows of every batch.
+"""
+
+import dataclasses
+import os
+import sys
+import time
+
+import jax
+from flax import nnx
+
+from jaxaccel import compile_cache, fp8, hardware, model as model_lib, precision, remat, \
+    techniques, trace
+from jaxaccel.config import TrainConfig
+from jaxaccel.loader import abstract_batch
+from jaxaccel.loop.compile import Steps, compile_steps, memory_budget_bytes, sharded_steps, \
+    train_step_of
+from jaxaccel.loop.console import announce
+from jaxaccel.loop.finish import diverged_at, finish
+from jaxaccel.loop.record import RunSummary, read_config, read_trained_run
+from jaxaccel.loop.run import STOP_REQUESTED, Progress, agreed_stop, evaluate, grow_run, \
+    run_steps, stop_on_signals
+from jaxaccel.loop.setup import RUNS_ROOT, Setup, check_outputs, resume_settings, set_up
+from jaxaccel.pipeline import check as check_pipeline, check_layers
+from jaxaccel.report import dump_json
+from jaxaccel.sharding import build_mesh, check_split, format_mesh, initialize_distributed, \
+    parse_axis_rules, pipelined
+
+__all__ = ["train", "RunSummary", "Setup", "Steps", "Progress", "evaluate", "preflight",
+           "read_trained_run", "read_config", "resume_settings", "sharded_steps",
+           "train_step_of", "diverged_at", "agreed_stop", "stop_on_signals", "STOP_REQUESTED",
+           "RUNS_ROOT", "memory_budget_bytes"]
+
+
+def train(cfg: TrainConfig, *, should_stop=None) -> RunSummary:
+    """Run training as configured; return its summary.
+
+    ``should_stop(step)`` is polled after every step; returning True stops the run as a signal
+    would (checkpoint saved, ``interrupted`` set). Tests use it to cut a run short.
+
+    With ``mesh.coordinator`` (or ``mesh.distributed``) this process first joins the others
+    through ``jax.distributed``; then every process runs this same function on its share of the
+    data.
+    """
+    wall_start = time.perf_counter()
+    m = cfg.mesh
+    if not jax.distributed.is_initialized():
+        initialize_distributed(m.coordinator, m.num_processes, m.process_id,
+                               auto=m.distributed, timeout_s=m.distributed_timeout)
+    cfg.validate()
+    check_outputs(cfg)
+    cache_warning = compile_cache.enable(compile_cache.resolve(cfg.run.compilation_cache,
+                                                               cfg.data.cache_dir))
+    if cache_warning and jax.process_index() == 0:
+        print(cache_warning, file=sys.stderr)
+    if cfg.run.memory_budget == "auto":
+        memory_budget_bytes("auto")         # the device can say its memory, before any work
+    notes = {"fp8_note": fp8.check_device() if cfg.policy().fp8 else None}
+    mesh, mesh_shape = build_mesh(m.strategy, m.shape, m.axis_types, m.num_devices)
+    if pipelined(m.strategy):
+        check_pipeline(m.pipeline_schedule, mesh_shape["stage"], cfg.optimizer.accumulate)
+    with jax.default_matmul_precision(cfg.precision.matmul), jax.set_mesh(mesh):
+        model = preflight(cfg, mesh_shape)
+        announce(cfg, f"set-up: corpus {cfg.data.path}, "
+                      f"{model_lib.describe(cfg.model, cfg.gpt)} model, mesh "
+                      f"{format_mesh(mesh_shape)}" + (", resuming" if cfg.run.resume else ""))
+        set_up_began = time.perf_counter()
+        run = set_up(cfg, mesh, mesh_shape, model)
+        run.startup["before_set_up"] = set_up_began - wall_start
+        progress, compiled = None, []
+        while True:         # one stage, unless progressive stacking grows the model
+            begin = time.perf_counter()
+            compiled.append(compile_steps(run))
+            run.startup.setdefault("compile", time.perf_counter() - begin)
+            progress = run_steps(run, compiled[-1], should_stop, previous=progress,
+                                 wall_start=wall_start)
+            if progress.interrupted or int(progress.state.step) >= run.stop_step:
+                break
+            run = grow_run(run, progress)
+        summary = finish(run, compiled, progress, wall_start, notes)
+    if jax.process_index() == 0:        # the run record: every run directory has its summary
+        dump_json(os.path.join(summary.run_dir, "summary.json"), dataclasses.asdict(summary))
+    return summary
+
+
+def preflight(cfg: TrainConfig, mesh_shape: dict):
+    """The run's model, abstract (every technique applied, no array made), checked before any
+    work: the model contract (``model.check``), its variables' splits over the mesh, the remat
+    policy's tags and, under a 16-bit policy, the matmuls it still computes in float32 (a
+    warning line). One ConfigError line for what does not fit."""
+    model = techniques.abstract(cfg)
+    model_lib.check(model, cfg.model.name, vocab_size=cfg.model.vocab_size,
+                    packed=cfg.data.batching == "pack")
+    check_split(mesh_shape, nnx.state(model), parse_axis_rules(cfg.mesh.axis_rules),
+                cfg.mesh.strategy)
+    if pipelined(cfg.mesh.strategy):
+        check_layers(model, mesh_shape["stage"])
+    graphdef, state = nnx.split(model)
+    apply = precision.cast(model_lib.make_apply(
+        graphdef, segment_attention=cfg.data.batching == "pack"), cfg.policy())
+    rows = max(1, cfg.batch_rows() // cfg.optimizer.accumulate)
+    jaxpr = jax.make_jaxpr(apply)(state, dict(abstract_batch((rows, min(cfg.seq_len, 64)))),
+                                  jax.random.PRNGKey(0))
+    remat.check_tags(cfg.remat.policy, trace.tags(jaxpr))
+    warning = precision.float32_warning(trace.float32_matmuls(jaxpr), cfg.policy())
+    if warning and jax.process_index() == 0:
+        print(warning, file=sys.stderr)
+    return model

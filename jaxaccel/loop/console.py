@@ -1,0 +1,90 @@
+"""What a run shows while it trains: the phases on stdout, progress on stderr (a bar on a
+terminal, plain lines off one), and the metrics of each logged window."""
+
+import sys
+
+import jax
+import numpy as np
+
+def progress_bar(total_steps: int, first_step: int, enabled: bool):
+    """A tqdm bar on a terminal; off one (a batch job, a pipe) plain lines (``LineProgress``)."""
+    if not enabled:
+        return None
+    if not sys.stderr.isatty():
+        return LineProgress(total_steps, first_step)
+    from tqdm import tqdm
+    return tqdm(total=total_steps, initial=first_step, desc="train", unit="step",
+                dynamic_ncols=True)
+
+
+class LineProgress:
+    """Progress off a terminal: one plain line per logged step on stderr (step, loss, bits per
+    byte, real tokens/s, elapsed training seconds), no carriage returns; tqdm's interface as
+    the loop uses it."""
+
+    def __init__(self, total: int, initial: int):
+        self.total, self.n = total, initial
+
+    def update(self, steps: int):
+        self.n += steps
+
+    def set_postfix(self, *, seconds: float | None = None, **values):
+        fields = "  ".join(f"{key} {value}" for key, value in values.items())
+        elapsed = f"  elapsed {seconds:.1f} s" if seconds is not None else ""
+        self.write(f"step {self.n}/{self.total}  {fields}{elapsed}")
+
+    @staticmethod
+    def write(line: str):
+        print(line, file=sys.stderr, flush=True)
+
+    def close(self):
+        pass
+
+
+def announce(cfg, line: str, progress=None):
+    """A phase of the run (set-up, compiling, evaluation) as one line on stdout where progress
+    is shown (``run.progress``; process 0), past a terminal's bar while one is open; stderr
+    keeps the progress lines and errors."""
+    if not cfg.run.progress or jax.process_index() != 0:
+        return
+    if progress is not None and not isinstance(progress, LineProgress):
+        progress.write(line, file=sys.stdout)
+    else:
+        print(line, flush=True)
+
+
+def log_window(writer, step, window, totals, seconds, progress, bits_per_nat: float
+                ) -> list[tuple[float, float]]:
+    """Write the mean metrics of the last steps; return their (loss, tokens) per step.
+    ``bits_per_nat`` turns a loss per target token into bits per byte of the train text.
+
+    ``totals`` counts the run's real tokens and token positions so far (of the global batches,
+    as the step's metrics count them); ``seconds`` is the training time so far.
+    """
+    fetched = jax.device_get(window)
+    losses = np.array([m["loss"] for m in fetched], dtype=np.float64)
+    tokens = np.array([m["real_tokens"] for m in fetched], dtype=np.float64)
+    padded = np.array([m["padded_tokens"] for m in fetched], dtype=np.float64)
+    totals["real"] += int(tokens.sum())
+    totals["positions"] += int(tokens.sum() + padded.sum())
+    tokens_per_s = totals["real"] / max(seconds, 1e-9)
+    loss = float(np.sum(losses * tokens) / max(tokens.sum(), 1.0))
+    record = {
+        "loss": loss, "bpb": loss * bits_per_nat,
+        "grad_norm": float(fetched[-1]["grad_norm"]),
+        "update_norm": float(fetched[-1]["update_norm"]),
+        "loss_scale": float(fetched[-1]["loss_scale"]),
+        "skipped_steps": int(fetched[-1]["skipped_steps"]),
+        "learning_rate": float(fetched[-1]["learning_rate"]),
+        "real_tokens": int(tokens.sum()),
+        "padding_efficiency": float(tokens.sum() / max(tokens.sum() + padded.sum(), 1.0)),
+        "real_tokens_per_s": tokens_per_s,
+        "train_s": seconds,
+    }
+    writer.write(step, "train", record)
+    if progress is not None:
+        progress.update(step - progress.n)
+        extra = {"seconds": seconds} if isinstance(progress, LineProgress) else {}
+        progress.set_postfix(loss=f"{loss:.3f}", bpb=f"{record['bpb']:.2f}",
+                             tok_s=f"{tokens_per_s:,.0f}", **extra)
+    return list(zip(losses.tolist(), tokens.tolist()))

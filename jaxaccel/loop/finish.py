@@ -1,0 +1,185 @@
+"""Phase 4 of a run, finish: the final evaluation, the loss plot, the FLOPs of the work done and
+the run's summary."""
+
+import dataclasses
+import math
+import os
+import time
+
+import jax
+from flax import nnx
+
+from jaxaccel import hardware, lora, model as model_lib, precision, techniques, trace
+from jaxaccel.loader import abstract_batch
+from jaxaccel.loop.console import announce
+from jaxaccel.loop.record import RunSummary
+from jaxaccel.loop.run import Progress, recent_steps, run_eval
+from jaxaccel.loop.setup import Setup, stage_model
+from jaxaccel.metrics import plot_loss_curve, read_metrics
+from jaxaccel.optim import state_bytes
+from jaxaccel.corpus import skipped_inputs
+from jaxaccel.sharding import bytes_per_device
+
+
+def finish(run: Setup, compiled: list, progress: Progress, wall_start: float,
+           notes: dict | None = None) -> RunSummary:
+    """The final evaluation, the plot and the summary; ``compiled`` holds the steps of every
+    progressive-stacking stage (one without), the last being the model's final depth."""
+    cfg, state, steps = run.cfg, progress.state, compiled[-1]
+    final_step = int(state.step)
+    paused = not progress.interrupted and final_step < run.total_steps    # run.stop_at
+    if progress.interrupted or paused:
+        val_loss, val_tokens = float("nan"), 0
+    else:
+        announce(cfg, f"final evaluation: {cfg.run.final_eval_batches or 'all'} validation "
+                      f"batches of {run.eval_batch_size} rows")
+        val_loss, val_tokens = run_eval(run, steps, state, progress.writer, final_step,
+                                        cfg.run.final_eval_batches)
+    progress.writer.close()
+    run.checkpointer.close()
+    unigram_bpb = run.corpus.unigram_bits_per_byte()
+    name = model_lib.describe(cfg.model, cfg.gpt)
+    if jax.process_index() == 0:
+        plot_loss_curve(read_metrics(progress.writer.path), os.path.join(run.run_dir, "loss.png"),
+                        unigram_bpb=unigram_bpb,
+                        title=f"{name} on {cfg.data.path}, {cfg.data.batching}")
+    totals, train_s = progress.totals, progress.train_s
+    flops_token = run_flops_per_token(run, final_step, progress.first_step)
+    tokens_per_s = totals["real"] / train_s if train_s > 0 else float("nan")
+    peak = hardware.peak_flops()
+    stats = run.stream.stats
+    trainable, weights = lora.count(state.params)
+    summary = RunSummary(
+        steps=final_step, steps_this_run=final_step - progress.first_step,
+        interrupted=progress.interrupted, stopped_at=final_step if paused else None,
+        total_steps=run.total_steps, run_dir=run.run_dir,
+        batching=cfg.data.batching, shapes=[list(shape) for shape in run.stream.global_shapes],
+        real_tokens=totals["real"],
+        padding_efficiency=totals["real"] / max(totals["positions"], 1),
+        epoch_padding_efficiency=stats["padding_efficiency"],
+        split_documents=stats["split_documents"],
+        empty_documents_skipped=run.corpus.stats["empty_documents_skipped"],
+        inputs_skipped=skipped_inputs(run.corpus.stats),
+        extended_from_steps=run.extended_from_steps,
+        startup_s={k: round(v, 3) for k, v in run.startup.items()} or None,
+        profile=dataclasses.asdict(progress.profile) if progress.profile else None,
+        data_wait_s=progress.data_wait_s,
+        train_bpb=_recent_bpb(run.restored_history + progress.history, final_step,
+                              run.corpus.bits_per_byte(1.0, "train")),
+        val_loss=val_loss,
+        val_bpb=run.corpus.bits_per_byte(val_loss), val_tokens=val_tokens, unigram_bpb=unigram_bpb,
+        real_tokens_per_s=tokens_per_s, flops_per_token=flops_token,
+        achieved_flops_per_s=tokens_per_s * flops_token,
+        mfu=tokens_per_s * flops_token / peak if peak else None,
+        compiles=sum(c.train.compiles for c in compiled),
+        compiles_after_warmup=sum(c.train.compiles - c.warm_compiles for c in compiled),
+        compile_s=sum(c.train.compile_seconds for c in compiled),
+        eval_compiles=sum(c.eval.compiles for c in compiled),
+        step_memory_bytes=largest_memory(steps.train),
+        peak_memory_bytes=hardware.peak_memory_bytes(),
+        param_opt_bytes_per_device=bytes_per_device((state.params, state.opt_state)),
+        optimizer_state_bytes=state_bytes(state.opt_state),
+        wall_s=time.perf_counter() - wall_start, train_s=train_s,
+        model=name, params=weights, trainable_params=trainable,
+        precision=cfg.policy().name, matmul_precision=cfg.precision.matmul,
+        loss_scale=float(state.loss_scale.loss_scale),
+        skipped_steps=int(state.loss_scale.skipped_steps), optimizer=cfg.optimizer.name,
+        learning_rate=run.hyperparameters["learning_rate"],
+        weight_decay=run.hyperparameters["weight_decay"], batch_rows=cfg.batch_rows(),
+        accumulate=cfg.optimizer.accumulate, sharding=cfg.mesh.strategy, mesh=run.mesh_shape,
+        mesh_axis_types=cfg.mesh.axis_types, process_count=jax.process_count(),
+        device=hardware.describe(), jax_version=jax.__version__,
+        techniques=techniques.report(cfg, state.params, run.mesh_shape, {
+            **(notes or {}), "remat_plan": dataclasses.asdict(run.plan) if run.plan else None,
+            "stages": run.stages, "executables": steps.train.executables,
+            "flops_per_token": flops_token}),
+        diverged_at_step=diverged_at(progress.history, progress.first_step,
+                                     None if progress.interrupted or paused else val_loss,
+                                     final_step))
+    if progress.recent_batches and not progress.interrupted:     # last: it consumes the state
+        summary.step_alone = step_alone(steps, state, progress.recent_batches, tokens_per_s)
+    return summary
+
+
+def largest_memory(compiled_fn):
+    from jaxaccel.compiled import largest_memory_bytes
+    return largest_memory_bytes(compiled_fn)
+
+
+def flops_per_token(cfg, model) -> float:
+    """Training FLOPs per token position of ``model`` under ``cfg``: 3 x the matmul FLOPs of one
+    microbatch's forward pass in training (so token dropping's and stochastic depth's skipped
+    work is not counted) at the longest batch shape, over its tokens (``jaxaccel.trace``)."""
+    graphdef, state = nnx.split(model)
+    apply = precision.cast(model_lib.make_apply(
+        graphdef, segment_attention=cfg.data.batching == "pack"), cfg.policy())
+    rows = max(1, cfg.batch_rows() // cfg.optimizer.accumulate)
+    batch = dict(abstract_batch((rows, cfg.seq_len)))
+    flops = trace.training_flops(apply, state, batch, jax.random.PRNGKey(0))
+    return flops / (rows * cfg.seq_len)
+
+
+def run_flops_per_token(run: Setup, final_step: int, first_step: int) -> float:
+    """Training FLOPs per token of this run's steps: a progressive-stacking run's stages each
+    count at their depth, weighted by their steps."""
+    starts = [start for start, _ in run.stages] + [final_step]
+    weighted, total = 0.0, 0
+    for (start, depth), end in zip(run.stages, starts[1:]):
+        steps = max(end - max(start, first_step), 0)
+        if steps:
+            model = run.model if depth == run.stages[-1][1] else stage_model(run.cfg, depth)
+            weighted += steps * flops_per_token(run.cfg, model)
+            total += steps
+    if total == 0:
+        return flops_per_token(run.cfg, run.model)
+    return weighted / total
+
+
+def step_alone(steps, state, batches: list, loop_tokens_per_s: float) -> dict:
+    """The compiled train step timed alone on ``batches`` (the run's last ones, already on the
+    device, the step warm): no data loading, logging, evaluation or checkpoints in between, one
+    wait at the end. Its real tokens/s, and the loop's as a share of it (issue 16's target:
+    >= 95 % on a GPU). ``state`` is donated to the steps, so this is the last use of it."""
+    jax.block_until_ready(state)
+    begin = time.perf_counter()
+    metrics = []
+    for batch in batches:
+        state, m = steps.train(state, batch)
+        metrics.append(m["real_tokens"])
+    jax.block_until_ready(state)
+    seconds = time.perf_counter() - begin
+    tokens = float(sum(jax.device_get(metrics)))
+    alone = tokens / seconds
+    return {"steps": len(batches), "real_tokens_per_s": alone, "seconds": seconds,
+            "loop_share": loop_tokens_per_s / alone}
+
+
+def diverged_at(history: list[tuple[float, float]], first_step: int, val_loss: float | None,
+                final_step: int) -> int | None:
+    """The step from which this run's training loss stayed NaN or inf to its end (``history``
+    holds one (loss, tokens) per step from ``first_step``), else the final step if the final
+    evaluation's loss (None: none ran) was not finite; None otherwise. A non-finite loss the
+    run recovered from (a float16 overflow that dynamic loss scaling skipped) is no failure."""
+    streak = None
+    for i, (loss, _) in enumerate(history):
+        if math.isfinite(loss):
+            streak = None
+        elif streak is None:
+            streak = first_step + i + 1
+    if streak is not None:
+        return streak
+    if val_loss is not None and not math.isfinite(val_loss):
+        return final_step
+    return None
+
+
+def _recent_bpb(history: list[tuple[float, float]], steps: int, bits_per_nat: float) -> float:
+    """Token-weighted training bits per byte over the last tenth of the run's ``steps`` (at
+    least one); ``history`` holds the (loss, real tokens) of the steps before the last, a
+    resumed run's starting with those its checkpoint kept, so a resumed run reports what an
+    uninterrupted one would."""
+    if not history:
+        return float("nan")
+    recent = history[-recent_steps(steps):]
+    loss = sum(l * t for l, t in recent) / max(sum(t for _, t in recent), 1.0)
+    return loss * bits_per_nat

@@ -1,0 +1,186 @@
+"""The run record: what every run directory holds about its run, and reading a trained run back.
+
+A run directory gets ``config.yaml`` and ``command.txt`` (set-up), ``environment.json`` (the
+software and hardware), ``metrics.jsonl``, ``checkpoints/``, ``loss.png`` and, at the end,
+``summary.json``: the ``RunSummary``. ``read_trained_run`` rebuilds a run's model and restores
+its latest checkpoint (``--init-from``, ``experiments.sample``, ``experiments.export``).
+"""
+
+import dataclasses
+import json
+import os
+import sys
+import time
+
+import jax
+from flax import nnx
+
+from jaxaccel import hardware, lora, nn, surgery, techniques
+from jaxaccel.checkpoint import Checkpointer
+from jaxaccel.config import TrainConfig, build, read_config_file
+from jaxaccel.errors import ConfigError
+from jaxaccel.optim import build_optimizer
+from jaxaccel.sharding import format_mesh
+from jaxaccel.state import init_state
+
+
+@dataclasses.dataclass
+class RunSummary:
+    """What one run did and measured (``experiments.train`` prints it; ``--json`` writes it).
+    What each technique did is in ``techniques``, by technique."""
+
+    steps: int
+    steps_this_run: int
+    interrupted: str | None
+    run_dir: str
+    # data
+    batching: str
+    shapes: list
+    real_tokens: int
+    padding_efficiency: float
+    epoch_padding_efficiency: float
+    split_documents: int
+    empty_documents_skipped: int
+    data_wait_s: float
+    # quality
+    train_bpb: float
+    val_loss: float
+    val_bpb: float
+    val_tokens: int
+    unigram_bpb: float
+    # speed and memory
+    real_tokens_per_s: float
+    flops_per_token: float
+    achieved_flops_per_s: float
+    mfu: float | None
+    compiles: int
+    compiles_after_warmup: int
+    compile_s: float
+    eval_compiles: int
+    step_memory_bytes: dict | None
+    peak_memory_bytes: int | None
+    param_opt_bytes_per_device: int
+    optimizer_state_bytes: int
+    wall_s: float
+    train_s: float
+    # the run
+    model: str
+    params: int
+    trainable_params: int
+    precision: str
+    matmul_precision: str
+    loss_scale: float
+    skipped_steps: int
+    optimizer: str
+    learning_rate: float
+    weight_decay: float
+    batch_rows: int
+    accumulate: int
+    sharding: str
+    mesh: dict
+    mesh_axis_types: str
+    process_count: int
+    device: str
+    jax_version: str
+    techniques: dict = dataclasses.field(default_factory=dict)  # what each technique did
+    diverged_at_step: int | None = None  # the first step whose loss was NaN or inf (a failure)
+    inputs_skipped: dict | None = None  # what the corpus source left out, by reason
+    extended_from_steps: int | None = None  # resumed with another length: the earlier one
+    profile: dict | None = None         # --profile: the steps traced and the top operations
+    startup_s: dict | None = None       # seconds of each start-up phase (STARTUP_PHASES)
+    step_alone: dict | None = None      # run.time_step: the step timed alone on the last batches
+    stopped_at: int | None = None       # run.stop_at paused the run at this step (resumable)
+    total_steps: int | None = None      # the run's length in steps (steps: how far it got)
+
+    @classmethod
+    def read(cls, path: str) -> "RunSummary":
+        with open(path) as f:
+            return cls(**json.load(f))
+
+
+def run_environment(mesh_shape: dict) -> dict:
+    """The run record's software and hardware: package versions, devices, processes, host."""
+    import importlib.metadata
+    versions = {}
+    for package in ("jax", "jaxlib", "flax", "optax", "orbax-checkpoint", "numpy"):
+        try:
+            versions[package] = importlib.metadata.version(package)
+        except importlib.metadata.PackageNotFoundError:
+            versions[package] = None
+    return {"versions": versions, "python": sys.version.split()[0],
+            "device": hardware.describe(), "platform": jax.default_backend(),
+            "device_count": jax.device_count(), "process_count": jax.process_count(),
+            "mesh": format_mesh(mesh_shape), "host": os.uname().nodename,
+            "started": time.strftime("%Y-%m-%d %H:%M:%S %Z")}
+
+
+def read_config(run_dir: str, field: str = "run.init_from") -> TrainConfig:
+    """A run directory's resolved config (``config.yaml``); one line naming ``field`` if it is
+    not a readable run directory."""
+    try:
+        return build(TrainConfig, read_config_file(os.path.join(run_dir, "config.yaml")))
+    except ConfigError as e:
+        raise ConfigError(f"{run_dir} is not a readable run directory ({e}); pass the run_dir "
+                          f"of a trained run", field=field) from None
+
+
+def read_trained_run(run_dir: str, field: str = "run.init_from"):
+    """``(config, model, step)`` of a run directory: its ``config.yaml`` and the model it trained
+    (every technique applied, at its final depth) holding the variables of its latest
+    checkpoint."""
+    trained = read_config(run_dir, field)
+    optimizer, _, _ = build_optimizer(trained.optimizer, batch_rows=trained.batch_rows(),
+                                      total_steps=trained.run.steps)
+    abstract_model = techniques.abstract(trained)
+    graphdef = nnx.graphdef(abstract_model)
+    variables = nnx.state(abstract_model)
+    template = jax.eval_shape(lambda v: init_state(
+        v, optimizer, 0, trained.make_loss_scale(), trained.policy(), nn.trainable(v)),
+        variables)
+    checkpointer = Checkpointer(os.path.join(run_dir, "checkpoints"))
+    try:
+        state, _, step = checkpointer.restore(template, config={})
+    finally:
+        checkpointer.close()
+    return trained, nnx.merge(graphdef, state.params), step
+
+
+def base_weights(run_dir: str, cfg: TrainConfig):
+    """The weights a fine-tune of ``cfg`` starts from: the trained run's model (``run_dir``)
+    with its LoRA merged into the weights and its other layer techniques folded away, as an
+    ``nnx.State`` shaped like ``cfg``'s model before its layer techniques; one clear line if the
+    shapes differ."""
+    from jaxaccel import fp8, sparsity
+    trained_cfg, trained, _ = read_trained_run(run_dir)
+    lora.merge(trained)
+
+    def fold(wrapper):
+        if isinstance(wrapper, sparsity.Sparse):
+            kernel = wrapper.kernel
+            kernel[...] = kernel[...] * wrapper.mask[...].astype(kernel[...].dtype)
+
+    for path, wrapper in surgery.wrappers(trained, (sparsity.Sparse, fp8.Fp8, lora.Adapter)):
+        fold(wrapper)
+        surgery.replace(trained, path, wrapper.base)
+    for _, stack in nn.stacks(trained):
+        stack.unscan()
+        stack.transforms = nnx.List([])
+    base = techniques.abstract(_untuned(cfg))
+    want = jax.tree.map(lambda x: (x.shape, str(x.dtype)), nnx.state(base))
+    have = nnx.state(trained)
+    got = jax.tree.map(lambda x: (x.shape, str(x.dtype)), have)
+    if jax.tree.structure(want) != jax.tree.structure(got) or \
+            jax.tree.leaves(want) != jax.tree.leaves(got):
+        raise ConfigError(f"init_from={run_dir} trained another model shape (its model "
+                          f"{trained_cfg.model.name}); use the same model settings as that run",
+                          field="run.init_from")
+    return have
+
+
+def _untuned(cfg: TrainConfig) -> TrainConfig:
+    """``cfg`` without the layer and block techniques: the model a fine-tune loads weights into."""
+    from jaxaccel.config import override
+    return override(cfg, {"lora.rank": 0, "adapters.dim": 0, "sparsity.pattern": "none",
+                          "precision.policy": "fp32", "remat.policy": "none",
+                          "remat.scan_layers": False, "stochastic_depth.rate": 0.0,
+                          "token_drop.keep": 1.0})

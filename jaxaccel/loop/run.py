@@ -1,0 +1,325 @@
+"""Phase 3 of a run, run: the steps, metrics, periodic evaluation and checkpoints, stopping on
+signals; and growing the model between progressive-stacking stages."""
+
+import collections
+import contextlib
+import dataclasses
+import os
+import signal
+import time
+
+import jax
+import numpy as np
+
+from jaxaccel import profiling, stacking
+from jaxaccel.config import to_dict
+from jaxaccel.data import batches
+from jaxaccel.loader import DevicePrefetcher, place_batch
+from jaxaccel.loop.console import LineProgress, announce, log_window, progress_bar
+from jaxaccel.loop.setup import Setup, make_params, open_stream, stage_model
+from jaxaccel.metrics import MetricsWriter, truncate_metrics
+from jaxaccel.sharding import param_shardings, parse_axis_rules
+from jaxaccel.state import abstract_sharded_state
+from jaxaccel.trackers import open_trackers, parse as tracker_names
+
+
+@dataclasses.dataclass
+class Progress:
+    state: object
+    first_step: int
+    totals: dict                # real tokens and token positions of the run's global batches
+    history: list               # (loss, real tokens) per step
+    train_s: float
+    data_wait_s: float
+    interrupted: str | None
+    writer: MetricsWriter
+    position: dict              # the loader's position after the last step
+    profile: object = None      # --profile's ProfileReport, once its window has run
+    recent_batches: list = dataclasses.field(default_factory=list)  # run.time_step's batches
+
+
+def run_steps(run: Setup, steps, should_stop=None, previous: Progress | None = None,
+              wall_start: float | None = None) -> Progress:
+    """Train from the state's step to the end of the run, or of its progressive-stacking
+    stage; ``previous`` is the progress of the stages before, which this one continues. The
+    run's first step is waited for once, to time the start-up (``run.startup``) from
+    ``wall_start`` (when ``train`` began)."""
+    cfg = run.cfg
+    state = run.state
+    train_bits = run.corpus.bits_per_byte(1.0, "train")    # bits per byte of a nat per token
+    start = int(state.step)
+    end = min(stacking.stage_end(start, run.total_steps, run.stack_ends), run.stop_step)
+    if previous is None:
+        dropped = (truncate_metrics(os.path.join(run.run_dir, "metrics.jsonl"), start)
+                   if cfg.run.resume and jax.process_index() == 0 else 0)
+        if dropped:
+            announce(cfg, f"metrics.jsonl: {dropped} record(s) after the checkpoint of step "
+                          f"{start} removed (they are trained again)")
+        trackers = (open_trackers(tracker_names(cfg.run.trackers), run.run_dir,
+                                  config=to_dict(cfg), project=cfg.run.wandb_project,
+                                  wandb_mode=cfg.run.wandb_mode)
+                    if jax.process_index() == 0 else [])
+        writer = MetricsWriter(run.run_dir, jax.process_index(), trackers=trackers)
+        first_step, history, totals = start, [], {"real": 0, "positions": 0}
+    else:
+        writer, first_step = previous.writer, previous.first_step
+        history, totals = previous.history, previous.totals
+    watch = Stopwatch(previous.train_s if previous else 0.0)
+    window = []         # the metrics of the steps since the last log step, not yet fetched
+    late = []           # the last log step and its window: fetched at the next log step
+    interrupted = None
+    feed = DevicePrefetcher(run.stream, sharding=run.batch_layout, depth=cfg.data.prefetch)
+    progress = progress_bar(run.total_steps, first_step, cfg.run.progress)
+
+    sampler = getattr(run.stream, "sampler", None)      # importance sampling's score table
+    recent = collections.deque(maxlen=cfg.run.time_step)    # the batches step_alone replays
+    profiler = (profiling.StepProfiler(profiling.parse_window(cfg.run.profile),
+                                       os.path.join(run.run_dir, "profile"))
+                if cfg.run.profile is not None else None)
+
+    def position():
+        """The loader's position after the last step, the sampler's scores with it."""
+        if sampler is None:
+            return feed.position
+        sampler.flush()
+        return {**feed.position, "sampler": sampler.state()}
+
+    def log_late():
+        """Write the window of the log step before: fetching it then waits for a step the
+        device finished long ago (or, if the host ran far ahead, for one with later steps
+        queued behind it), so the device's queue never drains at a log step. The seconds are
+        those when its last step's metrics arrived."""
+        if late:
+            step, metrics = late.pop()
+            jax.block_until_ready(metrics[-1])
+            history.extend(log_window(writer, step, metrics, totals, watch.elapsed(),
+                                       progress, train_bits))
+
+    def save(step):
+        log_late()
+        pending = [(float(loss), float(tokens)) for loss, tokens in
+                   jax.device_get([(m["loss"], m["real_tokens"]) for m in window])]
+        kept = (run.restored_history + history + pending)[-recent_steps(run.total_steps):]
+        run.checkpointer.save(step, state, loader_position=position(),
+                              config=run.resume_config, history=kept)
+
+    watch.start()
+    with stop_on_signals() as received:
+        for step in range(start, end):
+            batch, _ = next(feed)
+            recent.append(batch)
+            if profiler is not None:
+                profiler.before(step, state)
+            state, metrics = steps.train(state, batch)
+            if profiler is not None:
+                profiler.after(step, state)
+            if previous is None and step == start and wall_start is not None:
+                _time_first_step(run, metrics, wall_start, progress)
+            if sampler is not None:
+                sampler.submit(step, metrics)
+            window.append(metrics)
+            done = step + 1
+            if done % max(cfg.run.log_every, 1) == 0 or done == run.total_steps:
+                log_late()
+                late.append((done, window))
+                window = []
+            if cfg.run.eval_every and done % cfg.run.eval_every == 0 and done < run.total_steps:
+                watch.pause(state)
+                log_late()
+                loss, tokens = run_eval(run, steps, state, writer, done, cfg.run.eval_batches)
+                announce(cfg, f"eval at step {done}: loss {loss:.4f}, "
+                              f"{run.corpus.bits_per_byte(loss):.3f} bits per byte over "
+                              f"{tokens:,} tokens",
+                         progress)
+                watch.start()
+            stop = received.get("signum") or (should_stop is not None and should_stop(done)
+                                              and STOP_REQUESTED)
+            if jax.process_count() > 1:     # every process stops at the same step, or none
+                at_log = done % max(cfg.run.log_every, 1) == 0 or done == end
+                stop = agreed_stop(stop) if at_log else None
+            if (cfg.run.checkpoint_every and done % cfg.run.checkpoint_every == 0) or stop:
+                watch.pause(state)
+                save(done)
+                watch.start()
+            if stop:
+                interrupted = ("requested" if stop == STOP_REQUESTED
+                               else signal.Signals(stop).name)
+                break
+        watch.pause(state)
+        log_late()
+        if window:
+            history += log_window(writer, int(state.step), window, totals, watch.seconds,
+                                   progress, train_bits)
+        save(int(state.step))
+    final_position = position()
+    if profiler is not None:
+        profiler.close()
+    if sampler is not None:
+        sampler.close()
+    feed.close()
+    if progress is not None:
+        progress.close()
+    waited = feed.wait_seconds + (previous.data_wait_s if previous else 0.0)
+    report = (profiler.report if profiler is not None else None) or (
+        previous.profile if previous is not None else None)
+    return Progress(state, first_step, totals, history, watch.seconds, waited, interrupted,
+                    writer, final_position, report, list(recent))
+
+
+STOP_REQUESTED = -1      # ``should_stop`` asked for the stop (a signal: its number)
+
+
+def agreed_stop(local: int | None) -> int | None:
+    """The stop every process of a multi-process run agrees on, from each one's ``local``
+    reason (a signal number, ``STOP_REQUESTED`` or None): a signal any process received (the
+    highest number), else a requested stop, else None. A collective over the processes, so
+    all call it at the same steps: the log steps, where the loop waits for the device anyway.
+    SIGTERM to one host (a preemption notice) thus stops every host at the same step with a
+    checkpoint, as JAX's preemption sync point would, and SIGINT likewise."""
+    from jax.experimental import multihost_utils
+
+    codes = np.asarray(multihost_utils.process_allgather(np.int32(local or 0))).reshape(-1)
+    if (codes > 0).any():
+        return int(codes.max())
+    return STOP_REQUESTED if (codes == STOP_REQUESTED).any() else None
+
+
+def grow_run(run: Setup, progress: Progress) -> Setup:
+    """The next progressive-stacking stage: the model twice as deep, its state grown from the
+    trained one (``stacking.grow``), the loader continuing from its position."""
+    from jaxaccel import nn
+    from jaxaccel.loop.compile import plan_remat
+    cfg = run.cfg
+    old_depth = run.stages[-1][1]
+    depth = 2 * old_depth
+    model = stage_model(cfg, None if depth == run.full_layers else depth)
+    state, shardings = abstract_sharded_state(
+        make_params(cfg, depth), run.optimizer, cfg.run.seed, cfg.make_loss_scale(), run.mesh,
+        cfg.policy(), axis_rules=parse_axis_rules(cfg.mesh.axis_rules))
+    stack_path = nn.the_stack(model, "progressive stacking")[0]
+    state = jax.device_put(stacking.grow(progress.state, state, old_depth, stack_path),
+                           shardings)
+    stream = open_stream(cfg, run.corpus.train, run.stream_args, progress.position)
+    plan = run.plan
+    if cfg.run.memory_budget is not None:
+        cfg, model, plan = plan_remat(cfg, model, depth, run.optimizer, state, stream,
+                                      run.batch_layout)
+    progress.writer.write(int(state.step), "stack", {"n_layers": depth})
+    return dataclasses.replace(run, cfg=cfg, model=model, state=state, shardings=shardings,
+                               stream=stream, plan=plan,
+                               stages=[*run.stages, [int(state.step), depth]])
+
+
+def run_eval(run: Setup, steps, state, writer, step: int, max_batches):
+    """Evaluate on the validation split and log it; (mean loss in nats, tokens)."""
+    loss, tokens = evaluate(steps.eval, state, run.corpus.val, seq_len=run.cfg.seq_len,
+                            batch_size=run.eval_batch_size, max_batches=max_batches,
+                            sharding=run.batch_layout)
+    writer.write(step, "eval", {"loss": loss, "bpb": run.corpus.bits_per_byte(loss),
+                                "tokens": tokens})
+    return loss, tokens
+
+
+def evaluate(eval_step, state, documents, *, seq_len: int, batch_size: int,
+             max_batches: int | None = None, sharding=None) -> tuple[float, int]:
+    """Mean loss in nats per target token over the documents (in order), and the token count.
+
+    With ``max_batches`` only that many batches count, spread evenly over the split (the same
+    ones every time), so a partial evaluation samples all of it rather than its first files.
+    Each process makes its own rows of every batch; ``sharding`` lays the global batch out.
+    """
+    def fixed_batches():
+        return batches(documents, strategy="fixed", seq_len=seq_len, batch_size=batch_size,
+                       shuffle=False, process_index=jax.process_index(),
+                       process_count=jax.process_count())
+
+    chosen = None
+    if max_batches:
+        count = sum(1 for _ in fixed_batches())
+        chosen = set(np.linspace(0, count - 1, min(max_batches, count)).round().astype(int))
+    loss_sum, weight_sum = 0.0, 0.0
+    for i, batch in enumerate(fixed_batches()):
+        if chosen is not None and i not in chosen:
+            continue
+        sums = eval_step(state, place_batch(batch, sharding))
+        loss_sum, weight_sum = loss_sum + sums["loss_sum"], weight_sum + sums["weight_sum"]
+    loss_sum, weight_sum = jax.device_get((loss_sum, weight_sum))
+    return float(loss_sum) / max(float(weight_sum), 1.0), int(weight_sum)
+
+
+@contextlib.contextmanager
+def stop_on_signals():
+    """Turn the first SIGINT/SIGTERM into a request to stop; a second SIGINT interrupts at once."""
+    received = {}
+
+    def handler(signum, frame):
+        if signum == signal.SIGINT and received:
+            raise KeyboardInterrupt
+        received.setdefault("signum", signum)
+
+    previous = {s: signal.signal(s, handler) for s in (signal.SIGINT, signal.SIGTERM)}
+    try:
+        yield received
+    finally:
+        for s, h in previous.items():
+            signal.signal(s, h)
+
+
+class Stopwatch:
+    """Seconds of training only: paused around evaluation and checkpoints."""
+
+    def __init__(self, seconds: float = 0.0):
+        self.seconds, self._start = seconds, None
+
+    def start(self):
+        self._start = time.perf_counter()
+
+    def pause(self, *pending):
+        jax.block_until_ready(pending)
+        self.seconds = self.elapsed()
+        self._start = None
+
+    def elapsed(self) -> float:
+        running = time.perf_counter() - self._start if self._start is not None else 0.0
+        return self.seconds + running
+
+
+def _time_first_step(run: Setup, metrics, began: float, progress):
+    """Wait for the run's first step; record and announce the start-up phases' seconds."""
+    before = time.perf_counter()
+    jax.block_until_ready(metrics)
+    now = time.perf_counter()
+    startup = run.startup
+    startup["first_step"] = now - before
+    startup["to_first_step"] = now - began
+    age = _process_age()
+    if age is not None:
+        startup["command_to_first_step"] = age
+    announce(run.cfg, "start-up: " + ", ".join(
+        f"{name.replace('_', ' ')} {startup[name]:.1f} s" for name in STARTUP_PHASES
+        if name in startup), progress)
+
+
+# The start-up phases, in order: set-up before the corpus (mesh, distributed), corpus, the
+# sharded initialisation, compiling the steps, the first step (dispatch to its result), train()
+# to the first step's result, and the process's start (imports included) to it.
+STARTUP_PHASES = ("before_set_up", "corpus", "init", "compile", "first_step", "to_first_step",
+                  "command_to_first_step")
+
+
+def _process_age() -> float | None:
+    """Seconds since this process started (Linux /proc), None where that is not known."""
+    try:
+        with open("/proc/self/stat") as f:
+            start_ticks = int(f.read().rpartition(")")[2].split()[19])
+        with open("/proc/uptime") as f:
+            uptime = float(f.read().split()[0])
+        return uptime - start_ticks / os.sysconf("SC_CLK_TCK")
+    except (OSError, ValueError, IndexError):
+        return None
+
+
+def recent_steps(steps: int) -> int:
+    """How many of a run's last steps its train bits per byte covers: the last tenth, at least
+    one (the checkpoints keep that many steps' losses)."""
+    return max(1, steps // 10)

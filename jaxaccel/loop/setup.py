@@ -1,0 +1,278 @@
+"""Phase 1 of a run, set-up: the run directory, the data, the optimizer, the model's sharded
+state (with every technique applied), the checkpoint (restored on resume)."""
+
+import dataclasses
+import glob
+import math
+import os
+import shlex
+import shutil
+import sys
+import time
+
+import jax
+from flax import nnx
+
+from jaxaccel import nn, stacking, techniques
+from jaxaccel.checkpoint import Checkpointer
+from jaxaccel.config import check_json_outputs, check_writable, field_value, override, \
+    stop_step, to_dict, write_config
+from jaxaccel.corpus import corpus_of
+from jaxaccel.data import DataStream
+from jaxaccel.errors import ConfigError
+from jaxaccel.loop.console import announce
+from jaxaccel.loop.record import base_weights, run_environment
+from jaxaccel.optim import build_optimizer
+from jaxaccel.report import dump_json
+from jaxaccel.sampling import SampledStream, lag as sampling_lag
+from jaxaccel.sharding import batch_shards, batch_sharding, format_mesh, param_shardings, \
+    parse_axis_rules
+from jaxaccel.state import init_sharded_state
+
+RUNS_ROOT = "runs"
+# Sections and fields a resumed run must share with its checkpoint: they shape the state, the
+# data order or the optimizer's trajectory, so changing them would silently break the run.
+RESUME_SECTIONS = ("model", "gpt", "optimizer", "precision", "init", "remat", "stochastic_depth",
+                   "token_drop", "lora", "adapters", "sparsity", "fp8", "stacking")
+RESUME_FIELDS = ("data.path", "data.batching", "run.seed", "run.init_from", "data.sampling",
+                 "data.sampling_power", "data.sampling_floor", "mesh.axis_rules")
+
+
+@dataclasses.dataclass
+class Setup:
+    cfg: object                 # remat.policy as the memory budget chose it
+    mesh: object
+    mesh_shape: dict
+    run_dir: str
+    corpus: object
+    stream: object
+    total_steps: int
+    optimizer: object
+    schedule: object
+    hyperparameters: dict
+    model: object               # the model of this stage, abstract: its graph and variables
+    state: object
+    shardings: object
+    batch_layout: object
+    plan: object
+    resume_config: dict
+    checkpointer: Checkpointer
+    eval_batch_size: int
+    stream_args: dict
+    full_layers: int | None     # the stack's depth when every stacking stage has grown
+    stack_ends: list            # the steps where progressive stacking doubles the depth
+    stop_step: int              # the step this invocation ends at: run.stop_at, else the last
+    stages: list                # [first step, depth] of each stage this run has trained
+    extended_from_steps: int | None = None  # a resumed run given another length: the old one
+    startup: dict = dataclasses.field(default_factory=dict)  # seconds of each start-up phase
+    restored_history: list = dataclasses.field(default_factory=list)  # (loss, real tokens) of
+                                # the steps just before the checkpoint resumed from (its meta)
+
+
+def stage_model(cfg, depth: int | None):
+    """The abstract model of a progressive-stacking stage of ``depth`` blocks (None: whole)."""
+    return techniques.abstract(cfg, depth=depth)
+
+
+def make_params(cfg, depth: int | None):
+    """``make(key, *base) -> nnx.State``: the model's variables built from ``key`` (with a
+    trained run's weights ``base`` when fine-tuning)."""
+    def make(key, *base):
+        return nnx.state(techniques.build(cfg, key, depth=depth,
+                                          base_state=base[0] if base else None))
+    return make
+
+
+def set_up(cfg, mesh, mesh_shape, full_model) -> Setup:
+    multiple = batch_shards(mesh_shape) * cfg.optimizer.accumulate
+    if cfg.data.batch_size is not None and cfg.data.batch_size % multiple:
+        raise ConfigError(
+            f"batch_size={cfg.data.batch_size} does not split over the mesh's data x fsdp axes "
+            f"({batch_shards(mesh_shape)} parts, {format_mesh(mesh_shape)}) times accumulate="
+            f"{cfg.optimizer.accumulate}; pass a batch size that is a multiple of {multiple}",
+            field="data.batch_size")
+    began = time.perf_counter()
+    run_dir = resolve_run_dir(cfg)
+    corpus = corpus_of(cfg.data)
+    startup = {"corpus": time.perf_counter() - began}
+    if corpus.tokenizer.vocab_size > cfg.model.vocab_size:
+        raise ConfigError(f"tokenizer {cfg.data.tokenizer} has {corpus.tokenizer.vocab_size} "
+                          f"ids, more than the model's vocab_size={cfg.model.vocab_size}; build "
+                          f"the config with config.build, which sets vocab_size from the "
+                          f"tokenizer", field="model.vocab_size")
+    os.makedirs(run_dir, exist_ok=True)
+    if jax.process_index() == 0:
+        corpus.tokenizer.save(run_dir)          # the run keeps the tokenizer it trains with
+
+    stream_args = stream_settings(cfg, multiple)
+    stream = open_stream(cfg, corpus.train, stream_args)
+    total_steps = cfg.run.steps
+    if cfg.run.train_tokens is not None:
+        total_steps = max(1, math.ceil(cfg.run.train_tokens
+                                       / stream.stats["real_tokens_per_batch"]))
+    optimizer, schedule, hyperparameters = build_optimizer(
+        cfg.optimizer, batch_rows=cfg.batch_rows(), total_steps=total_steps)
+    # Before any work: where this invocation stops, and a profile window within its steps.
+    resumed = max(_saved_steps(run_dir), default=0) if cfg.run.resume else 0
+    stop = (stop_step(cfg.run.stop_at, total_steps, resumed) if cfg.run.stop_at is not None
+            else total_steps)
+    if cfg.run.profile is not None:
+        from jaxaccel import profiling
+        profiling.check_window(cfg.run.profile, resumed, stop)
+    checkpointer = Checkpointer(os.path.join(run_dir, "checkpoints"),
+                                max_to_keep=cfg.run.keep_checkpoints,
+                                keep_period=cfg.run.keep_every_steps,
+                                asynchronous=cfg.run.async_checkpoint)
+    stages, full_layers, depth = cfg.stacking.stages, None, None
+    stack_ends = stacking.boundaries(total_steps, stages, cfg.stacking.at)
+    if stages > 1:
+        full_layers = len(nn.the_stack(full_model, "progressive stacking")[1])
+        first_step = (checkpointer.latest_step() or 0) if cfg.run.resume else 0
+        depth = stacking.depth_at(first_step, full_layers, stages, stack_ends)
+    model = full_model if depth in (None, full_layers) else stage_model(cfg, depth)
+    begin = time.perf_counter()
+    base = ()
+    if cfg.run.init_from is not None and not cfg.run.resume:
+        weights = base_weights(cfg.run.init_from, cfg)
+        base = (jax.device_put(weights, param_shardings(mesh, weights, _rules(cfg))),)
+    state, shardings = init_sharded_state(make_params(cfg, depth), optimizer, cfg.run.seed,
+                                          cfg.make_loss_scale(), mesh, cfg.policy(),
+                                          axis_rules=_rules(cfg), args=base)
+    jax.block_until_ready(state)
+    startup["init"] = time.perf_counter() - begin
+    batch_layout = batch_sharding(mesh)
+    plan = None
+    full_cfg = cfg
+    if cfg.run.memory_budget is not None:
+        from jaxaccel.loop.compile import plan_remat
+        cfg, model, plan = plan_remat(cfg, model, depth, optimizer, state, stream, batch_layout)
+    resume_config = {**resume_settings(full_cfg, stream_args, total_steps, multiple),
+                     "data.corpus_fingerprint": corpus.fingerprint}
+    extended_from = None
+    if cfg.run.resume:
+        state, position, restored = checkpointer.restore(state, config=resume_config,
+                                                         may_differ=("run.steps",))
+        saved_steps = checkpointer.saved_config.get("run.steps", total_steps)
+        if saved_steps != total_steps:
+            if total_steps < restored:
+                raise ConfigError(f"steps={total_steps} is below the checkpoint's step "
+                                  f"{restored}; resume with at least that many steps",
+                                  field="run.steps")
+            extended_from = saved_steps
+            announce(cfg, f"the run's length changes from {saved_steps} to {total_steps} "
+                          f"steps: the learning-rate schedule follows the new length")
+        stream = open_stream(cfg, corpus.train, stream_args, position)
+    if jax.process_index() == 0:
+        write_config(override(full_cfg, {"run.stop_at": None}), run_dir,
+                     shlex.join(sys.orig_argv))     # a pause is not the run's setting
+        dump_json(os.path.join(run_dir, "environment.json"), run_environment(mesh_shape))
+    eval_multiple = math.lcm(batch_shards(mesh_shape) * eval_microbatches(cfg),
+                             jax.process_count())
+    eval_batch_size = cfg.run.eval_batch_size or cfg.batch_rows()
+    eval_batch_size = -(-eval_batch_size // eval_multiple) * eval_multiple
+    depth_now = len(nn.the_stack(model, "")[1]) if nn.stacks(model) else None
+    return Setup(cfg, mesh, mesh_shape, run_dir, corpus, stream, total_steps, optimizer,
+                 schedule, hyperparameters, model, state, shardings, batch_layout, plan,
+                 resume_config, checkpointer, eval_batch_size, stream_args, full_layers,
+                 stack_ends, stop, [[int(state.step), depth_now]], extended_from,
+                 restored_history=checkpointer.saved_history if cfg.run.resume else [],
+                 startup=startup)
+
+
+def _rules(cfg):
+    return parse_axis_rules(cfg.mesh.axis_rules)
+
+
+def eval_microbatches(cfg) -> int:
+    """Microbatches of an evaluation batch: the pipeline's (``accumulate``) with a pp strategy,
+    else 1 (the whole batch at once)."""
+    from jaxaccel.sharding import pipelined
+    return cfg.optimizer.accumulate if pipelined(cfg.mesh.strategy) else 1
+
+
+def resolve_run_dir(cfg) -> str:
+    """The run directory: the given one, the latest run (on resume) or a new timestamped one."""
+    run_dir, resume = cfg.run.run_dir, cfg.run.resume
+    if run_dir is not None:
+        remove_unfinished_checkpoints(os.path.join(run_dir, "checkpoints"), cfg)
+        if _saved_steps(run_dir) and not resume:
+            raise ConfigError(f"run dir {run_dir} already holds checkpoints; set resume to "
+                              f"continue it or choose another run_dir", field="run.resume")
+        return run_dir
+    if resume:
+        earlier = sorted(glob.glob(os.path.join(RUNS_ROOT, "train-*", "checkpoints", "*")))
+        if not earlier:
+            raise ConfigError(f"resume found no earlier run under {RUNS_ROOT}/; pass its run_dir",
+                              field="run.run_dir")
+        return os.path.dirname(os.path.dirname(earlier[-1]))
+    run_dir = os.path.join(RUNS_ROOT, time.strftime("train-%Y%m%d-%H%M%S"))
+    suffix = 1
+    while os.path.exists(run_dir):
+        run_dir = os.path.join(RUNS_ROOT, time.strftime("train-%Y%m%d-%H%M%S") + f"-{suffix}")
+        suffix += 1
+    return run_dir
+
+
+def _listdir(path: str) -> list[str]:
+    return os.listdir(path) if os.path.isdir(path) else []
+
+
+def _saved_steps(run_dir: str) -> list[int]:
+    """The steps of the finished checkpoints in ``run_dir`` (read without creating anything)."""
+    return [int(name) for name in _listdir(os.path.join(run_dir, "checkpoints"))
+            if name.isdigit()]
+
+
+def remove_unfinished_checkpoints(directory: str, cfg):
+    """Delete the temporary directories of checkpoints a run did not finish writing (killed,
+    or a full disk), with a note: they are not checkpoints, and would keep the run from
+    starting again or resuming."""
+    if jax.process_index() != 0:
+        return
+    for name in _listdir(directory):
+        if ".orbax-checkpoint-tmp" in name:
+            shutil.rmtree(os.path.join(directory, name), ignore_errors=True)
+            announce(cfg, f"removed {os.path.join(directory, name)}: a checkpoint that was not "
+                          f"finished")
+
+
+def check_outputs(cfg):
+    """ConfigError, before any work, for an output location this run cannot write: the run
+    directory (or the nearest folder it would be made in) and the ``--json`` file's folder."""
+    check_writable("run.run_dir", cfg.run.run_dir or RUNS_ROOT, may_create=True)
+    check_json_outputs(cfg)
+
+
+def stream_settings(cfg, multiple: int) -> dict:
+    """``DataStream``'s keyword arguments for this process; batches split into ``multiple``."""
+    return dict(strategy=cfg.data.batching, seq_len=cfg.seq_len, seed=cfg.run.seed,
+                process_index=jax.process_index(), process_count=jax.process_count(),
+                data_parallel=multiple, **cfg.batching_options())
+
+
+def open_stream(cfg, documents, stream_args: dict, position: dict | None = None):
+    """The training stream from ``position``: a ``DataStream``, or with ``data.sampling`` an
+    importance-sampled one (``jaxaccel.sampling.SampledStream``)."""
+    if cfg.data.sampling == "uniform":
+        return DataStream(documents, position=position, **stream_args)
+    d = cfg.data
+    return SampledStream(documents, position=position, sampling=d.sampling,
+                         power=d.sampling_power, floor=d.sampling_floor,
+                         lag=sampling_lag(d.prefetch), **stream_args)
+
+
+def resume_settings(cfg, stream_args: dict, total_steps: int, multiple: int) -> dict:
+    """The settings a checkpoint records and a resumed run must match, by field path."""
+    settings = {f"{section}.{name}": value for section, fields in to_dict(cfg).items()
+                if section in RESUME_SECTIONS for name, value in fields.items()}
+    settings.update({path: field_value(cfg, path) for path in RESUME_FIELDS})
+    if cfg.stacking.stages > 1:
+        settings["stacking.at"] = stacking.boundaries(total_steps, cfg.stacking.stages,
+                                                      cfg.stacking.at)
+    settings.update({f"data.{k}": v for k, v in cfg.batching_options().items()},
+                    **{"data.seq_len": stream_args["seq_len"], "run.steps": total_steps})
+    if cfg.data.sampling != "uniform":          # the sampler's lag follows the prefetch depth
+        settings["data.prefetch"] = cfg.data.prefetch
+    if cfg.data.tokens_per_batch is not None:   # token budgets round batches to this multiple
+        settings["data.batch_multiple"] = math.lcm(multiple, jax.process_count())
+    return settings

@@ -1,0 +1,392 @@
+"""What a model offers jaxaccel, and what its blocks may ask of the step that runs them.
+
+A model is a flax ``nnx.Module`` that maps token ids to logits:
+
+    model(inputs_BT, positions=positions_BT, segment_ids=segment_ids_BT) -> logits [B, T, V]
+
+It declares its transformer blocks one way: it holds them in a ``Stack`` and calls the stack once,
+with the hidden states and the per-token arrays its blocks read:
+
+    self.blocks = nn.Stack([Block(...) for _ in range(n_layers)])
+    ...
+    x_BTD = self.blocks(x_BTD, positions=positions_BT, segment_ids=segment_ids_BT)
+
+The stack calls ``block(x_BTD, **token_args) -> x_BTD`` for each block in turn. Every keyword
+argument is None or an array whose first two dimensions are the batch's rows and tokens: a block
+technique may then run a block on some rows (stochastic depth) or some tokens (token dropping)
+by gathering them. ``segment_ids`` (0 on padding) is the one argument a technique reads by name.
+
+Block techniques act on the stack, not on the model's code: ``jaxaccel.remat`` scans it
+(``Stack.scan``: the blocks' variables stacked on a leading layer axis, one ``lax.scan``) and
+checkpoints each block under a policy; ``stochastic_depth`` and ``token_drop`` add a
+``BlockTransform``; ``stacking`` grows it; ``pipeline`` runs slices of it on pipeline stages.
+
+A step tells the blocks what they may need through ``step(...)``, a context the runtime sets
+around the model's call: the step's PRNG key (None in evaluation) and the batch. A block that
+draws random numbers (dropout) takes ``layer_key()``, the step's key folded with its layer index;
+``nnx.Dropout`` layers need nothing: their streams are reseeded from the same key.
+
+Tags: a model names the intermediate tensors that remat policies may keep with ``tag(x, name)``
+(``jax.ad_checkpoint.checkpoint_name``). The names ``jaxaccel.remat``'s policies use are
+``TAGS``; a model may use others with a policy of its own (``remat.save(...)``).
+
+Technique state that is not a trained weight is a ``Buffer`` (FP8's amax histories, N:M masks,
+token dropping's running losses): the optimizer never sees it, the step updates it through the
+``update`` hook of the module that owns it, and an ``Observation`` buffer's cotangent is what the
+backward pass observed (FP8's amaxes) rather than a gradient.
+"""
+
+import contextlib
+import contextvars
+import dataclasses
+from typing import Any, Callable
+
+import jax
+import jax.numpy as jnp
+from flax import nnx
+from jax.ad_checkpoint import checkpoint_name
+
+# The tensors jaxaccel's remat policies name (jaxaccel.remat), and their shapes in its GPT.
+QUERY = "query"                   # q after the rotary embedding, [B, T, H, E]
+KEY = "key"                       # k after the rotary embedding, [B, T, K, E]
+VALUE = "value"                   # v, [B, T, K, E]
+ATTENTION_OUT = "attention_out"   # attention's output before the output projection
+MLP_IN = "mlp_in"                 # the MLP's first matmul, [B, T, F]
+MLP_GATE = "mlp_gate"             # SwiGLU's gate matmul, [B, T, F]
+TAGS = (QUERY, KEY, VALUE, ATTENTION_OUT, MLP_IN, MLP_GATE)
+
+
+def tag(x, name: str):
+    """``x`` named ``name`` for remat policies (``jax.ad_checkpoint.checkpoint_name``)."""
+    return checkpoint_name(x, name)
+
+
+class Buffer(nnx.Variable):
+    """State a technique keeps beside the weights: checkpointed, sharded and grown with them,
+    never trained; the module that owns it updates it after each step (``Updated``)."""
+
+
+class Observation(Buffer):
+    """A buffer whose cotangent, in the backward pass, is an observation (FP8's amaxes) that its
+    module's ``update`` receives, not a gradient."""
+
+
+class Tuned(nnx.Param):
+    """A weight a fine-tuning technique adds (adapters). A model that holds any, or flax's
+    ``nnx.LoRAParam``, trains only those (``trainable``)."""
+
+
+def trainable(state):
+    """The filter of what trains in a model's state: its ``Tuned`` and ``nnx.LoRAParam``
+    variables when it holds any (a fine-tune: every other weight is frozen), else every
+    ``nnx.Param``. Buffers are never trained."""
+    tuned = (Tuned, nnx.LoRAParam)
+    leaves = jax.tree.leaves(state, is_leaf=lambda x: isinstance(x, nnx.Variable))
+    return nnx.Any(*tuned) if any(isinstance(v, tuned) for v in leaves) else nnx.Param
+
+
+class Updated:
+    """A module whose buffers the step updates after the optimizer's update.
+
+    ``loss_stats(logits_BTV, batch) -> dict`` (optional) adds statistics of the batch, summed
+    over microbatches, that ``update`` receives as ``stats``; ``update(step, stats, observed)``
+    changes the module's buffers in place (``observed``: the cotangents of its ``Observation``
+    buffers, a State shaped like them, or None)."""
+
+    def loss_stats(self, logits_BTV, batch):
+        return None
+
+    def update(self, step, stats, observed):
+        raise NotImplementedError
+
+
+def updated_modules(model) -> list[tuple[tuple, "Updated"]]:
+    return [(p, n) for p, n in nnx.iter_graph(model) if isinstance(n, Updated)]
+
+
+def loss_stats(model):
+    """``stats(state, logits_BTV, batch) -> {path: stats}`` of the ``Updated`` modules of
+    ``model`` (abstract or not; the loss's ``aux["buffer_stats"]``), or None when none gives
+    any."""
+    if not any(type(m).loss_stats is not Updated.loss_stats for _, m in updated_modules(model)):
+        return None
+    graphdef = nnx.graphdef(model)
+
+    def stats(state, logits_BTV, batch):
+        found = {"/".join(map(str, p)): m.loss_stats(logits_BTV, batch)
+                 for p, m in updated_modules(nnx.merge(graphdef, state))}
+        return {k: v for k, v in found.items() if v is not None}
+
+    return stats
+
+
+def updater(model):
+    """``update(state, step, stats) -> state``: every ``Updated`` module's ``update`` run on the
+    state after the optimizer's update (``stats``: ``{"buffer_stats": {path: ...},
+    "observed_max": the Observation buffers' cotangents}``); None when ``model`` (abstract or
+    not) has no such module."""
+    if not updated_modules(model):
+        return None
+    graphdef = nnx.graphdef(model)
+
+    def update(state, step, stats):
+        model = nnx.merge(graphdef, state)
+        observed = stats.get("observed_max")
+        for path, module in updated_modules(model):
+            mine = observed
+            for key in path:
+                mine = mine.get(key) if mine is not None and hasattr(mine, "get") else None
+            module.update(step, stats.get("buffer_stats", {}).get("/".join(map(str, path))),
+                          mine)
+        return nnx.state(model)
+
+    return update
+
+
+# ---------------------------------------------------------------------------------------------
+# The step's context.
+
+@dataclasses.dataclass(frozen=True)
+class Step:
+    """What the runtime tells a model's blocks while it runs: the step's PRNG key (None in
+    evaluation), the batch, and for a pipeline stage which slice of the layers its stack holds
+    (``first_layer`` of ``total_layers``). ``stack`` replaces the stack's run when set
+    (``stack(stack_module, x, token_args)``: how ``jaxaccel.model.parts`` cuts a model at its
+    stack)."""
+
+    key: Any = None
+    batch: Any = None
+    first_layer: int = 0
+    total_layers: int | None = None
+    stack: Callable | None = None
+
+
+_STEP = contextvars.ContextVar("jaxaccel_step", default=Step())
+_LAYER_KEY = contextvars.ContextVar("jaxaccel_layer_key", default=None)
+
+
+@contextlib.contextmanager
+def step(**fields):
+    """Run the model inside this context: ``with nn.step(key=key, batch=batch): model(...)``."""
+    token = _STEP.set(dataclasses.replace(_STEP.get(), **fields))
+    try:
+        yield
+    finally:
+        _STEP.reset(token)
+
+
+def current() -> Step:
+    return _STEP.get()
+
+
+def layer_key():
+    """The PRNG key of the block being run: the step's key folded with the block's layer index
+    (None in evaluation)."""
+    return _LAYER_KEY.get()
+
+
+# ---------------------------------------------------------------------------------------------
+# The stack of blocks.
+
+class BlockTransform(nnx.Module):
+    """A block technique installed on a ``Stack`` (``Stack.add``).
+
+    Per layer, ``variant(layer, total, rows, training)`` is a static choice (stochastic depth's
+    kept rows) and ``wrap(fn, variant, scanned)`` wraps the layer's pure function ``fn(state, x,
+    token_args, index) -> x``; transforms with a lower ``order`` wrap closer to the block.
+    ``span(...)`` and ``run_span(...)`` run a range of layers differently (token dropping)."""
+
+    order = 0
+
+    def variant(self, layer: int, total: int, rows: int, training: bool):
+        return None
+
+    def wrap(self, fn, variant, scanned: bool):
+        return fn
+
+    def span(self, first: int, count: int, total: int, seq_len: int, training: bool):
+        """``(lo, hi)``: the local layers lo .. hi - 1 that ``run_span`` runs, or None."""
+        return None
+
+    def run_span(self, run, x, token_args: dict):
+        """``run(x, token_args)`` (the span's layers) on ``x`` as this technique runs them."""
+        return run(x, token_args)
+
+
+class Stack(nnx.Module):
+    """A model's transformer blocks, run in order by ``stack(x, **token_args)``.
+
+    Unrolled, ``layers`` is an ``nnx.List`` of the blocks; scanned (``scan``), one block module
+    whose variables are stacked on a leading layer axis. ``transforms`` are the block techniques
+    installed on it."""
+
+    def __init__(self, blocks):
+        blocks = list(blocks)
+        if not blocks:
+            raise ValueError("a Stack needs at least one block")
+        self.layers = nnx.List(blocks)
+        self.scanned = False
+        self.transforms = nnx.List([])
+
+    def __len__(self) -> int:
+        if self.scanned:
+            return jax.tree.leaves(nnx.state(self.layers))[0].shape[0]
+        return len(self.layers)
+
+    def blocks(self) -> list:
+        """The blocks as modules (a scanned stack's, sliced out of its stacked variables)."""
+        if not self.scanned:
+            return list(self.layers)
+        graphdef, state = nnx.split(self.layers)
+        return [nnx.merge(graphdef, jax.tree.map(lambda a, i=i: a[i], state))
+                for i in range(len(self))]
+
+    def add(self, transform: BlockTransform):
+        """Install a block technique (``BlockTransform``)."""
+        self.transforms.append(transform)
+
+    def scan(self):
+        """Stack the blocks' variables on a leading layer axis, so that one ``lax.scan`` runs them
+        (XLA compiles one block instead of n); the blocks must share one structure. Each
+        variable is marked ``stacked`` (metadata): its first dimension is the layers'."""
+        if self.scanned:
+            return
+        blocks = list(self.layers)
+        graphdef, _ = nnx.split(blocks[0])
+        states = [nnx.state(b) for b in blocks]
+        try:
+            stacked = jax.tree.map(lambda *xs: jnp.stack(xs), *states)
+        except ValueError as e:
+            raise ValueError(f"scanned layers need blocks of one structure ({e})") from None
+        module = nnx.merge(graphdef, stacked)
+        for _, variable in nnx.iter_graph(module):
+            if isinstance(variable, nnx.Variable):
+                variable.set_metadata("stacked", True)
+        self.layers = module
+        self.scanned = True
+
+    def unscan(self):
+        """The inverse of ``scan``: one module per block again."""
+        if not self.scanned:
+            return
+        blocks = self.blocks()
+        for block in blocks:
+            for _, variable in nnx.iter_graph(block):
+                if isinstance(variable, nnx.Variable) and variable.has_metadata("stacked"):
+                    variable.del_metadata("stacked")
+        self.layers = nnx.List(blocks)
+        self.scanned = False
+
+    def map(self, fn, x, xs):
+        """``fn(block, x, x_i) -> (x, y_i)`` over the blocks in order, ``x_i`` the i-th slice of
+        ``xs`` (a pytree with a leading layer axis); returns ``(x, ys)`` with ``ys`` stacked on a
+        leading layer axis. A scanned stack runs one ``lax.scan``. No block technique runs: this
+        is for evaluation paths of the model's own, such as a key/value-cached decode."""
+        if self.scanned:
+            graphdef, stacked = nnx.split(self.layers)
+
+            def body(x, layer):
+                state, x_i = layer
+                return fn(nnx.merge(graphdef, state), x, x_i)
+
+            return jax.lax.scan(body, x, (stacked, xs))
+        ys = []
+        for i, block in enumerate(self.layers):
+            x, y = fn(block, x, jax.tree.map(lambda a, i=i: a[i], xs))
+            ys.append(y)
+        return x, jax.tree.map(lambda *a: jnp.stack(a), *ys)
+
+    # -- running the blocks -------------------------------------------------------------------
+
+    def __call__(self, x, **token_args):
+        step_ = current()
+        if step_.stack is not None:
+            return step_.stack(self, x, token_args)
+        count = len(self)
+        total = step_.total_layers or count
+        first = step_.first_layer
+        training = step_.key is not None
+        transforms = sorted(self.transforms, key=lambda t: t.order)
+        variants = [tuple(t.variant(first + i, total, x.shape[0], training) for t in transforms)
+                    for i in range(count)]
+
+        def run(x, token_args, lo, hi):
+            """Layers lo .. hi - 1 of this stack on ``x``."""
+            if not self.scanned:
+                for i in range(lo, hi):
+                    graphdef, state = nnx.split(self.layers[i])
+                    fn = self._layer_fn(graphdef, transforms, variants[i], step_.key)
+                    x = fn(state, x, token_args, first + i)
+                return x
+            graphdef, stacked = nnx.split(self.layers)
+            start = lo
+            while start < hi:                # one scan per run of layers with equal variants
+                end = start
+                while end < hi and variants[end] == variants[start]:
+                    end += 1
+                part = stacked if (start, end) == (0, count) else \
+                    jax.tree.map(lambda a: a[start:end], stacked)
+                fn = self._layer_fn(graphdef, transforms, variants[start], step_.key)
+
+                def body(x, layer, fn=fn):
+                    state, index = layer
+                    return fn(state, x, token_args, index), None
+
+                x, _ = jax.lax.scan(body, x, (part, first + jnp.arange(start, end)))
+                start = end
+            return x
+
+        for transform in transforms:
+            span = transform.span(first, count, total, x.shape[1], training)
+            if span is not None:
+                lo, hi = span
+                x = run(x, token_args, 0, lo)
+                x = transform.run_span(lambda x, args: run(x, args, lo, hi), x, token_args)
+                return run(x, token_args, hi, count)
+        return run(x, token_args, 0, count)
+
+    def _layer_fn(self, graphdef, transforms, variant, key):
+        """One layer as a pure function ``fn(state, x, token_args, index) -> x``, wrapped by the
+        transforms (the first innermost)."""
+        scanned = self.scanned
+
+        def fn(state, x, token_args, index):
+            block = nnx.merge(graphdef, state)
+            layer = None if key is None else jax.random.fold_in(key, index)
+            if layer is not None:
+                _reseed(block, layer)
+            reset = _LAYER_KEY.set(layer)
+            try:
+                return block(x, **token_args)
+            finally:
+                _LAYER_KEY.reset(reset)
+
+        for transform, choice in zip(transforms, variant):
+            fn = transform.wrap(fn, choice, scanned)
+        return fn
+
+
+def _reseed(module, key):
+    """Reseed every ``nnx.Rngs`` stream ``module`` holds (``nnx.Dropout``'s) from ``key``, so that
+    each layer and step draws its own numbers."""
+    streams = sorted({v.get_metadata().get("tag") for _, v in nnx.iter_graph(module)
+                      if isinstance(v, nnx.RngKey)} - {None})
+    if streams:
+        nnx.reseed(module, policy="match_shape",
+                   **{name: jax.random.fold_in(key, i) for i, name in enumerate(streams)})
+
+
+def stacks(model) -> list[tuple[tuple, "Stack"]]:
+    """The ``(path, stack)`` of every ``Stack`` in ``model``."""
+    return [(path, node) for path, node in nnx.iter_graph(model) if isinstance(node, Stack)]
+
+
+def the_stack(model, technique: str) -> tuple[tuple, "Stack"]:
+    """The model's one ``Stack``, or a ValueError naming the technique that needs it."""
+    found = stacks(model)
+    if len(found) != 1:
+        what = "no jaxaccel.nn.Stack" if not found else f"{len(found)} Stacks"
+        raise ValueError(f"{technique} acts on the model's blocks, but {type(model).__name__} "
+                         f"has {what}; declare its blocks as one nn.Stack (README, 'Your own "
+                         f"model')")
+    return found[0]

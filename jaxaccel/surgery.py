@@ -1,0 +1,175 @@
+"""Module surgery: how a layer technique finds a model's linear layers and wraps them.
+
+A layer technique (LoRA, adapters, N:M sparsity, FP8, the init schemes' branch gates) replaces
+each ``nnx.Linear`` it targets by a ``Wrapper`` that holds the layer as ``base`` and its own
+state in variables of its own types, as flax's ``nnx.LoRA(base_module=...)`` and Levanter's
+``loraize`` do. The model's code is not touched: it calls the wrapper where it called the layer.
+
+Targets are chosen by ``--<technique>-targets``: comma-separated items, each
+
+- ``blocks``: every linear layer inside the model's ``nn.Stack``;
+- an alias the model defines (its class attribute ``aliases``, e.g. jaxaccel's GPT's ``q`` for
+  ``attn/wq``): the layers whose path ends so;
+- otherwise a regular expression searched in each layer's path (``blocks/layers/0/attn/wq``;
+  a scanned stack's layers have no index).
+
+Wrappers nest: a technique may target a layer another one wrapped. A technique that changes the
+product itself (FP8's float8 operands, sparsity's masked weight) does not recompute the layer:
+around its call it hands the innermost ``nnx.Linear`` another ``dot_general`` (``dot``), so the
+layer's own dtype promotion, bias and sharding stay as they are.
+"""
+
+import contextlib
+import re
+
+from flax import nnx
+
+from jaxaccel.errors import ConfigError
+
+TARGETS_HELP = ("comma-separated: blocks (every linear layer in the model's Stack), aliases the "
+                "model defines (jaxaccel's GPT: q, k, v, o, in, gate, out) or regular "
+                "expressions searched in a layer's path (blocks/layers/0/attn/wq)")
+
+
+class Wrapper(nnx.Module):
+    """A layer technique around a linear layer (``base``: an ``nnx.Linear`` or another
+    wrapper). Without more it is the layer itself."""
+
+    def __init__(self, base):
+        self.base = base
+
+    def linear(self) -> nnx.Linear:
+        """The innermost ``nnx.Linear``."""
+        return innermost(self.base)
+
+    @property
+    def kernel(self):
+        """The wrapped layer's kernel variable (another technique may read it)."""
+        return self.linear().kernel
+
+    def __call__(self, x, *args, **kwargs):
+        return self.base(x, *args, **kwargs)
+
+
+def innermost(layer) -> nnx.Linear:
+    while isinstance(layer, Wrapper):
+        layer = layer.base
+    return layer
+
+
+@contextlib.contextmanager
+def dot(linear: nnx.Linear, make):
+    """Within the context ``linear`` multiplies with ``make(inner)``, ``inner`` being the
+    ``dot_general`` it had (call it for the plain product)."""
+    inner = linear.dot_general
+    linear.dot_general = make(inner)
+    try:
+        yield
+    finally:
+        linear.dot_general = inner
+
+
+def path_text(path) -> str:
+    return "/".join(str(p) for p in path)
+
+
+def linear_layers(model) -> list[tuple[tuple, nnx.Module]]:
+    """``(path, layer)`` of every linear layer of ``model``: each ``nnx.Linear`` and each
+    wrapper around one, outermost only (a wrapper's ``base`` is not listed apart)."""
+    nodes = [(p, n) for p, n in nnx.iter_graph(model) if isinstance(n, (nnx.Linear, Wrapper))]
+    wrapped = {p for p, n in nodes if isinstance(n, Wrapper)}
+    return sorted(((p, n) for p, n in nodes if not _inside(p, wrapped)),
+                  key=lambda item: [str(k) for k in item[0]])
+
+
+def _inside(path, wrapped) -> bool:
+    return any(path[:len(w)] == w and len(path) > len(w) for w in wrapped)
+
+
+def select(model, spec: str, *, field: str) -> list[tuple[tuple, nnx.Module]]:
+    """The linear layers ``spec`` names (module docstring); one ConfigError line naming ``field``
+    when an item names none, listing the model's linear layers."""
+    from jaxaccel import nn
+    layers = linear_layers(model)
+    aliases = getattr(type(model), "aliases", {}) or {}
+    stack_paths = [path for path, _ in nn.stacks(model)]
+    chosen = {}
+    for item in [t.strip() for t in str(spec).split(",") if t.strip()]:
+        if item == "blocks":
+            hits = [(p, n) for p, n in layers if any(p[:len(s)] == s for s in stack_paths)]
+        else:
+            pattern = (f"(^|/){re.escape(aliases[item])}$" if item in aliases else item)
+            try:
+                regex = re.compile(pattern)
+            except re.error as e:
+                raise ConfigError(f"{field.rpartition('.')[2]}: {item!r} is not a regular "
+                                  f"expression ({e})", field=field) from None
+            hits = [(p, n) for p, n in layers if regex.search(path_text(p))]
+        if not hits:
+            names = ", ".join(path_text(p) for p, _ in layers[:12]) + (
+                ", ..." if len(layers) > 12 else "")
+            alias_note = (f"; its aliases: {', '.join(aliases)}" if aliases else
+                          f"; {type(model).__name__} defines no aliases")
+            raise ConfigError(
+                f"{field.rpartition('.')[2]}: {item!r} matches none of the model's linear "
+                f"layers ({names or 'it has none'}){alias_note}; give a regular expression "
+                f"of their paths", field=field)
+        chosen.update({p: n for p, n in hits})
+    if not chosen:
+        raise ConfigError(f"{field.rpartition('.')[2]} names no layer; give at least one",
+                          field=field)
+    return sorted(chosen.items(), key=lambda item: [str(k) for k in item[0]])
+
+
+def replace(model, path: tuple, new) -> None:
+    """Put ``new`` at ``path`` in ``model`` (an attribute or a list item)."""
+    parent = model
+    for key in path[:-1]:
+        parent = parent[key] if isinstance(key, int) else getattr(parent, key)
+    if isinstance(path[-1], int):
+        parent[path[-1]] = new
+    else:
+        setattr(parent, path[-1], new)
+
+
+def default_targets(model, technique: str, fallback: str | None, field: str) -> str:
+    """The targets a technique takes on ``model`` when none are given: the model's own (its
+    class attribute ``defaults``, by technique), else ``fallback``; one ConfigError line naming
+    ``field`` if neither."""
+    chosen = (getattr(type(model), "defaults", {}) or {}).get(technique, fallback)
+    if chosen is None:
+        raise ConfigError(f"{type(model).__name__} declares no default layers for {technique}; "
+                          f"name them with --{field.replace('.', '-').replace('_', '-')}",
+                          field=field)
+    return chosen
+
+
+def wrap(model, spec: str, make, *, field: str) -> int:
+    """Replace each linear layer ``spec`` names by ``make(path, layer)``; how many."""
+    layers = select(model, spec, field=field)
+    for path, layer in layers:
+        replace(model, path, make(path, layer))
+    return len(layers)
+
+
+def wrappers(model, kind) -> list[tuple[tuple, Wrapper]]:
+    """``(path, wrapper)`` of every wrapper of type ``kind`` in ``model``."""
+    return [(p, n) for p, n in nnx.iter_graph(model) if isinstance(n, kind)]
+
+
+def kernel_axes(layer) -> tuple:
+    """The logical axes (in, out) of a linear layer's kernel, ``(None, None)`` if it names none."""
+    return tuple(innermost(layer).kernel.get_metadata().get("out_sharding") or (None, None))
+
+
+def unwrap(model, fold=None) -> None:
+    """Replace every wrapper by the layer it wraps, outermost first; ``fold(wrapper)`` first
+    folds the wrapper's effect into the layer's kernel (LoRA merged, masks applied)."""
+    while True:
+        found = [(p, n) for p, n in nnx.iter_graph(model) if isinstance(n, Wrapper)]
+        if not found:
+            return
+        path, wrapper = min(found, key=lambda item: len(item[0]))
+        if fold is not None:
+            fold(wrapper)
+        replace(model, path, wrapper.base)

@@ -1,0 +1,165 @@
+"""The techniques a run's settings name, applied to its model in one order, and checked
+against each other.
+
+Each technique is a transformation of an NNX model in a module of its own (``jaxaccel.init``,
+``lora``, ``sparsity``, ``fp8``, ``precision``, ``remat``, ``stochastic_depth``, ``token_drop``,
+``stacking``) with its own settings section; this module only orders them:
+
+1. the model's factory (``jaxaccel.model.build``), its embedding tables marked as taking no
+   weight decay, cut to a progressive-stacking stage's depth;
+2. the initialisation scheme (norms removed, gates, re-drawn weights);
+3. a trained run's weights (``--init-from``), when fine-tuning;
+4. the layer techniques, each wrapping the linear layers it targets: LoRA, adapters, N:M
+   sparsity, FP8; then the policy's compute dtype for the flax layers;
+5. the block techniques on the model's stack: scanned layers and remat, stochastic depth,
+   token dropping.
+
+Adding a technique is a module with a settings dataclass and an ``apply(model, settings, ...)``,
+one line in ``build`` and its section in ``jaxaccel.config``; the model does not change.
+"""
+
+import jax
+import jax.numpy as jnp
+from flax import nnx
+
+from jaxaccel import (fp8, init, lora, model as model_lib, optim, precision, remat,
+                      sparsity, stacking, stochastic_depth, token_drop)
+from jaxaccel.errors import ConfigError
+from jaxaccel.sharding import pipelined
+
+LORA_KEY = 0x10A      # folded into the model's key for the fine-tuning weights' draws
+
+
+def build(cfg, key, *, depth: int | None = None, base_state=None) -> nnx.Module:
+    """The model of ``cfg`` (a ``TrainConfig``) with every technique it names applied, from the
+    initialisation key ``key``; ``depth`` cuts its stack (a progressive-stacking stage);
+    ``base_state`` (the weights of a trained run, ``--init-from``) replaces its weights before
+    the fine-tuning techniques wrap it."""
+    model = model_lib.build(cfg.model, cfg.gpt, key)
+    optim.mark_no_decay(model)
+    if depth is not None:
+        stacking.truncate(model, depth)
+    init.apply(model, cfg.init, key)
+    if base_state is not None:
+        nnx.update(model, base_state)
+    tune_key = jax.random.fold_in(key, LORA_KEY)
+    lora.apply_lora(model, cfg.lora, tune_key)
+    lora.apply_adapters(model, cfg.adapters, tune_key)
+    sparsity.apply(model, cfg.sparsity)
+    policy = cfg.policy()
+    if policy.fp8:
+        fp8.apply(model, cfg.fp8)
+    if policy.compute_dtype != jnp.float32:
+        precision.compute_in(model, policy.compute_dtype)
+    remat.apply(model, cfg.remat)
+    stochastic_depth.apply(model, cfg.stochastic_depth)
+    token_drop.apply(model, cfg.token_drop, cfg.model.vocab_size)
+    return model
+
+
+def abstract(cfg, **kwargs) -> nnx.Module:
+    """``build`` without arrays (ShapeDtypeStructs): to inspect the model and check the
+    techniques before any work."""
+    return model_lib.abstract(lambda: build(cfg, jax.random.PRNGKey(0), **kwargs))
+
+
+def tuned(cfg) -> bool:
+    """Whether the run fine-tunes (LoRA or adapters: only their weights train)."""
+    return bool(cfg.lora.rank or cfg.adapters.dim)
+
+
+def check(cfg) -> None:
+    """One ConfigError line for techniques that cannot run together or with the mesh."""
+    if pipelined(cfg.mesh.strategy):
+        refused = (("stochastic_depth.rate", "stochastic depth", cfg.stochastic_depth.rate > 0),
+                   ("lora.rank", "LoRA", cfg.lora.rank > 0),
+                   ("adapters.dim", "adapters", cfg.adapters.dim > 0),
+                   ("stacking.stages", "progressive stacking", cfg.stacking.stages > 1),
+                   ("precision.policy", "the fp8 policy", cfg.policy().fp8),
+                   ("sparsity.pattern", "sparsity", cfg.sparsity.pattern != "none"),
+                   ("token_drop.keep", "token dropping", cfg.token_drop.keep < 1.0),
+                   ("data.sampling", "importance sampling", cfg.data.sampling != "uniform"))
+        for field, name, on in refused:
+            if on:
+                raise ConfigError(f"{name} does not run with the pipeline strategy "
+                                  f"{cfg.mesh.strategy}; choose a strategy without pp",
+                                  field=field)
+    if cfg.stacking.stages > 1 and tuned(cfg):
+        raise ConfigError("progressive_stack grows a model being trained from scratch, not a "
+                          "LoRA/adapter fine-tune; leave one out", field="stacking.stages")
+    if tuned(cfg) and not cfg.run.init_from and not cfg.run.resume:
+        raise ConfigError("LoRA and adapters tune a trained model; pass the run directory "
+                          "whose weights they start from", field="run.init_from")
+    if cfg.sparsity.pattern != "none":
+        sparsity.parse_pattern(cfg.sparsity.pattern)
+    remat.check_policy(cfg.remat.policy)
+
+
+def describe(cfg) -> list[str]:
+    """The techniques the run applies to its model, one short phrase each."""
+    parts = []
+    if cfg.init.scheme != "default":
+        parts.append(f"init {cfg.init.scheme}")
+    if cfg.lora.rank:
+        parts.append(f"LoRA rank {cfg.lora.rank}")
+    if cfg.adapters.dim:
+        parts.append(f"adapters {cfg.adapters.dim}")
+    if cfg.sparsity.pattern != "none":
+        parts.append(f"{cfg.sparsity.pattern} sparse")
+    if cfg.policy().fp8:
+        parts.append("fp8")
+    if cfg.remat.scan_layers:
+        parts.append("scanned")
+    if cfg.remat.policy != "none":
+        parts.append(f"remat {cfg.remat.policy}")
+    if cfg.stochastic_depth.rate:
+        parts.append(f"stochastic depth {cfg.stochastic_depth.rate:g}")
+    if cfg.token_drop.keep < 1:
+        parts.append(f"token keep {cfg.token_drop.keep:g}")
+    if cfg.stacking.stages > 1:
+        parts.append(f"stacked in {cfg.stacking.stages} stages")
+    return parts
+
+
+def report(cfg, params, mesh_shape: dict, run: dict) -> dict:
+    """What each technique the run used did, by technique, for the run's summary. ``run``:
+    what the loop measured (``remat_plan``, ``stages``, ``executables``, ``flops_per_token``,
+    ``fp8_note``)."""
+    from jaxaccel.pipeline import bubble_fraction
+    done = {"attention": (cfg.gpt.attention or "xla") if model_lib.is_preset(cfg.model.name)
+            else None}
+    if cfg.init.scheme != "default":
+        done["init"] = cfg.init.scheme
+    if cfg.remat.policy != "none" or cfg.remat.scan_layers or run.get("remat_plan"):
+        done["remat"] = {"policy": cfg.remat.policy, "scan_layers": cfg.remat.scan_layers,
+                         "plan": run.get("remat_plan")}
+    if cfg.stochastic_depth.rate:
+        rows = cfg.batch_rows() // cfg.optimizer.accumulate
+        depth = (run.get("stages") or [[0, None]])[-1][1] or 1
+        done["stochastic_depth"] = {
+            "rate": cfg.stochastic_depth.rate,
+            "kept": stochastic_depth.kept_fraction(cfg.stochastic_depth.rate, depth, rows,
+                                                   mesh_shape["data"] * mesh_shape["fsdp"])}
+    if cfg.token_drop.keep < 1:
+        done["token_drop"] = {"keep": cfg.token_drop.keep, "score": cfg.token_drop.score}
+    if tuned(cfg):
+        done["lora"] = {"rank": cfg.lora.rank, "adapter_dim": cfg.adapters.dim,
+                        "init_from": cfg.run.init_from}
+    elif cfg.run.init_from:
+        done["init_from"] = cfg.run.init_from
+    if cfg.sparsity.pattern != "none":
+        done["sparsity"] = {"pattern": cfg.sparsity.pattern, "density": sparsity.density(params),
+                            **sparsity.savings(params, cfg.sparsity.pattern,
+                                               run.get("flops_per_token") or 1.0)}
+    if cfg.policy().fp8:
+        done["fp8"] = {"note": run.get("fp8_note"),
+                       "gemms": fp8.fp8_gemms(run.get("executables") or [])}
+    if cfg.stacking.stages > 1:
+        done["stacking"] = {"stages": run.get("stages")}
+    if pipelined(cfg.mesh.strategy):
+        done["pipeline"] = {"schedule": cfg.mesh.pipeline_schedule,
+                            "bubble": bubble_fraction(mesh_shape["stage"],
+                                                      cfg.optimizer.accumulate)}
+    if cfg.data.sampling != "uniform":
+        done["sampling"] = cfg.data.sampling
+    return {k: v for k, v in done.items() if v is not None}

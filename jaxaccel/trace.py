@@ -1,0 +1,101 @@
+"""What a traced function computes, read from its jaxpr: the tags it names, the FLOPs of its
+matmuls, and the matmuls it runs in float32.
+
+These read the program jax traces (``jax.make_jaxpr``) rather than a model's config, so they hold
+for any model: a scanned body counts once per iteration, remat'd and custom-gradient code is
+read through, and shapes are the ones the step computes (token dropping's kept tokens,
+stochastic depth's kept rows).
+"""
+
+import contextlib
+import math
+
+import jax
+from jax.extend import core as jex_core
+
+from jaxaccel.embedding import SKIP_SCOPE   # lookups that are matmuls only in form
+
+
+def _subjaxprs(value):
+    if isinstance(value, jex_core.ClosedJaxpr):
+        yield value.jaxpr
+    elif isinstance(value, jex_core.Jaxpr):
+        yield value
+    elif isinstance(value, (tuple, list)):
+        for item in value:
+            yield from _subjaxprs(item)
+
+
+def equations(jaxpr, times: int = 1):
+    """``(equation, times)`` for every equation of ``jaxpr`` and the jaxprs inside it; ``times``
+    is how often it runs (a scan's body runs ``length`` times)."""
+    if isinstance(jaxpr, jex_core.ClosedJaxpr):
+        jaxpr = jaxpr.jaxpr
+    for eqn in jaxpr.eqns:
+        yield eqn, times
+        inner = times * eqn.params.get("length", 1) if eqn.primitive.name == "scan" else times
+        for name, value in eqn.params.items():
+            for sub in _subjaxprs(value):
+                yield from equations(sub, inner)
+
+
+def tags(jaxpr) -> set[str]:
+    """The names ``checkpoint_name`` (``nn.tag``) gives tensors in ``jaxpr``."""
+    return {eqn.params["name"] for eqn, _ in equations(jaxpr) if eqn.primitive.name == "name"}
+
+
+def _skipped(eqn) -> bool:
+    return SKIP_SCOPE in str(eqn.source_info.name_stack)
+
+
+def matmul_flops(jaxpr) -> float:
+    """FLOPs of the matmuls (``dot_general``) ``jaxpr`` runs: 2 x output size x contracted size,
+    times how often each runs; lookups under ``SKIP_SCOPE`` left out."""
+    total = 0.0
+    for eqn, times in equations(jaxpr):
+        if eqn.primitive.name != "dot_general" or _skipped(eqn):
+            continue
+        (contract, _), _ = eqn.params["dimension_numbers"]
+        lhs = eqn.invars[0].aval.shape
+        out = eqn.outvars[0].aval.shape
+        total += 2.0 * math.prod(out) * math.prod(lhs[d] for d in contract) * times
+    return total
+
+
+def float32_matmuls(jaxpr) -> list[str]:
+    """Where ``jaxpr`` multiplies two float32 operands (``file:line (function)``, each once)."""
+    import jax.numpy as jnp
+    seen = []
+    for eqn, _ in equations(jaxpr):
+        if eqn.primitive.name != "dot_general" or _skipped(eqn):
+            continue
+        if all(v.aval.dtype == jnp.float32 for v in eqn.invars[:2]):
+            where = _location(eqn)
+            if where not in seen:
+                seen.append(where)
+    return seen
+
+
+def _location(eqn) -> str:
+    from jax._src import source_info_util
+    frame = source_info_util.user_frame(eqn.source_info.traceback)
+    if frame is None:
+        return "an unknown line"
+    return f"{frame.file_name.rsplit('/', 1)[-1]}:{frame.start_line} ({frame.function_name})"
+
+
+@contextlib.contextmanager
+def counting():
+    """Inside: jaxaccel's attention traces as the XLA einsums (``attention.counting``), whose
+    FLOPs ``matmul_flops`` sees, whatever implementation a run uses."""
+    from jaxaccel import attention
+    with attention.as_xla():
+        yield
+
+
+def training_flops(fn, *args) -> float:
+    """The training FLOPs of the forward pass ``fn(*args)``: 3 x its matmul FLOPs (the forward
+    pass, and the backward's two products per matmul), as MFU counts them."""
+    with counting():
+        jaxpr = jax.make_jaxpr(fn)(*args)
+    return 3.0 * matmul_flops(jaxpr)
