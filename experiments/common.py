@@ -1,5 +1,6 @@
 """What the experiment modules share: the command-line wrapper, list flags, JSON, loss curves,
-and batch sizes matched across batching strategies."""
+batch sizes matched across batching strategies, and what an experiment reads of any model (its
+GPT shape if it is a preset, its stack's depth, what each technique did in a run's summary)."""
 
 import contextlib
 import dataclasses
@@ -12,11 +13,13 @@ import threading
 import time
 
 import jax
+import numpy as np
 
-from jaxaccel.config import TrainConfig, describe_error
+from jaxaccel.config import TrainConfig, describe_error, parse
 from jaxaccel.data import DataStream
 from jaxaccel.errors import ConfigError
 from jaxaccel.metrics import plot_curves, read_metrics, token_curve
+from jaxaccel.model import is_preset
 from jaxaccel.report import dump_json, format_table
 
 
@@ -285,6 +288,14 @@ def write_json(path: str | None, rows: list[dict], meta: dict):
         dump_json(path, {"rows": rows, "meta": meta})
 
 
+def random_batch(batch_size: int, seq_len: int, vocab_size: int, seed: int) -> dict:
+    """One packed-style batch of random tokens: every position real, one document per row."""
+    rng = np.random.default_rng(seed)
+    tokens = rng.integers(3, vocab_size, (batch_size, seq_len + 1)).astype(np.int32)
+    return {"inputs": tokens[:, :-1], "targets": tokens[:, 1:],
+            "weights": np.ones((batch_size, seq_len), np.float32),
+            "segment_ids": np.ones((batch_size, seq_len), np.int32),
+            "positions": np.tile(np.arange(seq_len, dtype=np.int32), (batch_size, 1))}
 
 
 def plot_loss_curves(path: str, run_dirs: dict[str, str], title: str):
@@ -348,3 +359,53 @@ def _matched_budget(real_per_batch, target: float, low: int, high: int) -> int:
         else:
             high = middle - 1
     return closest[0]
+
+
+# ---------------------------------------------------------------------------------------------
+# Any model: a preset of jaxaccel's GPT or a factory of one's own (--model FILE.py:FUNCTION).
+
+def parse_experiment(argv, cls, *, defaults: dict, **kwargs):
+    """``config.parse`` with an experiment's ``defaults``; when ``--model`` (or ``--config``)
+    names a factory of one's own, the defaults of jaxaccel's GPT fields (``gpt.*``: a preset's
+    shape, which a factory takes as ``--model-args`` instead) are left out."""
+    cfg = parse(argv, cls, defaults=defaults, **kwargs)
+    gpt_defaults = [k for k in defaults if k.startswith("gpt.")]
+    if not gpt_defaults or is_preset(cfg.model.name):
+        return cfg
+    return parse(argv, cls, defaults={k: v for k, v in defaults.items()
+                                      if k not in gpt_defaults}, **kwargs)
+
+
+def gpt_shape(cfg):
+    """The resolved shape (``gpt.GPTConfig``) of a config's GPT preset; None for a factory."""
+    from jaxaccel import gpt
+    if not is_preset(cfg.model.name):
+        return None
+    given = {k: v for k, v in dataclasses.asdict(cfg.gpt).items() if v is not None}
+    return gpt.preset(cfg.model.name, vocab_size=cfg.model.vocab_size,
+                      max_seq_len=cfg.model.max_seq_len, **given)
+
+
+def stack_depth(cfg) -> int | None:
+    """The blocks in the model's ``nn.Stack`` (None when it has none): a preset's n_layers, else
+    those of the factory's model, built abstractly (nothing computed)."""
+    shape = gpt_shape(cfg)
+    if shape is not None:
+        return shape.n_layers
+    from jaxaccel import model as model_lib, nn
+    model = model_lib.abstract(lambda: model_lib.build(cfg.model, cfg.gpt,
+                                                       jax.random.PRNGKey(0)))
+    stacks = nn.stacks(model)
+    return len(stacks[0][1]) if len(stacks) == 1 else None
+
+
+def technique(summary, name: str, field: str | None = None, default=None):
+    """What technique ``name`` did in a run (``RunSummary.techniques``; a summary or its dict):
+    its record, or one ``field`` of it; ``default`` when the run did not use it."""
+    done = (summary["techniques"] if isinstance(summary, dict) else summary.techniques) or {}
+    record = done.get(name)
+    if record is None:
+        return default
+    if field is None:
+        return record
+    return record.get(field, default) if isinstance(record, dict) else default

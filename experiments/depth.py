@@ -7,11 +7,12 @@ validation loss.
     python -m experiments.depth --steps 600 --eval-every 30 --json depth.json
 
 Rows: ``baseline`` (neither technique), ``stochastic depth P`` for each P of
-``--stochastic-depth-rates`` (``model.stochastic_depth``: block l of L skipped at l/L*P for rows it
+``--stochastic-depth-rates`` (``stochastic_depth.rate``: block l of L skipped at l/L*P for rows it
 then does not compute, every block run at evaluation) and ``progressive stacking S`` for each S
-of ``--stacking-stages`` (``run.progressive_stack``: S stages of depth n_layers/2^(S-1), ...,
-n_layers in equal shares of the steps, the depth doubled by copying the trained blocks; n_layers
-must be divisible by 2^(S-1)). Every row trains the same ``--steps`` from the same seed on the
+of ``--stacking-stages`` (``stacking.stages``: S stages of depth L/2^(S-1), ..., L in equal
+shares of the steps, the depth doubled by copying the trained blocks; the depth L of the model's
+stack must be divisible by 2^(S-1)). Any model whose blocks are an ``nn.Stack`` takes part
+(``--model FILE.py:FUNCTION``). Every row trains the same ``--steps`` from the same seed on the
 same batches, evaluating every ``--eval-every`` steps. The final evaluation takes the same
 validation batches as the periodic ones (``--final-eval-batches`` defaults to
 ``--eval-batches`` here), so that every evaluation of every row is comparable with the
@@ -35,13 +36,14 @@ import os
 import sys
 import time
 
-from experiments.common import (command, environment, exit_code, parse_list, print_table,
-                                train_until_stopped, write_json)
-from jaxaccel import stacking
-from jaxaccel.config import TrainConfig, override, parse, setting
+from experiments.common import (command, environment, exit_code, parse_experiment, parse_list,
+                                print_table, stack_depth, technique, train_until_stopped,
+                                write_json)
+from jaxaccel import stacking, techniques
+from jaxaccel.config import TrainConfig, override, setting
 from jaxaccel.errors import ConfigError
 from jaxaccel.metrics import plot_curves, read_metrics
-from jaxaccel.model import describe_model
+from jaxaccel.model import describe
 
 # The issue's targets, reported against (not asserted).
 SD_TARGET_RATE = 0.2         # stochastic depth at this rate ...
@@ -55,7 +57,8 @@ class DepthSettings:
     stochastic_depth_rates: str = setting("0.2", "comma-separated stochastic depth rates P, one "
                                                  "row each, in [0, 1)")
     stacking_stages: str = setting("2,3", "comma-separated progressive stacking stage counts S, "
-                                          "one row each; n_layers must be divisible by 2^(S-1)")
+                                          "one row each; the depth of the model's stack must be "
+                                          "divisible by 2^(S-1)")
 
 
 @dataclasses.dataclass
@@ -69,19 +72,19 @@ class DepthConfig(TrainConfig):
 # enough for the CPU, its blocks scanned (one block to compile per stage and per run of equal
 # kept rows), packed batches, ten evaluations per row on the batches the final one takes,
 # metrics logged at every evaluation's step, no checkpoints but each stage's last.
-DEFAULTS = {"model.d_model": 128, "model.n_layers": 8, "model.n_heads": 4,
-            "model.scan_layers": True,
+DEFAULTS = {"gpt.d_model": 128, "gpt.n_layers": 8, "gpt.n_heads": 4,
+            "remat.scan_layers": True,
             "data.batching": "pack", "data.seq_len": 128, "data.batch_size": 16,
             "run.steps": 400, "optimizer.warmup_steps": 40, "run.eval_every": 40,
             "run.eval_batches": 8, "run.log_every": 8, "run.checkpoint_every": 0,
             "run.final_eval_batches": None}     # None: the eval_batches of every evaluation
 # Set for each row; every row trains run.steps (not a token count), so that the rows take the
 # same steps on the same batches.
-FIXED = ("model.stochastic_depth", "run.progressive_stack", "run.stack_at", "run.train_tokens")
+FIXED = ("stochastic_depth.rate", "stacking.stages", "stacking.at", "run.train_tokens")
 # A row config's error in a field this experiment sets is reported against the flag that sets it.
-ROW_FIELDS = {"model.stochastic_depth": "experiment.stochastic_depth_rates",
-              "run.progressive_stack": "experiment.stacking_stages",
-              "run.stack_at": "run.steps"}
+ROW_FIELDS = {"stochastic_depth.rate": "experiment.stochastic_depth_rates",
+              "stacking.stages": "experiment.stacking_stages",
+              "stacking.at": "run.steps"}
 
 COLUMNS = [
     ("label", "row", ""),
@@ -112,8 +115,8 @@ class Row:
     progressive_stack: int = 1
 
     def settings(self) -> dict:
-        return {"model.stochastic_depth": self.stochastic_depth,
-                "run.progressive_stack": self.progressive_stack, "run.stack_at": None}
+        return {"stochastic_depth.rate": self.stochastic_depth,
+                "stacking.stages": self.progressive_stack, "stacking.at": None}
 
 
 def parse_rates(text: str) -> list[float]:
@@ -137,9 +140,14 @@ def parse_rates(text: str) -> list[float]:
 def plan_rows(cfg: DepthConfig) -> list[Row]:
     """The rows, checked before any training: every rate and stage count, and each row's whole
     config (one ConfigError line otherwise, naming this experiment's flag where it has one)."""
-    exp, n_layers, steps = cfg.experiment, cfg.model.n_layers, cfg.run.steps
+    exp, steps = cfg.experiment, cfg.run.steps
     rates = parse_rates(exp.stochastic_depth_rates)
     stages = parse_list(exp.stacking_stages, "experiment.stacking_stages", kind=int)
+    n_layers = stack_depth(cfg)
+    if n_layers is None:
+        raise ConfigError(f"stochastic depth and progressive stacking act on the model's blocks, "
+                          f"but {cfg.model.name} has no single jaxaccel.nn.Stack; declare its "
+                          f"blocks as one (README, 'Your own model')", field="model.name")
     for count in stages:
         if n_layers % 2 ** (count - 1):
             raise ConfigError(f"{count} stacking stages halve n_layers={n_layers} {count - 1} "
@@ -168,6 +176,7 @@ def plan_rows(cfg: DepthConfig) -> list[Row]:
             row_cfg = override(cfg, row.settings())
             row_cfg.validate()
             stacking.boundaries(steps, row.progressive_stack)
+            techniques.abstract(row_cfg)        # the row's model, every technique applied
         except ConfigError as e:
             raise ConfigError(str(e), field=ROW_FIELDS.get(e.field, e.field)) from None
     return rows
@@ -216,8 +225,8 @@ def run_row(cfg: DepthConfig, row: Row, run_root: str) -> dict:
         "real_tokens": summary.real_tokens,
         "real_tokens_per_s": summary.real_tokens_per_s,
         "flops_per_token": summary.flops_per_token,
-        "stochastic_depth_kept": summary.stochastic_depth_kept,
-        "progressive_stages": summary.progressive_stages,
+        "stochastic_depth_kept": technique(summary, "stochastic_depth", "kept", 1.0),
+        "progressive_stages": technique(summary, "stacking", "stages"),
         "params": summary.params,
         "val_loss": None if stopped else summary.val_loss,
         "val_bpb": None if stopped else summary.val_bpb,
@@ -310,8 +319,8 @@ def plot(path: str, rows: list[dict], title: str):
 
 @command(DepthConfig)
 def main(argv=None) -> int:
-    cfg = parse(argv, DepthConfig, defaults=DEFAULTS, fixed=FIXED,
-                description=__doc__.split("\n\n")[0])
+    cfg = parse_experiment(argv, DepthConfig, defaults=DEFAULTS, fixed=FIXED,
+                           description=__doc__.split("\n\n")[0])
     if cfg.run.final_eval_batches is None and cfg.run.eval_batches:
         cfg = override(cfg, {"run.final_eval_batches": cfg.run.eval_batches})
     cfg.validate()
@@ -328,7 +337,7 @@ def main(argv=None) -> int:
     compare_with_baseline(rows)
     lines = verdicts(rows)
 
-    model = describe_model(cfg.model)
+    model = describe(cfg.model, cfg.gpt)
     meta = {"model": model, "data": cfg.data.path, "batching": cfg.data.batching,
             "seq_len": cfg.seq_len, "batch_size": cfg.data.batch_size, "steps": cfg.run.steps,
             "eval_every": cfg.run.eval_every, "eval_batches": cfg.run.eval_batches,

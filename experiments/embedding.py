@@ -34,7 +34,7 @@ import numpy as np
 from experiments.common import command, environment, median_seconds, parse_list, write_json
 from jaxaccel import embedding
 from jaxaccel.config import parse, setting
-from jaxaccel.model import ACTIVATION_AXES
+from jaxaccel.gpt import ACTIVATION_AXES
 from jaxaccel.report import format_table
 
 METHODS = tuple(m for m in embedding.METHODS if m != "auto")

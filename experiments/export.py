@@ -2,15 +2,19 @@
 
     python -m experiments.export --run-dir runs/R --out exported/R [--format auto|native|llama]
 
-Reads the run's latest checkpoint (LoRA merged into the weights) and writes ``model.safetensors``
-and ``config.json`` into ``--out`` (new or empty; ``--overwrite`` replaces those two files):
-``LlamaForCausalLM``'s tensor names and config when the model is a Llama (SwiGLU, untied head,
+Reads the run's latest checkpoint and rebuilds its model, whatever it is (a GPT preset or the
+run's own factory; LoRA merged into the weights), and writes ``model.safetensors`` and
+``config.json`` into ``--out`` (new or empty; ``--overwrite`` replaces those files), with the
+run's tokenizer file beside them when it did not train on bytes: ``LlamaForCausalLM``'s tensor
+names and config when the model is jaxaccel's GPT in Llama's shape (SwiGLU, untied head,
 RMSNorms; N:M masks folded into the weights; no branch gates, adapters or FP8) and ``--format``
-is auto or llama, else every parameter under its own name with our model config
-(``jaxaccel.export``). The export is then read back: every tensor must equal what was written,
-and a forward pass from the files alone (for Llama, an independent NumPy Llama) must give the
-model's logits. It prints one line: the layout, tensors, size, the largest logit difference and
-the folder. A failed check is one line and exit code 1, the files left for inspection.
+is auto or llama, else (native, any model) every variable of the model's state under its dotted
+path, buffers included, with the run's settings as the config (``jaxaccel.export``). The export
+is then read back: every tensor must equal what was written, and a forward pass from the files
+alone (for Llama, an independent NumPy Llama; native, the model rebuilt from the config) must
+give the model's logits. It prints one line: the layout, tensors, size, the largest logit
+difference and the folder. A failed check is one line and exit code 1, the files left for
+inspection.
 """
 
 import dataclasses
@@ -28,10 +32,11 @@ class ExportSettings:
     out: str | None = setting(None, "folder to write model.safetensors and config.json into "
                                     "(new or empty)")
     format: str = setting("auto", "llama (Hugging Face LlamaForCausalLM layout), native (our "
-                                  "parameter names) or auto (llama when the model fits it)",
+                                  "variable names, any model) or auto (llama when the model "
+                                  "fits it)",
                           choices=FORMATS)
-    overwrite: bool = setting(False, "replace model.safetensors and config.json in a non-empty "
-                                     "--out")
+    overwrite: bool = setting(False, "replace model.safetensors, config.json and the tokenizer "
+                                     "file in a non-empty --out")
     json: str | None = setting(None, "also write the result as JSON to this path")
 
 

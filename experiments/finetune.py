@@ -38,18 +38,20 @@ import time
 
 import jax
 import optax
+from flax import nnx
 
 from experiments.common import (command, environment, parse_list, plot_loss_curves,
                                 train_until_stopped, write_json)
-from jaxaccel import lora
+from jaxaccel import model as model_lib, surgery, techniques
 from jaxaccel.config import TrainConfig, build, override, parse, read_config_file, setting
 from jaxaccel.corpus import corpus_of
 from jaxaccel.errors import ConfigError
-from jaxaccel.loop import evaluate, load_trained_params
-from jaxaccel.model import describe_model, make_apply
+from jaxaccel.loop import evaluate, read_trained_run
+from jaxaccel.loop.compile import eval_step_of
+from jaxaccel.loop.record import export_merged
+from jaxaccel.model import describe
 from jaxaccel.report import format_table
 from jaxaccel.state import init_state
-from jaxaccel.train import lm_eval_step
 
 ROWS = ("full", "lora", "adapters")
 STDLIB_TEXT = "stdlib-text"
@@ -77,8 +79,14 @@ class FinetuneConfig(TrainConfig):
 DEFAULTS = {"data.path": STDLIB_TEXT, "data.batching": "pack", "data.seq_len": 256,
             "data.batch_size": 8, "run.steps": 150, "optimizer.learning_rate": 1e-3,
             "optimizer.warmup_steps": 10, "run.eval_every": 0, "run.checkpoint_every": 0,
-            "model.lora_rank": 8, "model.adapter_dim": 16, "run.final_eval_batches": 40}
-FIXED = ("run.init_from", "run.progressive_stack")
+            "lora.rank": 8, "adapters.dim": 16, "run.final_eval_batches": 40}
+FIXED = ("run.init_from", "stacking.stages")
+# What a fine-tune takes from its base run: the model (the factory or preset and its shape),
+# the initialisation scheme (its gates and removed norms are part of the weights) and how the
+# base's blocks ran; the run-time choices (dropout, attention) are this config's.
+BASE_SECTIONS = ("model", "gpt", "init", "sparsity", "token_drop")
+BASE_FIELDS = ("remat.scan_layers",)
+RUN_TIME = ("gpt.dropout", "gpt.attention")
 
 COLUMNS = [
     ("label", "row", ""),
@@ -124,26 +132,37 @@ def stdlib_text(directory: str) -> str:
 
 
 def base_model_fields(run_dir: str) -> dict:
-    """The model fields of the run in ``run_dir`` as overrides, LoRA, adapters and the
-    run-time choices (dropout, remat, attention, stochastic depth) left to this config."""
+    """The model settings of the run in ``run_dir`` as overrides (``BASE_SECTIONS``,
+    ``BASE_FIELDS``); LoRA, adapters and the run-time choices (dropout, remat, attention,
+    stochastic depth) left to this config."""
     trained = build(TrainConfig, read_config_file(os.path.join(run_dir, "config.yaml")))
-    keep = ("lora_rank", "lora_alpha", "lora_targets", "adapter_dim", "dropout",
-            "stochastic_depth", "remat", "attention")
-    return {f"model.{k}": v for k, v in dataclasses.asdict(lora.base_config(trained.model)).items()
-            if k not in keep}
+    fields = {f"{section}.{k}": v for section in BASE_SECTIONS
+              for k, v in dataclasses.asdict(getattr(trained, section)).items()}
+    fields.update({path: getattr(getattr(trained, path.partition(".")[0]),
+                                 path.partition(".")[2]) for path in BASE_FIELDS})
+    return {k: v for k, v in fields.items() if k not in RUN_TIME}
 
 
 def row_config(cfg: FinetuneConfig, row: str, base_fields: dict, base_dir: str | None):
     """The training config of one row: the base's model with the row's LoRA or adapters."""
-    exp, model = cfg.experiment, cfg.model
-    settings = {"full": {"model.lora_rank": 0, "model.adapter_dim": 0},
-                "lora": {"model.adapter_dim": 0,
+    exp = cfg.experiment
+    settings = {"full": {"lora.rank": 0, "adapters.dim": 0},
+                "lora": {"adapters.dim": 0,
                          "optimizer.learning_rate": exp.lora_learning_rate},
-                "adapters": {"model.lora_rank": 0,
+                "adapters": {"lora.rank": 0,
                              "optimizer.learning_rate": exp.lora_learning_rate}}[row]
     return override(cfg, {**base_fields, **settings, "run.init_from": base_dir,
-                          "run.run_dir": None, "run.json": None,
-                          "model.lora_targets": model.lora_targets})
+                          "run.run_dir": None, "run.json": None})
+
+
+def lora_targets(cfg) -> str:
+    """The layers LoRA wraps: ``--lora-targets``, else the model's default (q,v for jaxaccel's
+    GPT)."""
+    if cfg.lora.targets:
+        return cfg.lora.targets
+    model = model_lib.abstract(lambda: model_lib.build(cfg.model, cfg.gpt,
+                                                       jax.random.PRNGKey(0)))
+    return surgery.default_targets(model, "lora", "blocks", "lora.targets")
 
 
 def train_base(cfg: FinetuneConfig, run_root: str) -> str:
@@ -151,8 +170,8 @@ def train_base(cfg: FinetuneConfig, run_root: str) -> str:
     run_dir = os.path.join(run_root, "base")
     summary = train_until_stopped(override(cfg, {
         "data.path": "stdlib", "run.steps": cfg.experiment.base_steps,
-        "optimizer.learning_rate": None, "optimizer.warmup_steps": 50, "model.lora_rank": 0,
-        "model.adapter_dim": 0, "run.run_dir": run_dir, "run.json": None}))
+        "optimizer.learning_rate": None, "optimizer.warmup_steps": 50, "lora.rank": 0,
+        "adapters.dim": 0, "run.run_dir": run_dir, "run.json": None}))
     if summary.interrupted:
         raise Interrupted(summary.interrupted)
     return run_dir
@@ -181,20 +200,19 @@ def run_row(row_cfg, row: str, label: str, run_dir: str, full: dict | None) -> d
         "vs_full": summary.val_loss / full["val_loss"] - 1 if full else None,
     }
     if row == "lora":        # merge, export, read the export back and evaluate it
-        merged_dir = lora.export_merged(run_dir, os.path.join(run_dir, "merged"))
-        merged_cfg = lora.merged_config(row_cfg.model)
+        merged_dir = export_merged(run_dir, os.path.join(run_dir, "merged"))
         result["merged_dir"] = merged_dir
-        result["merged_val_loss"] = evaluate_params(
-            row_cfg, merged_cfg, load_trained_params(merged_dir, merged_cfg))
+        result["merged_val_loss"] = evaluate_model(row_cfg, read_trained_run(merged_dir)[1])
     return result
 
 
-def evaluate_params(cfg, model_cfg, params) -> float:
-    """Validation loss of ``params`` (a model of ``model_cfg``) on ``cfg``'s corpus, over the
-    batches a run's final evaluation takes."""
+def evaluate_model(cfg, model) -> float:
+    """Validation loss of ``model`` (a trained run's, ``read_trained_run``) on ``cfg``'s corpus,
+    over the batches a run's final evaluation takes."""
     corpus = corpus_of(cfg.data)
-    eval_step = jax.jit(lm_eval_step(make_apply(model_cfg), cfg.policy()))
-    loss, _ = evaluate(eval_step, init_state(params, optax.identity(), cfg.run.seed), corpus.val,
+    eval_step = jax.jit(eval_step_of(cfg, model))
+    state = init_state(nnx.state(model), optax.identity(), cfg.run.seed)
+    loss, _ = evaluate(eval_step, state, corpus.val,
                        seq_len=cfg.seq_len, batch_size=cfg.run.eval_batch_size or cfg.batch_rows(),
                        max_batches=cfg.run.final_eval_batches)
     return loss
@@ -203,12 +221,12 @@ def evaluate_params(cfg, model_cfg, params) -> float:
 def check_settings(cfg: FinetuneConfig, rows: list[str]):
     """Every setting the rows use, before any work (one ConfigError line otherwise)."""
     exp = cfg.experiment
-    if "lora" in rows and cfg.model.lora_rank < 1:
+    if "lora" in rows and cfg.lora.rank < 1:
         raise ConfigError(f"lora_rank must be at least 1 for the lora row, got "
-                          f"{cfg.model.lora_rank}", field="model.lora_rank")
-    if "adapters" in rows and cfg.model.adapter_dim < 1:
+                          f"{cfg.lora.rank}", field="lora.rank")
+    if "adapters" in rows and cfg.adapters.dim < 1:
         raise ConfigError(f"adapter_dim must be at least 1 for the adapters row, got "
-                          f"{cfg.model.adapter_dim}", field="model.adapter_dim")
+                          f"{cfg.adapters.dim}", field="adapters.dim")
     if not 0 < exp.lora_learning_rate < float("inf"):
         raise ConfigError(f"lora_learning_rate must be a positive finite number, got "
                           f"{exp.lora_learning_rate}", field="experiment.lora_learning_rate")
@@ -221,11 +239,12 @@ def check_settings(cfg: FinetuneConfig, rows: list[str]):
                           f"it); pass the run_dir of a trained run", field="experiment.from_run")
     base_fields = base_model_fields(exp.from_run) if exp.from_run else {}
     for row in rows:
-        row_cfg = row_config(cfg, row, base_fields, exp.from_run)   # the model's shape checks
+        row_cfg = row_config(cfg, row, base_fields, exp.from_run)
         if exp.from_run is not None:
             row_cfg.validate()
         else:
-            override(row_cfg, {"model.lora_rank": 0, "model.adapter_dim": 0}).validate()
+            override(row_cfg, {"lora.rank": 0, "adapters.dim": 0}).validate()
+        techniques.abstract(row_cfg)    # the row's model: LoRA's rank and targets, adapters
 
 
 @command(FinetuneConfig)
@@ -243,16 +262,14 @@ def main(argv=None) -> int:
     try:
         base_dir = base_dir or train_base(cfg, run_root)
         base_fields = base_model_fields(base_dir)
-        base_cfg = override(cfg, {**base_fields, "model.lora_rank": 0, "model.adapter_dim": 0})
+        base_cfg = override(cfg, {**base_fields, "lora.rank": 0, "adapters.dim": 0})
         results.append({"row": "base", "label": "base, not tuned", "run_dir": base_dir,
-                        "val_loss": evaluate_params(base_cfg, base_cfg.model, load_trained_params(
-                            base_dir, base_cfg.model))})
+                        "val_loss": evaluate_model(base_cfg, read_trained_run(base_dir)[1])})
         full = None
         for row in rows:
-            model = cfg.model
             label = {"full": "full fine-tuning",
-                     "lora": f"LoRA r{model.lora_rank} {model.lora_targets}",
-                     "adapters": f"adapters {model.adapter_dim}"}[row]
+                     "lora": f"LoRA r{cfg.lora.rank} {lora_targets(base_cfg)}",
+                     "adapters": f"adapters {cfg.adapters.dim}"}[row]
             result = run_row(row_config(cfg, row, base_fields, base_dir), row, label,
                              os.path.join(run_root, row), full)
             full = result if row == "full" else full
@@ -260,7 +277,7 @@ def main(argv=None) -> int:
     except Interrupted as stop:
         partial = str(stop)
 
-    model = describe_model(base_cfg.model) if results else describe_model(cfg.model)
+    model = describe(base_cfg.model, base_cfg.gpt) if results else describe(cfg.model, cfg.gpt)
     meta = {"model": model, "base": base_dir, "data": cfg.data.path, "steps": cfg.run.steps,
             "seq_len": cfg.seq_len, "batch_size": cfg.data.batch_size, **environment(),
             "run_dir": run_root, "interrupted": partial}

@@ -29,12 +29,12 @@ import os
 import sys
 import time
 
-from experiments.common import (command, environment, exit_code, parse_list, print_table,
-                                train_until_stopped, write_json)
-from jaxaccel.config import TrainConfig, override, parse, setting
+from experiments.common import (command, environment, exit_code, parse_experiment, parse_list,
+                                print_table, train_until_stopped, write_json)
+from jaxaccel.config import TrainConfig, override, setting
 from jaxaccel.errors import ConfigError
 from jaxaccel.metrics import BITS_PER_NAT, plot_curves, read_metrics
-from jaxaccel.model import describe_model
+from jaxaccel.model import describe
 from jaxaccel.sampling import SAMPLING
 
 TARGET_SHARE = 0.90     # a sampler reaches uniform's final val loss within this share of tokens
@@ -57,7 +57,7 @@ class ImportanceConfig(TrainConfig):
 # This experiment's defaults: a 4 x 128 model small enough for the CPU, fixed batching (the rows
 # importance sampling draws), ten evaluations per row on the batches the final one takes,
 # metrics logged at every evaluation's step, no checkpoints but the last.
-DEFAULTS = {"model.d_model": 128, "model.n_layers": 4, "model.n_heads": 4,
+DEFAULTS = {"gpt.d_model": 128, "gpt.n_layers": 4, "gpt.n_heads": 4,
             "data.batching": "fixed", "data.seq_len": 128, "data.batch_size": 16,
             "run.steps": 300, "optimizer.warmup_steps": 30, "run.eval_every": 30,
             "run.eval_batches": 8, "run.log_every": 10, "run.checkpoint_every": 0,
@@ -237,8 +237,8 @@ def plot(path: str, rows: list[dict], title: str):
 
 @command(ImportanceConfig)
 def main(argv=None) -> int:
-    cfg = parse(argv, ImportanceConfig, defaults=DEFAULTS, fixed=FIXED,
-                description=__doc__.split("\n\n")[0])
+    cfg = parse_experiment(argv, ImportanceConfig, defaults=DEFAULTS, fixed=FIXED,
+                           description=__doc__.split("\n\n")[0])
     if cfg.run.final_eval_batches is None and cfg.run.eval_batches:
         cfg = override(cfg, {"run.final_eval_batches": cfg.run.eval_batches})
     cfg.validate()
@@ -256,7 +256,7 @@ def main(argv=None) -> int:
     compare_with_uniform(rows)
     lines = verdicts(rows)
 
-    model = describe_model(cfg.model)
+    model = describe(cfg.model, cfg.gpt)
     meta = {"model": model, "data": cfg.data.path, "batching": cfg.data.batching,
             "seq_len": cfg.seq_len, "batch_size": cfg.batch_rows(), "steps": cfg.run.steps,
             "eval_every": cfg.run.eval_every, "eval_batches": cfg.run.eval_batches,

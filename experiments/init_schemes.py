@@ -7,7 +7,7 @@ at higher learning rates with no warmup, as the survey's Fixup family claims?
 
 Every row trains the same model shape for the same steps on the same batches, with no
 learning-rate warmup (``optimizer.warmup_steps=0``): one row per scheme of ``--schemes``
-(``model.init``: default, rezero, skipinit, tfixup; ``jaxaccel.init``) and learning rate of
+(``init.scheme``: default, rezero, skipinit, tfixup; ``jaxaccel.init``) and learning rate of
 ``--learning-rates``. Reference rows train the default initialisation *with*
 ``--reference-warmup`` warmup steps at each learning rate: what the warmup buys.
 
@@ -28,18 +28,19 @@ import signal
 import sys
 import time
 
-from experiments.common import (command, environment, parse_list, plot_loss_curves,
-                                train_until_stopped, write_json)
-from jaxaccel.config import TrainConfig, override, parse, setting
+from experiments.common import (command, environment, parse_experiment, parse_list,
+                                plot_loss_curves, train_until_stopped, write_json)
+from jaxaccel import techniques
+from jaxaccel.config import TrainConfig, override, setting
 from jaxaccel.errors import ConfigError
-from jaxaccel.init import INIT_SCHEMES
-from jaxaccel.model import describe_model
+from jaxaccel.init import SCHEMES
+from jaxaccel.model import describe
 from jaxaccel.report import format_table
 
 
 @dataclasses.dataclass
 class InitSettings:
-    schemes: str = setting(",".join(INIT_SCHEMES), "comma-separated initialisation schemes, "
+    schemes: str = setting(",".join(SCHEMES), "comma-separated initialisation schemes, "
                                                    "each trained without warmup")
     learning_rates: str = setting("3e-3,1e-2,3e-2", "comma-separated peak learning rates")
     reference_warmup: int = setting(50, "warmup steps of the reference rows (the default init "
@@ -58,7 +59,7 @@ class InitConfig(TrainConfig):
 DEFAULTS = {"data.batching": "pack", "data.seq_len": 128, "data.batch_size": 8,
             "run.steps": 150, "run.eval_every": 0, "run.checkpoint_every": 0,
             "run.final_eval_batches": 20, "run.log_every": 5}
-FIXED = ("model.init", "optimizer.learning_rate", "optimizer.warmup_steps", "run.train_tokens")
+FIXED = ("init.scheme", "optimizer.learning_rate", "optimizer.warmup_steps", "run.train_tokens")
 
 COLUMNS = [
     ("label", "row", ""),
@@ -97,7 +98,7 @@ def run_one(cfg: InitConfig, run_root: str, scheme: str, lr: float, warmup: int)
     label = scheme if warmup == 0 else f"{scheme} + {warmup} warmup"
     run_dir = os.path.join(run_root, f"{scheme}-w{warmup}-lr{lr:g}")
     summary = train_until_stopped(override(cfg, {
-        "model.init": scheme, "optimizer.learning_rate": lr, "optimizer.warmup_steps": warmup,
+        "init.scheme": scheme, "optimizer.learning_rate": lr, "optimizer.warmup_steps": warmup,
         "run.run_dir": run_dir, "run.json": None}))
     trained = math.isfinite(summary.val_bpb) and summary.val_bpb <= TRAINED * summary.unigram_bpb
     verdict = "" if trained else ("diverged" if not math.isfinite(summary.val_bpb) else "stalled")
@@ -122,17 +123,19 @@ def largest_stable(rows: list[dict]) -> list[dict]:
 
 @command(InitConfig)
 def main(argv=None) -> int:
-    cfg = parse(argv, InitConfig, defaults=DEFAULTS, fixed=FIXED,
-                description=__doc__.split("\n\n")[0])
+    cfg = parse_experiment(argv, InitConfig, defaults=DEFAULTS, fixed=FIXED,
+                           description=__doc__.split("\n\n")[0])
     cfg.validate()
     exp = cfg.experiment
-    schemes = parse_list(exp.schemes, "experiment.schemes", valid=INIT_SCHEMES)
+    schemes = parse_list(exp.schemes, "experiment.schemes", valid=SCHEMES)
     rates = learning_rates(exp.learning_rates)
     if exp.reference_warmup < 0 or exp.reference_warmup >= cfg.run.steps:
         raise ConfigError(f"reference_warmup must be in [0, steps={cfg.run.steps}), got "
                           f"{exp.reference_warmup}", field="experiment.reference_warmup")
     for scheme in schemes:                       # every row's model, before any training
-        override(cfg, {"model.init": scheme}).validate()
+        row_cfg = override(cfg, {"init.scheme": scheme})
+        row_cfg.validate()
+        techniques.abstract(row_cfg)             # the scheme's surgery on this model
     run_root = cfg.run.run_dir or os.path.join("runs",
                                                time.strftime("init_schemes-%Y%m%d-%H%M%S"))
     plan = [(scheme, lr, 0) for scheme in schemes for lr in rates]
@@ -147,7 +150,7 @@ def main(argv=None) -> int:
             break
         rows.append(row)
 
-    model = describe_model(cfg.model)
+    model = describe(cfg.model, cfg.gpt)
     stable = largest_stable(rows)
     meta = {"model": model, "data": cfg.data.path, "batching": cfg.data.batching,
             "seq_len": cfg.seq_len, "batch_size": cfg.data.batch_size, "steps": cfg.run.steps,

@@ -23,7 +23,7 @@ from experiments.common import (Interrupted, command, environment, exit_code, pa
                                 plot_loss_curves, train_row, write_json)
 from jaxaccel.config import TrainConfig, override, parse, setting
 from jaxaccel.errors import ConfigError
-from jaxaccel.model import describe_model
+from jaxaccel.model import describe
 from jaxaccel.optim import LR_SCALING, OPTIMIZERS
 from jaxaccel.report import format_table
 
@@ -141,7 +141,7 @@ def main(argv=None) -> int:
     except Interrupted as stop:         # the cut row is not a result; later rows do not run
         partial = stop.signal
 
-    model = describe_model(cfg.model)
+    model = describe(cfg.model, cfg.gpt)
     meta = {"model": model, "data": cfg.data.path, "batching": cfg.data.batching,
             "seq_len": cfg.seq_len, "base_batch_size": batch_size,
             "large_batch_factor": exp.large_batch_factor, "train_tokens": cfg.run.train_tokens,

@@ -26,7 +26,7 @@ from jaxaccel.config import TrainConfig, override, parse, setting
 from jaxaccel.corpus import corpus_of
 from jaxaccel.data import STRATEGIES, DataStream, batch_stats, batches
 from jaxaccel.errors import ConfigError
-from jaxaccel.model import describe_model
+from jaxaccel.model import describe
 from jaxaccel.report import bar_chart, format_table
 
 
@@ -191,7 +191,7 @@ def main(argv=None) -> int:
                                 if fixed else None)
     meta = {"seq_len": cfg.seq_len, "batch_size": cfg.data.batch_size,
             "train_tokens": cfg.run.train_tokens, "match_real_tokens": exp.match_real_tokens,
-            "model": describe_model(cfg.model), "data": cfg.data.path, **environment(),
+            "model": describe(cfg.model, cfg.gpt), "data": cfg.data.path, **environment(),
             "interrupted": partial}
     print(f"\nseq_len {cfg.seq_len}, {_length(cfg)} per strategy, {meta['device']}, "
           f"jax {meta['jax_version']}"

@@ -30,16 +30,18 @@ import time
 import jax
 import jax.numpy as jnp
 import numpy as np
-import orbax.checkpoint as ocp
+from flax import nnx
 
 from experiments.common import (Interrupted, command, environment, exit_code, parse_list,
-                                plot_loss_curves, train_row, write_json)
+                                plot_loss_curves, technique, train_row, write_json)
+from jaxaccel import nn, techniques
 from jaxaccel.config import TrainConfig, override, parse, setting
 from jaxaccel.corpus import corpus_of
 from jaxaccel.data import DataStream
 from jaxaccel.errors import ConfigError
 from jaxaccel.grads import value_and_grad
-from jaxaccel.model import describe_model, init_params, make_apply
+from jaxaccel.loop import read_trained_run
+from jaxaccel.model import describe, make_apply
 from jaxaccel.precision import DynamicLossScale, NoLossScale, cast, get_policy, loss_scaled
 from jaxaccel.report import format_table
 from jaxaccel.train import weighted_cross_entropy
@@ -127,17 +129,20 @@ def run_row(cfg: PrecisionConfig, name: str, run_root: str) -> dict:
         "loss_scale": summary.loss_scale,
         "compile_s": summary.compile_s,
         "run_dir": summary.run_dir,
-        "fp8": summary.fp8,
-        "fp8_gemms": summary.fp8_gemms,
+        "fp8": technique(summary, "fp8", "note"),
+        "fp8_gemms": technique(summary, "fp8", "gemms"),
     }
 
 
-def probe_grad_fn(model_cfg, policy_name: str):
+def probe_grad_fn(model, policy_name: str):
     """The jitted ``grad_fn(params, batch, normalizer, loss_scale) -> (grads, grads_finite)``
-    of the probe: the loss is ``sum(weights * token_loss) / normalizer`` (in float32, from the
-    model run under the policy, without dropout) and the gradient is that of the loss times the
-    scale, divided by the scale again (``jaxaccel.precision.loss_scaled``)."""
-    apply_fn = cast(make_apply(model_cfg), get_policy(policy_name))
+    of the probe for ``model`` (abstract: its graph) and its state ``params``: the loss is
+    ``sum(weights * token_loss) / normalizer`` (in float32, from the model run under the
+    policy, without dropout) and the gradient, of the weights that train, is that of the loss
+    times the scale, divided by the scale again (``jaxaccel.precision.loss_scaled``)."""
+    graphdef, state = nnx.split(model)
+    apply_fn = cast(make_apply(graphdef), get_policy(policy_name))
+    trainable = nn.trainable(state)
 
     def grad_fn(params, batch, normalizer, loss_scale):
         def loss_fn(p, b, key):
@@ -145,8 +150,8 @@ def probe_grad_fn(model_cfg, policy_name: str):
                                                           b["weights"])
             return loss_sum / normalizer, {"real_tokens": weight_sum}
 
-        (_, aux), grads, _ = loss_scaled(value_and_grad(loss_fn))(params, batch, None,
-                                                                  loss_scale)
+        (_, aux), grads, _ = loss_scaled(value_and_grad(loss_fn, trainable=trainable))(
+            params, batch, None, loss_scale)
         return grads, aux["grads_finite"]
 
     return jax.jit(grad_fn)
@@ -165,25 +170,29 @@ def largest_finite_scale(grad_fn, params, batch, normalizer, start: float) -> fl
 
 
 def underflow_probe(cfg: PrecisionConfig, trained_params) -> list[dict]:
-    """float16 gradients without and with loss scaling against float32, on one batch.
+    """float16 gradients without and with loss scaling against float32, on one batch, of the
+    fp32 row's model at its initial variables and ``trained_params`` (its trained state, or
+    None).
 
     With ``--probe-accumulate K`` the batch's loss is divided by K times its token count, as one
     microbatch of a K-times larger global batch is under gradient accumulation or data
     parallelism: its gradient is K times smaller, nearer float16's underflow.
     """
-    model_cfg, data, exp = cfg.model, cfg.data, cfg.experiment
+    data, exp = cfg.data, cfg.experiment
+    fp32_cfg = override(cfg, {"precision.policy": "fp32"})
+    model = techniques.abstract(fp32_cfg)
     documents = corpus_of(data).train
     stream = DataStream(documents, strategy=data.batching, seq_len=cfg.seq_len,
                         seed=cfg.run.seed, batch_size=exp.probe_batch_size,
                         pad_multiple=data.pad_multiple, num_buckets=data.buckets)
     batch = next(iter(stream))
     tokens = jnp.maximum(jnp.sum(batch["weights"]), 1.0)
-    grad32 = probe_grad_fn(model_cfg, "fp32")
-    grad16 = probe_grad_fn(model_cfg, "fp16")
+    grad32 = probe_grad_fn(model, "fp32")
+    grad16 = probe_grad_fn(model, "fp16")
+    initial = nnx.state(techniques.build(fp32_cfg, jax.random.PRNGKey(cfg.run.seed)))
     flat = lambda tree: np.concatenate([np.ravel(x) for x in jax.tree.leaves(tree)])  # noqa: E731
     rows = []
-    for label, params in (("initial", init_params(model_cfg, jax.random.PRNGKey(cfg.run.seed))),
-                          ("trained", trained_params)):
+    for label, params in (("initial", initial), ("trained", trained_params)):
         if params is None:
             continue
         for accumulate in parse_list(exp.probe_accumulate, "experiment.probe_accumulate",
@@ -250,13 +259,11 @@ def main(argv=None) -> int:
                                   if fp8_row else None)
         row["val_loss_vs_bf16"] = row["val_loss"] / bf16["val_loss"] - 1 if fp8_row else None
     trained = None
-    if fp32 is not None:
-        checkpoint = os.path.join(fp32["run_dir"], "checkpoints", str(fp32["steps"]), "state")
-        state = ocp.StandardCheckpointer().restore(os.path.abspath(checkpoint))
-        trained = state["params"]
+    if fp32 is not None:            # the fp32 run's final checkpoint
+        trained = nnx.state(read_trained_run(fp32["run_dir"])[1])
     probe = [] if partial else underflow_probe(cfg, trained)
 
-    model = describe_model(cfg.model)
+    model = describe(cfg.model, cfg.gpt)
     meta = {"model": model, "data": cfg.data.path, "batching": cfg.data.batching,
             "seq_len": cfg.seq_len, "batch_size": cfg.data.batch_size,
             "train_tokens": cfg.run.train_tokens, "probe_batch_size": exp.probe_batch_size,

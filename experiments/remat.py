@@ -5,9 +5,9 @@ batch each policy fits in a memory budget, with the blocks unrolled and scanned.
     python -m experiments.remat --policies none,attention,full --no-scan-rows
     python -m experiments.remat --memory-budget 3000000000 --json remat.json
 
-Every row compiles the run's train step (the tiny preset's width, ``--n-layers`` 12, the
-optimizer and ``--precision`` as given, ``jaxaccel.loop.train_step_of``) with one remat
-policy, ahead of time, and reads XLA's compiled memory analysis (temporaries:
+Every row compiles the run's train step (the tiny preset's width, ``--n-layers`` 12, or the
+model ``--model`` names, the optimizer and ``--precision`` as given,
+``jaxaccel.loop.train_step_of``) with one remat policy, ahead of time, and reads XLA's compiled memory analysis (temporaries:
 mostly the activations kept for the backward pass; total: arguments + outputs not aliased to
 the donated state + temporaries) and ``cost_analysis()`` FLOPs (remat's recomputation shows
 here). It then runs one warm-up step and ``--timed-steps`` timed ones on a fixed batch of random
@@ -28,15 +28,16 @@ import sys
 import time
 
 import jax
-import numpy as np
+from flax import nnx
 
-from experiments.common import check_stop, command, environment, parse_list, write_json
-from jaxaccel import hardware
+from experiments.common import (check_stop, command, environment, gpt_shape, parse_experiment,
+                                parse_list, random_batch, stack_depth, write_json)
+from jaxaccel import hardware, nn, techniques
 from jaxaccel.compiled import abstract, flops, memory_bytes
-from jaxaccel.config import TrainConfig, parse, setting
+from jaxaccel.config import TrainConfig, override, setting
 from jaxaccel.errors import ConfigError
 from jaxaccel.loop import train_step_of
-from jaxaccel.model import describe_model, init_params
+from jaxaccel.model import describe
 from jaxaccel.optim import build_optimizer
 from jaxaccel.planner import choose_policy, compile_step, largest_batch
 from jaxaccel.remat import REMAT_POLICIES
@@ -64,10 +65,10 @@ class RematConfig(TrainConfig):
     experiment: RematSettings = dataclasses.field(default_factory=RematSettings)
 
 
-# This experiment's defaults; each row sets model.remat and model.scan_layers itself, and the
+# This experiment's defaults; each row sets remat.policy and remat.scan_layers itself, and the
 # experiment's own memory budget (the largest-batch column) replaces the run's.
-DEFAULTS = {"model.n_layers": 12, "data.seq_len": 256, "data.batch_size": 4}
-FIXED = ("model.remat", "model.scan_layers", "run.memory_budget")
+DEFAULTS = {"gpt.n_layers": 12, "data.seq_len": 256, "data.batch_size": 4}
+FIXED = ("remat.policy", "remat.scan_layers", "run.memory_budget")
 # Every row times a fixed batch of random tokens: no corpus, batching or loader is involved.
 UNUSED = {f"data.{name}": "its rows time a fixed batch of random tokens"
           for name in ("path", "batching", "tokens_per_batch", "buckets", "pad_multiple",
@@ -90,23 +91,14 @@ COLUMNS = [
 ]
 
 
-def random_batch(batch_size: int, seq_len: int, vocab_size: int, seed: int) -> dict:
-    """One packed-style batch of random tokens: every position real, one document per row."""
-    rng = np.random.default_rng(seed)
-    tokens = rng.integers(3, vocab_size, (batch_size, seq_len + 1)).astype(np.int32)
-    return {"inputs": tokens[:, :-1], "targets": tokens[:, 1:],
-            "weights": np.ones((batch_size, seq_len), np.float32),
-            "segment_ids": np.ones((batch_size, seq_len), np.int32),
-            "positions": np.tile(np.arange(seq_len, dtype=np.int32), (batch_size, 1))}
-
-
 def measure(cfg: RematConfig, policy: str, scan: bool, optimizer, batch):
     """One row: the step compiled at --batch-size, its figures and timings; and ``total_at``,
     its compiled total bytes at any batch size (compiling on first sight)."""
-    model_cfg = dataclasses.replace(cfg.model, remat=policy, scan_layers=scan)
-    step = train_step_of(cfg, model_cfg, optimizer)
-    state = init_state(init_params(model_cfg, jax.random.PRNGKey(cfg.run.seed)), optimizer,
-                       cfg.run.seed, cfg.make_loss_scale(), cfg.policy())
+    row_cfg = override(cfg, {"remat.policy": policy, "remat.scan_layers": scan})
+    step = train_step_of(row_cfg, techniques.abstract(row_cfg), optimizer)
+    params = nnx.state(techniques.build(row_cfg, jax.random.PRNGKey(cfg.run.seed)))
+    state = init_state(params, optimizer, cfg.run.seed, cfg.make_loss_scale(), cfg.policy(),
+                       nn.trainable(params))
     abstract_state = abstract(state)
     rows, seq_len = cfg.data.batch_size, cfg.seq_len
     start = time.perf_counter()
@@ -157,16 +149,16 @@ def compare_with_none(rows: list[dict]):
 
 @command(RematConfig)
 def main(argv=None) -> int:
-    cfg = parse(argv, RematConfig, defaults=DEFAULTS, fixed=FIXED, unused=UNUSED,
-                description=__doc__.split("\n\n")[0])
+    cfg = parse_experiment(argv, RematConfig, defaults=DEFAULTS, fixed=FIXED, unused=UNUSED,
+                           description=__doc__.split("\n\n")[0])
     cfg.validate()
-    exp, model_cfg, batch_size = cfg.experiment, cfg.model, cfg.data.batch_size
+    exp, batch_size = cfg.experiment, cfg.data.batch_size
     policies = parse_list(exp.policies, "experiment.policies", valid=REMAT_POLICIES)
     if batch_size is None:
         raise ConfigError("this experiment takes a batch size in rows", field="data.batch_size")
     optimizer, _, _ = build_optimizer(cfg.optimizer, batch_rows=batch_size,
                                       total_steps=cfg.run.steps)
-    batch = random_batch(batch_size, cfg.seq_len, model_cfg.vocab_size, cfg.run.seed)
+    batch = random_batch(batch_size, cfg.seq_len, cfg.model.vocab_size, cfg.run.seed)
     with jax.default_matmul_precision(cfg.precision.matmul):    # as loop.train runs the step
         measured = [measure(cfg, policy, scan, optimizer, batch)
                     for scan in ((False, True) if exp.scan_rows else (False,))
@@ -194,8 +186,9 @@ def main(argv=None) -> int:
                 picked = None
             choices[f"{layout}, by {criterion}"] = picked
     compile_ratio = _compile_ratio(rows)
-    meta = {"model": describe_model(model_cfg), "d_model": model_cfg.d_model,
-            "n_layers": model_cfg.n_layers, "n_heads": model_cfg.n_heads, "mlp": model_cfg.mlp,
+    shape, n_layers = gpt_shape(cfg), stack_depth(cfg)
+    meta = {"model": describe(cfg.model, cfg.gpt), "d_model": shape and shape.d_model,
+            "n_layers": n_layers, "n_heads": shape and shape.n_heads, "mlp": shape and shape.mlp,
             "seq_len": cfg.seq_len, "batch_size": batch_size, "optimizer": cfg.optimizer.name,
             "precision": cfg.policy().name, "timed_steps": exp.timed_steps,
             "memory_budget": budget,
@@ -203,7 +196,8 @@ def main(argv=None) -> int:
             "peak_memory_bytes": hardware.peak_memory_bytes(),
             "offload_note": _offload_note() if "offload" in policies else None,
             **environment()}
-    print(f"\n{model_cfg.d_model} wide, {model_cfg.n_layers} layers, seq_len {cfg.seq_len}, "
+    width = f"{shape.d_model} wide" if shape else meta["model"]
+    print(f"\n{width}, {n_layers} layers, seq_len {cfg.seq_len}, "
           f"batch {batch_size}, {meta['optimizer']}, {meta['precision']}; {meta['device']}, "
           f"jax {meta['jax_version']}")
     print(format_table(rows, COLUMNS))

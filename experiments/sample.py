@@ -1,16 +1,21 @@
-"""Generate text from a trained run: a key/value cache and one jitted decode loop, tokens/s.
+"""Generate text from a trained run: one jitted decode loop (a key/value cache where the model
+offers one), tokens/s.
 
     python -m experiments.sample --run-dir runs/R --prompt "def " --max-new-tokens 200 \
         --temperature 0.8 --top-k 40 --num-samples 2
 
-Reads the run's ``config.yaml`` and latest checkpoint (LoRA merged into the weights), encodes the
-prompt with the byte tokenizer (after BOS, as training documents start), runs the prompt through
-the training forward pass once (the prefill, which fills the cache) and then the new tokens one
-at a time in a ``lax.fori_loop`` over the cache (``jaxaccel.generate``). Each sample is printed up
-to its first EOS; the timings line gives the compile time, the prefill's prompt tokens/s and the
-decode loop's new tokens/s over all samples, timed after ``--warmup`` untimed runs.
-``--check-logits`` (on by default) also compares the prefill's logits with the training forward
-pass (``model.make_apply``) on the prompt and prints the largest difference.
+Reads the run's ``config.yaml`` and latest checkpoint and rebuilds its model, whatever it is (a
+GPT preset or the run's own factory; LoRA merged into the weights, evaluation mode, float32),
+encodes the prompt with the run's own tokenizer (the file the run kept, bytes if it trained on
+bytes; after BOS, as training documents start), runs the prompt through the forward pass once
+(the prefill) and then the new tokens one at a time in a ``lax.fori_loop``
+(``jaxaccel.generate``): over a key/value cache when the model offers one (``init_cache`` and
+``decode``, as jaxaccel's GPT does), else by running the model over the prefix so far for each
+new token (the same tokens, more work). Each sample is printed up to its first EOS; the timings
+line gives the compile time, the prefill's prompt tokens/s and the decode loop's new tokens/s
+over all samples, timed after ``--warmup`` untimed runs. ``--check-logits`` (on by default) also
+compares the prefill's logits with the training forward pass (``model.make_apply``) on the
+prompt and prints the largest difference.
 
 Temperature 0 is greedy decoding; otherwise top-k sampling at that temperature, seeded by
 ``--seed``: the same seed, prompt and run give the same text.
@@ -22,6 +27,7 @@ import sys
 import jax
 import jax.numpy as jnp
 import numpy as np
+from flax import nnx
 
 from experiments.common import command, environment, settings_named, write_json
 from jaxaccel import generate as gen
@@ -57,10 +63,11 @@ class SampleConfig:
     experiment: SampleSettings = dataclasses.field(default_factory=SampleSettings)
 
 
-def check_logits(params, cfg, prompt_BT, prefill_logits_BTV) -> float:
+def check_logits(model, prompt_BT, prefill_logits_BTV) -> float:
     """The largest absolute difference between the prefill's logits and the training forward
     pass's (``make_apply``) over the prompt."""
-    forward_BTV = jax.jit(make_apply(cfg))(params, sequence_batch(prompt_BT))
+    forward_BTV = jax.jit(make_apply(nnx.graphdef(model)))(nnx.state(model),
+                                                           sequence_batch(prompt_BT))
     return float(jnp.max(jnp.abs(forward_BTV - prefill_logits_BTV)))
 
 
@@ -79,15 +86,17 @@ def sample(exp: SampleSettings) -> int:
     gen.read_run_config(exp.run_dir)          # one line for a wrong directory, before loading
     tokenizer = tokenizer_from_run(exp.run_dir)        # the file the run kept, else bytes
     prompt_T = tokenizer.encode(exp.prompt, bos=True, eos=False)
-    model_cfg, params, step = gen.load_run(exp.run_dir)
-    new_tokens = exp.max_new_tokens or model_cfg.max_seq_len - len(prompt_T)
-    gen.check_lengths(model_cfg, len(prompt_T), new_tokens)
+    run_cfg, model, step = gen.load_run(exp.run_dir)
+    context = run_cfg.model.max_seq_len
+    new_tokens = exp.max_new_tokens or context - len(prompt_T)
+    gen.check_lengths(context, len(prompt_T), new_tokens)
 
     prompt_BT = jnp.asarray(np.tile(prompt_T, (exp.num_samples, 1)), jnp.int32)
     key = jax.random.PRNGKey(exp.seed)
-    generator = gen.Generator(model_cfg, len(prompt_T), new_tokens,
+    params = nnx.state(model)
+    generator = gen.Generator(model, len(prompt_T), new_tokens,
                               temperature=exp.temperature, top_k=exp.top_k,
-                              valid_ids=gen.valid_ids_of(tokenizer))
+                              valid_ids=gen.valid_ids_of(tokenizer), context=context)
     generator.compile(params, prompt_BT, key)
     for _ in range(exp.warmup):
         generator.run(params, prompt_BT, key)
@@ -95,7 +104,7 @@ def sample(exp: SampleSettings) -> int:
     max_diff = None
     if exp.check_logits:
         logits_BTV, _ = generator.prefill(params, prompt_BT)
-        max_diff = check_logits(params, model_cfg, prompt_BT, logits_BTV)
+        max_diff = check_logits(model, prompt_BT, logits_BTV)
 
     samples = [tokenizer.decode(gen.cut_at_eos(row, tokenizer.eos_id))
                for row in np.asarray(tokens_BN)]

@@ -34,21 +34,25 @@ import jax.numpy as jnp
 from flax import nnx
 from jax.sharding import NamedSharding
 
-from experiments.common import check_stop, command, environment, parse_list, write_json
+from experiments.common import (check_stop, command, environment, gpt_shape, parse_experiment,
+                                parse_list, stack_depth, write_json)
+from jaxaccel import gpt, model as model_lib, nn, techniques
 from jaxaccel.compiled import abstract, memory_bytes
-from jaxaccel.config import TrainConfig, override, parse, setting
+from jaxaccel.config import TrainConfig, override, setting
 from jaxaccel.corpus import corpus_of
 from jaxaccel.data import batches
 from jaxaccel.errors import ConfigError
 from jaxaccel.loader import abstract_batch, place_batch
 from jaxaccel.loop import sharded_steps
-from jaxaccel.model import ACTIVATION_AXES, MLP, describe_model, param_axes
+from jaxaccel.model import describe
 from jaxaccel.optim import build_optimizer
 from jaxaccel.report import format_table
-from jaxaccel.pipeline import SCHEDULES, bubble_fraction, check as check_pipeline, make_schedule
+from jaxaccel.pipeline import (SCHEDULES, bubble_fraction, check as check_pipeline,
+                               check_layers, make_schedule)
 from jaxaccel.sharding import (COMPUTE_RULES, MESH_AXES, STRATEGIES, batch_shards,
-                               batch_sharding, bytes_per_device, check_model, format_mesh,
-                               logical_spec, make_mesh, mesh_shape, param_shardings, pipelined)
+                               batch_sharding, bytes_per_device, check_split, format_mesh,
+                               logical_spec, make_mesh, mesh_shape, param_shardings,
+                               parse_axis_rules, pipelined)
 from jaxaccel.state import init_sharded_state
 
 
@@ -72,7 +76,7 @@ class ShardingConfig(TrainConfig):
 
 # This experiment's defaults (tp splits the 8 heads, pp the 8 layers over all devices); each row
 # sets its own strategy and mesh, and the pipelined rows their schedule and microbatches.
-DEFAULTS = {"model.n_heads": 8, "model.n_layers": 8, "run.steps": 5, "data.seq_len": 128,
+DEFAULTS = {"gpt.n_heads": 8, "gpt.n_layers": 8, "run.steps": 5, "data.seq_len": 128,
             "data.batch_size": 16, "optimizer.warmup_steps": 0}
 FIXED = ("mesh.strategy", "mesh.shape", "mesh.num_devices", "mesh.pipeline_schedule")
 
@@ -106,19 +110,25 @@ def corpus_batches(cfg: ShardingConfig, seq_len: int):
     return train, val
 
 
-def mlp_temp_bytes(mesh, model_cfg, batch_shape) -> int:
+def mlp_temp_bytes(mesh, cfg, batch_shape) -> int | None:
     """Compiled temporary bytes per device of one MLP's forward and backward pass on ``mesh``,
-    its weights sharded as in training and its input split over the batch axes."""
-    graphdef, state = nnx.split(nnx.eval_shape(lambda: MLP(model_cfg, rngs=nnx.Rngs(0))))
-    params = nnx.to_pure_dict(state)      # ShapeDtypeStructs: nothing is allocated
+    its weights sharded as in training and its input split over the batch axes. ``cfg``: a
+    TrainConfig (its GPT preset's MLP; None for a model of one's own, which has no such MLP)
+    or a ``gpt.GPTConfig``."""
+    shape = cfg if isinstance(cfg, gpt.GPTConfig) else gpt_shape(cfg)
+    if shape is None:
+        return None
+    rules = None if isinstance(cfg, gpt.GPTConfig) else parse_axis_rules(cfg.mesh.axis_rules)
+    graphdef, params = nnx.split(model_lib.abstract(lambda: gpt.MLP(shape, rngs=nnx.Rngs(0))))
+    # params: ShapeDtypeStructs, with their logical axes: nothing is allocated
 
     def loss(params, x_BTD):
         return jnp.sum(nnx.merge(graphdef, params)(x_BTD) ** 2)
 
     with jax.set_mesh(mesh):
-        shardings = param_shardings(mesh, param_axes(params))
-        x_sharding = NamedSharding(mesh, logical_spec(ACTIVATION_AXES, COMPUTE_RULES))
-        x = jax.ShapeDtypeStruct((*batch_shape, model_cfg.d_model), jnp.float32)
+        shardings = param_shardings(mesh, params, rules)
+        x_sharding = NamedSharding(mesh, logical_spec(gpt.ACTIVATION_AXES, COMPUTE_RULES))
+        x = jax.ShapeDtypeStruct((*batch_shape, shape.d_model), jnp.float32)
         executable = jax.jit(jax.grad(loss, argnums=(0, 1)),
                              in_shardings=(shardings, x_sharding)).lower(params, x).compile()
     return memory_bytes(executable)["temp"]
@@ -128,17 +138,20 @@ def run_strategy(name: str, shape: dict, cfg: ShardingConfig, optimizer, train, 
                  devices) -> dict:
     """One row: the strategy's mesh, its memory per device, its step time and its loss (and
     with a pipeline, its bubble and the stage inputs kept)."""
-    model_cfg = cfg.model
+    model = techniques.abstract(cfg)
+    stacks = nn.stacks(model)
     mesh = make_mesh(shape, cfg.mesh.axis_types, devices)
     with jax.set_mesh(mesh):
-        state, shardings = init_sharded_state(model_cfg, optimizer, cfg.run.seed,
-                                              cfg.make_loss_scale(), mesh, cfg.policy())
+        state, shardings = init_sharded_state(
+            techniques.variables(cfg), optimizer, cfg.run.seed, cfg.make_loss_scale(), mesh,
+            cfg.policy(), axis_rules=parse_axis_rules(cfg.mesh.axis_rules))
         layout = batch_sharding(mesh)
-        step, evaluate = sharded_steps(cfg, optimizer, None, shardings, mesh)
+        step, evaluate = sharded_steps(cfg, model, optimizer, None, shardings, mesh)
         step.compile(abstract(state), abstract_batch(train[0]["inputs"].shape))
         memory = memory_bytes(step.last)
         param_opt = bytes_per_device((state.params, state.opt_state))
-        blocks = bytes_per_device(state.params["blocks"])
+        blocks = (bytes_per_device(model_lib.stack_of(state.params, stacks[0][0]))
+                  if len(stacks) == 1 else None)
         seconds = []
         for batch in train:
             check_stop()
@@ -162,7 +175,7 @@ def run_strategy(name: str, shape: dict, cfg: ShardingConfig, optimizer, train, 
         "bubble": bubble_fraction(shape["stage"], cfg.optimizer.accumulate) if piped else None,
         "stage_inputs": schedule.slots if piped else None,
         "temp_bytes_per_device": memory.get("temp"),
-        "mlp_temp_bytes_per_device": mlp_temp_bytes(mesh, model_cfg, train[0]["inputs"].shape),
+        "mlp_temp_bytes_per_device": mlp_temp_bytes(mesh, cfg, train[0]["inputs"].shape),
         "step_s": statistics.median(seconds[1:]) if len(seconds) > 1 else seconds[0],
         "compile_s": step.compile_seconds,
         "loss": float(sums["loss_sum"] / max(sums["weight_sum"], 1.0)),
@@ -171,14 +184,15 @@ def run_strategy(name: str, shape: dict, cfg: ShardingConfig, optimizer, train, 
 
 def compare_with_single(rows: list[dict]):
     single = rows[0]
+
+    def share(row, key):
+        return None if row[key] is None or not single[key] else row[key] / single[key]
+
     for row in rows:
         row["loss_diff_vs_single"] = abs(row["loss"] - single["loss"]) / abs(single["loss"])
-        row["param_opt_fraction"] = (row["param_opt_bytes_per_device"]
-                                     / single["param_opt_bytes_per_device"])
-        row["blocks_fraction"] = (row["blocks_bytes_per_device"]
-                                  / single["blocks_bytes_per_device"])
-        row["mlp_temp_fraction"] = (row["mlp_temp_bytes_per_device"]
-                                    / single["mlp_temp_bytes_per_device"])
+        row["param_opt_fraction"] = share(row, "param_opt_bytes_per_device")
+        row["blocks_fraction"] = share(row, "blocks_bytes_per_device")
+        row["mlp_temp_fraction"] = share(row, "mlp_temp_bytes_per_device")
 
 
 def simulate_cpu_devices(count: int) -> str | None:
@@ -193,11 +207,11 @@ def simulate_cpu_devices(count: int) -> str | None:
 
 @command(ShardingConfig)
 def main(argv=None) -> int:
-    cfg = parse(argv, ShardingConfig, defaults=DEFAULTS, fixed=FIXED,
-                description=__doc__.split("\n\n")[0])
+    cfg = parse_experiment(argv, ShardingConfig, defaults=DEFAULTS, fixed=FIXED,
+                           description=__doc__.split("\n\n")[0])
     note = simulate_cpu_devices(cfg.experiment.cpu_devices)
     cfg.validate()
-    model_cfg, rows_per_batch, seq_len = cfg.model, cfg.data.batch_size, cfg.seq_len
+    rows_per_batch, seq_len = cfg.data.batch_size, cfg.seq_len
     strategies = parse_list(cfg.experiment.strategies, "experiment.strategies",
                             valid=STRATEGIES)
     if rows_per_batch is None or cfg.data.tokens_per_batch is not None:
@@ -218,12 +232,16 @@ def main(argv=None) -> int:
         if pipelined(name):
             variants = {f"{name} ({schedule})": {
                 "mesh.strategy": name, "mesh.pipeline_schedule": schedule,
-                "optimizer.accumulate": microbatches, "model.scan_layers": True}
+                "optimizer.accumulate": microbatches, "remat.scan_layers": True}
                 for schedule in schedules}
         for row, fields in variants.items():
             row_cfg = override(cfg, fields)
-            check_model(shape, row_cfg.model)
+            row_cfg.validate()
+            model = techniques.abstract(row_cfg)
+            check_split(shape, nnx.state(model), parse_axis_rules(row_cfg.mesh.axis_rules),
+                        name)
             if pipelined(name):
+                check_layers(model, shape["stage"])
                 check_pipeline(row_cfg.mesh.pipeline_schedule, shape["stage"], microbatches)
             multiple = batch_shards(shape) * row_cfg.optimizer.accumulate
             if rows_per_batch % multiple:
@@ -240,14 +258,17 @@ def main(argv=None) -> int:
                          devices[:1] if name == "single" else devices)
             for name, (row_cfg, shape) in rows_cfg.items()]
     compare_with_single(rows)
-    meta = {"model": describe_model(model_cfg), "d_model": model_cfg.d_model,
-            "n_layers": model_cfg.n_layers, "n_heads": model_cfg.n_heads,
-            "n_kv_heads": model_cfg.n_kv_heads, "seq_len": seq_len, "batch_size": rows_per_batch,
+    arch, n_layers = gpt_shape(cfg), stack_depth(cfg)
+    meta = {"model": describe(cfg.model, cfg.gpt), "d_model": arch and arch.d_model,
+            "n_layers": n_layers, "n_heads": arch and arch.n_heads,
+            "n_kv_heads": arch and arch.n_kv_heads, "seq_len": seq_len,
+            "batch_size": rows_per_batch,
             "steps": cfg.run.steps, "optimizer": cfg.optimizer.name,
             "precision": cfg.policy().name, "mesh_axis_types": cfg.mesh.axis_types,
             "device_count": len(devices), "backend": jax.default_backend(), "note": note,
             **environment()}
-    print(f"\n{meta['model']} ({model_cfg.d_model} wide, {model_cfg.n_layers} layers), seq_len "
+    width = f"{arch.d_model} wide, " if arch else ""
+    print(f"\n{meta['model']} ({width}{n_layers} layers), seq_len "
           f"{seq_len}, batch {rows_per_batch}, {cfg.run.steps} steps of {meta['optimizer']}, "
           f"{meta['precision']}, {cfg.mesh.axis_types} axes; {len(devices)} x {meta['device']} "
           f"({meta['backend']}), jax {meta['jax_version']}")

@@ -5,8 +5,8 @@ steps, and what would a sparse matmul save?
     python -m experiments.sparsity --patterns 2:4,4:8 --json sparsity.json
 
 Every row trains the same model shape from the same seed for the same steps on the same batches:
-a dense row, then one row per pattern of ``--patterns`` (``model.sparsity``; masks of the blocks'
-projections recomputed every ``--sparsity-every`` steps from the weights' magnitudes, SR-STE
+a dense row, then one row per pattern of ``--patterns`` (``sparsity.pattern``; masks of the
+``--sparsity-targets`` layers, by default every linear layer of the model's blocks, recomputed every ``--sparsity-every`` steps from the weights' magnitudes, SR-STE
 gradients: ``jaxaccel.sparsity``). The table gives each row's final validation loss and its cost
 against the dense row, the share of the masked weights the masks keep at the end, and what an
 N:M sparse matmul would save: the share of the training FLOPs (every matmul with the sparse
@@ -24,12 +24,13 @@ import signal
 import sys
 import time
 
-from experiments.common import (command, environment, parse_list, plot_loss_curves,
+from experiments.common import (command, environment, parse_list, plot_loss_curves, technique,
                                 train_until_stopped, write_json)
+from jaxaccel import techniques
 from jaxaccel.config import TrainConfig, override, parse, setting
-from jaxaccel.model import describe_model
+from jaxaccel.model import describe
 from jaxaccel.report import format_table
-from jaxaccel.sparsity import parse_pattern, savings
+from jaxaccel.sparsity import parse_pattern
 
 
 @dataclasses.dataclass
@@ -49,8 +50,8 @@ class SparsityConfig(TrainConfig):
 # evaluation at the end on a fixed share of the validation split, no periodic checkpoints.
 DEFAULTS = {"data.batching": "pack", "data.seq_len": 128, "data.batch_size": 8,
             "run.steps": 300, "run.eval_every": 0, "run.checkpoint_every": 0,
-            "run.final_eval_batches": 20, "run.log_every": 10, "model.sparsity_every": 10}
-FIXED = ("model.sparsity", "run.train_tokens")
+            "run.final_eval_batches": 20, "run.log_every": 10, "sparsity.every": 10}
+FIXED = ("sparsity.pattern", "run.train_tokens")
 
 COLUMNS = [
     ("pattern", "row", ""),
@@ -69,14 +70,14 @@ COLUMNS = [
 def run_one(cfg: SparsityConfig, run_root: str, pattern: str) -> dict:
     """Train one row and reduce its summary to a table row."""
     run_dir = os.path.join(run_root, pattern.replace(":", "-"))
-    row_cfg = override(cfg, {"model.sparsity": pattern, "run.run_dir": run_dir,
+    row_cfg = override(cfg, {"sparsity.pattern": pattern, "run.run_dir": run_dir,
                              "run.json": None})
     summary = train_until_stopped(row_cfg)
-    saved = savings(row_cfg.model, cfg.seq_len) if pattern != "none" else {}
+    saved = technique(summary, "sparsity", default={})   # the masks' density and savings
     return {"pattern": "dense" if pattern == "none" else pattern, "steps": summary.steps,
             "step_ms": 1000 * summary.train_s / max(summary.steps_this_run, 1),
             "train_bpb": summary.train_bpb, "val_loss": summary.val_loss,
-            "val_bpb": summary.val_bpb, "density": summary.sparsity_density,
+            "val_bpb": summary.val_bpb, "density": saved.get("density"),
             "diverged_at_step": summary.diverged_at_step,
             "flops_share": saved.get("flops_share"),
             "flops_share_fwd_dgrad": saved.get("flops_share_fwd_dgrad"),
@@ -93,7 +94,9 @@ def main(argv=None) -> int:
     patterns = parse_list(cfg.experiment.patterns, "experiment.patterns")
     for pattern in patterns:                     # every row's model, before any training
         parse_pattern(pattern)
-        override(cfg, {"model.sparsity": pattern}).validate()
+        row_cfg = override(cfg, {"sparsity.pattern": pattern})
+        row_cfg.validate()
+        techniques.abstract(row_cfg)             # the masks fit the targeted layers
     run_root = cfg.run.run_dir or os.path.join("runs", time.strftime("sparsity-%Y%m%d-%H%M%S"))
 
     rows, partial = [], None
@@ -107,15 +110,15 @@ def main(argv=None) -> int:
     for row in rows:
         row["val_vs_dense"] = row["val_bpb"] / dense["val_bpb"] - 1
 
-    model = describe_model(cfg.model)
+    model = describe(cfg.model, cfg.gpt)
     meta = {"model": model, "data": cfg.data.path, "batching": cfg.data.batching,
             "seq_len": cfg.seq_len, "batch_size": cfg.data.batch_size, "steps": cfg.run.steps,
-            "sparsity_every": cfg.model.sparsity_every,
-            "sparsity_decay": cfg.model.sparsity_decay, **environment(), "run_dir": run_root,
+            "sparsity_every": cfg.sparsity.every,
+            "sparsity_decay": cfg.sparsity.decay, **environment(), "run_dir": run_root,
             "interrupted": partial}
     print(f"\n{model} model, {cfg.run.steps} steps per row, seq_len {cfg.seq_len}, batch "
           f"{cfg.data.batch_size}, {cfg.data.batching} batching, masks every "
-          f"{cfg.model.sparsity_every} steps, {meta['device']}, jax {meta['jax_version']}"
+          f"{cfg.sparsity.every} steps, {meta['device']}, jax {meta['jax_version']}"
           + (f" (PARTIAL: stopped by {partial})" if partial else ""))
     print(format_table(rows, COLUMNS))
     print("\nSavings are what an N:M sparse matmul would do; none runs here (jax has no N:M "

@@ -45,6 +45,15 @@ exceeds its spread. The best row takes turns with the baseline trained again, an
 against that. ``--rounds 1`` trains each row in one go. ``--profile START:STOP`` traces those
 steps in every row's first round, so they must lie within it.
 
+The model is any model: a GPT preset (the presets' own: ``tiny`` at 2 x 128 on the CPU,
+``small`` on a GPU) or a factory of one's own, ``--model FILE.py:FUNCTION`` (``--model-args``
+for its arguments; the presets' GPT fields, ``gpt.*``, are then left out, and so are the rows
+that set them: ``flash`` is jaxaccel's GPT's attention). Before any row trains, each row's model
+is built abstractly in a CPU process of its own and checked as a run checks it (``loop.preflight``:
+a block technique needs the blocks in an ``nn.Stack``, a remat policy the tensors it keeps
+tagged, packing the ``segment_ids`` argument, ...); a row whose model cannot train so is skipped
+with that reason in the table.
+
 The run directory gets ``report.md`` (the table, one line per technique on its measured
 effect, the combination and the targets), ``tokens_per_s.png``, ``memory.png``,
 ``loss_curves.png`` and one directory per row.
@@ -62,12 +71,15 @@ import sys
 import time
 
 from experiments.common import (PARENT_PID, Interrupted, check_stop, command, exit_code,
-                                matched_batch, parse_list, passing_signals_to,
-                                plot_loss_curves, stop_requested, write_json)
-from jaxaccel.config import TrainConfig, override, parse, setting, write_config
+                                gpt_shape, matched_batch, parse_experiment, parse_list,
+                                passing_signals_to, plot_loss_curves, stack_depth,
+                                stop_requested, technique as done, write_json)
+from jaxaccel.config import TrainConfig, build, describe_error, flatten, override, setting, \
+    to_dict, write_config
 from jaxaccel.corpus import corpus_of
 from jaxaccel.errors import ConfigError
 from jaxaccel.loop import RunSummary
+from jaxaccel.model import is_preset
 from jaxaccel.report import bar_chart, format_table
 
 SCALES = ("auto", "cpu", "gpu")
@@ -82,22 +94,25 @@ DEFAULTS = {"run.eval_every": 0, "run.checkpoint_every": 0, "run.final_eval_batc
 # compile took 12-14 s there; the cache serves the second round) come on top; the issue's
 # target for the whole experiment is 9 minutes.
 PRESETS = {
-    "cpu": {"model.preset": "tiny", "model.d_model": 128, "model.n_layers": 2,
+    "cpu": {"model.name": "tiny", "gpt.d_model": 128, "gpt.n_layers": 2,
             "model.max_seq_len": 1024, "data.seq_len": 1024, "data.batch_size": 8,
             "run.train_tokens": 160_000, "optimizer.warmup_steps": 5,
             "run.final_eval_batches": 8, "run.log_every": 4, "experiment.row_accumulate": 2},
-    "gpu": {"model.preset": "small", "data.seq_len": 1024, "data.batch_size": 16,
+    "gpu": {"model.name": "small", "data.seq_len": 1024, "data.batch_size": 16,
             "run.train_tokens": 1_500_000, "optimizer.warmup_steps": 20,
             "run.final_eval_batches": 16, "run.log_every": 10, "experiment.row_accumulate": 4},
 }
 
 # What the baseline fixes; a technique row changes one of these. None of them is a flag here.
 BASELINE = {"data.batching": "fixed", "precision.policy": "fp32", "precision.loss_scale": "auto",
-            "model.remat": "none", "model.attention": "xla", "optimizer.name": "adamw",
+            "remat.policy": "none", "gpt.attention": "xla", "optimizer.name": "adamw",
             "optimizer.accumulate": 1, "mesh.strategy": "dp", "mesh.num_devices": 1,
-            "run.memory_budget": None, "model.scan_layers": False, "model.token_keep": 1.0,
-            "model.sparsity": "none", "data.sampling": "uniform"}
+            "run.memory_budget": None, "remat.scan_layers": False, "token_drop.keep": 1.0,
+            "sparsity.pattern": "none", "data.sampling": "uniform"}
 FIXED = (*BASELINE, "run.resume")
+# Fields of jaxaccel's GPT presets: a factory of one's own has none of them (model.build refuses
+# them), so neither its baseline nor a row sets them.
+GPT_SECTION = "gpt."
 
 
 @dataclasses.dataclass(frozen=True)
@@ -122,16 +137,16 @@ TECHNIQUES = [
               {"precision.policy": "bf16"}),
     Technique("fp16", "precision", "float16 compute with dynamic loss scaling",
               {"precision.policy": "fp16", "precision.loss_scale": "dynamic"}),
-    *[Technique(f"remat-{policy}", "remat", f"remat policy {policy}", {"model.remat": policy})
+    *[Technique(f"remat-{policy}", "remat", f"remat policy {policy}", {"remat.policy": policy})
       for policy in ("full", "dots", "attention", "mlp", "offload")],
     Technique("flash", "attention", "our Pallas flash attention kernel",
-              {"model.attention": "pallas"}, needs="gpu"),
+              {"gpt.attention": "pallas"}, needs="gpu"),
     Technique("fp8", "precision", "FP8 matmuls in the blocks (delayed scaling), bf16 elsewhere",
               {"precision.policy": "fp8"}, needs="fp8"),
     Technique("token-drop", "token dropping", "half of each row's tokens (random) in the middle "
-              "layers (the last of a model under 3 layers)", {"model.token_keep": 0.5}),
+              "layers (the last of a model under 3 layers)", {"token_drop.keep": 0.5}),
     Technique("sparse-2:4", "sparsity", "2:4 structured sparse weights (SR-STE); masked dense "
-              "matmuls, no sparse kernel in jax", {"model.sparsity": "2:4"}),
+              "matmuls, no sparse kernel in jax", {"sparsity.pattern": "2:4"}),
     Technique("importance", "sampling", "importance sampling of documents by their last loss, "
               "the loss reweighted by 1/(N p)", {"data.sampling": "loss"}),
     Technique("lion", "optimizer", "Lion at its defaults", {"optimizer.name": "lion"}),
@@ -222,34 +237,123 @@ def parse_config(argv=None) -> tuple[SpeedupConfig, dict]:
     scale = known.scale
     if scale == "auto":
         scale = "gpu" if devices["platform"] == "gpu" else "cpu"
-    cfg = parse(argv, SpeedupConfig, defaults={**DEFAULTS, **PRESETS[scale]}, fixed=FIXED,
-                description=__doc__.split("\n\n")[0])
+    cfg = parse_experiment(argv, SpeedupConfig, defaults={**DEFAULTS, **PRESETS[scale]},
+                           fixed=FIXED, description=__doc__.split("\n\n")[0])
     return override(cfg, {"experiment.scale": scale, "experiment.cpu_devices": cpu_devices}), \
         devices
 
 
-def train_config(cfg: SpeedupConfig, settings: dict, run_dir: str) -> TrainConfig:
+def train_config(cfg: SpeedupConfig, settings: dict, run_dir: str | None) -> TrainConfig:
     """A row's TrainConfig: the experiment's training settings, the baseline, then ``settings``
     (every row validates on the same batches: the baseline's rows)."""
     base = TrainConfig(**{f.name: getattr(cfg, f.name) for f in dataclasses.fields(TrainConfig)})
-    return override(base, {**BASELINE, "run.json": None, "run.run_dir": run_dir,
+    baseline = {k: v for k, v in BASELINE.items()
+                if is_preset(cfg.model.name) or not k.startswith(GPT_SECTION)}
+    return override(base, {**baseline, "run.json": None, "run.run_dir": run_dir,
                            "run.eval_batch_size": cfg.data.batch_size, **settings})
 
 
-def row_settings(cfg: SpeedupConfig, technique: Technique, documents) -> dict:
-    """The settings a row changes from the baseline (batch sizes matched for padding rows)."""
+def row_settings(cfg: SpeedupConfig, technique: Technique, documents,
+                 depth: int | None = None) -> dict:
+    """The settings a row changes from the baseline (batch sizes matched for padding rows);
+    ``depth``: the blocks of the model's stack (None: not known yet, ``check_models`` fills in
+    what depends on it)."""
     settings = dict(technique.settings)
     if technique.group == "padding":
         settings.update(matched_batch(documents, cfg, settings["data.batching"]))
-    if technique.name == "token-drop" and cfg.model.n_layers < 3:
-        # the default middle half of a shallow model is empty: drop in its last layer
-        settings["model.token_drop_layers"] = f"{cfg.model.n_layers - 1}:{cfg.model.n_layers}"
+    settings = with_depth(technique.name, settings, depth)
     if technique.name == "accumulate":
         settings["optimizer.accumulate"] = cfg.experiment.row_accumulate
     return settings
 
 
-def skip_reason(technique: Technique, devices: dict) -> str | None:
+def with_depth(name: str, settings: dict, depth: int | None) -> dict:
+    """A row's settings with what depends on the model's depth: the token-drop row drops in the
+    last layer of a model under 3 layers (the default middle half of a shallow model is
+    empty)."""
+    if name == "token-drop" and depth is not None and depth < 3:
+        settings = {**settings, "token_drop.layers": f"{depth - 1}:{depth}"}
+    return settings
+
+
+def model_depth(cfg: SpeedupConfig) -> int | None:
+    """The depth of a GPT preset's stack (pure Python: this process holds no device); None for
+    a factory, whose model only ``check_models`` builds."""
+    shape = gpt_shape(cfg)
+    return shape.n_layers if shape else None
+
+
+# ---------------------------------------------------------------------------------------------
+# A model of one's own: every row's model checked before any row trains, in a CPU process (this
+# one never holds a device: a GPU's memory stays the rows').
+
+CHECK_MODELS = ("import json, sys; from experiments.speedup import check_models; "
+                "print(json.dumps(check_models(json.load(sys.stdin))))")
+
+
+def check_rows(cfg: SpeedupConfig, settings_of: dict[str, dict],
+               devices: dict) -> tuple[int | None, dict[str, dict], dict[str, str]]:
+    """``(depth, settings, reasons)`` for a factory's rows: the depth of its stack, each row's
+    settings completed (``with_depth``), and why each row that cannot train its model so is
+    skipped (``check_models``, run in a CPU process of its own). A baseline that cannot train,
+    or a factory that does not build, is one ConfigError line before any work."""
+    request = {"config": flatten(to_dict(train_config(cfg, {}, run_dir=None))),
+               "rows": settings_of, "device_count": devices["device_count"]}
+    env = {**os.environ, "JAX_PLATFORMS": "cpu", "JAX_NUM_CPU_DEVICES": "1"}
+    done = subprocess.run([sys.executable, "-c", CHECK_MODELS], input=json.dumps(request),
+                          env=env, capture_output=True, text=True)
+    check_stop()
+    if done.returncode:
+        raise ConfigError(f"checking the rows' models of {cfg.model.name} failed: "
+                          f"{_last_line(done.stderr)}", field="model.name")
+    answer = json.loads(done.stdout.strip().splitlines()[-1])
+    if "error" in answer:
+        raise ConfigError(answer["error"]["message"], field=answer["error"]["field"])
+    rows = answer["rows"]
+    if rows.get("baseline", {}).get("reason"):
+        raise ConfigError(f"the baseline cannot train {cfg.model.name}: "
+                          f"{rows['baseline']['reason']}", field="model.name")
+    return (answer["depth"], {name: row["settings"] for name, row in rows.items()},
+            {name: row["reason"] for name, row in rows.items() if row["reason"]})
+
+
+def check_models(request: dict) -> dict:
+    """In the CPU process of ``check_rows``: the depth of the model's stack (None without one)
+    and, for each row (``request["rows"]``: name -> settings over the baseline's config,
+    ``request["config"]``), its settings completed and why its model cannot train (None when
+    it can): the run's own checks before any work (``TrainConfig.validate``,
+    ``loop.preflight``: the model built abstractly with every technique, its contract, its
+    splits over the row's mesh, the remat policy's tags)."""
+    from jaxaccel.loop import preflight
+    from jaxaccel.sharding import mesh_shape, parse_mesh
+
+    base = build(TrainConfig, request["config"])
+    try:
+        depth = stack_depth(base)
+    except ConfigError as e:
+        return {"error": {"message": str(e), "field": e.field}}
+    rows = {}
+    for name, settings in request["rows"].items():
+        settings = with_depth(name, settings, depth)
+        reason = None
+        try:
+            row_cfg = override(base, settings)
+            row_cfg.validate()
+            shape = mesh_shape(row_cfg.mesh.strategy,
+                               row_cfg.mesh.num_devices or request["device_count"],
+                               parse_mesh(row_cfg.mesh.shape))
+            preflight(row_cfg, shape)
+        except ConfigError as e:
+            reason = describe_error(e).removeprefix("error: ")
+        rows[name] = {"settings": settings, "reason": reason}
+    return {"depth": depth, "rows": rows}
+
+
+def skip_reason(technique: Technique, devices: dict, model_name: str = "tiny") -> str | None:
+    gpt_fields = [k for k in technique.settings if k.startswith(GPT_SECTION)]
+    if gpt_fields and not is_preset(model_name):
+        return (f"sets {', '.join(gpt_fields)}, a field of jaxaccel's GPT presets; --model "
+                f"{model_name} is a model of its own")
     if technique.needs == "gpu" and devices["platform"] != "gpu":
         return "needs a GPU"
     if technique.needs == "fp8" and not (devices["platform"] == "gpu" and float(
@@ -390,7 +494,8 @@ def finish_row(row: dict, summary: RunSummary):
     real = sum(r["real_tokens"] for r in rounds)
     positions = sum(r["real_tokens"] / r["padding_efficiency"] for r in rounds)
     train_s = sum(r["train_s"] for r in rounds)
-    row.update(dataclasses.asdict(summary), status="ran", shapes=len(summary.shapes),
+    row.update(dataclasses.asdict(summary), **technique_fields(summary), status="ran",
+               shapes=len(summary.shapes),
                memory_bytes=memory.get("total"), temp_bytes=memory.get("temp"),
                real_tokens=real, train_s=train_s, real_tokens_per_s=real / train_s,
                padding_efficiency=real / positions,
@@ -399,6 +504,19 @@ def finish_row(row: dict, summary: RunSummary):
                process_s=sum(r["process_s"] for r in rounds))
     if summary.mfu is not None:
         row["mfu"] = summary.mfu * row["real_tokens_per_s"] / summary.real_tokens_per_s
+
+
+def technique_fields(summary: RunSummary) -> dict:
+    """What a row's run did with each technique, as the row's own keys (``remat``,
+    ``attention``, ...), read from the summary's ``techniques``."""
+    return {"attention": done(summary, "attention"),
+            "remat": done(summary, "remat", "policy", "none"),
+            "scan_layers": done(summary, "remat", "scan_layers", False),
+            "token_keep": done(summary, "token_drop", "keep", 1.0),
+            "sparsity": done(summary, "sparsity", "pattern", "none"),
+            "sparsity_density": done(summary, "sparsity", "density"),
+            "fp8": done(summary, "fp8", "note"), "fp8_gemms": done(summary, "fp8", "gemms"),
+            "sampling": done(summary, "sampling", default="uniform")}
 
 
 def run_child(argv: list[str], env: dict, log) -> tuple[int, str]:
@@ -645,7 +763,8 @@ def train_in_rounds(cfg: SpeedupConfig, plan: list, rows: dict, run_root: str,
             _progress_line(row, index, rounds, rows[reference])
 
 
-def best_row(cfg: SpeedupConfig, rows: dict, best_names, documents, devices: dict):
+def best_row(cfg: SpeedupConfig, rows: dict, best_names, documents, devices: dict,
+             depth: int | None = None):
     """The best combination's technique, settings and picks ((row, why) for each row it
     combines): the rows named by ``--best``, or those the measurements recommend."""
     exp = cfg.experiment
@@ -656,7 +775,7 @@ def best_row(cfg: SpeedupConfig, rows: dict, best_names, documents, devices: dic
                             exp.optimizer_slowdown)
     chosen = [n for n, _ in picks]
     settings = combine({n: rows[n]["settings"] if n in rows else
-                        row_settings(cfg, BY_NAME[n], documents) for n in chosen},
+                        row_settings(cfg, BY_NAME[n], documents, depth) for n in chosen},
                        chosen, devices["device_count"])
     multiple = batch_multiple(settings, {BY_NAME[n].group for n in chosen},
                               devices["device_count"])
@@ -695,14 +814,31 @@ def main(argv=None) -> int:
     print(f"experiments.speedup: {exp.scale} preset on {devices['device_count']} x "
           f"{devices['device_kind']}; {len(techniques)} rows into {run_root}", flush=True)
 
+    # Every row's settings and why a row cannot run here, before any row trains.
+    named = [t for t in TECHNIQUES if t.name != "best"
+             and (t in techniques or t.name in (best_names or ()))]
+    depth = model_depth(cfg)
+    settings_of = {t.name: row_settings(cfg, t, documents, depth) for t in named}
+    reasons = {t.name: skip_reason(t, devices, cfg.model.name) for t in named}
+    reasons = {name: why for name, why in reasons.items() if why}
+    if not is_preset(cfg.model.name):
+        depth, checked, unfit = check_rows(
+            cfg, {n: v for n, v in settings_of.items() if n not in reasons}, devices)
+        settings_of.update(checked)
+        reasons.update(unfit)
+    for name in best_names or ():
+        if name in reasons:
+            raise ConfigError(f"--best names {name}, which cannot run here: {reasons[name]}",
+                              field="experiment.best")
+
     rows, picks, partial = {}, [], None
     try:
         plan = []
         for technique in techniques:
             if technique.name == "best":
                 continue
-            settings = row_settings(cfg, technique, documents)
-            reason = skip_reason(technique, devices)
+            settings = settings_of[technique.name]
+            reason = reasons.get(technique.name)
             if reason:
                 rows[technique.name] = {"name": technique.name, "group": technique.group,
                                         "description": technique.description,
@@ -714,7 +850,8 @@ def main(argv=None) -> int:
             compare(row, rows["baseline"])
         if "best" in names and rows["baseline"]["status"] == "ran":
             check_stop()
-            technique, settings, picks = best_row(cfg, rows, best_names, documents, devices)
+            technique, settings, picks = best_row(cfg, rows, best_names, documents, devices,
+                                                  depth)
             if exp.rounds > 1:      # the baseline again, taking turns with the best row
                 train_in_rounds(cfg, [(BY_NAME["baseline"], {}, "baseline-again"),
                                       (technique, settings, "best")], rows, run_root,

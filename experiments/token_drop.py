@@ -6,8 +6,8 @@ each row's tokens, against the same model seeing all of them, at equal tokens.
     python -m experiments.token_drop --token-drop-layers 1:7 --json token_drop.json
 
 Rows: ``keep 1`` (every layer sees every token), then for each keep ratio of ``--keeps`` and
-each score of ``--scores`` a row with ``model.token_keep`` at that ratio and
-``model.token_drop_score`` that score (``jaxaccel.token_drop``: the layers
+each score of ``--scores`` a row with ``token_drop.keep`` at that ratio and
+``token_drop.score`` that score (``jaxaccel.token_drop``: the layers
 ``--token-drop-layers``, by default the middle half, compute only ``K = keep x seq_len`` tokens
 per row, rounded to a multiple of 8, drawn each step: ``random`` uniformly, ``loss`` weighted by
 the running loss of each token's target id). Every row trains the same ``--steps``
@@ -20,7 +20,8 @@ position real), so that a machine shared with other work slows every row alike; 
 is the median of those steps. The table reports the kept tokens per row, that step time and its
 speed-up against ``keep 1``, the training's own step time (the median over the logged windows
 of ``--log-every`` steps) and real tokens per second, the training FLOPs per token the
-accounting counts (``model.flops_per_token``: the middle layers' matmuls at K/T, their attention at (K/T)^2) and the share it saves, the final
+accounting counts (``loop.finish.flops_per_token``, traced from the step: the middle layers'
+matmuls at K/T, their attention at (K/T)^2) and the share it saves, the final
 validation loss and bits per byte, and the validation loss's difference from ``keep 1``'s.
 Below the table it checks the issue's targets for keep 0.5 in the middle half of the layers:
 at least 20 % lower step time, and a validation loss within 2 % of ``keep 1``'s. Training bits
@@ -36,18 +37,18 @@ import time
 
 import jax
 
-from experiments.common import (command, environment, exit_code, parse_list, plot_loss_curves,
-                                print_table, train_until_stopped, write_json)
-from experiments.remat import random_batch
-from jaxaccel import token_drop
-from jaxaccel.config import TrainConfig, override, parse, setting
+from experiments.common import (command, environment, exit_code, parse_experiment, parse_list,
+                                plot_loss_curves, print_table, random_batch, stack_depth,
+                                train_until_stopped, write_json)
+from jaxaccel import techniques, token_drop
+from jaxaccel.config import TrainConfig, override, setting
 from jaxaccel.errors import ConfigError
 from jaxaccel.loader import place_batch
 from jaxaccel.loop import sharded_steps
 from jaxaccel.metrics import read_metrics
-from jaxaccel.model import describe_model
+from jaxaccel.model import describe
 from jaxaccel.optim import build_optimizer
-from jaxaccel.sharding import batch_sharding, build_mesh
+from jaxaccel.sharding import batch_sharding, build_mesh, parse_axis_rules
 from jaxaccel.state import init_sharded_state
 
 # The issue's targets for keep TARGET_KEEP in the middle half of the layers, reported against
@@ -79,16 +80,15 @@ class TokenDropConfig(TrainConfig):
 # blocks scanned (one block to compile per run of layers), sequences of 256 packed tokens, one
 # evaluation at the end on a fixed share of the validation split, metrics logged every 10 steps
 # (the windows the median step time is taken over), no checkpoints.
-DEFAULTS = {"model.d_model": 128, "model.n_layers": 8, "model.n_heads": 4,
-            "model.scan_layers": True, "model.max_seq_len": 256,
+DEFAULTS = {"gpt.d_model": 128, "gpt.n_layers": 8, "gpt.n_heads": 4,
+            "remat.scan_layers": True, "model.max_seq_len": 256,
             "data.batching": "pack", "data.seq_len": 256, "data.batch_size": 8,
             "run.steps": 150, "optimizer.warmup_steps": 15, "run.eval_every": 0,
             "run.final_eval_batches": 16, "run.log_every": 10, "run.checkpoint_every": 0}
 # Set for each row; every row trains run.steps (not a token count) on the same batches.
-FIXED = ("model.token_keep", "model.token_drop_score", "run.train_tokens")
+FIXED = ("token_drop.keep", "token_drop.score", "run.train_tokens")
 # A row config's error in a field this experiment sets is reported against the flag that sets it.
-ROW_FIELDS = {"model.token_keep": "experiment.keeps", "model.token_drop_score":
-              "experiment.scores"}
+ROW_FIELDS = {"token_drop.keep": "experiment.keeps", "token_drop.score": "experiment.scores"}
 
 COLUMNS = [
     ("label", "row", ""),
@@ -115,7 +115,7 @@ class Row:
     score: str = "random"
 
     def settings(self) -> dict:
-        return {"model.token_keep": self.keep, "model.token_drop_score": self.score}
+        return {"token_drop.keep": self.keep, "token_drop.score": self.score}
 
 
 def parse_keeps(text: str) -> list[float]:
@@ -147,7 +147,9 @@ def plan_rows(cfg: TokenDropConfig) -> list[Row]:
              for keep in dict.fromkeys(keeps) for score in dict.fromkeys(scores)]
     for row in rows:
         try:
-            override(cfg, row.settings()).validate()
+            row_cfg = override(cfg, row.settings())
+            row_cfg.validate()
+            techniques.abstract(row_cfg)      # the row's model: its stack, the dropped layers
         except ConfigError as e:
             raise ConfigError(str(e), field=ROW_FIELDS.get(e.field, e.field)) from None
     if cfg.run.log_every < 1:
@@ -176,7 +178,7 @@ def run_row(cfg: TokenDropConfig, row: Row, run_root: str) -> dict:
     summary = train_until_stopped(row_cfg)
     stopped = summary.interrupted
     kept = token_drop.kept_tokens(cfg.seq_len, row.keep)
-    start, end = token_drop.layer_range(row_cfg.model)
+    start, end = token_drop.layer_range(row_cfg.token_drop.layers, stack_depth(row_cfg))
     return {
         "label": row.label + (f" (stopped by {stopped})" if stopped else ""),
         "keep": row.keep, "score": row.score if row.keep < 1 else None,
@@ -209,7 +211,7 @@ def time_rows(cfg: TokenDropConfig, plan: list[Row]) -> list[float]:
     steps on one fixed batch, the rows taking turns each round (each step run to completion).
     Each row's step is the one its training ran (``loop.sharded_steps`` on the config's mesh)."""
     exp, m = cfg.experiment, cfg.mesh
-    mesh, _ = build_mesh(m.strategy, m.shape, m.axis_types, cfg.model, m.num_devices)
+    mesh, _ = build_mesh(m.strategy, m.shape, m.axis_types, m.num_devices)
     steps = []
     with jax.default_matmul_precision(cfg.precision.matmul), jax.set_mesh(mesh):
         optimizer, schedule, _ = build_optimizer(cfg.optimizer, batch_rows=cfg.batch_rows(),
@@ -218,10 +220,11 @@ def time_rows(cfg: TokenDropConfig, plan: list[Row]) -> list[float]:
                                          cfg.run.seed), batch_sharding(mesh))
         for row in plan:
             row_cfg = override(cfg, row.settings())
-            state, shardings = init_sharded_state(row_cfg.model, optimizer, cfg.run.seed,
-                                                  row_cfg.make_loss_scale(), mesh,
-                                                  row_cfg.policy())
-            step, _ = sharded_steps(row_cfg, optimizer, schedule, shardings, mesh)
+            state, shardings = init_sharded_state(
+                techniques.variables(row_cfg), optimizer, cfg.run.seed, row_cfg.make_loss_scale(),
+                mesh, row_cfg.policy(), axis_rules=parse_axis_rules(row_cfg.mesh.axis_rules))
+            step, _ = sharded_steps(row_cfg, techniques.abstract(row_cfg), optimizer, schedule,
+                                    shardings, mesh)
             state = jax.block_until_ready(step(state, batch)[0])      # compiled, warmed up
             steps.append([step, state])
         seconds = [[] for _ in plan]
@@ -272,8 +275,8 @@ def verdicts(rows: list[dict], middle_half: bool) -> list[str]:
 
 @command(TokenDropConfig)
 def main(argv=None) -> int:
-    cfg = parse(argv, TokenDropConfig, defaults=DEFAULTS, fixed=FIXED,
-                description=__doc__.split("\n\n")[0])
+    cfg = parse_experiment(argv, TokenDropConfig, defaults=DEFAULTS, fixed=FIXED,
+                           description=__doc__.split("\n\n")[0])
     cfg.validate()
     plan = plan_rows(cfg)
     run_root = cfg.run.run_dir or os.path.join("runs", time.strftime("token-drop-%Y%m%d-%H%M%S"))
@@ -290,12 +293,12 @@ def main(argv=None) -> int:
     for row in rows:                 # without the timing, the training's own step time
         row.setdefault("step_ms", row["train_step_ms"])
     compare_with_base(rows)
-    L = cfg.model.n_layers
+    L = stack_depth(cfg)
     middle = (max(1, L // 4), L - max(1, L // 4))
-    layers = token_drop.layer_range(dataclasses.replace(cfg.model, token_keep=TARGET_KEEP))
+    layers = token_drop.layer_range(cfg.token_drop.layers, L)
     lines = verdicts(rows, middle_half=layers == middle)
 
-    model = describe_model(cfg.model)
+    model = describe(cfg.model, cfg.gpt)
     meta = {"model": model, "data": cfg.data.path, "batching": cfg.data.batching,
             "seq_len": cfg.seq_len, "batch_size": cfg.data.batch_size, "steps": cfg.run.steps,
             "token_drop_layers": f"{layers[0]}:{layers[1]}",

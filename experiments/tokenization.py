@@ -20,13 +20,13 @@ import os
 import sys
 import time
 
-from experiments.common import (Interrupted, command, environment, exit_code, parse_list,
-                                train_row, write_json)
+from experiments.common import (Interrupted, command, environment, exit_code, gpt_shape,
+                                parse_list, train_row, write_json)
 from jaxaccel.config import TrainConfig, override, parse, setting
 from jaxaccel.corpus import corpus_of
 from jaxaccel.errors import ConfigError
 from jaxaccel.metrics import plot_curves, read_metrics, token_curve
-from jaxaccel.model import describe_model
+from jaxaccel.model import describe
 from jaxaccel.report import format_table
 from jaxaccel.tokenizer import parse_spec
 
@@ -113,11 +113,13 @@ def main(argv=None) -> int:
     except Interrupted as stop:         # the cut row is not a result; later rows do not run
         partial = stop.signal
 
-    model = describe_model(cfg.model)
+    model = describe(cfg.model, cfg.gpt)
     meta = {"model": model, "data": cfg.data.path, "batching": cfg.data.batching,
             "seq_len": cfg.seq_len, "batch_size": cfg.data.batch_size, "steps": cfg.run.steps,
             **environment(), "run_dir": run_root, "interrupted": partial}
-    print(f"\n{cfg.model.n_layers}x{cfg.model.d_model} model ({model}), {cfg.run.steps:,} steps "
+    shape = gpt_shape(cfg)
+    print(f"\n{f'{shape.n_layers}x{shape.d_model} model ({model})' if shape else f'{model} model'}"
+          f", {cfg.run.steps:,} steps "
           f"of {cfg.data.batch_size} x {cfg.seq_len} per row, {cfg.data.batching} batching, "
           f"{cfg.data.path}, {meta['device']}, jax {meta['jax_version']}"
           + (f" (PARTIAL: stopped by {partial}; {len(rows)} of {len(specs)} rows ran)"

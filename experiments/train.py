@@ -1,13 +1,16 @@
-"""The main job: train a GPT on the embedded corpus and print what the run achieved.
+"""The main job: train a model on the embedded corpus and print what the run achieved.
 
     python -m experiments.train                 # tiny model, stdlib corpus, a few CPU minutes
+    python -m experiments.train --model examples/tiny_lm.py:make --model-args 'width: 64'
     python -m experiments.train --resume        # continue the latest run from its checkpoint
     python -m experiments.train --config run.yaml optimizer.name=lion   # a file, an override
     python -m experiments.train --help          # every setting, by section
 
-Writes config.yaml (the resolved settings: ``--config`` repeats the run), command.txt,
-metrics.jsonl, checkpoints/ and loss.png into the run directory. Bits per byte count every
-target token: each byte, and the end-of-document token once per document.
+The model is a preset of jaxaccel's GPT (``--model tiny|small|medium|gpt2``) or any Flax NNX
+model of one's own, ``--model FILE.py:FUNCTION`` (README, "Your own model"). Writes config.yaml
+(the resolved settings: ``--config`` repeats the run), command.txt, metrics.jsonl,
+checkpoints/ and loss.png into the run directory. Bits per byte count every target token: each
+byte, and the end-of-document token once per document.
 """
 
 import dataclasses

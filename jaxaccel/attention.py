@@ -79,7 +79,7 @@ def cudnn_attention(q_BTHE, k_BSKE, v_BSKE, *, segment_ids=None, causal=True, sm
     if jax.default_backend() != "gpu":
         raise ConfigError(
             f"attention implementation 'cudnn' needs an NVIDIA GPU, but the backend is "
-            f"'{jax.default_backend()}'; use the xla implementation", field="model.attention")
+            f"'{jax.default_backend()}'; use the xla implementation", field="gpt.attention")
     out_dtype = q_BTHE.dtype
     if out_dtype == jnp.float32:
         q_BTHE, k_BSKE, v_BSKE = (x.astype(jnp.bfloat16) for x in (q_BTHE, k_BSKE, v_BSKE))

@@ -395,7 +395,6 @@ class TrainConfig:
                               f"{self.mesh.num_processes}; pass 0 .. {self.mesh.num_processes - 1}",
                               field="mesh.process_id")
         self.make_loss_scale()
-        self.validate_sampling()
         from jaxaccel.trackers import check as check_trackers
         check_trackers(self.run.trackers, self.run.wandb_mode)
         from jaxaccel.sharding import parse_axis_rules
@@ -406,21 +405,6 @@ class TrainConfig:
             raise ConfigError(f"init_from={self.run.init_from!r} is not a run directory (no "
                               f"config.yaml in it); pass the run_dir of a trained run",
                               field="run.init_from")
-
-    def validate_sampling(self):
-        """Importance sampling's settings (``jaxaccel.sampling``)."""
-        data = self.data
-        if data.sampling != "uniform" and data.batching != "fixed":
-            raise ConfigError(f"importance sampling draws rows of fixed batching, not "
-                              f"{data.batching!r}; use --batching fixed or --sampling uniform",
-                              field="data.sampling")
-        if not 0 <= data.sampling_power < float("inf"):
-            raise ConfigError(f"sampling_power must be a finite number >= 0, got "
-                              f"{data.sampling_power}",
-                              field="data.sampling_power")
-        if not 0 < data.sampling_floor <= 1:
-            raise ConfigError(f"sampling_floor must be in (0, 1] so that every document stays "
-                              f"reachable, got {data.sampling_floor}", field="data.sampling_floor")
 
 
 # ---------------------------------------------------------------------------------------------

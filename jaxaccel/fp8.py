@@ -45,7 +45,7 @@ import jax.numpy as jnp
 
 from jaxaccel import nn, surgery
 from jaxaccel.settings import setting
-from jaxaccel.sharding import constrain, einsum
+from jaxaccel.sharding import constrain, einsum, refuse_pipeline
 
 E4M3, E5M2 = jnp.float8_e4m3fn, jnp.float8_e5m2
 HISTORY = 16             # steps of amax history a scale looks back over
@@ -173,6 +173,12 @@ class Fp8(surgery.Wrapper, nn.Updated):
 
     def update(self, step, stats, observed):
         self.history[...] = record(self.history[...], observed["history"][...])
+
+
+def check(cfg) -> None:
+    """What the fp8 policy cannot combine with: pipeline stages."""
+    if cfg.policy().fp8:
+        refuse_pipeline(cfg.mesh.strategy, "the fp8 policy", "precision.policy")
 
 
 def apply(model, settings: Fp8Settings) -> int:

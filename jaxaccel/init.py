@@ -87,7 +87,7 @@ def apply(model, settings: InitSettings, key) -> None:
     """Initialise ``model`` (freshly built) by the scheme, in place."""
     if settings.scheme == "default":
         return
-    stack_path, stack = nn.the_stack(model, f"init {settings.scheme}")
+    stack_path, stack = nn.the_stack(model, f"init {settings.scheme}", "init.scheme")
     for path, node in list(nnx.iter_graph(stack)):
         if isinstance(node, NORMS):
             surgery.replace(stack, path, Identity())

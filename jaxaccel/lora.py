@@ -30,14 +30,14 @@ from flax import nnx
 from jaxaccel import nn, surgery
 from jaxaccel.errors import ConfigError
 from jaxaccel.settings import setting
-from jaxaccel.sharding import constrain, matmul
+from jaxaccel.sharding import constrain, matmul, refuse_pipeline
 
 
 @dataclasses.dataclass
 class LoRASettings:
     rank: int = setting(0, "LoRA rank on the lora_targets layers; with it only the LoRA "
                            "matrices (and adapters) train (0 = off)", flag="lora_rank",
-                        note="0 = off")
+                        at_least=0, note="0 = off")
     alpha: float = setting(16.0, "LoRA scale numerator: the update is (lora_alpha / lora_rank) "
                                  "A B", flag="lora_alpha", above=0)
     targets: str | None = setting(None, "layers that get LoRA (default: the model's, q,v for "
@@ -49,7 +49,7 @@ class LoRASettings:
 class AdapterSettings:
     dim: int = setting(0, "bottleneck adapter width on the output of each adapter_targets "
                           "layer; with it only the adapters (and LoRA) train (0 = off)",
-                       flag="adapter_dim", note="0 = off")
+                       flag="adapter_dim", at_least=0, note="0 = off")
     targets: str | None = setting(None, "layers whose outputs get an adapter (default: the "
                                         "model's, o,out for jaxaccel's GPT: the end of each "
                                         "residual branch): " + surgery.TARGETS_HELP,
@@ -106,6 +106,23 @@ class Adapter(surgery.Wrapper):
         up = constrain(self.adapter_up[...].astype(h.dtype), self.axes[::-1])
         inner = matmul(h, down, (*rows, "adapter"))
         return h + matmul(jax.nn.gelu(inner), up, (*rows, self.axes[0]))
+
+
+def check(cfg) -> None:
+    """What LoRA and adapters need (a trained run's weights) and cannot combine with: pipeline
+    stages and progressive stacking (which grows a model trained from scratch)."""
+    for on, name, field in ((cfg.lora.rank > 0, "LoRA", "lora.rank"),
+                            (cfg.adapters.dim > 0, "adapters", "adapters.dim")):
+        if not on:
+            continue
+        refuse_pipeline(cfg.mesh.strategy, name, field)
+        if cfg.stacking.stages > 1:
+            raise ConfigError("progressive_stack grows a model being trained from scratch, "
+                              "not a LoRA/adapter fine-tune; leave one out",
+                              field="stacking.stages")
+        if not cfg.run.init_from and not cfg.run.resume:
+            raise ConfigError("LoRA and adapters tune a trained model; pass the run directory "
+                              "whose weights they start from", field="run.init_from")
 
 
 def apply_lora(model, settings: LoRASettings, key) -> int:

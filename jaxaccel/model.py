@@ -21,6 +21,7 @@ import dataclasses
 import importlib
 import importlib.util
 import inspect
+import math
 import os
 import sys
 import traceback
@@ -211,20 +212,23 @@ def check(model, name: str, *, vocab_size: int, packed: bool) -> None:
                           f"mask attention by segment); add them, or use --batching fixed, "
                           f"dynamic or bucket", field="data.batching")
     graphdef, state = nnx.split(model)
-    batch = {k: jax.ShapeDtypeStruct((2, 8), dtype) for k, dtype in
+    # rows the mesh in context splits over its batch axes (Explicit axes refuse an uneven split)
+    mesh = jax.sharding.get_abstract_mesh()
+    rows = max(2, 1 if mesh.empty else math.prod(mesh.shape.get(a, 1) for a in ("data", "fsdp")))
+    batch = {k: jax.ShapeDtypeStruct((rows, 8), dtype) for k, dtype in
              (("inputs", jnp.int32), ("positions", jnp.int32), ("segment_ids", jnp.int32))}
     try:
         logits = jax.eval_shape(make_apply(graphdef, segment_attention=packed), state, batch)
     except ConfigError:
         raise
     except Exception as e:      # noqa: BLE001 - the user's code: one line with where it failed
-        raise ConfigError(f"model {name}: its forward pass on ids [2, 8] failed: "
+        raise ConfigError(f"model {name}: its forward pass on ids [{rows}, 8] failed: "
                           f"{_describe(e)}", field="model.name") from None
     shape = getattr(logits, "shape", None)
-    if shape != (2, 8, vocab_size):
-        raise ConfigError(f"model {name}: ids [2, 8] gave {shape or type(logits).__name__}, not "
-                          f"logits [2, 8, {vocab_size}] (the tokenizer's padded vocabulary, the "
-                          f"factory's vocab_size)", field="model.name")
+    if shape != (rows, 8, vocab_size):
+        raise ConfigError(f"model {name}: ids [{rows}, 8] gave {shape or type(logits).__name__}, "
+                          f"not logits [{rows}, 8, {vocab_size}] (the tokenizer's padded "
+                          f"vocabulary, the factory's vocab_size)", field="model.name")
 
 
 # ---------------------------------------------------------------------------------------------
@@ -310,7 +314,7 @@ def parts(graphdef, abstract_state, *, segment_attention: bool = True) -> Parts:
     given) or from it (which returns the given hidden states), so any model whose blocks are
     one ``nn.Stack`` can be cut, whatever its code."""
     model = nnx.merge(graphdef, abstract_state)
-    stack_path, stack = nn.the_stack(model, "pipeline parallelism")
+    stack_path, stack = nn.the_stack(model, "pipeline parallelism", "mesh.strategy")
     stack_graphdef = nnx.graphdef(stack)
     apply = make_apply(graphdef, segment_attention=segment_attention)
 

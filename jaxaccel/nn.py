@@ -381,12 +381,14 @@ def stacks(model) -> list[tuple[tuple, "Stack"]]:
     return [(path, node) for path, node in nnx.iter_graph(model) if isinstance(node, Stack)]
 
 
-def the_stack(model, technique: str) -> tuple[tuple, "Stack"]:
-    """The model's one ``Stack``, or a ValueError naming the technique that needs it."""
+def the_stack(model, technique: str, field: str | None = None) -> tuple[tuple, "Stack"]:
+    """The model's one ``Stack``, or one ConfigError line (naming ``field``, the setting that
+    asked for ``technique``) saying what the model lacks."""
+    from jaxaccel.errors import ConfigError
     found = stacks(model)
     if len(found) != 1:
         what = "no jaxaccel.nn.Stack" if not found else f"{len(found)} Stacks"
-        raise ValueError(f"{technique} acts on the model's blocks, but {type(model).__name__} "
-                         f"has {what}; declare its blocks as one nn.Stack (README, 'Your own "
-                         f"model')")
+        raise ConfigError(f"{technique} acts on the model's blocks, but {type(model).__name__} "
+                          f"has {what}; declare its blocks as one nn.Stack (README, 'Your own "
+                          f"model')", field=field)
     return found[0]

@@ -138,16 +138,19 @@ def _stage_kinds(stages: int):
     return ((True, False), (False, False), (False, True))
 
 
-def _stage_function(parts, policy, mbs, keys, frozen, total_layers):
+def _stage_function(parts, policy, mbs, keys, frozen, frozen_layers, total_layers):
     """``stage_fn(kind, stage_layers, rest, x_BTD, m, first_layer)``: stage ``kind`` (first?,
     last?) on microbatch m of ``mbs``: the model up to its stack on the first stage (``x_BTD``
     unused), the stage's layers of the stack, and on the last what follows the stack and the
-    summed token loss and weight instead of activations."""
+    summed token loss and weight instead of activations. ``frozen`` and ``frozen_layers`` are
+    the variables that are not differentiated (outside the stack, and the stage's layers': RNG
+    streams, say)."""
 
     def stage_fn(kind, stage_layers, rest, x_BTD, m, first_layer):
         first, last = kind
         mb = _select(mbs, m)
-        state = _join(grads_lib.combine(rest, frozen), stage_layers, parts.stack_path)
+        state = _join(grads_lib.combine(rest, frozen),
+                      grads_lib.combine(stage_layers, frozen_layers), parts.stack_path)
         embedded, token_args = parts.embed(state, mb)
         if first:
             x_BTD = embedded
@@ -221,7 +224,7 @@ def _shift(x, stages, direction):
 
 def _check_model(model) -> tuple:
     """The path of the model's stack; ConfigError unless it is scanned."""
-    path, stack = nn.the_stack(model, "pipeline parallelism")
+    path, stack = nn.the_stack(model, "pipeline parallelism", "mesh.strategy")
     if not stack.scanned:
         raise ConfigError("pipeline stages split the stacked blocks, but the stack is not "
                           "scanned; turn --scan-layers on", field="remat.scan_layers")
@@ -231,7 +234,7 @@ def _check_model(model) -> tuple:
 def check_layers(model, stages: int) -> None:
     """One clear line if the model's layers do not split evenly over the stages."""
     _check_model(model)
-    layers = len(nn.the_stack(model, "pipeline parallelism")[1])
+    layers = len(nn.the_stack(model, "pipeline parallelism", "mesh.strategy")[1])
     if layers < stages or layers % stages:
         raise ConfigError(f"the model's {layers} layers do not split evenly over {stages} "
                           f"pipeline stages; choose a stage count (mesh stage=N) dividing "
@@ -253,7 +256,7 @@ def pipeline_grad_fn(model, microbatches: int, schedule: str = "gpipe", *,
     _check_model(model)
     graphdef, abstract_state = nnx.split(model)
     parts = model_parts(graphdef, abstract_state)
-    total_layers = len(nn.the_stack(model, "pipeline parallelism")[1])
+    total_layers = len(nn.the_stack(model, "pipeline parallelism", "mesh.strategy")[1])
     check(schedule, 1, microbatches)
 
     def grad_fn(params, batch, key, *, scale=None):
@@ -267,14 +270,15 @@ def pipeline_grad_fn(model, microbatches: int, schedule: str = "gpipe", *,
         seed = (1.0 if scale is None else scale) / jnp.maximum(real_tokens, 1.0)
         train, _, frozen = grads_lib.partition(params, trainable)
         rest, blocks = _split(policy.cast_to_compute(train), parts.stack_path)
-        frozen = policy.cast_to_compute(frozen)
+        frozen, frozen_blocks = _split(policy.cast_to_compute(frozen), parts.stack_path)
         kinds = _stage_kinds(stages)
         x_spec, _ = jax.eval_shape(parts.embed, policy.cast_to_compute(params),
                                    _select(mbs, 0))
         x_axes = _activation_axes(len(x_spec.shape))
 
-        def run(stage_blocks, rest, seed, mbs, keys):
-            stage_fn = _stage_function(parts, policy, mbs, keys, frozen, total_layers)
+        def run(stage_blocks, stage_frozen, rest, seed, mbs, keys):
+            stage_fn = _stage_function(parts, policy, mbs, keys, frozen, stage_frozen,
+                                       total_layers)
             s, kind = _position(stages)
             first_layer = s * layers
             forward, backward = jnp.asarray(plan.forward), jnp.asarray(plan.backward)
@@ -348,9 +352,9 @@ def pipeline_grad_fn(model, microbatches: int, schedule: str = "gpipe", *,
                 total = jax.lax.psum(total, AXIS)
             return (*total, carry["d_blocks"])
 
-        staged = _on_stages(run, stages, in_specs=(P(AXIS), P(), P(), P(), P()),
+        staged = _on_stages(run, stages, in_specs=(P(AXIS), P(AXIS), P(), P(), P(), P()),
                             out_specs=(P(), P(), P(AXIS)))
-        loss_sum, d_rest, d_blocks = staged(blocks, rest, seed, mbs, keys)
+        loss_sum, d_rest, d_blocks = staged(blocks, frozen_blocks, rest, seed, mbs, keys)
         grads = jax.tree.map(lambda g, p: g.astype(p.dtype),
                              _join(d_rest, d_blocks, parts.stack_path), train)
         loss = loss_sum / jnp.maximum(real_tokens, 1.0)
@@ -368,7 +372,7 @@ def pipeline_eval_fn(model, microbatches: int, *, policy: Policy = POLICIES["fp3
     _check_model(model)
     graphdef, abstract_state = nnx.split(model)
     parts = model_parts(graphdef, abstract_state, segment_attention=False)
-    total_layers = len(nn.the_stack(model, "pipeline parallelism")[1])
+    total_layers = len(nn.the_stack(model, "pipeline parallelism", "mesh.strategy")[1])
 
     def eval_step(state, batch):
         stages = stage_count()
@@ -381,7 +385,7 @@ def pipeline_eval_fn(model, microbatches: int, *, policy: Policy = POLICIES["fp3
         x_axes = _activation_axes(len(x_spec.shape))
 
         def run(stage_blocks, rest, mbs):
-            stage_fn = _stage_function(parts, policy, mbs, None, {}, total_layers)
+            stage_fn = _stage_function(parts, policy, mbs, None, {}, {}, total_layers)
             s, kind = _position(stages)
             x0 = constrain(jnp.zeros(x_spec.shape, x_spec.dtype), x_axes)
             zero = jnp.zeros((), jnp.float32)

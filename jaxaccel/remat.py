@@ -84,6 +84,10 @@ def check_policy(name: str) -> str:
     return name
 
 
+def check(cfg) -> None:
+    check_policy(cfg.remat.policy)
+
+
 class Remat(nn.BlockTransform):
     """Every block checkpointed under a named policy (innermost of the block transforms)."""
 
@@ -105,21 +109,13 @@ def apply(model, settings: RematSettings) -> None:
     check_policy(settings.policy)
     if not settings.scan_layers and settings.policy == "none":
         return
-    _, stack = nn.the_stack(model, "remat and scanned layers")
+    _, stack = nn.the_stack(
+        model, "remat and scanned layers",
+        "remat.scan_layers" if settings.scan_layers else "remat.policy")
     if settings.scan_layers:
         stack.scan()
     if settings.policy != "none":
         stack.add(Remat(settings.policy))
-
-
-def set_policy(model, name: str) -> None:
-    """Replace the stack's remat policy (the memory planner compiles each in turn)."""
-    _, stack = nn.the_stack(model, "remat")
-    for i in reversed(range(len(stack.transforms))):
-        if isinstance(stack.transforms[i], Remat):
-            del stack.transforms[i]
-    if name != "none":
-        stack.add(Remat(check_policy(name)))
 
 
 def check_tags(name: str, named: set[str]) -> None:

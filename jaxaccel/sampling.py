@@ -64,12 +64,26 @@ import optax
 
 from jaxaccel.data import DataStream, fixed_rows, make_batch
 from jaxaccel.errors import ConfigError
+from jaxaccel.sharding import refuse_pipeline
 
 SAMPLING = ("uniform", "loss", "grad-norm")
 # The per-row sums the step returns in aux["rows"] for each score.
 SCORE_KEYS = {"loss": "loss", "grad-norm": "grad_bound"}
 FETCH_LAG = 2       # the loop fetches a step's scores this many steps after it
 STREAM = 0x5A4D     # keeps the draws' random stream apart from the epochs' shuffles
+
+
+def check(cfg) -> None:
+    """Importance sampling's settings, and what it cannot combine with: batchings other than
+    fixed, and pipeline stages."""
+    data = cfg.data
+    if data.sampling == "uniform":
+        return
+    if data.batching != "fixed":
+        raise ConfigError(f"importance sampling draws rows of fixed batching, not "
+                          f"{data.batching!r}; use --batching fixed or --sampling uniform",
+                          field="data.sampling")
+    refuse_pipeline(cfg.mesh.strategy, "importance sampling", "data.sampling")
 
 
 def lag(prefetch: int) -> int:

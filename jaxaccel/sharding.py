@@ -4,8 +4,8 @@ pipeline parallel.
 The mesh always has the four named axes ``stage``, ``data``, ``fsdp`` and ``tensor`` (unused
 ones have size 1), so one set of rules serves every strategy and only the mesh's shape changes:
 
-- every parameter dimension has a logical name (``embed``, ``heads``, ``mlp``, ...; see
-  ``jaxaccel.model.param_axes``). ``PARAM_RULES`` map them to mesh axes for storage: parameters,
+- every variable dimension has a logical name (``embed``, ``heads``, ``mlp``, ...): from the
+  model's own metadata, ``--axis-rules`` or its rank (``variable_axes``). ``PARAM_RULES`` map them to mesh axes for storage: parameters,
   gradients and optimizer state are split over ``fsdp`` along ``embed`` (ZeRO-3) and over
   ``tensor`` along attention heads and the MLP's inner dimension (Megatron); the stacked
   blocks' ``layers`` dimension is split over ``stage`` (each pipeline stage holds its layers;
@@ -61,6 +61,14 @@ DEFAULT_SIZES = {"fsdp+tp": {"tensor": 2}, "dp+fsdp": {"data": 2}, "dp+pp": {"da
 def pipelined(strategy: str) -> bool:
     """Whether ``strategy`` splits the layers into pipeline stages."""
     return "stage" in STRATEGIES.get(strategy, ())
+
+
+def refuse_pipeline(strategy: str, technique: str, field: str) -> None:
+    """One ConfigError line naming ``field`` when ``strategy`` pipelines the layers: for the
+    techniques the pipelined gradient function does not run."""
+    if pipelined(strategy):
+        raise ConfigError(f"{technique} does not run with the pipeline strategy {strategy}; "
+                          f"choose a strategy without pp", field=field)
 
 # Logical axis -> mesh axis (or None: replicated) for parameters and optimizer state at rest.
 PARAM_RULES = {
@@ -476,7 +484,7 @@ def bytes_per_device(tree) -> int:
     per_device = {}
     for leaf in jax.tree.leaves(tree):
         shard_shape = leaf.sharding.shard_shape(leaf.shape)
-        size = math.prod(shard_shape) * jnp.dtype(leaf.dtype).itemsize
+        size = math.prod(shard_shape) * leaf.dtype.itemsize
         for device in leaf.sharding.device_set:
             per_device[device] = per_device.get(device, 0) + size
     return max(per_device.values(), default=0)

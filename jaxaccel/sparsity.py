@@ -34,6 +34,7 @@ from flax import nnx
 from jaxaccel import nn, surgery
 from jaxaccel.errors import ConfigError
 from jaxaccel.settings import setting
+from jaxaccel.sharding import refuse_pipeline
 
 
 @dataclasses.dataclass
@@ -131,6 +132,13 @@ class Sparse(surgery.Wrapper, nn.Updated):
         due = (step + 1) % self.every == 0
         fresh = nm_mask(self.kernel[...], self.n, self.m)
         self.mask[...] = jnp.where(due, fresh, self.mask[...])
+
+
+def check(cfg) -> None:
+    """The pattern, and what N:M sparsity cannot combine with: pipeline stages."""
+    if cfg.sparsity.pattern != "none":
+        parse_pattern(cfg.sparsity.pattern)
+        refuse_pipeline(cfg.mesh.strategy, "sparsity", "sparsity.pattern")
 
 
 def apply(model, settings: SparsitySettings) -> int:

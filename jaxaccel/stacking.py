@@ -23,6 +23,7 @@ from flax import nnx
 from jaxaccel import nn
 from jaxaccel.errors import ConfigError
 from jaxaccel.settings import setting
+from jaxaccel.sharding import refuse_pipeline
 
 
 @dataclasses.dataclass
@@ -35,9 +36,15 @@ class StackingSettings:
                              flag="stack_at")
 
 
+def check(cfg) -> None:
+    """What progressive stacking cannot combine with: pipeline stages."""
+    if cfg.stacking.stages > 1:
+        refuse_pipeline(cfg.mesh.strategy, "progressive stacking", "stacking.stages")
+
+
 def truncate(model, depth: int) -> None:
     """Cut the model's stack to its first ``depth`` blocks, in place."""
-    _, stack = nn.the_stack(model, "progressive stacking")
+    _, stack = nn.the_stack(model, "progressive stacking", "stacking.stages")
     if depth < len(stack):
         stack.layers = nnx.List(list(stack.layers)[:depth])
 

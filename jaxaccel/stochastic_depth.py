@@ -28,7 +28,7 @@ import jax.numpy as jnp
 
 from jaxaccel import nn
 from jaxaccel.settings import setting
-from jaxaccel.sharding import constrain
+from jaxaccel.sharding import constrain, refuse_pipeline
 
 ACTIVATION_AXES = ("batch", "seq", "embed")
 SKIP_KEY = 0x5D       # folded into a layer's key for its rows (its dropout uses the key itself)
@@ -64,9 +64,15 @@ class StochasticDepth(nn.BlockTransform):
         return skipping
 
 
+def check(cfg) -> None:
+    """What stochastic depth cannot combine with: pipeline stages (static layer indices)."""
+    if cfg.stochastic_depth.rate > 0:
+        refuse_pipeline(cfg.mesh.strategy, "stochastic depth", "stochastic_depth.rate")
+
+
 def apply(model, settings: StochasticDepthSettings) -> None:
     if settings.rate > 0:
-        nn.the_stack(model, "stochastic depth")[1].add(StochasticDepth(settings.rate))
+        nn.the_stack(model, "stochastic depth", "stochastic_depth.rate")[1].add(StochasticDepth(settings.rate))
 
 
 def drop_rates(rate: float, n_layers: int) -> list[float]:

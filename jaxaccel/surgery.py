@@ -138,8 +138,8 @@ def default_targets(model, technique: str, fallback: str | None, field: str) -> 
     ``field`` if neither."""
     chosen = (getattr(type(model), "defaults", {}) or {}).get(technique, fallback)
     if chosen is None:
-        raise ConfigError(f"{type(model).__name__} declares no default layers for {technique}; "
-                          f"name them with --{field.replace('.', '-').replace('_', '-')}",
+        raise ConfigError(f"{type(model).__name__} declares no default layers for {technique} "
+                          f"(its class attribute defaults); name the layers to wrap",
                           field=field)
     return chosen
 

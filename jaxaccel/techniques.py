@@ -23,8 +23,7 @@ import jax.numpy as jnp
 from flax import nnx
 
 from jaxaccel import (fp8, init, lora, model as model_lib, optim, precision, remat,
-                      sparsity, stacking, stochastic_depth, token_drop)
-from jaxaccel.errors import ConfigError
+                      sampling, sparsity, stacking, stochastic_depth, token_drop)
 from jaxaccel.sharding import pipelined
 
 LORA_KEY = 0x10A      # folded into the model's key for the fine-tuning weights' draws
@@ -63,36 +62,25 @@ def abstract(cfg, **kwargs) -> nnx.Module:
     return model_lib.abstract(lambda: build(cfg, jax.random.PRNGKey(0), **kwargs))
 
 
+def variables(cfg, depth: int | None = None):
+    """``make(key, *base) -> nnx.State``: the variables of ``build(cfg, key, depth=depth,
+    base_state=base)``, as the sharded initialisation builds them."""
+    def make(key, *base):
+        return nnx.state(build(cfg, key, depth=depth, base_state=base[0] if base else None))
+    return make
+
+
 def tuned(cfg) -> bool:
     """Whether the run fine-tunes (LoRA or adapters: only their weights train)."""
     return bool(cfg.lora.rank or cfg.adapters.dim)
 
 
 def check(cfg) -> None:
-    """One ConfigError line for techniques that cannot run together or with the mesh."""
-    if pipelined(cfg.mesh.strategy):
-        refused = (("stochastic_depth.rate", "stochastic depth", cfg.stochastic_depth.rate > 0),
-                   ("lora.rank", "LoRA", cfg.lora.rank > 0),
-                   ("adapters.dim", "adapters", cfg.adapters.dim > 0),
-                   ("stacking.stages", "progressive stacking", cfg.stacking.stages > 1),
-                   ("precision.policy", "the fp8 policy", cfg.policy().fp8),
-                   ("sparsity.pattern", "sparsity", cfg.sparsity.pattern != "none"),
-                   ("token_drop.keep", "token dropping", cfg.token_drop.keep < 1.0),
-                   ("data.sampling", "importance sampling", cfg.data.sampling != "uniform"))
-        for field, name, on in refused:
-            if on:
-                raise ConfigError(f"{name} does not run with the pipeline strategy "
-                                  f"{cfg.mesh.strategy}; choose a strategy without pp",
-                                  field=field)
-    if cfg.stacking.stages > 1 and tuned(cfg):
-        raise ConfigError("progressive_stack grows a model being trained from scratch, not a "
-                          "LoRA/adapter fine-tune; leave one out", field="stacking.stages")
-    if tuned(cfg) and not cfg.run.init_from and not cfg.run.resume:
-        raise ConfigError("LoRA and adapters tune a trained model; pass the run directory "
-                          "whose weights they start from", field="run.init_from")
-    if cfg.sparsity.pattern != "none":
-        sparsity.parse_pattern(cfg.sparsity.pattern)
-    remat.check_policy(cfg.remat.policy)
+    """Each technique checks its own settings and what it cannot combine with (one ConfigError
+    line); importance sampling, the loader's technique, with them."""
+    for technique in (lora, sparsity, fp8, remat, stochastic_depth, token_drop, stacking,
+                      sampling):
+        technique.check(cfg)
 
 
 def describe(cfg) -> list[str]:

@@ -44,7 +44,7 @@ with ``SELECT_KEY`` (each microbatch and step draws its own):
   weight, every token still runs the middle layers on some steps.
 
 What it saves: the middle layers' matmuls run on K/T of the tokens and their attention scores
-on (K/T)^2 of the score matrix; the run's FLOP count (``jaxaccel.trace.flops``, which counts
+on (K/T)^2 of the score matrix; the run's FLOP count (``jaxaccel.trace.training_flops``, which counts
 the matmuls the step computes) sees that, so the run summary's FLOPs and MFU are the work done.
 
 With stochastic depth the middle layers' rows are skipped as elsewhere, on the gathered tokens
@@ -61,7 +61,7 @@ import optax
 from jaxaccel import nn
 from jaxaccel.errors import ConfigError
 from jaxaccel.settings import setting
-from jaxaccel.sharding import constrain, take_rows
+from jaxaccel.sharding import constrain, refuse_pipeline, take_rows
 
 SCORES = ("random", "loss")
 MULTIPLE = 8          # K, the kept tokens per row, is a multiple of this
@@ -172,11 +172,17 @@ class TokenDrop(nn.BlockTransform, nn.Updated):
         self.token_loss[...] = new_V.astype(old_V.dtype)
 
 
+def check(cfg) -> None:
+    """What token dropping cannot combine with: pipeline stages."""
+    if cfg.token_drop.keep < 1.0:
+        refuse_pipeline(cfg.mesh.strategy, "token dropping", "token_drop.keep")
+
+
 def apply(model, settings: TokenDropSettings, vocab_size: int) -> None:
     """Install token dropping on the model's stack (nothing when ``keep`` is 1)."""
     if settings.keep >= 1.0:
         return
-    _, stack = nn.the_stack(model, "token dropping")
+    _, stack = nn.the_stack(model, "token dropping", "token_drop.keep")
     start, end = layer_range(settings.layers, len(stack))
     if start >= end:
         raise ConfigError(

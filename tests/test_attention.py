@@ -67,7 +67,9 @@ def test_bad_shapes_and_implementations_raise_config_errors():
     kv = jnp.zeros((1, 4, 2, 8))
     with pytest.raises(ConfigError, match="do not divide") as info:
         dot_product_attention(q, kv, kv)
-    assert info.value.field == "model.n_kv_heads"
+    assert info.value.field == "gpt.n_kv_heads"
+    from jaxaccel.config import describe_error
+    assert describe_error(info.value).endswith("[--n-kv-heads / gpt.n_kv_heads]")
     with pytest.raises(ConfigError, match="expects \\[batch, seq, heads, head_dim\\]"):
         dot_product_attention(q[0], kv, kv)
     with pytest.raises(ConfigError, match="k and v must match each other and q in batch and "
@@ -75,14 +77,15 @@ def test_bad_shapes_and_implementations_raise_config_errors():
         dot_product_attention(q, kv, kv[..., :4])
     with pytest.raises(ConfigError, match="unknown attention implementation") as info:
         dot_product_attention(q, q, q, implementation="flash9000")
-    assert info.value.field == "model.attention"
+    assert info.value.field == "gpt.attention"
 
 
 @pytest.mark.skipif(jax.default_backend() == "gpu", reason="checks the error off the GPU")
 def test_cudnn_off_gpu_is_a_clear_error():
     q = jnp.zeros((1, 4, 2, 8))
-    with pytest.raises(ConfigError, match="needs an NVIDIA GPU"):
+    with pytest.raises(ConfigError, match="needs an NVIDIA GPU") as info:
         dot_product_attention(q, q, q, implementation="cudnn")
+    assert info.value.field == "gpt.attention"
 
 
 def test_auto_picks_per_shape_and_layout(monkeypatch):

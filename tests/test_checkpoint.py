@@ -1,20 +1,30 @@
+import dataclasses
+import json
+import os
+
 import chex
 import jax
+import numpy as np
+import orbax.checkpoint as ocp
 import pytest
+from flax import nnx
 
+from jaxaccel import checkpoint, techniques
 from jaxaccel.checkpoint import Checkpointer
-from jaxaccel.config import build_parser
+from jaxaccel.config import TrainConfig, build, build_parser
 from jaxaccel.errors import ConfigError
-from jaxaccel.model import ModelConfig, init_params
 from jaxaccel.optim import make_optimizer
 from jaxaccel.state import init_state
 
-CFG = ModelConfig(vocab_size=64, d_model=32, n_layers=1, n_heads=2, max_seq_len=8)
+CFG = build(TrainConfig, {"gpt.d_model": 32, "gpt.n_layers": 1, "gpt.n_heads": 2,
+                          "model.max_seq_len": 8})
+CFG = dataclasses.replace(CFG, model=dataclasses.replace(CFG.model, vocab_size=64))
 
 
 def make_state(seed):
     optimizer = make_optimizer(learning_rate=1e-3, total_steps=10)
-    return init_state(init_params(CFG, jax.random.PRNGKey(seed)), optimizer, seed)
+    params = nnx.state(techniques.build(CFG, jax.random.PRNGKey(seed)))
+    return init_state(params, optimizer, seed)
 
 
 def test_round_trip_restores_state_position_and_step(tmp_path):
@@ -23,7 +33,10 @@ def test_round_trip_restores_state_position_and_step(tmp_path):
     ckpt.save(7, saved, loader_position={"epoch": 1, "batch": 3}, config={"d_model": 32})
     state, position, step = Checkpointer(str(tmp_path)).restore(make_state(1), config={"d_model": 32})
     chex.assert_trees_all_equal(state, saved)
+    assert isinstance(state.params, nnx.State)      # the model's state, variable types and all
     assert position == {"epoch": 1, "batch": 3} and step == 7
+    with open(os.path.join(tmp_path, "7", "meta", "metadata")) as f:
+        assert json.load(f)["format"] == checkpoint.FORMAT == 2
 
 
 def test_restore_checks_the_config_first(tmp_path):
@@ -31,6 +44,25 @@ def test_restore_checks_the_config_first(tmp_path):
     ckpt.save(1, make_state(0), loader_position={"epoch": 0, "batch": 1}, config={"seq_len": 8})
     with pytest.raises(ConfigError, match=r"seq_len=8 \(now 16\)"):
         ckpt.restore(make_state(0), config={"seq_len": 16})
+
+
+def test_a_checkpoint_of_the_old_format_is_refused_with_one_line(tmp_path):
+    """A checkpoint written before format 2 (no ``format`` in its meta; the GPT's parameters as
+    a plain dict) is refused before its state is read, in one line naming both formats."""
+    old_params = {"embed": {"embedding": np.zeros((64, 32), np.float32)},
+                  "blocks": [{"attn": {"wq": {"kernel": np.zeros((32, 32), np.float32)}}}]}
+    manager = ocp.CheckpointManager(str(tmp_path), options=ocp.CheckpointManagerOptions(
+        create=True))
+    manager.save(3, args=ocp.args.Composite(
+        state=ocp.args.StandardSave({"params": old_params, "step": np.int32(3)}),
+        meta=ocp.args.JsonSave({"loader_position": {}, "config": {}, "recent_history": []})))
+    manager.wait_until_finished()
+    manager.close()
+    with pytest.raises(ConfigError) as error:
+        Checkpointer(str(tmp_path)).restore(make_state(0), config={})
+    message = str(error.value)
+    assert "\n" not in message and error.value.field == "run.run_dir"
+    assert "format 1" in message and "format 2" in message
 
 
 def test_help_lists_every_flag_the_issue_names():

@@ -60,7 +60,7 @@ TRAIN_FIELDS = numeric_fields(TrainConfig)
 
 def test_every_train_field_declares_its_range():
     """A new numeric field must say which values it takes (``setting(..., at_least=...)`` or
-    ``MODEL_RANGES``); only ints >= 0 may rely on the default."""
+    a ``Range``); only ints >= 0 may rely on the default."""
     ranges = field_ranges(TrainConfig)
     undeclared = [path for path, kind in TRAIN_FIELDS
                   if ranges[path] in (None, config.Range()) and kind is float]

@@ -8,7 +8,7 @@ import numpy as np
 import pytest
 
 from jaxaccel import embedding
-from jaxaccel.model import ACTIVATION_AXES
+from jaxaccel.gpt import ACTIVATION_AXES
 
 
 def skewed_ids(key, shape, vocab):

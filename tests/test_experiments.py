@@ -177,19 +177,18 @@ def test_attention_experiment_times_rows_and_reports_skips(tmp_path, capsys):
 
 def test_attention_tune_checks_candidates_and_writes_the_table_the_kernel_reads(
         tmp_path, monkeypatch, capsys):
-    from experiments import flash_tune
     from jaxaccel.kernels import tuning
 
     table = tmp_path / "tuned.json"
     other = "NVIDIA H100 80GB HBM3"
     tuning.write_entry(table, other, {64: tuning.TRITON[64]}, {"date": "2026-11-22"})
-    real_score = flash_tune.score
+    real_score = attention.score
 
     def score(shapes, params, **kwargs):     # a dQ candidate with 16-row tiles computes wrong
         seconds, err = real_score(shapes, params, **kwargs)
         return seconds, 1.0 if params.dq.block_q == 16 and kwargs["checked"] else err
 
-    monkeypatch.setattr(flash_tune, "score", score)
+    monkeypatch.setattr(attention, "score", score)
     rows_path = tmp_path / "rows.json"
     code = attention.main([
         "--tune", "--tune-seq-lens", "24", "--head-dims", "16", "--heads", "2", "--kv-heads",
@@ -225,7 +224,7 @@ def test_attention_tune_checks_candidates_and_writes_the_table_the_kernel_reads(
             raise Interrupted("SIGTERM")
         return real_score(shapes, params, **kwargs)
 
-    monkeypatch.setattr(flash_tune, "score", stop_in_dkv)
+    monkeypatch.setattr(attention, "score", stop_in_dkv)
     cut = tmp_path / "cut.json"
     assert attention.main([
         "--tune", "--tune-seq-lens", "24", "--head-dims", "16", "--heads", "2", "--batch", "1",
@@ -238,12 +237,12 @@ def test_attention_tune_checks_candidates_and_writes_the_table_the_kernel_reads(
     exp = attention.AttentionSettings(tune_blocks="32,64,128", tune_warps="4", tune_stages="2")
     for name in tuning.PASSES:
         base = getattr(tuning.TRITON[64], name)
-        mosaic = [s for s in flash_tune.candidates(exp, name, base, False, other)
+        mosaic = [s for s in attention.candidates(exp, name, base, False, other)
                   if s.backend == "mosaic_gpu"]
         assert len(mosaic) == 4, name
         for s in mosaic:
             tuning.check_params(tuning.TRITON[64].replace(**{name: s}))
-        assert all(s.backend == "triton" for s in flash_tune.candidates(
+        assert all(s.backend == "triton" for s in attention.candidates(
             exp, name, base, False, "NVIDIA A100-SXM4-80GB"))
     # Off the GPU the interpreter's table never goes where GPUs read theirs: one line, no work.
     if jax.default_backend() != "gpu":

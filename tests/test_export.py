@@ -1,17 +1,18 @@
 """Export: the Llama layout read back by an independent NumPy Llama, the native layout's round
 trip, a failed check, and the command's refusals."""
 
-import dataclasses
 import json
 import os
 
 import numpy as np
 import pytest
+from flax import nnx
 from safetensors import safe_open
 from safetensors.numpy import load_file
 
 from experiments.export import main
 from jaxaccel import export as ex
+from jaxaccel.config import override
 from jaxaccel.generate import load_run
 from jaxaccel.loop import train
 from tests.test_loop import small_config
@@ -23,10 +24,10 @@ def runs(corpus_path, tmp_path_factory):
     and one with a tied head, which Llama's layout refuses."""
     tmp = tmp_path_factory.mktemp("export")
     made = {}
-    for name, model in (("llama", {"n_kv_heads": 2, "scan_layers": True, "sparsity": "2:4"}),
-                        ("tied", {"tie_embeddings": True})):
-        cfg = small_config(corpus_path, tmp, name, steps=2, eval_every=0)
-        cfg = dataclasses.replace(cfg, model=dataclasses.replace(cfg.model, **model))
+    for name, settings in (("llama", {"gpt.n_kv_heads": 2, "remat.scan_layers": True,
+                                      "sparsity.pattern": "2:4"}),
+                           ("tied", {"gpt.tie_embeddings": True})):
+        cfg = override(small_config(corpus_path, tmp, name, steps=2, eval_every=0), settings)
         made[name] = train(cfg).run_dir
     return made
 
@@ -60,9 +61,9 @@ def test_llama_export_matches_an_independent_llama_forward(runs, tmp_path):
     with safe_open(out / "model.safetensors", "np") as f:
         assert f.metadata()["format"] == "pt"               # transformers refuses anything else
     # Layer 1 of the stacked blocks, its 2:4 mask folded in, transposed to [out, in].
-    cfg, params, _ = load_run(runs["llama"])
-    gate = params["blocks"]["mlp"]["w_gate"]
-    folded = np.where(gate["nm_mask"][1], gate["kernel"][1], 0).T
+    cfg, model, _ = load_run(runs["llama"])
+    gate = model.blocks.layers.mlp.w_gate           # the scanned stack's Sparse wrapper
+    folded = np.where(gate.mask[...][1], gate.kernel[...][1], 0).T
     np.testing.assert_array_equal(tensors["model.layers.1.mlp.gate_proj.weight"], folded)
     assert np.mean(folded == 0) == 0.5
     # The NumPy Llama is a real check: a swapped gate/up breaks it.
@@ -78,8 +79,8 @@ def test_llama_export_matches_an_independent_llama_forward(runs, tmp_path):
 def test_a_failed_check_is_one_line_and_keeps_the_files(runs, tmp_path, capsys, monkeypatch):
     original = ex.llama_tensors
 
-    def gate_and_up_swapped(cfg, params):
-        tensors = original(cfg, params)
+    def gate_and_up_swapped(model):
+        tensors = original(model)
         p = "model.layers.0.mlp."
         tensors[p + "gate_proj.weight"], tensors[p + "up_proj.weight"] = \
             tensors[p + "up_proj.weight"], tensors[p + "gate_proj.weight"]
@@ -105,15 +106,16 @@ def test_native_export_when_llama_does_not_fit(runs, tmp_path, capsys):
     row = json.load(open(tmp_path / "e.json"))["rows"][0]
     assert row["format"] == "native" and row["max_logit_diff"] == 0.0
     config = json.load(open(out / "config.json"))
-    assert config["format"] == "jaxaccel" and config["step"] == 2 and config["tie_embeddings"]
+    assert config["format"] == "jaxaccel" and config["step"] == 2
+    assert config["train_config"]["gpt"]["tie_embeddings"]     # the run's settings: its model
     assert config["tokenizer"]["vocab_size"] == 259 and config["tokenizer"]["eos_token_id"] == 2
     # The round trip: every leaf under its dotted name, bitwise, and nothing else.
     tensors = load_file(out / "model.safetensors")
-    expected = ex.flatten(load_run(runs["tied"])[1])
+    expected = ex.flatten(nnx.state(load_run(runs["tied"])[1]))
     assert sorted(tensors) == sorted(expected) and "head.kernel" not in tensors
     assert all(np.array_equal(tensors[k], v) and tensors[k].dtype == v.dtype
                for k, v in expected.items())
-    assert tensors["blocks.1.attn.wq.kernel"].shape == (32, 32)
+    assert tensors["blocks.layers.1.attn.wq.kernel"].shape == (32, 32)
     assert main(["--run-dir", runs["tied"], "--out", str(out), "--overwrite"]) == 0
 
 

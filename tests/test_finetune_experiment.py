@@ -4,6 +4,7 @@ import json
 import os
 
 import pytest
+import yaml
 
 from experiments.finetune import main
 from jaxaccel.loop import train
@@ -37,15 +38,16 @@ def test_every_row_from_one_run(base_run, corpus_path, tmp_path, capsys):
     # The merged export, read back from disk, gives the LoRA model's validation loss.
     assert lora["merged_val_loss"] == pytest.approx(lora["val_loss"], rel=1e-5)
     assert os.path.isfile(os.path.join(lora["merged_dir"], "config.yaml"))
-    assert "lora_rank: 0" in open(os.path.join(lora["merged_dir"], "config.yaml")).read()
+    merged = yaml.safe_load(open(os.path.join(lora["merged_dir"], "config.yaml")))
+    assert merged["lora"]["rank"] == 0 and merged["adapters"]["dim"] == 0
     assert os.path.getsize(tmp_path / "ft" / "finetune.png") > 1000
     assert "LoRA r2 q,v" in capsys.readouterr().out
 
 
 @pytest.mark.parametrize("args,message", [
     (["--lora-rank", "0"], "lora_rank must be at least 1 for the lora row"),
-    (["--lora-rank", "33"], "lora_rank=33 exceeds the width 32 of wq"),
-    (["--lora-targets", "q,z"], "unknown lora_targets ['z']"),
+    (["--lora-rank", "33"], "lora_rank=33 exceeds the width 32 of a targeted layer"),
+    (["--lora-targets", "q,z"], "'z' matches none of the model's linear layers"),
     (["--rows", "full,lora2"], "unknown rows ['lora2']"),
     (["--from", "/no/such/run"], "is not a run directory"),
 ])

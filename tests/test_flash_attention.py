@@ -13,13 +13,15 @@ import jax.numpy as jnp
 import numpy as np
 import optax
 import pytest
+from flax import nnx
 from jax.experimental import pallas as pl
 
+from jaxaccel import techniques
 from jaxaccel.attention import dot_product_attention, resolve_implementation
-from jaxaccel.config import parse
+from jaxaccel.config import build, parse
 from jaxaccel.errors import ConfigError
 from jaxaccel.kernels import flash, flash_attention, tile_schedule, tuning
-from jaxaccel.model import ModelConfig, init_params, make_apply
+from jaxaccel.model import make_apply
 from jaxaccel.state import init_state
 from jaxaccel.train import lm_train_step
 from tests.reference import reference_attention
@@ -337,7 +339,7 @@ def test_dot_product_attention_pallas_and_auto():
     assert rel_err(pallas, reference_attention(q, k, v, seg, True)) < 1e-5
     assert resolve_implementation("auto") == ("pallas" if jax.default_backend() == "gpu"
                                               else "xla")
-    assert parse(["--attention", "pallas"]).model.attention == "pallas"
+    assert parse(["--attention", "pallas"]).gpt.attention == "pallas"
 
 
 def test_model_trains_the_same_with_pallas_as_with_xla():
@@ -350,11 +352,12 @@ def test_model_trains_the_same_with_pallas_as_with_xla():
              "positions": positions, "weights": (seg > 0).astype(np.float32)}
     losses = {}
     for impl in ("xla", "pallas"):
-        cfg = ModelConfig(vocab_size=64, d_model=64, n_layers=2, n_heads=2, n_kv_heads=1,
-                          max_seq_len=24, attention=impl)
+        cfg = build(values={"gpt.d_model": 64, "gpt.n_layers": 2, "gpt.n_heads": 2,
+                            "gpt.n_kv_heads": 1, "model.max_seq_len": 24, "gpt.attention": impl})
         optimizer = optax.adam(1e-2)
-        state = init_state(init_params(cfg, jax.random.PRNGKey(0)), optimizer, seed=0)
-        step = jax.jit(lm_train_step(make_apply(cfg), optimizer))
+        graphdef, params = nnx.split(techniques.build(cfg, jax.random.PRNGKey(0)))
+        state = init_state(params, optimizer, seed=0, trainable=nnx.Param)
+        step = jax.jit(lm_train_step(make_apply(graphdef), optimizer, trainable=nnx.Param))
         losses[impl] = []
         for _ in range(3):
             state, metrics = step(state, batch)

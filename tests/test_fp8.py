@@ -11,17 +11,15 @@ import ml_dtypes
 import numpy as np
 import optax
 import pytest
+from flax import nnx
 
-from jaxaccel import buffers, fp8, lora
+from jaxaccel import fp8, nn, surgery, techniques
 from jaxaccel.config import build
 from jaxaccel.errors import ConfigError
-from jaxaccel.loop import train
-from jaxaccel.model import init_params, make_apply
-from jaxaccel.precision import POLICIES
+from jaxaccel.loop import train, train_step_of
 from jaxaccel.state import init_state
-from jaxaccel.train import lm_train_step
 from tests.test_loop import final_state, small_config
-from tests.test_techniques import batch, small
+from tests.test_techniques import batch, build_model, flat, small
 
 E4M3_EPS = 2.0 ** -3          # float8 e4m3: 3 mantissa bits; e5m2: 2
 E5M2_EPS = 2.0 ** -2
@@ -88,36 +86,47 @@ def test_delayed_scale_comes_from_the_history_and_saturates_instead_of_overflowi
     assert relative_error(y2, np.asarray(big, np.float64) @ np.asarray(w, np.float64)) < E4M3_EPS
 
 
-def fp8_step(cfg, accumulate=1):
+def fp8_step(cfg):
+    """The train step of ``cfg`` as the loop builds it (``loop.train_step_of``), its initial
+    state and the model's graph."""
     optimizer = optax.adamw(1e-3)
-    params = init_params(cfg, jax.random.PRNGKey(0))
-    trainable = lora.trainable(cfg)
-    state = init_state(params, optimizer, 0, trainable=trainable)
-    step = jax.jit(lm_train_step(make_apply(cfg), optimizer, policy=POLICIES["fp8"],
-                                 accumulate=accumulate, trainable=trainable,
-                                 observed=buffers.observed, update_buffers=buffers.updater(cfg)))
-    return state, step
+    model = build_model(cfg)
+    graphdef, params = nnx.split(model)
+    state = init_state(params, optimizer, 0, trainable=nn.trainable(params))
+    return state, jax.jit(train_step_of(cfg, model, optimizer)), graphdef
+
+
+def wq_of(graphdef, params, scan):
+    """The Fp8 wrapper of the first block's query projection (of every block, stacked, when
+    scanned)."""
+    blocks = nnx.merge(graphdef, params).blocks.layers
+    return (blocks if scan else blocks[0]).attn.wq
 
 
 @pytest.mark.parametrize("scan", [False, True])
 def test_the_step_records_amaxes_and_never_trains_the_histories(scan):
-    cfg = small(fp8=True, scan_layers=scan)
-    state, step = fp8_step(cfg, accumulate=2)
-    assert "fp8_amax" not in str(jax.tree_util.tree_structure(state.opt_state))
-    kernel = state.params["blocks"]
-    wq = (kernel["attn"]["wq"] if scan else kernel[0]["attn"]["wq"])
-    weight_amax = float(jnp.abs(wq["kernel"].astype(jnp.bfloat16)).max())
+    cfg = small({"precision.policy": "fp8", "remat.scan_layers": scan,
+                 "optimizer.accumulate": 2})
+    state, step, graphdef = fp8_step(cfg)
+    model = nnx.merge(graphdef, state.params)
+    wrapped = surgery.wrappers(model, fp8.Fp8)
+    assert len(wrapped) == 7 * (1 if scan else 2)            # every linear layer of the blocks
+    assert all(path[0] == "blocks" for path, _ in wrapped)   # the embedding and head stay out
+    assert not [p for p, _ in jax.tree_util.tree_flatten_with_path(state.opt_state)[0]
+                if "history" in jax.tree_util.keystr(p)]
+    wq = wq_of(graphdef, state.params, scan)
+    assert isinstance(wq, fp8.Fp8) and isinstance(wq.history, nn.Observation)
+    weight_amax = float(jnp.abs(wq.kernel[...].astype(jnp.bfloat16)).max())
     state1, metrics = step(state, batch(rows=4))
     assert "observed_max" not in metrics and np.isfinite(metrics["loss"])
-    wq1 = state1.params["blocks"]["attn"]["wq"] if scan else state1.params["blocks"][0]["attn"]["wq"]
-    history = np.asarray(wq1["fp8_amax"], np.float32)
+    history = np.asarray(wq_of(graphdef, state1.params, scan).history[...], np.float32)
     newest = history[..., 0]                                 # [(L,) 3]
     assert np.all(newest > 0) and not np.any(history[..., 1:])
     # The weight's amax is that of the kernel the step multiplied (in bfloat16), per layer.
     assert np.max(newest[..., fp8.WEIGHT]) == pytest.approx(weight_amax, rel=1e-2)
     state2, _ = step(state1, batch(rows=4, seed=1))
-    wq2 = state2.params["blocks"]["attn"]["wq"] if scan else state2.params["blocks"][0]["attn"]["wq"]
-    np.testing.assert_array_equal(np.asarray(wq2["fp8_amax"])[..., 1], newest)
+    np.testing.assert_array_equal(
+        np.asarray(wq_of(graphdef, state2.params, scan).history[...])[..., 1], newest)
 
 
 def test_fp8_training_follows_bf16_and_the_histories_resume_bitwise(corpus_path, tmp_path):
@@ -125,8 +134,13 @@ def test_fp8_training_follows_bf16_and_the_histories_resume_bitwise(corpus_path,
         return small_config(corpus_path, tmp_path, name, steps=6, checkpoint_every=0,
                             eval_every=0, precision=policy, **extra)
 
-    assert build(values={"precision.policy": "fp8"}).model.fp8
-    assert not build(values={"precision.policy": "bf16", "model.fp8": True}).model.fp8
+    # FP8 follows from the policy alone (the old model.fp8 field is read and dropped).
+    assert build(values={"precision.policy": "fp8"}).policy().fp8
+    assert not build(values={"precision.policy": "bf16", "model.fp8": True}).policy().fp8
+    fp8_model = techniques.abstract(build(values={"precision.policy": "fp8"}))
+    assert surgery.wrappers(fp8_model, fp8.Fp8)
+    assert not surgery.wrappers(techniques.abstract(build(values={"precision.policy": "bf16"})),
+                                fp8.Fp8)
     bf16 = train(cfg("bf16", "bf16"))
     whole = train(cfg("whole", "fp8"))
     assert abs(whole.train_bpb - bf16.train_bpb) < 0.02 * bf16.train_bpb
@@ -134,7 +148,8 @@ def test_fp8_training_follows_bf16_and_the_histories_resume_bitwise(corpus_path,
     resumed = train(cfg("cut", "fp8", resume=True))
     assert cut.steps == 3 and resumed.steps == 6
     state = final_state(whole.run_dir, 6)
-    assert np.any(np.asarray(state["params"]["blocks"]["0"]["mlp"]["w_in"]["fp8_amax"])[:, 5] > 0)
+    history = flat(state["params"])["blocks/layers/0/mlp/w_in/history"]
+    assert np.any(np.asarray(history)[:, 5] > 0)
     chex.assert_trees_all_equal(state, final_state(resumed.run_dir, 6))
 
 

@@ -1,33 +1,55 @@
-"""Generation: the cached decode gives the training forward pass's logits, sampling's rules, and
-experiments.sample end to end with its bad input."""
+"""Generation: the cached decode gives the training forward pass's logits, a model without a
+cache samples by recomputing the prefix, sampling's rules, and experiments.sample end to end
+with its bad input."""
 
+import dataclasses
 import json
 
 import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
+from flax import nnx
 
 from experiments.sample import main
-from jaxaccel import generate as gen
-from jaxaccel.model import ModelConfig, init_params, make_apply, make_decode
+from jaxaccel import fp8, generate as gen, init, techniques
+from jaxaccel.config import TrainConfig
+from jaxaccel.model import ModelConfig, load_factory, make_apply, sequence_batch
 from jaxaccel.tokenizer import ByteTokenizer
 
 
-def forward(cfg, params, ids_BT):
-    B, T = ids_BT.shape
-    batch = {"inputs": ids_BT, "positions": jnp.broadcast_to(jnp.arange(T), (B, T)),
-             "segment_ids": jnp.ones((B, T), jnp.int32)}
-    return make_apply(cfg)(params, batch)
+def forward(model, ids_BT):
+    return make_apply(nnx.graphdef(model))(nnx.state(model), sequence_batch(ids_BT))
+
+
+def build(options: dict, *, vocab_size=64, max_seq_len=16, **shape):
+    """jaxaccel's GPT with every technique ``options`` names (``section.field`` settings; ``fp8``
+    wraps its block matmuls in FP8 while the rest stays float32), in evaluation mode."""
+    options = dict(options)
+    with_fp8 = options.pop("fp8", False)
+    cfg = TrainConfig()
+    sections = {}
+    for path, value in options.items():
+        section, _, name = path.partition(".")
+        sections.setdefault(section, {})[name] = value
+    cfg = dataclasses.replace(cfg, model=ModelConfig("tiny", None, max_seq_len, vocab_size),
+                              **{section: dataclasses.replace(getattr(cfg, section), **fields)
+                                 for section, fields in sections.items()})
+    cfg = dataclasses.replace(cfg, gpt=dataclasses.replace(cfg.gpt, **shape))
+    model = techniques.build(cfg, jax.random.PRNGKey(0))
+    if with_fp8:
+        fp8.apply(model, cfg.fp8)
+    model.eval()
+    return model
 
 
 OPTIONS = {       # every model option in one of three models (each compiles its own decode)
     "plain": {},
-    "gqa-scan-tied-gelu": {"n_kv_heads": 2, "scan_layers": True, "tie_embeddings": True,
-                           "mlp": "gelu"},
+    "gqa-scan-tied-gelu": {"gpt.n_kv_heads": 2, "remat.scan_layers": True,
+                           "gpt.tie_embeddings": True, "gpt.mlp": "gelu"},
     "gates-adapters-fp8-sparse-train-only": {
-        "init": "rezero", "adapter_dim": 4, "fp8": True, "sparsity": "2:4",
-        "stochastic_depth": 0.5, "token_keep": 0.5, "dropout": 0.1},
+        "init.scheme": "rezero", "adapters.dim": 4, "fp8": True, "sparsity.pattern": "2:4",
+        "stochastic_depth.rate": 0.5, "token_drop.keep": 0.5, "gpt.dropout": 0.1},
 }
 
 
@@ -35,33 +57,48 @@ OPTIONS = {       # every model option in one of three models (each compiles its
 def test_cached_decode_gives_the_forward_logits(options):
     """Prefill over a prompt, then one cached token at a time: every position's logits equal
     the training forward pass over the whole sequence (evaluation mode)."""
-    cfg = ModelConfig(vocab_size=64, d_model=32, n_layers=3, n_heads=4, max_seq_len=16,
-                      **options)
-    params = init_params(cfg, jax.random.PRNGKey(0))
-    if options.get("init") == "rezero":       # gates at 0 would hide the branches
-        params = jax.tree_util.tree_map_with_path(
-            lambda path, a: a + 0.5 if "alpha" in jax.tree_util.keystr(path) else a, params)
+    model = build(options, d_model=32, n_layers=3, n_heads=4)
+    assert gen.cached(model)
+    for _, gate in nnx.iter_graph(model):       # gates at 0 would hide the branches
+        if isinstance(gate, init.Gated):
+            gate.gate[...] = gate.gate[...] + 0.5
+    state = nnx.state(model)
     ids_BT = jax.random.randint(jax.random.PRNGKey(1), (2, 11), 0, 64)
-    expected_BTV = forward(cfg, params, ids_BT)
-    decode = jax.jit(make_decode(cfg))
+    expected_BTV = forward(model, ids_BT)
+    _, step = gen.make_decode(model)
+    decode = jax.jit(step)
     P = 5
-    logits_BPV, cache = jax.jit(gen.make_prefill(cfg, 11))(params, ids_BT[:, :P])
+    logits_BPV, cache = gen.make_prefill(model, 11)(state, ids_BT[:, :P])
     got = [logits_BPV]
     for t in range(P, 11):
-        positions_B1 = jnp.full((2, 1), t, jnp.int32)
-        logits_B1V, cache = decode(params, ids_BT[:, t:t + 1], positions_B1, cache, t)
+        logits_B1V, cache = decode(state, ids_BT[:, t:t + 1], cache, t)
         got.append(logits_B1V)
     np.testing.assert_allclose(jnp.concatenate(got, 1), expected_BTV, atol=2e-5, rtol=2e-5)
 
 
 def test_greedy_generation_follows_the_forward_argmax():
-    cfg = ModelConfig(vocab_size=64, d_model=32, n_layers=2, n_heads=4, n_kv_heads=1,
-                      max_seq_len=32)
-    params = init_params(cfg, jax.random.PRNGKey(0))
+    model = build({}, vocab_size=64, max_seq_len=32, d_model=32, n_layers=2, n_heads=4,
+                  n_kv_heads=1)
     prompt_BT = jax.random.randint(jax.random.PRNGKey(1), (3, 4), 0, 64)
-    new_BN = gen.generate(params, cfg, prompt_BT, max_new_tokens=12)
-    logits_BTV = forward(cfg, params, jnp.concatenate([prompt_BT, new_BN], 1))
+    new_BN = gen.generate(model, prompt_BT, max_new_tokens=12)
+    logits_BTV = forward(model, jnp.concatenate([prompt_BT, new_BN], 1))
     np.testing.assert_array_equal(new_BN, jnp.argmax(logits_BTV[:, 3:-1], -1))
+
+
+def test_a_model_without_a_cache_samples_by_recomputing_the_prefix():
+    """A model of one's own with no ``init_cache``/``decode`` (examples/tiny_lm.py): each new
+    token is the forward pass's argmax over the ids so far, and sampling is seeded."""
+    model = load_factory("examples/tiny_lm.py:make")(64, 32, rngs=nnx.Rngs(0), width=32)
+    model.eval()
+    assert not gen.cached(model)
+    prompt_BT = jax.random.randint(jax.random.PRNGKey(1), (2, 5), 0, 64)
+    new_BN = gen.generate(model, prompt_BT, max_new_tokens=9, context=32)
+    logits_BTV = forward(model, jnp.concatenate([prompt_BT, new_BN], 1))
+    np.testing.assert_array_equal(new_BN, jnp.argmax(logits_BTV[:, 4:-1], -1))
+    key = jax.random.PRNGKey(3)
+    sampled = [gen.generate(model, prompt_BT, max_new_tokens=9, temperature=1.0, top_k=8,
+                            key=key) for _ in range(2)]
+    np.testing.assert_array_equal(*sampled)
 
 
 def test_sampling_rules():

@@ -25,7 +25,7 @@ SMALL_MODEL = ["--d-model", "32", "--n-layers", "2", "--n-heads", "4", "--max-se
 
 def small_config(corpus_path, tmp_path, name="run", **overrides):
     """A small run's config; ``overrides`` by field name (``batching="pack"``)."""
-    values = {"model.d_model": 32, "model.n_layers": 2, "model.n_heads": 4,
+    values = {"gpt.d_model": 32, "gpt.n_layers": 2, "gpt.n_heads": 4,
               "model.max_seq_len": 32, "data.path": corpus_path, "data.seq_len": 32,
               "data.batch_size": 4, "run.steps": 8, "optimizer.warmup_steps": 2,
               "run.eval_every": 4, "run.eval_batches": 2, "run.log_every": 2,
@@ -167,7 +167,7 @@ def test_checkpoint_problems_on_resume_are_errors(corpus_path, tmp_path, capsys)
     assert code == 2 and "already holds checkpoints; set resume" in err[0]
     assert err[0].endswith("[--resume / run.resume]")
     code, err = run_cli(base + ["--resume", "--d-model", "64"], capsys)
-    assert code == 2 and len(err) == 1 and "written with other settings: model.d_model=32" in err[0]
+    assert code == 2 and len(err) == 1 and "written with other settings: gpt.d_model=32" in err[0]
     code, err = run_cli([*base, "--resume", "--run-dir", str(tmp_path / "nothing")], capsys)
     assert code == 2 and "no checkpoint in" in err[0]
     state_dir = tmp_path / "r" / "checkpoints" / "3" / "state"
@@ -186,7 +186,7 @@ def test_cli_exit_code_and_no_traceback_in_a_real_process(tmp_path):
     assert proc.returncode == 2
     assert proc.stderr.strip().splitlines() == [
         "error: n_heads=3 does not divide d_model=256; choose n_heads dividing d_model "
-        "[--n-heads / model.n_heads]"]
+        "[--n-heads / gpt.n_heads]"]
     assert "Traceback" not in proc.stderr
 
 
@@ -291,9 +291,10 @@ def test_a_log_step_fetches_the_window_before_so_the_device_queue_never_drains(
         corpus_path, tmp_path, monkeypatch):
     """At log step k the loop writes the window that ended at the log step before (done on the
     device by then), not the one it has just dispatched; the rest is written at the end."""
-    from jaxaccel import compiled, loop
+    from jaxaccel import compiled
+    from jaxaccel.loop import run as run_phase
     events = []
-    log_window, call = loop._log_window, compiled.CompiledFn.__call__
+    log_window, call = run_phase.log_window, compiled.CompiledFn.__call__
 
     def logged(writer, step, *args):
         events.append(("log", step))
@@ -304,7 +305,7 @@ def test_a_log_step_fetches_the_window_before_so_the_device_queue_never_drains(
             events.append(("step", None))
         return call(self, *args)
 
-    monkeypatch.setattr(loop, "_log_window", logged)
+    monkeypatch.setattr(run_phase, "log_window", logged)
     monkeypatch.setattr(compiled.CompiledFn, "__call__", dispatched)
     train(small_config(corpus_path, tmp_path, eval_every=0, checkpoint_every=0, steps=8))
     order = [step if kind == "log" else "s" for kind, step in events]

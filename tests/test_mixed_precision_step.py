@@ -13,13 +13,13 @@ import pytest
 
 from conftest import xla_flags
 from jaxaccel import grads
-from jaxaccel.model import init_params, make_apply
-from jaxaccel.optim import make_optimizer
+from jaxaccel.model import make_apply
+from jaxaccel.optim import make_optimizer, path_name
 from jaxaccel.precision import (POLICIES, DynamicLossScale, NoLossScale, StaticLossScale,
                                 loss_scaled)
 from jaxaccel.state import init_state
 from jaxaccel.train import lm_eval_step, lm_loss, lm_train_step
-from tests.test_train import CFG, random_batch
+from tests.test_train import CFG, init_params as model_of, random_batch
 
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
@@ -41,14 +41,30 @@ def _backward(flag, g):
 inf_gradient_if.defvjp(_forward, _backward)
 
 
+def init_params(cfg, key):
+    """The model's state (an ``nnx.State``)."""
+    return model_of(cfg, key)[1]
+
+
+def apply_of(cfg=CFG):
+    return make_apply(model_of(cfg, jax.random.PRNGKey(0))[0])
+
+
+def head(params):
+    """The output head's kernel of a state (or of its gradients), as a NumPy array."""
+    return np.asarray(params["head"]["kernel"][...])
+
+
 def poisoned_apply(cfg=CFG):
     """The model, with an inf injected into the head kernel's gradient when any row of the batch
     has ``poison`` set."""
-    apply_fn = make_apply(cfg)
+    apply_fn = apply_of(cfg)
 
     def apply(params, batch, key=None):
         flag = jnp.any(batch["poison"] > 0)
-        params = {**params, "head": {"kernel": inf_gradient_if(params["head"]["kernel"], flag)}}
+        params = jax.tree_util.tree_map_with_path(
+            lambda path, x: inf_gradient_if(x, flag) if path_name(path) == "head/kernel" else x,
+            params)
         return apply_fn(params, batch, key)
 
     return apply
@@ -81,8 +97,7 @@ def test_overflow_skips_the_step_bitwise_and_halves_the_scale(accumulate):
     assert int(state.loss_scale.growth_tracker) == 0
     assert float(metrics["loss_scale"]) == 2.0**10        # the scale this step ran with
     state, _ = step(state, batch_with_poison(2))            # and training goes on
-    assert not np.array_equal(np.asarray(state.params["head"]["kernel"]),
-                              before.params["head"]["kernel"])
+    assert not np.array_equal(head(state.params), head(before.params))
     assert int(state.loss_scale.skipped_steps) == 1
 
 
@@ -95,13 +110,13 @@ def test_static_scale_also_skips_and_no_scale_only_counts():
     assert float(new.loss_scale.scale) == 2.0**8 and int(new.loss_scale.skipped_steps) == 1
     unscaled = fresh_state(NoLossScale.create(), optimizer)
     new, _ = step(unscaled, batch_with_poison(0, rows=[0]))
-    assert not np.all(np.isfinite(np.asarray(new.params["head"]["kernel"])))
+    assert not np.all(np.isfinite(head(new.params)))
     assert int(new.loss_scale.skipped_steps) == 1
 
 
 def test_scale_grows_after_exactly_growth_interval_finite_steps():
     optimizer = make_optimizer("adamw", total_steps=10, warmup_steps=0)
-    step = jax.jit(lm_train_step(make_apply(CFG), optimizer))
+    step = jax.jit(lm_train_step(apply_of(), optimizer))
     state = fresh_state(DynamicLossScale.create(initial_scale=4.0, growth_interval=3), optimizer)
     scales = []
     for seed in range(4):
@@ -112,7 +127,7 @@ def test_scale_grows_after_exactly_growth_interval_finite_steps():
 
 def test_loss_scaling_scales_the_backward_pass_and_unscales_the_gradients():
     params = init_params(CFG, jax.random.PRNGKey(0))
-    grad_fn = grads.value_and_grad(lm_loss(make_apply(CFG)))
+    grad_fn = grads.value_and_grad(lm_loss(apply_of()))
     batch = random_batch(7, pad=2)
     key = jax.random.PRNGKey(0)
     (loss, _), plain = jax.jit(grad_fn)(params, batch, key)
@@ -126,13 +141,13 @@ def test_loss_scaling_scales_the_backward_pass_and_unscales_the_gradients():
         a, b = np.asarray(a, np.float64), np.asarray(b, np.float64)
         assert np.linalg.norm(a - b) <= 1e-6 * np.linalg.norm(b)
     # The backward pass really ran scaled.
-    head = np.asarray(scaled["head"]["kernel"]) / np.asarray(plain["head"]["kernel"])
-    assert np.nanmedian(head) == pytest.approx(2.0**16, rel=1e-4)
+    ratio = head(scaled) / head(plain)
+    assert np.nanmedian(ratio) == pytest.approx(2.0**16, rel=1e-4)
 
 
 def test_policy_computes_in_half_precision_and_keeps_float32_masters():
     optimizer = make_optimizer("adamw", total_steps=10, warmup_steps=0)
-    apply_fn = make_apply(CFG)
+    apply_fn = apply_of()
     for name, dtype in (("bf16", "bf16"), ("fp16", "f16")):
         train_step = lm_train_step(apply_fn, optimizer, policy=POLICIES[name])
         state = fresh_state(NoLossScale.create(), optimizer)
@@ -151,7 +166,7 @@ def test_policy_computes_in_half_precision_and_keeps_float32_masters():
 
 def test_bf16_and_fp16_losses_track_float32():
     optimizer = make_optimizer("adamw", total_steps=30, warmup_steps=3)
-    apply_fn = make_apply(CFG)
+    apply_fn = apply_of()
     losses = {}
     for name in ("fp32", "bf16", "fp16"):
         scale = DynamicLossScale.create() if name == "fp16" else NoLossScale.create()
@@ -170,7 +185,7 @@ def test_fp16_overflow_backs_off_until_steps_are_finite():
     """A scale far too large for float16 overflows for real; the scale backs off to a working
     one, and the skipped steps change nothing."""
     optimizer = make_optimizer("adamw", total_steps=40, warmup_steps=0)
-    step = jax.jit(lm_train_step(make_apply(CFG), optimizer, policy=POLICIES["fp16"]))
+    step = jax.jit(lm_train_step(apply_of(), optimizer, policy=POLICIES["fp16"]))
     state = fresh_state(DynamicLossScale.create(initial_scale=2.0**40), optimizer)
     initial = jax.tree.map(np.array, state.params)
     state, _ = step(state, random_batch(0))
@@ -205,8 +220,8 @@ TWO_DEVICE_SCRIPT = textwrap.dedent("""
         print("scale", shard.device.id, float(shard.data))
     for shard in new.loss_scale.skipped_steps.addressable_shards:
         print("skipped", shard.device.id, int(shard.data))
-    kernel = new.params["head"]["kernel"]
-    same = [bool(np.array_equal(s.data, np.asarray(state.params["head"]["kernel"])))
+    kernel = new.params["head"]["kernel"][...]
+    same = [bool(np.array_equal(s.data, np.asarray(state.params["head"]["kernel"][...])))
             for s in kernel.addressable_shards]
     print("unchanged", all(same), len(same))
 """)
@@ -236,7 +251,7 @@ def test_param_dtype_is_the_dtype_parameters_are_stored_in():
     state = init_state(init_params(CFG, jax.random.PRNGKey(0)), optimizer, seed=0,
                        policy=policy)
     assert {x.dtype for x in jax.tree.leaves(state.params)} == {jnp.dtype(jnp.bfloat16)}
-    step = jax.jit(lm_train_step(make_apply(CFG), optimizer, policy=policy, accumulate=2))
+    step = jax.jit(lm_train_step(apply_of(), optimizer, policy=policy, accumulate=2))
     for seed in range(3):
         state, metrics = step(state, random_batch(seed))
     assert {x.dtype for x in jax.tree.leaves(state.params)} == {jnp.dtype(jnp.bfloat16)}

@@ -2,12 +2,37 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
+from flax import nnx
 
 from jaxaccel.errors import ConfigError
-from jaxaccel.model import (PRESETS, ModelConfig, count_params, init_params, make_apply,
-                            matmul_params, preset)
+from jaxaccel.gpt import PRESETS, GPTConfig, GPTSettings, preset
+from jaxaccel.model import ModelConfig, build, count_params, make_apply
 
 SMALL = dict(vocab_size=64, d_model=32, n_layers=2, n_heads=4, max_seq_len=16)
+
+
+def matmul_params(cfg: GPTConfig) -> int:
+    """Weights of the GPT that take part in a matmul per token: all but the embedding lookup (a
+    tied head multiplies by the embedding matrix, so it counts once)."""
+    d, hd = cfg.d_model, cfg.head_dim
+    attn = d * cfg.n_heads * hd * 2 + d * cfg.n_kv_heads * hd * 2
+    mlp = d * cfg.d_ff * (3 if cfg.mlp == "swiglu" else 2)
+    return cfg.n_layers * (attn + mlp) + d * cfg.vocab_size
+
+
+def small_model(seed, **fields):
+    """The tiny preset at SMALL's shape with ``fields`` changed, built as ``--model tiny`` is
+    (``jaxaccel.model.build``), and its GPTConfig."""
+    shape = {**SMALL, **fields}
+    vocab, context = shape.pop("vocab_size"), shape.pop("max_seq_len")
+    model = build(ModelConfig(name="tiny", max_seq_len=context, vocab_size=vocab),
+                  GPTSettings(**shape), jax.random.PRNGKey(seed))
+    return model, model.cfg
+
+
+def apply_of(model):
+    graphdef, state = nnx.split(model)
+    return make_apply(graphdef), state
 
 
 def batch_of(inputs, segment_ids=None):
@@ -24,22 +49,22 @@ def batch_of(inputs, segment_ids=None):
 
 @pytest.mark.parametrize("mlp,tie,kv", [("swiglu", False, 4), ("gelu", True, 2), ("swiglu", True, 1)])
 def test_shapes_dtypes_and_parameter_count(mlp, tie, kv):
-    cfg = ModelConfig(**SMALL, mlp=mlp, tie_embeddings=tie, n_kv_heads=kv)
-    params = init_params(cfg, jax.random.PRNGKey(0))
+    model, cfg = small_model(0, mlp=mlp, tie_embeddings=tie, n_kv_heads=kv)
+    apply, state = apply_of(model)
+    params = nnx.to_pure_dict(nnx.filter_state(state, nnx.Param))
     assert all(x.dtype == jnp.float32 for x in jax.tree.leaves(params))
     assert ("head" in params) == (not tie)
-    assert params["blocks"][0]["attn"]["wk"]["kernel"].shape == (32, kv * 8)
+    assert params["blocks"]["layers"][0]["attn"]["wk"]["kernel"].shape == (32, kv * 8)
     embed = cfg.vocab_size * cfg.d_model
     norms = (2 * cfg.n_layers + 1) * cfg.d_model
-    assert count_params(params) == matmul_params(cfg) + norms + (0 if tie else embed)
-    logits = make_apply(cfg)(params, batch_of(np.ones((2, 16))))
+    assert count_params(state) == matmul_params(cfg) + norms + (0 if tie else embed)
+    logits = apply(state, batch_of(np.ones((2, 16))))
     assert logits.shape == (2, 16, 64) and logits.dtype == jnp.float32
 
 
 def test_causal_and_segment_masking_at_model_level():
-    cfg = ModelConfig(**SMALL, n_kv_heads=2)
-    params = init_params(cfg, jax.random.PRNGKey(1))
-    apply = jax.jit(make_apply(cfg))
+    apply, params = apply_of(small_model(1, n_kv_heads=2)[0])
+    apply = jax.jit(apply)
     rng = np.random.default_rng(0)
     tokens = rng.integers(3, 64, (1, 12))
     seg = np.array([[1] * 5 + [2] * 5 + [0] * 2])
@@ -54,9 +79,8 @@ def test_causal_and_segment_masking_at_model_level():
 
 
 def test_packed_documents_match_separate_documents():
-    cfg = ModelConfig(**SMALL)
-    params = init_params(cfg, jax.random.PRNGKey(2))
-    apply = jax.jit(make_apply(cfg))
+    apply, params = apply_of(small_model(2)[0])
+    apply = jax.jit(apply)
     a, b = [5, 6, 7, 8, 9], [10, 11, 12]
     packed = apply(params, batch_of([a + b], [[1] * 5 + [2] * 3]))
     alone_b = apply(params, batch_of([b]))

@@ -4,19 +4,29 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
+from flax import nnx
+
+from jaxaccel import grads, nn, techniques
 from jaxaccel.compiled import CompiledFn, memory_bytes
+from jaxaccel.config import TrainConfig, build
 from jaxaccel.errors import ConfigError
-from jaxaccel.model import ModelConfig, init_params, make_apply, preset
+from jaxaccel.model import make_apply
 from jaxaccel.optim import (DEFAULTS, OPTIMIZERS, decay_mask, make_optimizer, make_schedule,
                             path_name, scale_learning_rate, state_bytes)
-from jaxaccel import grads
 from jaxaccel.state import init_state
 from jaxaccel.train import lm_eval_step, lm_loss, lm_train_step
-from tests.test_train import CFG, random_batch
+from tests.test_train import CFG, config, init_params, random_batch
 
 
 def params_and_apply(cfg=CFG, seed=0):
-    return init_params(cfg, jax.random.PRNGKey(seed)), make_apply(cfg)
+    """The model's state (an ``nnx.State``) and its apply function."""
+    graphdef, params = init_params(cfg, jax.random.PRNGKey(seed))
+    return params, make_apply(graphdef)
+
+
+def by_path(tree) -> dict:
+    """``{path: leaf}`` of a mask or of a State mapped to bools."""
+    return {path_name(p): v for p, v in jax.tree_util.tree_leaves_with_path(tree)}
 
 
 def mean_loss(eval_step, state, batch):
@@ -53,17 +63,34 @@ def test_each_optimizer_lowers_the_loss(name):
 
 
 def test_decay_mask_excludes_exactly_norms_biases_and_embeddings():
-    params = {"embed": {"embedding": jnp.ones((8, 4))},
-              "blocks": [{"attn": {"wq": {"kernel": jnp.ones((4, 4)), "bias": jnp.ones(4)}},
-                          "attn_norm": {"scale": jnp.ones(4)},
-                          "mlp_norm": {"scale": jnp.ones((2, 2))}}],
-              "head": {"kernel": jnp.ones((4, 8))}}
+    """Decay is decided by rank, variable type and metadata, never by name: norms and biases
+    are left out because they are vectors per layer (a scanned stack's leading layer axis,
+    metadata ``stacked``, does not count), embedding tables by their ``weight_decay=False``
+    metadata, buffers by their type. (Before the any-model change it matched the names embed,
+    norm and bias; a plain pytree is now judged by rank alone.)"""
+    params = nnx.State({
+        "embed": {"embedding": nnx.Param(jnp.ones((8, 4)), weight_decay=False)},
+        "blocks": {"layers": {0: {"attn": {"wq": {"kernel": nnx.Param(jnp.ones((4, 4))),
+                                                  "bias": nnx.Param(jnp.ones(4))}},
+                                  "attn_norm": {"scale": nnx.Param(jnp.ones(4))}}}},
+        "scanned": {"layers": {"mlp_norm": {"scale": nnx.Param(jnp.ones((2, 4)), stacked=True)},
+                               "w": {"kernel": nnx.Param(jnp.ones((2, 4, 4)), stacked=True)}}},
+        "amax": nn.Buffer(jnp.ones((4, 4))),
+        "head": {"kernel": nnx.Param(jnp.ones((4, 8)))}})
     mask = decay_mask(params)
-    decayed = sorted(path_name(p) for p, m in jax.tree_util.tree_leaves_with_path(mask) if m)
-    assert decayed == ["blocks/0/attn/wq/kernel", "head/kernel"]
-    # Overridable: an empty pattern list decays every matrix; a custom one spares the head.
-    assert sum(jax.tree.leaves(decay_mask(params, exclude=()))) == 4
+    decayed = sorted(name for name, m in by_path(mask).items() if m)
+    assert decayed == ["blocks/layers/0/attn/wq/kernel", "head/kernel",
+                       "scanned/layers/w/kernel"]
+    # Names no longer decide: a matrix named like a norm decays, a vector named kernel does not.
+    renamed = nnx.State({"norm": {"scale": nnx.Param(jnp.ones((4, 4)))},
+                         "embed": {"kernel": nnx.Param(jnp.ones(4))}})
+    assert by_path(decay_mask(renamed)) == {"norm/scale": True, "embed/kernel": False}
+    # A plain pytree is judged by rank.
+    assert by_path(decay_mask({"a": jnp.ones((2, 2)), "b": jnp.ones(2)})) == {"a": True,
+                                                                               "b": False}
+    # Overridable: a custom pattern list (--no-decay) spares the head besides.
     assert not decay_mask(params, exclude=(r"^head/",))["head"]["kernel"]
+    assert sum(jax.tree.leaves(decay_mask(params, exclude=(r"^head/",)))) == 2
     with pytest.raises(ConfigError, match="bad parameter-path pattern") as info:
         decay_mask(params, exclude=("(",))
     assert info.value.field == "optimizer.no_decay"
@@ -83,7 +110,7 @@ def test_weight_decay_and_trust_ratio_touch_only_the_masked_leaves(name):
     """With zero gradients the only change a step makes is weight decay: it must land on the
     masked leaves alone, and a mask that spares the head must spare it."""
     params, _ = params_and_apply()
-    sparing_head = lambda p: decay_mask(p, exclude=(r"embed", r"norm", r"^head/"))  # noqa: E731
+    sparing_head = lambda p: decay_mask(p, exclude=(r"^head/",))  # noqa: E731
     optimizer = make_optimizer(name, learning_rate=1e-2, weight_decay=0.5, total_steps=10,
                                clip_norm=None, mask=sparing_head)
     state = optimizer.init(params)
@@ -91,8 +118,9 @@ def test_weight_decay_and_trust_ratio_touch_only_the_masked_leaves(name):
     updates, _ = optimizer.update(zeros, state, params)
     mask = sparing_head(params)
     moved = jax.tree.map(lambda u: bool(jnp.any(u != 0)), updates)
-    assert moved == mask, name
-    assert not mask["head"]["kernel"] and mask["blocks"][0]["mlp"]["w_in"]["kernel"]
+    assert by_path(moved) == by_path(mask), name
+    assert not mask["head"]["kernel"] and mask["blocks"]["layers"][0]["mlp"]["w_in"]["kernel"]
+    assert not mask["embed"]["embedding"] and not mask["final_norm"]["scale"]
 
 
 def test_schedules_at_chosen_steps():
@@ -128,7 +156,7 @@ def test_lion_defaults_follow_its_authors_advice():
 
 def test_state_bytes_lion_half_of_adamw_and_bf16_halves_again():
     # Wide enough (256) for Adafactor to factor its second moments.
-    params = jax.eval_shape(lambda: init_params(preset("tiny"), jax.random.PRNGKey(0)))
+    params = nnx.state(techniques.abstract(build(TrainConfig, {"model.name": "tiny"})))
     sizes = {}
     for name in ("adamw", "lion", "adafactor"):
         optimizer = make_optimizer(name, total_steps=10)
@@ -180,7 +208,7 @@ def test_accumulated_gradient_equals_the_full_batch_gradient(microbatches):
 
 
 def test_accumulated_step_equals_full_batch_step_and_uses_less_memory():
-    cfg = ModelConfig(vocab_size=64, d_model=64, n_layers=2, n_heads=4, max_seq_len=128)
+    cfg = config(**{"gpt.d_model": 64, "model.max_seq_len": 128})
     params, apply_fn = params_and_apply(cfg)
     # SGD's update is linear in the gradient, so equal gradients give equal parameters (Adam's
     # first step is about sign(g), which rounding flips on entries near zero).
@@ -247,8 +275,9 @@ def test_accumulate_keeps_per_row_values_in_row_order_and_maxima_by_maximum():
 
 
 def test_observed_leaves_report_their_cotangent_and_get_no_gradient():
-    """``value_and_grad(observed=)``: a frozen leaf's cotangent comes back in aux, not in the
-    gradients (FP8's amax histories use it)."""
+    """``value_and_grad(observed=)``: a variable of the observed type (``nn.Observation``) has
+    its cotangent come back in aux, not in the gradients (FP8's amax histories use it); a
+    variable outside both filters (a plain buffer) gets neither."""
     @jax.custom_vjp
     def probe(x, p):
         return x
@@ -256,11 +285,14 @@ def test_observed_leaves_report_their_cotangent_and_get_no_gradient():
     probe.defvjp(lambda x, p: (x, x), lambda x, g: (g, jnp.max(jnp.abs(x))))
 
     def loss_fn(params, batch, key):
-        return jnp.sum(probe(params["w"] * batch, params["probe"])), {}
+        w = params["w"][...] * params["frozen"][...]
+        return jnp.sum(probe(w * batch, params["probe"][...])), {}
 
-    params = {"w": jnp.float32(3.0), "probe": jnp.float32(0.0)}
-    grad_fn = grads.value_and_grad(loss_fn, trainable=lambda name: name == "w",
-                                   observed=lambda name: name == "probe")
+    params = nnx.State({"w": nnx.Param(jnp.float32(3.0)),
+                        "probe": nn.Observation(jnp.float32(0.0)),
+                        "frozen": nn.Buffer(jnp.float32(1.0))})
+    grad_fn = grads.value_and_grad(loss_fn, trainable=nnx.Param, observed=nn.Observation)
     (_, aux), g = grad_fn(params, jnp.array([1.0, -2.0]), None, scale=8.0)
-    assert set(g) == {"w"} and float(g["w"]) == 8.0 * -1.0
-    assert float(aux["observed_max"]["probe"]) == 6.0       # max |3 * batch|, not scaled by 8
+    assert set(g) == {"w"} and float(g["w"][...]) == 8.0 * -1.0
+    assert set(aux["observed_max"]) == {"probe"}
+    assert float(aux["observed_max"]["probe"][...]) == 6.0   # max |3 * batch|, not scaled by 8

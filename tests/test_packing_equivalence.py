@@ -5,16 +5,33 @@ import dataclasses
 import jax
 import numpy as np
 import pytest
+from flax import nnx
 
+from jaxaccel import techniques
+from jaxaccel.config import TrainConfig, build
 from jaxaccel.data import batches
-from jaxaccel.model import ModelConfig, init_params, make_apply
+from jaxaccel.model import make_apply
 from jaxaccel.train import weighted_cross_entropy
 
-CFG = ModelConfig(vocab_size=64, d_model=32, n_layers=2, n_heads=4, n_kv_heads=2, max_seq_len=64)
+
+def config(**values):
+    """The tiny preset at 2 x 32, two key/value heads, context 64, vocabulary 64."""
+    cfg = build(TrainConfig, {"gpt.d_model": 32, "gpt.n_layers": 2, "gpt.n_heads": 4,
+                              "gpt.n_kv_heads": 2, "model.max_seq_len": 64, **values})
+    return dataclasses.replace(cfg, model=dataclasses.replace(cfg.model, vocab_size=64))
 
 
-def loss_sum_and_grad(params, batch_list):
-    apply_fn = make_apply(CFG)
+CFG = config()
+
+
+def init_params(cfg, key):
+    """``(graphdef, state)`` of ``cfg``'s model, every technique applied."""
+    return nnx.split(techniques.build(cfg, key))
+
+
+def loss_sum_and_grad(model, batch_list):
+    graphdef, params = model
+    apply_fn = make_apply(graphdef)
 
     def total(params):
         sums = [weighted_cross_entropy(apply_fn(params, b), b["targets"], b["weights"])[0]
@@ -27,13 +44,13 @@ def loss_sum_and_grad(params, batch_list):
 def test_packed_loss_and_gradient_equal_documents_one_by_one():
     rng = np.random.default_rng(0)
     docs = [rng.integers(3, 64, n).astype(np.int32) for n in (5, 17, 30, 9, 2, 41, 12, 23)]
-    params = init_params(CFG, jax.random.PRNGKey(0))
+    model = init_params(CFG, jax.random.PRNGKey(0))
     packed = list(batches(docs, strategy="pack", seq_len=64, batch_size=2, seed=3))
     assert len(packed) < len(docs)                                   # rows really hold several
     assert max(int(b["segment_ids"].max()) for b in packed) >= 3
     alone = list(batches(docs, strategy="fixed", seq_len=64, batch_size=1, shuffle=False))
-    loss_packed, grad_packed = loss_sum_and_grad(params, packed)
-    loss_alone, grad_alone = loss_sum_and_grad(params, alone)
+    loss_packed, grad_packed = loss_sum_and_grad(model, packed)
+    loss_alone, grad_alone = loss_sum_and_grad(model, alone)
     np.testing.assert_allclose(loss_packed, loss_alone, rtol=1e-5)
     for g_p, g_a in zip(jax.tree.leaves(grad_packed), jax.tree.leaves(grad_alone)):
         scale = float(np.abs(g_a).max())
@@ -41,14 +58,15 @@ def test_packed_loss_and_gradient_equal_documents_one_by_one():
 
 
 @pytest.mark.parametrize("strategy,extra", [
-    ("fixed", {"stochastic_depth": 0.5, "scan_layers": True}),  # rows skipped, None passed on
+    # rows skipped, None passed on
+    ("fixed", {"stochastic_depth.rate": 0.5, "remat.scan_layers": True}),
     ("bucket", {}),
 ])
 def test_rows_of_one_document_train_the_same_without_a_segment_mask(strategy, extra):
     """Every batching but pack lays one document per row from column 0, so causal attention
     with no segment mask (``segment_attention=False``, what the loop uses for them) gives the
     same loss and gradients as the masked one: the padding comes after every real token."""
-    cfg = dataclasses.replace(CFG, **extra)
+    cfg = config(**extra)
     rng = np.random.default_rng(1)
     docs = [rng.integers(3, 64, n).astype(np.int32) for n in (5, 17, 30, 9, 2, 41, 12, 23, 70)]
     batch = next(iter(batches(docs, strategy=strategy, seq_len=48, batch_size=8,
@@ -56,11 +74,11 @@ def test_rows_of_one_document_train_the_same_without_a_segment_mask(strategy, ex
                                                 else {}))))
     assert (batch["segment_ids"] == 0).any() and batch["segment_ids"].max() == 1
     batch = {k: jax.numpy.asarray(v) for k, v in batch.items()}
-    params = init_params(cfg, jax.random.PRNGKey(0))
+    graphdef, params = init_params(cfg, jax.random.PRNGKey(0))
     key = jax.random.PRNGKey(7)
 
     def loss_and_grad(segment_attention):
-        apply_fn = make_apply(cfg, segment_attention=segment_attention)
+        apply_fn = make_apply(graphdef, segment_attention=segment_attention)
         loss = lambda p: weighted_cross_entropy(apply_fn(p, batch, key), batch["targets"],
                                                 batch["weights"])[0]
         jaxpr = str(jax.make_jaxpr(loss)(params))

@@ -8,22 +8,40 @@ import jax.numpy as jnp
 import numpy as np
 import optax
 import pytest
+from flax import nnx
 
-from experiments.remat import DEFAULTS, FIXED, RematConfig
-from jaxaccel import grads
+from jaxaccel import grads, techniques
 from jaxaccel.compiled import abstract, memory_bytes
 from jaxaccel.config import build, parse
 from jaxaccel.errors import ConfigError
 from jaxaccel.loader import abstract_batch
 from jaxaccel.loop import train, train_step_of
-from jaxaccel.model import ModelConfig, init_params, make_apply
+from jaxaccel.model import make_apply
 from jaxaccel.optim import build_optimizer, decay_mask
 from jaxaccel.planner import choose_policy, compile_step, largest_batch, plan_remat
 from jaxaccel.remat import REMAT_POLICIES, check_policy
 from jaxaccel.state import init_state
 from jaxaccel.train import lm_loss, lm_train_step
 
-SMALL = dict(vocab_size=64, d_model=32, n_layers=2, n_heads=4, max_seq_len=16, dropout=0.1)
+SMALL = {"gpt.d_model": 32, "gpt.n_layers": 2, "gpt.n_heads": 4, "model.max_seq_len": 16,
+         "gpt.dropout": 0.1}
+pure = nnx.to_pure_dict
+
+
+def small_cfg(values=None, vocab_size=64):
+    """A TrainConfig of a small GPT of ``vocab_size`` ids (below the byte tokenizer's, which
+    ``config.build`` would take), ``values`` by field path."""
+    cfg = build(values={**SMALL, **(values or {})})
+    return dataclasses.replace(cfg, model=dataclasses.replace(cfg.model, vocab_size=vocab_size))
+
+
+def init_params(cfg, seed=0):
+    """The model's state (``nnx.State``) with every technique of ``cfg``."""
+    return nnx.state(techniques.build(cfg, jax.random.PRNGKey(seed)))
+
+
+def apply_of(cfg):
+    return make_apply(nnx.graphdef(techniques.abstract(cfg)))
 
 
 def random_batch(B=2, T=16, seed=0):
@@ -39,38 +57,44 @@ def random_batch(B=2, T=16, seed=0):
 
 
 def stack_blocks(params: dict) -> dict:
-    """Unrolled parameters (``blocks`` = {0: ..., 1: ...}) in the stacked layout of
-    ``scan_layers`` (``blocks`` = one dict of [L, ...] arrays)."""
-    layers = [params["blocks"][i] for i in range(len(params["blocks"]))]
-    return {**params, "blocks": jax.tree.map(lambda *xs: jnp.stack(xs), *layers)}
+    """Unrolled variables (a pure dict: ``blocks/layers`` = {0: ..., 1: ...}) in the stacked
+    layout of ``scan_layers`` (``blocks/layers`` = one dict of [L, ...] arrays)."""
+    layers = params["blocks"]["layers"]
+    stacked = jax.tree.map(lambda *xs: jnp.stack(xs), *[layers[i] for i in range(len(layers))])
+    return {**params, "blocks": {**params["blocks"], "layers": stacked}}
 
 
 def unstack_blocks(params: dict) -> dict:
     """The inverse of ``stack_blocks``."""
-    L = jax.tree.leaves(params["blocks"])[0].shape[0]
-    return {**params, "blocks": {i: jax.tree.map(lambda x: x[i], params["blocks"])
-                                 for i in range(L)}}
+    layers = params["blocks"]["layers"]
+    L = jax.tree.leaves(layers)[0].shape[0]
+    return {**params, "blocks": {**params["blocks"], "layers": {
+        i: jax.tree.map(lambda x: x[i], layers) for i in range(L)}}}
 
 
 def loss_and_grads(cfg, params):
-    """Loss and gradients with dropout on, gradients in the unrolled layout."""
-    grad_fn = jax.jit(grads.value_and_grad(lm_loss(make_apply(cfg))))
+    """Loss and gradients with dropout on, gradients in the unrolled layout (a pure dict)."""
+    grad_fn = jax.jit(grads.value_and_grad(lm_loss(apply_of(cfg)), trainable=nnx.Param))
     (loss, _), g = grad_fn(params, random_batch(), jax.random.PRNGKey(1))
-    return loss, unstack_blocks(g) if cfg.scan_layers else g
+    return loss, unstack_blocks(pure(g)) if cfg.remat.scan_layers else pure(g)
 
 
 @pytest.fixture(scope="module")
 def reference():
-    params = init_params(ModelConfig(**SMALL), jax.random.PRNGKey(0))
-    return params, loss_and_grads(ModelConfig(**SMALL), params)
+    params = init_params(small_cfg())
+    return params, loss_and_grads(small_cfg(), params)
 
 
 @pytest.mark.parametrize("scan", [False, True], ids=["unrolled", "scanned"])
 @pytest.mark.parametrize("policy", REMAT_POLICIES)
 def test_every_policy_gives_the_loss_and_gradients_of_none(reference, policy, scan):
     params, (loss_none, grads_none) = reference
-    cfg = ModelConfig(**SMALL, remat=policy, scan_layers=scan)
-    loss, grads = loss_and_grads(cfg, stack_blocks(params) if scan else params)
+    cfg = small_cfg({"remat.policy": policy, "remat.scan_layers": scan})
+    if scan:        # the same values, stacked
+        stacked = nnx.state(techniques.abstract(cfg))
+        nnx.replace_by_pure_dict(stacked, stack_blocks(pure(params)))
+        params = stacked
+    loss, grads = loss_and_grads(cfg, params)
     np.testing.assert_allclose(loss, loss_none, rtol=1e-6)
     assert jax.tree.structure(grads) == jax.tree.structure(grads_none)
     for path, g, g_none in zip(jax.tree_util.tree_leaves_with_path(grads),
@@ -80,36 +104,51 @@ def test_every_policy_gives_the_loss_and_gradients_of_none(reference, policy, sc
 
 
 def test_scanned_init_is_the_unrolled_init_stacked():
-    unrolled = init_params(ModelConfig(**SMALL), jax.random.PRNGKey(3))
-    scanned = init_params(ModelConfig(**SMALL, scan_layers=True), jax.random.PRNGKey(3))
-    assert scanned["blocks"]["attn_norm"]["scale"].shape == (2, 32)
-    assert scanned["blocks"]["mlp"]["w_in"]["kernel"].shape == (2, 32, 128)
+    unrolled = pure(init_params(small_cfg(), 3))
+    scanned_state = init_params(small_cfg({"remat.scan_layers": True}), 3)
+    scanned = pure(scanned_state)
+    assert scanned["blocks"]["layers"]["attn_norm"]["scale"].shape == (2, 32)
+    assert scanned["blocks"]["layers"]["mlp"]["w_in"]["kernel"].shape == (2, 32, 128)
     jax.tree.map(np.testing.assert_array_equal, stack_blocks(unrolled), scanned)
     jax.tree.map(np.testing.assert_array_equal, unstack_blocks(scanned), unrolled)
+    # Every stacked variable says so (its first dimension is the layers').
+    blocks = jax.tree.leaves(scanned_state["blocks"], is_leaf=lambda x: isinstance(x, nnx.Variable))
+    assert blocks and all(v.get_metadata().get("stacked") for v in blocks)
 
 
-@pytest.mark.parametrize("exclude", [None, ()], ids=["default", "no-patterns"])
+@pytest.mark.parametrize("exclude", [(), (r"attn/wq",)], ids=["by-rank", "with-pattern"])
 def test_decay_mask_is_the_same_for_stacked_blocks(exclude):
-    params = init_params(ModelConfig(**SMALL), jax.random.PRNGKey(0))
-    mask = decay_mask if exclude is None else (lambda p: decay_mask(p, exclude))
-    unrolled, stacked = mask(params), mask(stack_blocks(params))
-    assert stacked["blocks"]["attn_norm"]["scale"] is False
-    assert stacked["blocks"]["attn"]["wq"]["kernel"] is True
+    """Weight decay is decided by rank, type and metadata, not by names (the old default name
+    patterns are gone): a norm's scale [L, d] in the stacked layout is rank 1 per layer and
+    does not decay, as in the unrolled one; the embedding is marked (``mark_no_decay``); an
+    ``exclude`` pattern of ``--no-decay`` matches both layouts' paths."""
+    def mask(scan):
+        return pure(decay_mask(init_params(small_cfg({"remat.scan_layers": scan})), exclude))
+
+    unrolled, stacked = mask(False), mask(True)
+    blocks = stacked["blocks"]["layers"]
+    assert blocks["attn_norm"]["scale"] is False
+    assert blocks["attn"]["wq"]["kernel"] is (not exclude)
+    assert blocks["attn"]["wk"]["kernel"] is True
     for name in ("attn_norm", "mlp", "attn"):
         for i in range(2):
-            assert jax.tree.leaves(stacked["blocks"][name]) == \
-                jax.tree.leaves(unrolled["blocks"][i][name])
+            assert jax.tree.leaves(blocks[name]) == \
+                jax.tree.leaves(unrolled["blocks"]["layers"][i][name])
     assert {k: v for k, v in stacked.items() if k != "blocks"} == \
         {k: v for k, v in unrolled.items() if k != "blocks"}
+    assert stacked["embed"]["embedding"] is False and stacked["head"]["kernel"] is True
+    assert stacked["final_norm"]["scale"] is False
 
 
 def test_compiled_temporaries_shrink_with_remat():
-    cfg = dict(vocab_size=64, d_model=64, n_layers=6, n_heads=4, max_seq_len=128)
+    cfg = {"gpt.d_model": 64, "gpt.n_layers": 6, "gpt.n_heads": 4, "model.max_seq_len": 128,
+           "gpt.dropout": 0.0}
     temp = {}
     for policy in ("none", "dots", "attention", "full"):
-        model_cfg = ModelConfig(**cfg, remat=policy)
-        params = jax.eval_shape(lambda: init_params(model_cfg, jax.random.PRNGKey(0)))
-        grad_fn = jax.jit(grads.value_and_grad(lm_loss(make_apply(model_cfg))))
+        graphdef, params = nnx.split(techniques.abstract(small_cfg({**cfg,
+                                                                    "remat.policy": policy})))
+        grad_fn = jax.jit(grads.value_and_grad(lm_loss(make_apply(graphdef)),
+                                               trainable=nnx.Param))
         compiled = grad_fn.lower(params, abstract_batch((8, 128)), jax.random.PRNGKey(0)).compile()
         temp[policy] = memory_bytes(compiled)["temp"]
     assert temp["none"] > temp["attention"] > temp["full"]
@@ -117,15 +156,20 @@ def test_compiled_temporaries_shrink_with_remat():
     assert temp["full"] < 0.4 * temp["none"]
 
 
-def test_unknown_policy_is_a_clear_error():
+def test_unknown_policy_is_a_clear_error(tmp_path, capsys):
     with pytest.raises(ConfigError, match="unknown remat policy 'bogus'; choose one of "
                                           "none, full, dots, attention, mlp, offload") as info:
-        ModelConfig(**SMALL, remat="bogus")
-    assert info.value.field == "model.remat"
+        techniques.check(small_cfg({"remat.policy": "bogus"}))
+    assert info.value.field == "remat.policy"
     with pytest.raises(ConfigError, match="unknown remat policy"):
         check_policy("bogus")
-    with pytest.raises(SystemExit):
-        parse(["--remat", "bogus"])
+    # --remat takes save:NAME,NAME too, so it has no fixed choices: the run refuses a bad one
+    # before any work, in one line naming the flag.
+    from experiments.train import main as train_main
+    assert train_main(["--remat", "bogus", "--run-dir", str(tmp_path / "bad")]) == 2
+    err = capsys.readouterr().err.strip().splitlines()
+    assert len(err) == 1 and "unknown remat policy 'bogus'" in err[0] and "--remat" in err[0]
+    assert not (tmp_path / "bad").exists()
 
 
 def test_largest_batch_search_matches_brute_force():
@@ -145,13 +189,14 @@ def test_largest_batch_search_matches_brute_force():
 
 
 def test_planner_choice_fits_its_budget():
-    cfg = ModelConfig(vocab_size=64, d_model=32, n_layers=2, n_heads=4, max_seq_len=64)
+    cfg = small_cfg({"model.max_seq_len": 64, "gpt.dropout": 0.0})
     optimizer = optax.sgd(0.1)
-    state = init_state(init_params(cfg, jax.random.PRNGKey(0)), optimizer, seed=0)
+    state = init_state(init_params(cfg), optimizer, seed=0, trainable=nnx.Param)
     abstract_state = abstract(state)
 
     def make_step(policy):
-        return lm_train_step(make_apply(dataclasses.replace(cfg, remat=policy)), optimizer)
+        return lm_train_step(apply_of(dataclasses.replace(cfg, remat=dataclasses.replace(
+            cfg.remat, policy=policy))), optimizer, trainable=nnx.Param)
 
     def total(policy, batch):
         return memory_bytes(compile_step(make_step(policy), abstract_state, batch, 64))["total"]
@@ -189,7 +234,7 @@ def test_planner_picks_the_fastest_policy_that_fits():
 
 def small_run(corpus_path, tmp_path, **values):
     return build(values={
-        "model.d_model": 32, "model.n_layers": 2, "model.n_heads": 4, "model.max_seq_len": 32,
+        "gpt.d_model": 32, "gpt.n_layers": 2, "gpt.n_heads": 4, "model.max_seq_len": 32,
         "data.path": corpus_path, "data.seq_len": 32, "data.batch_size": 4,
         "optimizer.warmup_steps": 1, "run.eval_every": 0, "run.eval_batches": 2,
         "run.checkpoint_every": 0, "run.progress": False, "run.run_dir": str(tmp_path / "run"),
@@ -199,33 +244,37 @@ def small_run(corpus_path, tmp_path, **values):
 def test_remat_and_scan_flags_reach_the_run(corpus_path, tmp_path):
     cfg = parse(["--remat", "full", "--scan-layers", "--d-model", "32", "--n-layers", "2",
                  "--n-heads", "4", "--max-seq-len", "32"])
-    assert cfg.model.remat == "full" and cfg.model.scan_layers
+    assert cfg.remat.policy == "full" and cfg.remat.scan_layers
     summary = train(small_run(corpus_path, tmp_path, **{
-        "model.remat": "full", "model.scan_layers": True, "run.steps": 3}))
-    assert summary.remat == "full" and summary.scan_layers is True
-    assert summary.remat_plan is None and np.isfinite(summary.val_loss)
+        "remat.policy": "full", "remat.scan_layers": True, "run.steps": 3}))
+    assert summary.techniques["remat"] == {"policy": "full", "scan_layers": True, "plan": None}
+    assert np.isfinite(summary.val_loss)
 
 
 def test_memory_budget_chooses_the_policy_of_the_run(corpus_path, tmp_path):
     summary = train(small_run(corpus_path, tmp_path, **{
-        "model.remat": "full", "run.memory_budget": 10**12, "run.steps": 2}))
-    plan = summary.remat_plan
+        "remat.policy": "full", "run.memory_budget": 10**12, "run.steps": 2}))
+    plan = summary.techniques["remat"]["plan"]
     assert [r["policy"] for r in plan["rows"]] == list(REMAT_POLICIES)
     assert all(r["fits"] for r in plan["rows"]) and plan["criterion"] == "flops"
-    assert plan["policy"] == summary.remat == "none"     # fewest FLOPs: no recomputation
+    # fewest FLOPs: no recomputation
+    assert plan["policy"] == summary.techniques["remat"]["policy"] == "none"
     assert plan["batch_size"] == 4 and np.isfinite(summary.val_loss)
 
 
 def test_the_remat_experiment_steps_compute_in_its_precision():
     """experiments.remat builds each row's step from the run's config: --precision bf16 keeps
     fewer compiled temporaries than fp32 (it once measured fp32 whatever it printed)."""
+    from experiments.remat import DEFAULTS, FIXED, RematConfig
     temps = {}
     for policy in ("fp32", "bf16"):
         cfg = parse(["--precision", policy, "--n-layers", "2", "--d-model", "64"], RematConfig,
                     defaults=DEFAULTS, fixed=FIXED)
         optimizer, _, _ = build_optimizer(cfg.optimizer, batch_rows=4, total_steps=10)
         state = jax.eval_shape(lambda: init_state(
-            init_params(cfg.model, jax.random.PRNGKey(0)), optimizer, 0, None, cfg.policy()))
-        executable = compile_step(train_step_of(cfg, cfg.model, optimizer), state, 4, cfg.seq_len)
+            techniques.variables(cfg)(jax.random.PRNGKey(0)), optimizer, 0, None, cfg.policy(),
+            trainable=nnx.Param))
+        executable = compile_step(train_step_of(cfg, techniques.abstract(cfg), optimizer), state,
+                                  4, cfg.seq_len)
         temps[policy] = memory_bytes(executable)["temp"]
     assert temps["bf16"] < 0.9 * temps["fp32"], temps

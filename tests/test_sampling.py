@@ -3,6 +3,7 @@ the uniform one, every document stays reachable, draws are deterministic, unifor
 bad input is one line, a sampled run resumes bitwise, and experiments.importance runs."""
 
 import base64
+import dataclasses
 import itertools
 import json
 import math
@@ -12,12 +13,15 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
+from flax import nnx
 
 from experiments.train import main as train_main
-from jaxaccel import grads, sampling
+from jaxaccel import grads, sampling, techniques
+from jaxaccel.config import build
 from jaxaccel.data import DataStream, fixed_rows, make_batch
-from jaxaccel.loop import open_stream, stream_settings, train
-from jaxaccel.model import init_params, make_apply, preset
+from jaxaccel.loop import train
+from jaxaccel.loop.setup import open_stream, stream_settings
+from jaxaccel.model import make_apply
 from jaxaccel.train import lm_loss
 from test_loop import final_state, small_config
 
@@ -41,8 +45,11 @@ def stream_at(scores_D, *, batch_size, seed=0, power=1.0, floor=0.1, lag=100):
 
 @pytest.fixture(scope="module")
 def tiny_model():
-    cfg = preset("tiny", d_model=16, n_layers=1, n_heads=2, max_seq_len=SEQ_LEN, vocab_size=64)
-    return make_apply(cfg), init_params(cfg, jax.random.PRNGKey(0))
+    cfg = build(values={"gpt.d_model": 16, "gpt.n_layers": 1, "gpt.n_heads": 2,
+                        "model.max_seq_len": SEQ_LEN})
+    cfg = dataclasses.replace(cfg, model=dataclasses.replace(cfg.model, vocab_size=64))
+    graphdef, params = nnx.split(techniques.build(cfg, jax.random.PRNGKey(0)))
+    return make_apply(graphdef), params
 
 
 def gradient(loss_fn, params, batch):
@@ -209,7 +216,7 @@ def test_sampled_resume_is_bitwise_identical_to_an_uninterrupted_run(corpus_path
                         {"data.sampling": "loss", "data.prefetch": 1})
     whole = train(make("whole"))
     cut = train(make("cut"), should_stop=lambda step: step == 7)
-    assert cut.steps == 7 and cut.sampling == "loss"
+    assert cut.steps == 7 and cut.techniques["sampling"] == "loss"
     resumed = train(make("cut", resume=True))
     assert resumed.steps == 12 and resumed.steps_this_run == 5
     chex.assert_trees_all_equal(final_state(whole.run_dir, 12), final_state(resumed.run_dir, 12))

@@ -2,21 +2,28 @@
 subprocess (the device count is fixed when JAX starts); the multi-process tests are in
 tests/test_distributed.py."""
 
-import dataclasses
 import socket
 
 import jax
 import pytest
+from flax import nnx
 from jax.sharding import PartitionSpec
 
 from conftest import run_multidevice
+from jaxaccel import techniques
+from jaxaccel.config import build
 from jaxaccel.errors import ConfigError
-from jaxaccel.model import PARAM_AXES, ModelConfig, init_params, param_axes
 from jaxaccel.optim import make_optimizer
-from jaxaccel.sharding import (COMPUTE_RULES, PARAM_RULES, check_model, initialize_distributed,
-                               logical_spec, make_mesh, mesh_shape, param_shardings, parse_mesh,
-                               state_shardings)
+from jaxaccel.sharding import (AUTO, COMPUTE_RULES, PARAM_RULES, check_split,
+                               initialize_distributed, logical_spec, make_mesh, mesh_shape,
+                               param_shardings, parse_mesh, state_shardings, variable_axes)
 from jaxaccel.state import init_state
+
+
+def abstract_state(**values):
+    """The variables (ShapeDtypeStructs) of the GPT a config of ``values`` (by path) builds."""
+    return nnx.state(techniques.abstract(build(values=values)))
+
 
 def test_strategies_fill_the_mesh_with_their_own_axes():
     def shape(stage=1, data=1, fsdp=1, tensor=1):
@@ -61,14 +68,24 @@ def test_make_mesh_checks_the_device_count():
     assert all(t == jax.sharding.AxisType.Explicit for t in mesh.axis_types)
 
 
-def test_heads_the_tensor_axis_does_not_divide_are_rejected():
-    cfg = ModelConfig(d_model=96, n_heads=6, n_kv_heads=2)
-    with pytest.raises(ConfigError, match="n_heads=6 is not divisible by the tensor axis") as info:
-        check_model({"data": 1, "fsdp": 1, "tensor": 4}, cfg)
-    assert info.value.field == "model.n_heads"
-    with pytest.raises(ConfigError, match="n_kv_heads=2 is not divisible by the tensor axis"):
-        check_model({"data": 1, "fsdp": 1, "tensor": 3}, cfg)
-    check_model({"data": 2, "fsdp": 1, "tensor": 2}, cfg)
+def test_dimensions_the_tensor_axis_does_not_divide_are_rejected():
+    """The split is checked on the variables' logical axes, whatever the model (not on the
+    GPT's head counts as before): a kernel whose ``kv_heads`` dimension (2 heads x 16) the
+    tensor axis does not divide is one line naming it; a strategy over ``tensor`` for a model
+    that names no dimension for it is refused."""
+    state = abstract_state(**{"gpt.d_model": 96, "gpt.n_heads": 6, "gpt.n_kv_heads": 2})
+    with pytest.raises(ConfigError, match=r"attn/wk/kernel \(96, 32\): dimension 1 \(32, "
+                                          r"logical axis kv_heads\) does not split over the "
+                                          r"tensor axis \(3 devices\)") as info:
+        check_split({"data": 1, "fsdp": 1, "tensor": 3}, state, strategy="tp")
+    assert info.value.field == "mesh.shape" and "\n" not in str(info.value)
+    check_split({"data": 2, "fsdp": 1, "tensor": 2}, state, strategy="tp")
+    unnamed = {"kernel": (AUTO, AUTO)}             # axis rules that name no tensor dimension
+    with pytest.raises(ConfigError, match="splits over the tensor axis, but the model names no "
+                                          "dimension for it") as info:
+        check_split({"data": 1, "fsdp": 1, "tensor": 2}, state, unnamed, strategy="tp")
+    assert info.value.field == "mesh.strategy"
+    check_split({"data": 1, "fsdp": 2, "tensor": 1}, state, unnamed, strategy="fsdp")
 
 
 def test_logical_specs_use_each_mesh_axis_once():
@@ -79,40 +96,43 @@ def test_logical_specs_use_each_mesh_axis_once():
     assert logical_spec(("mlp", "heads"), PARAM_RULES) == PartitionSpec("tensor", None)
 
 
-@pytest.mark.parametrize("cfg", [ModelConfig(n_layers=2), ModelConfig(n_layers=2, mlp="gelu",
-                                                                     tie_embeddings=True)])
-def test_every_parameter_has_logical_axes_in_both_layouts(cfg):
-    def params(scan_layers):
-        layout_cfg = dataclasses.replace(cfg, scan_layers=scan_layers)
-        return jax.eval_shape(lambda: init_params(layout_cfg, jax.random.PRNGKey(0)))
-
-    for layout in (params(False), params(True)):
-        axes = param_axes(layout)
+@pytest.mark.parametrize("values", [{"gpt.n_layers": 2},
+                                    {"gpt.n_layers": 2, "gpt.mlp": "gelu",
+                                     "gpt.tie_embeddings": True}])
+def test_every_parameter_has_logical_axes_in_both_layouts(values):
+    for scan in (False, True):
+        layout = abstract_state(**values, **{"remat.scan_layers": scan})
+        axes = variable_axes(layout)
         for leaf, names in zip(jax.tree.leaves(layout),
                                jax.tree.leaves(axes, is_leaf=lambda x: isinstance(x, tuple))):
             assert len(names) == leaf.ndim
             assert set(names) <= set(PARAM_RULES)
-    stacked = param_axes(params(True))
-    assert stacked["blocks"]["attn"]["wq"]["kernel"] == ("layers", *PARAM_AXES["wq"])
+    stacked = variable_axes(abstract_state(**values, **{"remat.scan_layers": True}))
+    assert stacked["blocks"]["layers"]["attn"]["wq"]["kernel"] == ("layers", "embed", "heads")
+    unrolled = variable_axes(abstract_state(**values))
+    assert unrolled["blocks"]["layers"][0]["attn"]["wq"]["kernel"] == ("embed", "heads")
 
 
 def test_optimizer_moments_take_their_parameters_sharding():
-    cfg = ModelConfig(n_layers=1)
+    cfg = build(values={"gpt.n_layers": 1})
     mesh = make_mesh({"data": 1, "fsdp": 1, "tensor": 1})
     optimizer = make_optimizer("adamw", learning_rate=1e-3, weight_decay=0.1, warmup_steps=0,
                                total_steps=10)
-    state = jax.eval_shape(lambda: init_state(init_params(cfg, jax.random.PRNGKey(0)),
-                                              optimizer, 0))
-    params = param_shardings(mesh, param_axes(state.params))
+    state = jax.eval_shape(lambda: init_state(
+        nnx.state(techniques.build(cfg, jax.random.PRNGKey(0))), optimizer, 0,
+        trainable=nnx.Param))
+    params = param_shardings(mesh, state.params)
     shardings = state_shardings(mesh, state, params)
     adam = [s for s in jax.tree.leaves(
         shardings.opt_state, is_leaf=lambda x: hasattr(x, "mu") and hasattr(x, "nu"))
         if hasattr(s, "mu")]
     assert len(adam) == 1
-    assert adam[0].mu == params and adam[0].nu == params
+    assert jax.tree.leaves(adam[0].mu) == jax.tree.leaves(params)
+    assert jax.tree.leaves(adam[0].nu) == jax.tree.leaves(params)
     assert adam[0].count.spec == PartitionSpec()
     assert shardings.step.spec == PartitionSpec()
-    assert params["blocks"][0]["attn"]["wo"]["kernel"].spec == PartitionSpec("tensor", "fsdp")
+    assert params["blocks"]["layers"][0]["attn"]["wo"]["kernel"].spec == PartitionSpec("tensor",
+                                                                                      "fsdp")
 
 
 def test_distributed_settings_are_checked():

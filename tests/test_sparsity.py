@@ -8,25 +8,21 @@ import jax.numpy as jnp
 import numpy as np
 import optax
 import pytest
+from flax import nnx
 
-from jaxaccel import buffers, lora, sparsity
-from jaxaccel.config import build
+from jaxaccel import nn, sparsity, surgery, techniques
+from jaxaccel.config import build, check_ranges
 from jaxaccel.errors import ConfigError
-from jaxaccel.model import flops_per_token, init_params, make_apply
+from jaxaccel.loop import train_step_of
+from jaxaccel.loop.finish import flops_per_token
 from jaxaccel.state import init_state
-from jaxaccel.train import lm_train_step
-from tests.test_techniques import batch, small
+from tests.test_techniques import apply_of, batch, build_model, copy_of, small
 
 
-def projections(params, scan=False):
-    """The (kernel, nm_mask) pairs of the blocks' projections."""
-    pairs = []
-    blocks = [params["blocks"]] if scan else params["blocks"].values()
-    for block in blocks:
-        for part in ("attn", "mlp"):
-            for layer in block[part].values():
-                pairs.append((layer["kernel"], layer["nm_mask"]))
-    return pairs
+def projections(model):
+    """The (kernel, mask) pairs of the sparse layers, in path order."""
+    return [(np.asarray(layer.kernel[...]), np.asarray(layer.mask[...]))
+            for _, layer in surgery.wrappers(model, sparsity.Sparse)]
 
 
 @pytest.mark.parametrize("n, m", [(2, 4), (1, 4), (3, 8)])
@@ -43,19 +39,28 @@ def test_masks_keep_the_n_largest_of_every_m_inputs(n, m):
 
 
 def test_the_forward_pass_uses_the_masked_weights():
-    cfg = small(sparsity="2:4")
-    params = init_params(cfg, jax.random.PRNGKey(0))
-    for kernel, mask in projections(params):
-        assert np.all(np.asarray(mask).reshape(-1, 4, mask.shape[1]).sum(axis=1) == 2)
-    assert "nm_mask" not in str(jax.tree_util.tree_structure(params["embed"]))
-    dense_cfg = small()
-    masked = jax.tree_util.tree_map_with_path(lambda p, x: x, params)
-    for block in masked["blocks"].values():
-        for part in ("attn", "mlp"):
-            for name, layer in block[part].items():
-                block[part][name] = {"kernel": layer["kernel"] * layer["nm_mask"]}
-    np.testing.assert_allclose(make_apply(cfg)(params, batch()),
-                               make_apply(dense_cfg)(masked, batch()), rtol=1e-6, atol=1e-6)
+    cfg = small({"sparsity.pattern": "2:4"})
+    model = build_model(cfg)
+    pairs = projections(model)
+    assert len(pairs) == 2 * 7                  # every linear layer of the blocks (the default)
+    for kernel, mask in pairs:
+        assert mask.dtype == bool and mask.shape == kernel.shape
+        assert np.all(mask.reshape(-1, 4, mask.shape[1]).sum(axis=1) == 2)
+    # The embedding and the head stay dense; the masks are buffers, not weights.
+    assert all(path[0] == "blocks" for path, _ in surgery.wrappers(model, sparsity.Sparse))
+    assert all(isinstance(v, nn.Buffer) and not isinstance(v, nnx.Param) for v in jax.tree.leaves(
+        nnx.state(model, sparsity.Mask), is_leaf=lambda x: isinstance(x, nnx.Variable)))
+    # The dense model holding the masked kernels computes the same logits.
+    dense = copy_of(model)
+
+    def fold(wrapper):
+        wrapper.kernel[...] = wrapper.kernel[...] * wrapper.mask[...].astype(jnp.float32)
+
+    surgery.unwrap(dense, fold)
+    assert not surgery.wrappers(dense, sparsity.Sparse)
+    np.testing.assert_allclose(apply_of(cfg)(nnx.state(model), batch()),
+                               apply_of(small())(nnx.state(dense), batch()), rtol=1e-6,
+                               atol=1e-6)
 
 
 def test_sr_ste_gradient_is_straight_through_plus_decay_on_the_pruned_weights():
@@ -74,18 +79,20 @@ def test_sr_ste_gradient_is_straight_through_plus_decay_on_the_pruned_weights():
 
 @pytest.mark.parametrize("scan", [False, True])
 def test_masks_update_on_schedule_and_are_not_trained(scan):
-    cfg = small(sparsity="2:4", sparsity_every=2, scan_layers=scan)
+    cfg = small({"sparsity.pattern": "2:4", "sparsity.every": 2, "remat.scan_layers": scan})
     optimizer = optax.sgd(0.5)                       # big steps, so masks change
-    trainable = lora.trainable(cfg)
-    state = init_state(init_params(cfg, jax.random.PRNGKey(0)), optimizer, 0, trainable=trainable)
-    assert "nm_mask" not in str(jax.tree_util.tree_structure(state.opt_state))
-    step = jax.jit(lm_train_step(make_apply(cfg), optimizer, trainable=trainable,
-                                 update_buffers=buffers.updater(cfg)))
+    model = build_model(cfg)
+    graphdef, params = nnx.split(model)
+    trainable = nn.trainable(params)
+    state = init_state(params, optimizer, 0, trainable=trainable)
+    assert not [p for p, _ in jax.tree_util.tree_flatten_with_path(state.opt_state)[0]
+                if "mask" in jax.tree_util.keystr(p)]
+    step = jax.jit(train_step_of(cfg, model, optimizer))       # as the loop builds it
     changed = []
     for i in range(4):
-        before = projections(state.params, scan)
+        before = projections(nnx.merge(graphdef, state.params))
         state, metrics = step(state, batch(seed=i))
-        after = projections(state.params, scan)
+        after = projections(nnx.merge(graphdef, state.params))
         for (_, old_mask), (kernel, mask) in zip(before, after):
             if i % 2 == 0:                            # steps 0, 2: masks kept
                 np.testing.assert_array_equal(mask, old_mask)
@@ -96,25 +103,41 @@ def test_masks_update_on_schedule_and_are_not_trained(scan):
     assert sparsity.density(state.params) == pytest.approx(0.5)
 
 
+def checked(values):
+    """``small(values)`` checked as a run checks it before any work (its ranges, the
+    techniques together, the model built abstractly)."""
+    cfg = small(values)
+    check_ranges(cfg)
+    techniques.check(cfg)
+    techniques.abstract(cfg)
+    return cfg
+
+
 def test_savings_and_bad_settings():
-    cfg = small(sparsity="2:4")
-    saved = sparsity.savings(cfg, 32)
-    sparse = sparsity.sparse_params(cfg)
-    assert saved["flops_share"] == pytest.approx(3 * sparse / flops_per_token(cfg, 32))
+    cfg = small({"sparsity.pattern": "2:4"})
+    model = build_model(cfg)
+    per_token = flops_per_token(cfg, model)
+    saved = sparsity.savings(nnx.state(model), "2:4", per_token)
+    sparse = sum(kernel.size for kernel, _ in projections(model))
+    assert saved["sparse_params"] == sparse == 2 * (4 * 64 * 64 + 3 * 64 * 192)
+    assert saved["flops_share"] == pytest.approx(3 * sparse / per_token)
+    assert 0 < saved["flops_share"] < 0.5              # the head and attention stay dense
     assert saved["flops_share_fwd_dgrad"] == pytest.approx(2 / 3 * saved["flops_share"])
     assert saved["weight_bytes_share"] == pytest.approx(1 - 0.5 * (1 + 2 / 16))
+    assert sparsity.density(nnx.state(model)) == pytest.approx(0.5)
     for text in ("4:4", "0:4", "2", "a:b", "2:4:8"):
-        with pytest.raises(ConfigError, match="N:M with 0 < N < M"):
-            small(sparsity=text)
-    with pytest.raises(ConfigError, match="not a multiple of 3"):
-        small(sparsity="2:3")
-    with pytest.raises(ConfigError, match="sparsity_every"):
-        small(sparsity="2:4", sparsity_every=0)
-    with pytest.raises(ConfigError, match="sparsity_decay"):
-        small(sparsity="2:4", sparsity_decay=float("nan"))
+        with pytest.raises(ConfigError, match="N:M with 0 < N < M") as info:
+            checked({"sparsity.pattern": text})
+        assert info.value.field == "sparsity.pattern"
+    with pytest.raises(ConfigError, match="groups 3 input features, but a targeted layer has 64"):
+        checked({"sparsity.pattern": "2:3"})
+    for field, value in (("sparsity.every", 0), ("sparsity.decay", float("nan"))):
+        with pytest.raises(ConfigError) as info:
+            checked({"sparsity.pattern": "2:4", field: value})
+        assert info.value.field == field
     with pytest.raises(ConfigError, match="sparsity does not run with the pipeline"):
-        build(values={"model.sparsity": "2:4", "mesh.strategy": "pp",
-                      "model.scan_layers": True}).validate()
+        build(values={"sparsity.pattern": "2:4", "mesh.strategy": "pp",
+                      "remat.scan_layers": True}).validate()
 
 
 def test_the_experiment_compares_patterns_with_dense(corpus_path, tmp_path, capsys):

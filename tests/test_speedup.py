@@ -1,11 +1,12 @@
 """experiments.speedup: the choice of the best combination, and a minute-scale run of every row."""
 
 import json
+import os
 
 import pytest
 
 from experiments import speedup
-from jaxaccel.config import build, parse
+from jaxaccel.config import build, flatten, parse, to_dict
 from jaxaccel.errors import ConfigError
 
 
@@ -59,7 +60,7 @@ def test_combine_merges_settings_and_rounds_the_batch_for_sharding():
 
 def test_a_row_config_file_reproduces_its_config(tmp_path):
     from jaxaccel.config import write_config
-    experiment = build(speedup.SpeedupConfig, {"model.d_model": 64, "data.seq_len": 128,
+    experiment = build(speedup.SpeedupConfig, {"gpt.d_model": 64, "data.seq_len": 128,
                                                "run.progress": False})
     cfg = speedup.train_config(
         experiment, {"data.batching": "bucket", "data.batch_size": None,
@@ -67,7 +68,8 @@ def test_a_row_config_file_reproduces_its_config(tmp_path):
                      "precision.loss_scale": "dynamic", "mesh.num_devices": None},
         run_dir="runs/x")
     assert cfg.data.batching == "bucket" and cfg.precision.policy == "fp16"
-    assert cfg.mesh.num_devices is None and cfg.model.d_model == 64
+    assert cfg.mesh.num_devices is None and cfg.gpt.d_model == 64
+    assert cfg.gpt.attention == "xla" and cfg.remat.policy == "none"    # the baseline's
     write_config(cfg, str(tmp_path))
     assert parse(["--config", str(tmp_path / "config.yaml")]) == cfg
 
@@ -123,9 +125,12 @@ def test_every_row_runs_with_its_technique_on(corpus_path, tmp_path, capsys):
         pytest.approx(0.5, abs=1e-3)   # one moment instead of two (and a few counters)
     assert rows["lamb"]["optimizer"] == "lamb" and rows["lamb"]["val_bpb"] != base["val_bpb"]
     assert rows["accumulate"]["accumulate"] == 2
-    assert rows["sparse-2:4"]["settings"]["model.sparsity"] == "2:4"
+    assert rows["sparse-2:4"]["settings"]["sparsity.pattern"] == "2:4"
+    assert rows["sparse-2:4"]["sparsity"] == "2:4" and rows["sparse-2:4"]["sparsity_density"] == 0.5
     assert rows["importance"]["settings"]["data.sampling"] == "loss"
-    assert rows["token-drop"]["settings"]["model.token_keep"] == 0.5
+    assert rows["token-drop"]["settings"]["token_drop.keep"] == 0.5
+    assert rows["token-drop"]["settings"]["token_drop.layers"] == "0:1"    # the last of 1
+    assert rows["token-drop"]["token_keep"] == 0.5
     assert rows["token-drop"]["flops_per_token"] < base["flops_per_token"]
     assert rows["accumulate"]["temp_bytes"] < base["temp_bytes"]
     assert rows["dp"]["mesh"]["data"] == 2 and rows["fsdp"]["mesh"]["fsdp"] == 2
@@ -140,7 +145,7 @@ def test_every_row_runs_with_its_technique_on(corpus_path, tmp_path, capsys):
     # Every row validates on the same batches.
     assert len({r["val_tokens"] for r in ran.values()}) == 1
     summary_keys = {"data.batching": "batching", "precision.policy": "precision",
-                    "model.remat": "remat", "optimizer.name": "optimizer",
+                    "remat.policy": "remat", "optimizer.name": "optimizer",
                     "mesh.strategy": "sharding"}
     for name in result["meta"]["best"]:
         for key, value in rows[name]["settings"].items():
@@ -156,6 +161,90 @@ def test_every_row_runs_with_its_technique_on(corpus_path, tmp_path, capsys):
                                        f"{rows['pack']['run_dir']}/config.yaml")
     printed = capsys.readouterr().out
     assert "| row" in printed and "best = " in printed
+
+
+NO_STACK = """
+from flax import nnx
+
+
+class NoStack(nnx.Module):
+    def __init__(self, vocab_size, max_seq_len, *, rngs):
+        self.emb = nnx.Embed(vocab_size, 16, rngs=rngs)
+        self.blocks = nnx.List([nnx.Linear(16, 16, rngs=rngs) for _ in range(2)])
+        self.head = nnx.Linear(16, vocab_size, rngs=rngs)
+
+    def __call__(self, inputs, positions=None, segment_ids=None):
+        x = self.emb(inputs)
+        for block in self.blocks:
+            x = x + block(x)
+        return self.head(x)
+
+
+def make(vocab_size, max_seq_len, *, rngs):
+    return NoStack(vocab_size, max_seq_len, rngs=rngs)
+"""
+
+
+def test_a_model_of_ones_own_skips_the_rows_it_cannot_run_with_the_reason(tmp_path):
+    """Each row's model, checked as a run checks it before any work: a model whose blocks are no
+    nn.Stack runs the rows that need none, and every block or layer technique is skipped with
+    the one line a run would fail with (its flag named)."""
+    path = tmp_path / "nostack.py"
+    path.write_text(NO_STACK)
+    cfg = build(speedup.SpeedupConfig, {"model.name": f"{path}:make", "data.seq_len": 64,
+                                        "data.batch_size": 4})
+    rows = {t.name: dict(t.settings) for t in speedup.TECHNIQUES if t.name != "best"}
+    assert speedup.skip_reason(speedup.BY_NAME["flash"], {"platform": "gpu"}, cfg.model.name) \
+        .startswith("sets gpt.attention, a field of jaxaccel's GPT presets")
+    config = speedup.train_config(cfg, {}, None)
+    assert config.gpt.attention is None and config.remat.policy == "none"  # no GPT field set
+    answer = speedup.check_models({"config": flatten(to_dict(config)), "device_count": 2,
+                                   "rows": {n: v for n, v in rows.items() if n != "flash"}})
+    assert answer["depth"] is None
+    reasons = {name: row["reason"] for name, row in answer["rows"].items()}
+    runnable = ("baseline", "dynamic", "bucket", "pack", "bf16", "fp16", "importance", "lion",
+                "lamb", "accumulate", "dp", "fsdp")
+    assert [n for n, why in reasons.items() if why is None] == list(runnable)
+    for name in ("remat-full", "remat-attention", "token-drop"):
+        assert "has no jaxaccel.nn.Stack" in reasons[name] and "\n" not in reasons[name], name
+    assert reasons["token-drop"].endswith("[--token-keep / token_drop.keep]")
+    assert "[--sparsity-targets / sparsity.targets]" in reasons["sparse-2:4"]
+    assert "[--fp8-targets / fp8.targets]" in reasons["fp8"]
+
+
+def test_a_model_of_ones_own_trains_its_rows(corpus_path, tmp_path, capsys):
+    """--model FILE.py:FUNCTION end to end: the cpu preset's GPT fields are left out, the row
+    that sets one (flash) is skipped, the token-drop row drops in the last of its 2 layers."""
+    from jaxaccel.config import read_config_file
+    tiny_lm = os.path.join(os.path.dirname(os.path.dirname(__file__)), "examples", "tiny_lm.py")
+    out, run_dir = tmp_path / "speedup.json", tmp_path / "runs"
+    code = speedup.main([
+        "--model", f"{tiny_lm}:make", "--model-args", "width: 32", "--rows",
+        "baseline,flash,token-drop", "--scale", "cpu", "--cpu-devices", "1", "--data",
+        corpus_path, "--max-seq-len", "128", "--seq-len", "128", "--batch-size", "4",
+        "--train-tokens", "1000", "--warmup-steps", "2", "--log-every", "2",
+        "--final-eval-batches", "2", "--rounds", "1", "--cache-dir", str(tmp_path / "cache"),
+        "--run-dir", str(run_dir), "--json", str(out)])
+    assert code == 0
+    result = json.loads(out.read_text())
+    rows = {r["name"]: r for r in result["rows"]}
+    assert result["meta"]["model"] == f"{tiny_lm}:make"
+    assert rows["flash"]["status"].startswith("skipped: sets gpt.attention")
+    assert rows["baseline"]["status"] == rows["token-drop"]["status"] == "ran"
+    assert rows["baseline"]["attention"] is None and rows["baseline"]["remat"] == "none"
+    assert rows["token-drop"]["settings"]["token_drop.layers"] == "1:2"
+    assert rows["token-drop"]["token_keep"] == 0.5
+    assert rows["token-drop"]["flops_per_token"] < rows["baseline"]["flops_per_token"]
+    written = read_config_file(str(run_dir / "baseline" / "config.yaml"))
+    assert written["model.name"] == f"{tiny_lm}:make" and written["model.args"] == "width: 32"
+    assert all(v is None for k, v in written.items() if k.startswith("gpt."))
+    # A factory that does not load: one line before any row.
+    capsys.readouterr()
+    assert speedup.main(["--model", f"{tiny_lm}:nope", "--data", corpus_path, "--cache-dir",
+                         str(tmp_path / "cache"), "--run-dir", str(tmp_path / "bad")]) == 2
+    err = capsys.readouterr().err.strip().splitlines()
+    assert len(err) == 1 and "has no function 'nope'" in err[0] and "--model" in err[0], err
+    assert not (tmp_path / "bad").exists()
 
 
 def test_a_bucket_budget_matched_under_a_batch_multiple_stays_valid(corpus_path):

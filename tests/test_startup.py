@@ -70,15 +70,17 @@ def test_an_unwritable_cache_is_one_warning_and_the_run_goes_on(corpus_path, tmp
 def test_the_initialisation_takes_its_key_as_an_argument():
     """The sharded initialisation is compiled with the key as a parameter, so the GPU compiler
     has no constant key to fold the random initialisation into (issue 16: 3 min 22 s)."""
-    from jaxaccel.model import ModelConfig
+    from jaxaccel import techniques
+    from jaxaccel.config import TrainConfig, build
     from jaxaccel.optim import make_optimizer
     from jaxaccel.sharding import make_mesh
-    from jaxaccel.state import _state_maker
-    cfg = ModelConfig(d_model=32, n_layers=2, n_heads=4, max_seq_len=32)
+    from jaxaccel.state import state_maker
+    cfg = build(TrainConfig, {"gpt.d_model": 32, "gpt.n_layers": 2, "gpt.n_heads": 4,
+                              "model.max_seq_len": 32})
     mesh = make_mesh({"stage": 1, "data": 1, "fsdp": 1, "tensor": 1})
-    from jaxaccel.config import TrainConfig
-    make_state, _, shardings = _state_maker(cfg, make_optimizer("adamw", learning_rate=1e-3, total_steps=10), 0,
-                                            TrainConfig().make_loss_scale(), mesh, None)
+    make_state, _, shardings = state_maker(
+        techniques.variables(cfg), make_optimizer("adamw", learning_rate=1e-3, total_steps=10), 0,
+        cfg.make_loss_scale(), mesh, None, None)
     hlo = jax.jit(make_state, out_shardings=shardings).lower(jax.random.PRNGKey(0)).as_text()
     main = next(line for line in hlo.splitlines() if "func.func public @main" in line)
     assert "@main(%arg0: tensor<2xui32>)" in main          # the key, an argument

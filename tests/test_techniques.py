@@ -1,7 +1,6 @@
 """The survey's techniques, part A: initialisation schemes, stochastic depth, progressive layer
 stacking, LoRA and adapters; each against its paper's formula or an exact reference."""
 
-import dataclasses
 import json
 import os
 
@@ -11,22 +10,67 @@ import jax.numpy as jnp
 import numpy as np
 import optax
 import pytest
+from flax import nnx
 
 from experiments.train import main as train_main
-from jaxaccel import grads, lora, stacking
+from jaxaccel import grads, init, lora, nn, stacking, surgery, techniques
 from jaxaccel import stochastic_depth as sd
+from jaxaccel.config import build, check_ranges, override
 from jaxaccel.errors import ConfigError
 from jaxaccel.init import tfixup_scale
-from jaxaccel.loop import train
-from jaxaccel.model import count_params, flops_per_token, init_params, make_apply, model_parts, preset
+from jaxaccel.loop import resume_settings, train
+from jaxaccel.loop.finish import flops_per_token
+from jaxaccel.model import count_params, make_apply, parts, stack_of
 from jaxaccel.state import init_state
 from jaxaccel.train import lm_train_step
 from tests.test_loop import SMALL_MODEL, final_state, small_config
 
+SMALL = {"gpt.d_model": 64, "gpt.n_layers": 2, "gpt.n_heads": 4, "model.max_seq_len": 32}
 
-def small(**fields):
-    return preset("tiny", **{"d_model": 64, "n_layers": 2, "n_heads": 4, "max_seq_len": 32,
-                             **fields})
+
+def small(values=None, /, **gpt):
+    """A small GPT's TrainConfig: ``values`` by field path (``{"lora.rank": 4}``), ``gpt``
+    fields by name (``n_layers=4``)."""
+    return build(values={**SMALL, **{f"gpt.{k}": v for k, v in gpt.items()}, **(values or {})})
+
+
+def build_model(cfg, seed=0):
+    """The model of ``cfg`` with its techniques, initialised from ``PRNGKey(seed)``."""
+    return techniques.build(cfg, jax.random.PRNGKey(seed))
+
+
+def init_params(cfg, seed=0):
+    """The model's state (an ``nnx.State``)."""
+    return nnx.state(build_model(cfg, seed))
+
+
+def apply_of(cfg, **kwargs):
+    """``apply(state, batch, key=None) -> logits`` of the model of ``cfg``."""
+    return make_apply(nnx.graphdef(techniques.abstract(cfg)), **kwargs)
+
+
+def copy_of(model):
+    """A model of its own with the same values (an in-place change leaves ``model`` alone)."""
+    graphdef, state = nnx.split(model)
+    return nnx.merge(graphdef, jax.tree.map(jnp.array, state))
+
+
+def run_blocks(model, x_BTD, b, key=None):
+    """The model's stack of blocks alone on ``x_BTD``, with the per-token arguments the model
+    passes it for batch ``b`` (``model.parts``)."""
+    graphdef, state = nnx.split(model)
+    cut = parts(graphdef, state)
+    _, token_args = cut.embed(state, b)
+    return cut.blocks(stack_of(state, cut.stack_path), x_BTD, token_args, b, key, 0, None)
+
+
+def lm_step(cfg, optimizer, **kwargs):
+    """A jitted train step of ``cfg``'s model training what it trains (``nn.trainable``), and
+    its initial state."""
+    params = init_params(cfg)
+    trainable = nn.trainable(params)
+    step = jax.jit(lm_train_step(apply_of(cfg), optimizer, trainable=trainable, **kwargs))
+    return step, init_state(params, optimizer, 0, trainable=trainable)
 
 
 def batch(rows=4, length=16, seed=0):
@@ -43,31 +87,49 @@ def leaves_named(params, name):
             if name in jax.tree_util.keystr(path)]
 
 
+def flat(tree) -> dict:
+    """``{"a/b/0/c": leaf}`` of a nested dict (a checkpoint restored without a target) or a
+    state (``.value`` left out)."""
+    out = {}
+    for path, leaf in jax.tree_util.tree_flatten_with_path(tree)[0]:
+        keys = [str(getattr(k, "key", getattr(k, "idx", getattr(k, "name", k)))) for k in path]
+        out["/".join(k for k in keys if k != "value")] = leaf
+    return out
+
+
+pure = nnx.to_pure_dict
+
+
 # ---------------------------------------------------------------------------------------------
 # Initialisation schemes.
 
 @pytest.mark.parametrize("scheme, scan", [("rezero", False), ("skipinit", True)])
 def test_rezero_and_skipinit_blocks_are_the_identity_at_initialisation(scheme, scan):
-    cfg = small(init=scheme, scan_layers=scan)
-    params = init_params(cfg, jax.random.PRNGKey(0))
-    gates = leaves_named(params, "alpha")
-    assert gates and all(bool((g == 0).all()) for g in gates)
+    cfg = small({"init.scheme": scheme, "remat.scan_layers": scan})
+    model = build_model(cfg)
+    gates = [wrapper.gate[...] for _, wrapper in surgery.wrappers(model, init.Gated)]
+    # o and out of each block (a scanned stack holds one block, its variables stacked)
+    assert len(gates) == 2 * (1 if scan else 2) and all(bool((g == 0).all()) for g in gates)
+    params = nnx.state(model)
+    # ReZero: one gate per block, shared by its branches; SkipInit: one per branch.
+    assert sum(g.size for g in leaves_named(params, "['gate']")) == 2 * (1 if scheme == "rezero"
+                                                                          else 2)
     assert not leaves_named(params, "attn_norm") and not leaves_named(params, "mlp_norm")
-    x_BTD = jax.random.normal(jax.random.PRNGKey(1), (4, 16, cfg.d_model))
-    out_BTD = model_parts(cfg).blocks(params, x_BTD, batch())
-    chex.assert_trees_all_equal(out_BTD, x_BTD)
+    x_BTD = jax.random.normal(jax.random.PRNGKey(1), (4, 16, 64))
+    chex.assert_trees_all_equal(run_blocks(model, x_BTD, batch()), x_BTD)
     # Training moves the gates off zero, so the blocks do not stay the identity.
-    step = jax.jit(lm_train_step(make_apply(cfg), optax.adam(1e-2)))
-    state, _ = step(init_state(params, optax.adam(1e-2), 0), batch())
-    assert all(bool((g != 0).all()) for g in leaves_named(state.params, "alpha"))
+    step, state = lm_step(cfg, optax.adam(1e-2))
+    state, _ = step(state, batch())
+    gates = leaves_named(state.params, "['gate']")
+    assert gates and all(bool((g != 0).all()) for g in gates)
 
 
 def test_tfixup_statistics_follow_the_paper():
-    cfg = preset("tiny", d_model=256, n_layers=6, n_heads=4, init="tfixup", scan_layers=True)
-    params = init_params(cfg, jax.random.PRNGKey(0))
-    scale = tfixup_scale(cfg.n_layers)
+    cfg = small({"init.scheme": "tfixup", "remat.scan_layers": True}, d_model=256, n_layers=6)
+    params = pure(init_params(cfg))
+    scale = tfixup_scale(6)
     assert scale == pytest.approx((9 * 6) ** -0.25)
-    blocks = params["blocks"]
+    blocks = params["blocks"]["layers"]
 
     def xavier_std(w):
         fan_in, fan_out = w.shape[-2:]
@@ -82,15 +144,14 @@ def test_tfixup_statistics_follow_the_paper():
         limit = (6.0 / sum(w.shape[-2:])) ** 0.5 * factor      # uniform: bounded by the limit
         assert float(jnp.abs(w).max()) <= limit * (1 + 1e-6)
     embedding = params["embed"]["embedding"]
-    assert float(jnp.std(embedding)) == pytest.approx(cfg.d_model ** -0.5 * scale, rel=0.03)
+    assert float(jnp.std(embedding)) == pytest.approx(256 ** -0.5 * scale, rel=0.03)
     assert not leaves_named(params, "attn_norm") and leaves_named(params, "final_norm")
     # Each layer draws its own weights; unrolled blocks draw the same ones.
     assert not jnp.allclose(blocks["attn"]["wq"]["kernel"][0], blocks["attn"]["wq"]["kernel"][1])
-    unrolled = init_params(preset("tiny", d_model=256, n_layers=6, n_heads=4, init="tfixup"),
-                           jax.random.PRNGKey(0))
+    unrolled = pure(init_params(small({"init.scheme": "tfixup"}, d_model=256, n_layers=6)))
     chex.assert_trees_all_equal(
-        jax.tree.map(lambda *xs: jnp.stack(xs), *[unrolled["blocks"][i] for i in range(6)]),
-        blocks)
+        jax.tree.map(lambda *xs: jnp.stack(xs), *[unrolled["blocks"]["layers"][i]
+                                                  for i in range(6)]), blocks)
 
 
 # ---------------------------------------------------------------------------------------------
@@ -106,15 +167,16 @@ def test_stochastic_depth_rates_rows_and_flop_share():
 
 
 def test_stochastic_depth_is_the_identity_at_evaluation_in_both_layouts():
-    cfg, plain = small(stochastic_depth=0.5), small()
-    params = init_params(cfg, jax.random.PRNGKey(0))
-    chex.assert_trees_all_equal(make_apply(cfg)(params, batch()), make_apply(plain)(params, batch()))
+    cfg, plain = small({"stochastic_depth.rate": 0.5}), small()
+    params = init_params(cfg)
+    chex.assert_trees_all_equal(apply_of(cfg)(params, batch()), apply_of(plain)(params, batch()))
     key = jax.random.PRNGKey(3)
-    trained = make_apply(cfg)(params, batch(rows=8), key)
-    assert not jnp.allclose(trained, make_apply(plain)(params, batch(rows=8)))
+    trained = apply_of(cfg)(params, batch(rows=8), key)
+    assert not jnp.allclose(trained, apply_of(plain)(params, batch(rows=8)))
     # The scanned layout skips the same rows of the same layers.
-    stacked = init_params(small(scan_layers=True), jax.random.PRNGKey(0))
-    scanned = make_apply(small(stochastic_depth=0.5, scan_layers=True))(stacked, batch(rows=8), key)
+    scanned_cfg = small({"stochastic_depth.rate": 0.5, "remat.scan_layers": True})
+    stacked = init_params(small({"remat.scan_layers": True}))
+    scanned = apply_of(scanned_cfg)(stacked, batch(rows=8), key)
     np.testing.assert_allclose(trained, scanned, atol=2e-5)
 
 
@@ -123,40 +185,41 @@ def test_stochastic_depth_skips_whole_rows_and_is_unbiased():
     ``kept`` rows are computed, each with probability kept / rows."""
     rows, kept = 8, 3
     x_BTD = jax.random.normal(jax.random.PRNGKey(0), (rows, 4, 6))
-    segment_BT = jnp.ones((rows, 4), jnp.int32)
+    args = {"segment_ids": jnp.ones((rows, 4), jnp.int32), "unused": None}
 
-    def block(x, seg):
-        return x * 2.0 + 1.0 + seg[..., None]
+    def block(x, row_args):
+        return x * 2.0 + 1.0 + row_args["segment_ids"][..., None]
 
     def once(key):
-        return sd.skip_rows(block, x_BTD, (segment_BT,), key, kept, groups=1)
+        return sd.skip_rows(block, x_BTD, args, key, kept, groups=1)
 
     outs = jax.vmap(once)(jax.random.split(jax.random.PRNGKey(1), 2000))
-    full = x_BTD + (block(x_BTD, segment_BT) - x_BTD) * rows / kept
+    full = x_BTD + (block(x_BTD, args) - x_BTD) * rows / kept
     same = jnp.all(outs == x_BTD, axis=(2, 3))
     changed = jnp.all(jnp.isclose(outs, full, atol=1e-5), axis=(2, 3))
     assert bool(jnp.all(same | changed))
     assert bool(jnp.all(changed.sum(axis=1) == kept))
     assert np.allclose(changed.mean(axis=0), kept / rows, atol=0.05)
     # Hence the expected output is the block's output.
-    assert np.allclose(outs.mean(axis=0), block(x_BTD, segment_BT), atol=0.25)
+    assert np.allclose(outs.mean(axis=0), block(x_BTD, args), atol=0.25)
 
 
 def test_stochastic_depth_computes_fewer_flops():
-    """The skipped rows are not computed: the compiled train step's FLOPs drop by about the
-    blocks' kept share (XLA's cost analysis)."""
+    """The skipped rows are not computed: the compiled train step's FLOPs drop by the share the
+    run's FLOP count (``loop.finish.flops_per_token``, traced) predicts (XLA's cost analysis)."""
     def flops(cfg):
-        params = init_params(cfg, jax.random.PRNGKey(0))
-        step = jax.jit(lm_train_step(make_apply(cfg), optax.sgd(0.1)))
-        compiled = step.lower(init_state(params, optax.sgd(0.1), 0), batch(rows=16)).compile()
-        return compiled.cost_analysis()["flops"]
+        step, state = lm_step(cfg, optax.sgd(0.1))
+        return step.lower(state, batch(rows=16)).compile().cost_analysis()["flops"]
 
     # Unrolled layers: XLA's cost analysis counts a scan's body once, however many layers.
-    cfg = small(stochastic_depth=0.6)
-    base, dropped = flops(small()), flops(cfg)
+    rows = {"data.batch_size": 16, "data.seq_len": 16}
+    cfg, plain = small({**rows, "stochastic_depth.rate": 0.6}), small(rows)
+    base, dropped = flops(plain), flops(cfg)
     kept = sd.kept_fraction(0.6, 2, 16)
     assert kept == 17 / 32
-    predicted = flops_per_token(cfg, 16, kept) / flops_per_token(cfg, 16)
+    predicted = (flops_per_token(cfg, techniques.abstract(cfg))
+                 / flops_per_token(plain, techniques.abstract(plain)))
+    assert kept < predicted < 1          # the blocks' share falls to kept, the head's stays
     assert dropped / base == pytest.approx(predicted, abs=0.05)
 
 
@@ -179,17 +242,22 @@ def test_stacking_plan_and_bad_settings():
 
 @pytest.mark.parametrize("scan", [False, True])
 def test_grow_copies_the_blocks_and_their_optimizer_state(scan):
-    shallow, deep = small(n_layers=2, scan_layers=scan), small(n_layers=4, scan_layers=scan)
+    deep = small({"remat.scan_layers": scan}, n_layers=4)
     optimizer = optax.adamw(1e-2)
-    state = init_state(init_params(shallow, jax.random.PRNGKey(0)), optimizer, 0)
-    state, _ = jax.jit(lm_train_step(make_apply(shallow), optimizer))(state, batch())
-    template = jax.eval_shape(lambda: init_state(init_params(deep, jax.random.PRNGKey(1)),
-                                                 optimizer, 0))
-    grown = stacking.grow(state, template, 2)
+    shallow = techniques.build(deep, jax.random.PRNGKey(0), depth=2)    # a stage's model
+    graphdef, params = nnx.split(shallow)
+    state = init_state(params, optimizer, 0, trainable=nnx.Param)
+    state, _ = jax.jit(lm_train_step(make_apply(graphdef), optimizer, trainable=nnx.Param))(
+        state, batch())
+    template = jax.eval_shape(lambda: init_state(init_params(deep, 1), optimizer, 0,
+                                                 trainable=nnx.Param))
+    stack_path = nn.the_stack(shallow, "progressive stacking")[0]
+    grown = stacking.grow(state, template, 2, stack_path)
     assert jax.tree.structure(grown) == jax.tree.structure(template)
     assert int(grown.step) == 1 and int(grown.opt_state[0].count) == 1
-    blocks, old = grown.params["blocks"], state.params["blocks"]
-    mu, old_mu = grown.opt_state[0].mu["blocks"], state.opt_state[0].mu["blocks"]
+    blocks, old = pure(grown.params)["blocks"]["layers"], pure(state.params)["blocks"]["layers"]
+    mu = pure(grown.opt_state[0].mu)["blocks"]["layers"]
+    old_mu = pure(state.opt_state[0].mu)["blocks"]["layers"]
     if scan:
         for new, was in [(blocks, old), (mu, old_mu)]:
             chex.assert_trees_all_equal(new, jax.tree.map(lambda x: jnp.concatenate([x, x]), was))
@@ -197,33 +265,32 @@ def test_grow_copies_the_blocks_and_their_optimizer_state(scan):
         for i in range(4):
             chex.assert_trees_all_equal(blocks[i], old[i % 2])
             chex.assert_trees_all_equal(mu[i], old_mu[i % 2])
-    chex.assert_trees_all_equal(grown.params["embed"], state.params["embed"])
+    chex.assert_trees_all_equal(pure(grown.params)["embed"], pure(state.params)["embed"])
     # The grown model computes what the shallow one computed, then the copies on top.
     x_BTD = jax.random.normal(jax.random.PRNGKey(2), (4, 16, 64))
-    twice = model_parts(shallow).blocks(state.params, model_parts(shallow).blocks(
-        state.params, x_BTD, batch()), batch())
-    np.testing.assert_allclose(model_parts(deep).blocks(grown.params, x_BTD, batch()), twice,
-                               atol=1e-5)
+    trained = nnx.merge(graphdef, state.params)
+    twice = run_blocks(trained, run_blocks(trained, x_BTD, batch()), batch())
+    grown_model = nnx.merge(nnx.graphdef(techniques.abstract(deep)), grown.params)
+    np.testing.assert_allclose(run_blocks(grown_model, x_BTD, batch()), twice, atol=1e-5)
 
 
 def test_progressive_run_resumes_mid_stage_bitwise(corpus_path, tmp_path):
     def cfg(name, **extra):
         base = small_config(corpus_path, tmp_path, name, steps=9, checkpoint_every=0,
                             eval_every=0, **extra)
-        model = dataclasses.replace(base.model, n_layers=4)   # unrolled: grown blocks are
-        # copies in separate buffers (the scanned layout is experiments.depth's test)
-        return dataclasses.replace(base, model=model, run=dataclasses.replace(
-            base.run, progressive_stack=3))
+        # unrolled: grown blocks are copies in separate buffers (the scanned layout is
+        # experiments.depth's test)
+        return override(base, {"gpt.n_layers": 4, "stacking.stages": 3})
 
     whole = train(cfg("whole"))
-    assert whole.progressive_stages == [[0, 1], [3, 2], [6, 4]]
+    assert whole.techniques["stacking"]["stages"] == [[0, 1], [3, 2], [6, 4]]
     assert whole.steps == 9 and whole.compiles == 3
     records = [json.loads(line) for line in open(os.path.join(whole.run_dir, "metrics.jsonl"))]
     assert [(r["step"], r["n_layers"]) for r in records if r["kind"] == "stack"] == [(3, 2), (6, 4)]
     cut = train(cfg("cut"), should_stop=lambda step: step == 4)      # inside the second stage
     assert cut.interrupted == "requested" and cut.steps == 4
     resumed = train(cfg("cut", resume=True))
-    assert resumed.steps == 9 and resumed.progressive_stages == [[4, 2], [6, 4]]
+    assert resumed.steps == 9 and resumed.techniques["stacking"]["stages"] == [[4, 2], [6, 4]]
     chex.assert_trees_all_equal(final_state(whole.run_dir, 9), final_state(resumed.run_dir, 9))
 
 
@@ -232,60 +299,77 @@ def test_progressive_run_resumes_mid_stage_bitwise(corpus_path, tmp_path):
 
 @pytest.mark.parametrize("scan", [False, True])
 def test_lora_merged_weights_give_the_same_logits(scan):
-    cfg = small(lora_rank=4, lora_targets="q,v,o,out", scan_layers=scan)
-    params = init_params(cfg, jax.random.PRNGKey(0))
-    chex.assert_trees_all_equal(make_apply(cfg)(params, batch()),     # B = 0: the base model
-                                make_apply(lora.base_config(cfg))(lora.merge(params, cfg), batch()))
-    params = jax.tree_util.tree_map_with_path(         # a trained B
+    cfg = small({"lora.rank": 4, "lora.targets": "q,v,o,out", "remat.scan_layers": scan})
+    base_cfg = small({"remat.scan_layers": scan})
+    model, base = build_model(cfg), build_model(base_cfg)
+    apply, base_apply = apply_of(cfg), apply_of(base_cfg)
+    logits = apply(nnx.state(model), batch())                    # B = 0: the base model
+    chex.assert_trees_all_equal(logits, base_apply(nnx.state(base), batch()))
+    merged = copy_of(model)
+    assert lora.merge(merged) == 4 * (1 if scan else 2)        # q, v, o, out of each block
+    chex.assert_trees_all_equal(nnx.state(merged), nnx.state(base))
+    trained_b = jax.tree_util.tree_map_with_path(         # a trained B
         lambda path, x: x + 0.05 * jax.random.normal(jax.random.PRNGKey(len(str(path))), x.shape)
-        if "lora_b" in jax.tree_util.keystr(path) else x, params)
-    merged = lora.merge(params, cfg)
-    assert not leaves_named(merged, "lora_")
-    assert count_params(merged) == count_params(init_params(lora.base_config(cfg),
-                                                            jax.random.PRNGKey(0)))
-    np.testing.assert_allclose(make_apply(cfg)(params, batch()),
-                               make_apply(lora.merged_config(cfg))(merged, batch()), atol=1e-4)
+        if "lora_b" in jax.tree_util.keystr(path) else x, nnx.state(model))
+    nnx.update(model, trained_b)
+    merged = copy_of(model)
+    lora.merge(merged)
+    assert not leaves_named(nnx.state(merged), "lora_")
+    assert not jax.tree.leaves(nnx.filter_state(nnx.state(merged), nnx.LoRAParam))
+    assert count_params(nnx.state(merged)) == count_params(nnx.state(base))
+    # The merged model is the base architecture: the base model's graph runs its state.
+    np.testing.assert_allclose(apply(nnx.state(model), batch()),
+                               base_apply(nnx.state(merged), batch()), atol=1e-4)
+    assert not np.allclose(apply(nnx.state(model), batch()), logits, atol=1e-3)
 
 
-@pytest.mark.parametrize("fields", [dict(lora_rank=4), dict(lora_rank=2, adapter_dim=4)])
-def test_frozen_base_is_bitwise_unchanged_and_has_no_optimizer_state(fields):
-    cfg = small(**fields)
-    trainable = lora.trainable(cfg)
-    params = init_params(cfg, jax.random.PRNGKey(0))
+@pytest.mark.parametrize("values", [{"lora.rank": 4}, {"lora.rank": 2, "adapters.dim": 4}])
+def test_frozen_base_is_bitwise_unchanged_and_has_no_optimizer_state(values):
+    cfg = small(values)
+    params = init_params(cfg)
+    trainable = nn.trainable(params)
     optimizer = optax.adamw(1e-2)
     state = init_state(params, optimizer, 0, trainable=trainable)
-    train_part, frozen = grads.partition(params, trainable)
+    train_part, _, frozen = grads.partition(params, trainable)
+    assert all(isinstance(v, (nnx.LoRAParam, nn.Tuned)) for v in jax.tree.leaves(
+        train_part, is_leaf=lambda x: isinstance(x, nnx.Variable)))
     assert sum(x.size for x in jax.tree.leaves(state.opt_state)) == \
         2 * sum(x.size for x in jax.tree.leaves(train_part)) + 1
-    step = jax.jit(lm_train_step(make_apply(cfg), optimizer, accumulate=2, trainable=trainable))
+    apply = apply_of(cfg)
+    step = jax.jit(lm_train_step(apply, optimizer, accumulate=2, trainable=trainable))
     for i in range(3):
         state, metrics = step(state, batch(seed=i))
-    new_train, new_frozen = grads.partition(state.params, trainable)
+    new_train, _, new_frozen = grads.partition(state.params, trainable)
     chex.assert_trees_all_equal(new_frozen, frozen)
     assert all(not bool(jnp.all(a == b)) for a, b in zip(jax.tree.leaves(new_train),
                                                          jax.tree.leaves(train_part)))
     assert np.isfinite(float(metrics["loss"]))
     # The gradients are those of the whole model's loss with respect to the trainable part.
-    loss_fn = lambda t: jnp.mean(make_apply(cfg)(grads.combine(t, frozen), batch()) ** 2)  # noqa
-    grad_fn = grads.value_and_grad(lambda p, b, k: (jnp.mean(make_apply(cfg)(p, b) ** 2), {}),
+    loss_fn = lambda t: jnp.mean(apply(grads.combine(t, frozen), batch()) ** 2)  # noqa
+    grad_fn = grads.value_and_grad(lambda p, b, k: (jnp.mean(apply(p, b) ** 2), {}),
                                    trainable=trainable)
     (_, _), got = grad_fn(params, batch(), None)
     chex.assert_trees_all_close(got, jax.grad(loss_fn)(train_part), atol=1e-6)
 
 
-@pytest.mark.parametrize("fields,message", [
-    (dict(lora_rank=65), "lora_rank=65 exceeds the width 64 of wq"),
-    (dict(lora_rank=-1), "lora_rank must be >= 0"),
-    (dict(lora_rank=4, lora_targets="q,x"), "unknown lora_targets ['x']"),
-    (dict(lora_rank=4, lora_targets="gate", mlp="gelu"), "needs mlp=swiglu"),
-    (dict(adapter_dim=-2), "adapter_dim must be >= 0"),
-    (dict(init="fixup"), "unknown init 'fixup'"),
-    (dict(stochastic_depth=1.0), "stochastic_depth must be in [0, 1)"),
+@pytest.mark.parametrize("values,message,field", [
+    ({"lora.rank": 65}, "lora_rank=65 exceeds the width 64 of a targeted layer", "lora.rank"),
+    ({"lora.rank": -1}, "rank must be at least 0", "lora.rank"),
+    ({"lora.rank": 4, "lora.targets": "q,x"}, "'x' matches none of the model's linear layers",
+     "lora.targets"),
+    ({"lora.rank": 4, "lora.targets": "gate", "gpt.mlp": "gelu"},
+     "'gate' matches none of the model's linear layers", "lora.targets"),
+    ({"adapters.dim": -2}, "dim must be at least 0", "adapters.dim"),
+    ({"init.scheme": "fixup"}, "init.scheme='fixup' is not one of", "init.scheme"),
+    ({"stochastic_depth.rate": 1.0}, "rate must be in [0, 1)", "stochastic_depth.rate"),
 ])
-def test_bad_model_settings_are_one_clear_error(fields, message):
+def test_bad_model_settings_are_one_clear_error(values, message, field):
     with pytest.raises(ConfigError) as error:
-        small(**fields)
-    assert message in str(error.value)
+        cfg = small(values)
+        check_ranges(cfg)
+        techniques.abstract(cfg)
+    assert message in str(error.value) and "\n" not in str(error.value)
+    assert error.value.field == field
 
 
 def test_fine_tune_from_a_run_and_bad_runs(corpus_path, tmp_path, capsys):
@@ -296,17 +380,18 @@ def test_fine_tune_from_a_run_and_bad_runs(corpus_path, tmp_path, capsys):
     assert train_main([*common, "--run-dir", str(tmp_path / "lora"), "--lora-rank", "2",
                        "--init-from", base.run_dir, "--json", str(tmp_path / "lora.json")]) == 0
     summary = json.load(open(tmp_path / "lora.json"))
-    assert summary["init_from"] == base.run_dir
+    assert summary["techniques"]["lora"]["init_from"] == base.run_dir
     assert summary["trainable_params"] == 2 * 2 * 2 * 32 * 2     # layers x (q, v) x (A + B)
-    tuned = final_state(str(tmp_path / "lora"), 3)["params"]
-    start = final_state(base.run_dir, 4)["params"]
-    train_part, frozen = grads.partition(tuned, lora.trainable(small(lora_rank=2)))
+    tuned = flat(final_state(str(tmp_path / "lora"), 3)["params"])
+    start = flat(final_state(base.run_dir, 4)["params"])
+    trained = {k: v for k, v in tuned.items() if "lora_" in k}
+    frozen = {k.replace("/base/", "/"): v for k, v in tuned.items() if "lora_" not in k}
+    assert sorted(frozen) == sorted(start)
     chex.assert_trees_all_equal(frozen, start)                  # the base, bit for bit
-    assert len(jax.tree.leaves(train_part)) == 2 * 2 * 2
+    assert len(trained) == 2 * 2 * 2
     capsys.readouterr()
     for args, message in [
-        (["--n-layers", "4", "--init-from", base.run_dir], "trained another model shape: "
-                                                            "n_layers=2 (here 4)"),
+        (["--n-layers", "4", "--init-from", base.run_dir], "trained another model shape"),
         (["--init-from", str(tmp_path / "nothing")], "is not a run directory"),
         ([], "LoRA and adapters tune a trained model"),
         (["--init-from", base.run_dir, "--sharding", "pp"], "does not run with the pipeline"),
@@ -317,12 +402,18 @@ def test_fine_tune_from_a_run_and_bad_runs(corpus_path, tmp_path, capsys):
         assert code == 2 and len(err) == 1 and message in err[0], err
 
 
-def test_checkpoints_from_before_these_settings_still_resume(corpus_path, tmp_path):
-    """The resume settings leave out the new fields while they are unused, so a checkpoint
-    recorded without them matches; used, they are recorded."""
-    from jaxaccel.loop import ADDED_SETTINGS, resume_settings
-    plain = resume_settings(small_config(corpus_path, tmp_path), {"seq_len": 32}, 8, 1)
-    assert not set(ADDED_SETTINGS) & set(plain)
+def test_checkpoints_record_every_technique_setting_by_its_path(corpus_path, tmp_path):
+    """A checkpoint records each technique's section by its path (``lora.rank``, not the old
+    ``model.lora_rank``), used or not: checkpoints of the old layout are refused outright
+    (``checkpoint.FORMAT``), so none has to match without them; a used setting is recorded
+    with its value, and a resumed run must match it."""
     cfg = small_config(corpus_path, tmp_path)
-    used = dataclasses.replace(cfg, model=dataclasses.replace(cfg.model, init="tfixup"))
-    assert resume_settings(used, {"seq_len": 32}, 8, 1)["model.init"] == "tfixup"
+    plain = resume_settings(cfg, {"seq_len": 32}, 8, 1)
+    for path in ("init.scheme", "remat.policy", "remat.scan_layers", "stochastic_depth.rate",
+                 "token_drop.keep", "lora.rank", "adapters.dim", "sparsity.pattern",
+                 "stacking.stages", "gpt.n_layers", "model.name"):
+        assert path in plain, path
+    assert not {"model.init", "model.lora_rank", "model.n_layers", "run.progressive_stack"} \
+        & set(plain)
+    used = override(cfg, {"init.scheme": "tfixup"})
+    assert resume_settings(used, {"seq_len": 32}, 8, 1)["init.scheme"] == "tfixup"

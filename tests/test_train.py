@@ -1,15 +1,34 @@
+import dataclasses
+
 import chex
 import jax
 import jax.numpy as jnp
 import numpy as np
+from flax import nnx
 
+from jaxaccel import techniques
 from jaxaccel.compiled import CompiledFn, memory_bytes
-from jaxaccel.model import ModelConfig, init_params, make_apply
+from jaxaccel.config import TrainConfig, build
+from jaxaccel.model import make_apply
 from jaxaccel.optim import decay_mask, make_optimizer, make_schedule
 from jaxaccel.state import init_state
 from jaxaccel.train import lm_eval_step, lm_train_step, weighted_cross_entropy
 
-CFG = ModelConfig(vocab_size=64, d_model=32, n_layers=2, n_heads=4, max_seq_len=16)
+
+def config(**values):
+    """The tiny preset at 2 x 32, context 16, vocabulary 64 (``values``: more settings)."""
+    cfg = build(TrainConfig, {"gpt.d_model": 32, "gpt.n_layers": 2, "gpt.n_heads": 4,
+                              "model.max_seq_len": 16, **values})
+    return dataclasses.replace(cfg, model=dataclasses.replace(cfg.model, vocab_size=64))
+
+
+CFG = config()
+
+
+def init_params(cfg, key):
+    """The model's state (every technique of ``cfg`` applied) and its graph."""
+    graphdef, state = nnx.split(techniques.build(cfg, key))
+    return graphdef, state
 
 
 def random_batch(seed, B=4, T=16, pad=0):
@@ -27,8 +46,9 @@ def random_batch(seed, B=4, T=16, pad=0):
 def make(steps=100, lr=3e-3):
     optimizer = make_optimizer(learning_rate=lr, total_steps=steps, warmup_steps=5)
     schedule = make_schedule("cosine", lr, warmup_steps=5, total_steps=steps)
-    state = init_state(init_params(CFG, jax.random.PRNGKey(0)), optimizer, seed=0)
-    apply_fn = make_apply(CFG)
+    graphdef, params = init_params(CFG, jax.random.PRNGKey(0))
+    state = init_state(params, optimizer, seed=0)
+    apply_fn = make_apply(graphdef)
     return state, lm_train_step(apply_fn, optimizer, schedule), lm_eval_step(apply_fn)
 
 
@@ -65,11 +85,48 @@ def test_train_step_is_deterministic():
 
 
 def test_weight_decay_skips_norms_and_embeddings():
-    params = init_params(CFG, jax.random.PRNGKey(0))
+    _, params = init_params(CFG, jax.random.PRNGKey(0))
     mask = decay_mask(params)
-    assert mask["blocks"][0]["attn"]["wq"]["kernel"] is True
-    assert mask["blocks"][0]["attn_norm"]["scale"] is False
+    assert mask["blocks"]["layers"][0]["attn"]["wq"]["kernel"] is True
+    assert mask["blocks"]["layers"][0]["attn_norm"]["scale"] is False
+    assert mask["embed"]["embedding"] is False        # an nnx.Embed: weight_decay=False metadata
+    assert mask["head"]["kernel"] is True
+
+
+def test_weight_decay_of_a_scanned_stack_counts_rank_per_layer():
+    """Scanned, a norm scale is [layers, d] and a kernel [layers, d, f]: the leading layer axis
+    (metadata ``stacked``) does not count, so the mask is the unrolled model's."""
+    _, params = init_params(config(**{"remat.scan_layers": True}), jax.random.PRNGKey(0))
+    mask = decay_mask(params)
+    assert params["blocks"]["layers"]["attn_norm"]["scale"].ndim == 2
+    assert mask["blocks"]["layers"]["attn"]["wq"]["kernel"] is True
+    assert mask["blocks"]["layers"]["attn_norm"]["scale"] is False
     assert mask["embed"]["embedding"] is False
+
+
+def test_weight_decay_is_decided_by_rank_type_and_metadata_not_names():
+    """The names that used to exempt a variable (embed, norm, bias) no longer do: a matrix
+    named ``bias`` decays, a vector named ``kernel`` does not, a buffer never does, and any
+    variable marked ``weight_decay=False`` is exempt; ``exclude`` regexes add exemptions."""
+    from jaxaccel import nn
+
+    class Foreign(nnx.Module):
+        def __init__(self):
+            self.bias = nnx.Param(jnp.ones((4, 4)))
+            self.kernel = nnx.Param(jnp.ones((4,)))
+            self.norm = nnx.Param(jnp.ones((4, 4)))
+            self.table = nnx.Param(jnp.ones((4, 4)), weight_decay=False)
+            self.history = nn.Buffer(jnp.ones((4, 4)))
+            self.lookup = nnx.Embed(8, 4, rngs=nnx.Rngs(0))
+
+    model = Foreign()
+    from jaxaccel.optim import mark_no_decay
+    mark_no_decay(model)
+    mask = decay_mask(nnx.state(model))
+    assert mask["bias"] is True and mask["norm"] is True
+    assert mask["kernel"] is False and mask["table"] is False and mask["history"] is False
+    assert mask["lookup"]["embedding"] is False
+    assert decay_mask(nnx.state(model), exclude=("^bias$",))["bias"] is False
 
 
 def test_compiles_are_counted_once_per_shape_and_match_xla():

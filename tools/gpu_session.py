@@ -118,7 +118,7 @@ CALLS = {
         Step("speedup", ["-m", "experiments.speedup", "--scale", "gpu", "--run-dir",
                          "{work}/speedup"], BUDGET_S - 30,
              smoke=["--scale", "cpu", "--rows", "pack", "--rounds", "1",
-                    "model.d_model=64", "run.train_tokens=20000"]),
+                    "gpt.d_model=64", "run.train_tokens=20000"]),
     ],
     "attention": [
         attention("attention_builtin", "--impls", "cudnn,jax_reference,pallas", limit_s=240),

@@ -117,7 +117,7 @@ def check_shapes(q, k, v, *, name="attention", same_length=False):
     if q.shape[2] % k.shape[2]:
         raise ConfigError(
             f"{k.shape[2]} key/value heads do not divide {q.shape[2]} query heads; choose "
-            "n_kv_heads dividing n_heads", field="model.n_kv_heads")
+            "n_kv_heads dividing n_heads", field="gpt.n_kv_heads")
 
 
 def _check_inputs(q, k, v, segment_ids, block_q, block_k):
@@ -126,7 +126,7 @@ def _check_inputs(q, k, v, segment_ids, block_q, block_k):
     if not 1 <= q.shape[3] <= MAX_HEAD_DIM:
         raise ConfigError(
             f"flash_attention takes head_dim up to {MAX_HEAD_DIM}, got {q.shape[3]}; use "
-            "implementation='xla' or more, narrower heads", field="model.attention")
+            "implementation='xla' or more, narrower heads", field="gpt.attention")
     dtypes = {jnp.dtype(x.dtype) for x in (q, k, v)}
     if len(dtypes) != 1 or jnp.dtype(q.dtype) not in [jnp.dtype(d) for d in DTYPES]:
         raise ConfigError(

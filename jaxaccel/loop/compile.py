@@ -7,7 +7,7 @@ import dataclasses
 import jax
 from flax import nnx
 
-from jaxaccel import hardware, nn, remat
+from jaxaccel import hardware, nn, remat, techniques
 from jaxaccel.compiled import CompiledFn, abstract, largest_memory_bytes
 from jaxaccel.config import override
 from jaxaccel.errors import ConfigError
@@ -63,8 +63,9 @@ def eval_step_of(cfg, model):
 
 
 def eval_microbatches(cfg) -> int:
-    from jaxaccel.loop.setup import eval_microbatches as microbatches
-    return microbatches(cfg)
+    """Microbatches of an evaluation batch: the pipeline's (``accumulate``) with a pp strategy,
+    else 1 (the whole batch at once)."""
+    return cfg.optimizer.accumulate if pipelined(cfg.mesh.strategy) else 1
 
 
 def sharded_steps(cfg, model, optimizer, schedule, shardings, mesh):
@@ -107,16 +108,14 @@ def memory_budget_bytes(budget: int | str) -> int:
 
 def plan_remat(cfg, model, depth, optimizer, state, stream, batch_layout):
     """``(cfg, model, plan)`` with the remat policy the memory budget chooses for this model."""
-    from jaxaccel.loop.setup import stage_model
-
     def make_step(policy):
         variant = override(cfg, {"remat.policy": policy})
-        return train_step_of(variant, stage_model(variant, depth), optimizer)
+        return train_step_of(variant, techniques.abstract(variant, depth=depth), optimizer)
 
     policy, plan = choose_remat(make_step, abstract(state), stream.global_shapes,
                                 memory_budget_bytes(cfg.run.memory_budget), batch_layout)
     cfg = override(cfg, {"remat.policy": policy})
-    return cfg, stage_model(cfg, depth), plan
+    return cfg, techniques.abstract(cfg, depth=depth), plan
 
 
 def check_memory(cfg, compiled_fns, limit: int | None):
@@ -134,7 +133,3 @@ def check_memory(cfg, compiled_fns, limit: int | None):
             f"--batch-size" + (" or --eval-batch-size" if name == "eval" else "")
             + ", or more devices with --sharding fsdp",
             field="run.eval_batch_size" if name == "eval" else "data.batch_size")
-
-
-def check_policy_tags(cfg, named: set[str]) -> None:
-    remat.check_tags(cfg.remat.policy, named)

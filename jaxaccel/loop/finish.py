@@ -14,7 +14,7 @@ from jaxaccel.loader import abstract_batch
 from jaxaccel.loop.console import announce
 from jaxaccel.loop.record import RunSummary
 from jaxaccel.loop.run import Progress, recent_steps, run_eval
-from jaxaccel.loop.setup import Setup, stage_model
+from jaxaccel.loop.setup import Setup
 from jaxaccel.metrics import plot_loss_curve, read_metrics
 from jaxaccel.optim import state_bytes
 from jaxaccel.corpus import skipped_inputs
@@ -127,7 +127,8 @@ def run_flops_per_token(run: Setup, final_step: int, first_step: int) -> float:
     for (start, depth), end in zip(run.stages, starts[1:]):
         steps = max(end - max(start, first_step), 0)
         if steps:
-            model = run.model if depth == run.stages[-1][1] else stage_model(run.cfg, depth)
+            model = (run.model if depth == run.stages[-1][1]
+                     else techniques.abstract(run.cfg, depth=depth))
             weighted += steps * flops_per_token(run.cfg, model)
             total += steps
     if total == 0:

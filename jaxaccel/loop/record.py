@@ -184,3 +184,27 @@ def _untuned(cfg: TrainConfig) -> TrainConfig:
                           "precision.policy": "fp32", "remat.policy": "none",
                           "remat.scan_layers": False, "stochastic_depth.rate": 0.0,
                           "token_drop.keep": 1.0})
+
+
+def export_merged(run_dir: str, out_dir: str) -> str:
+    """Write the model of the LoRA run ``run_dir`` (its latest checkpoint) with its LoRA merged
+    into the base weights as a run directory ``out_dir``: ``config.yaml`` (the run's settings
+    without LoRA) and a checkpoint of its TrainState at the same step (with a fresh optimizer
+    state), which ``--init-from``, evaluation and further training read like any run's."""
+    from jaxaccel.config import override, write_config
+    trained_cfg, model, step = read_trained_run(run_dir)
+    lora.merge(model)
+    cfg = override(trained_cfg, {"lora.rank": 0})
+    optimizer, _, _ = build_optimizer(cfg.optimizer, batch_rows=cfg.batch_rows(),
+                                      total_steps=cfg.run.steps)
+    variables = nnx.state(model)
+    state = init_state(variables, optimizer, cfg.run.seed, cfg.make_loss_scale(), cfg.policy(),
+                       nn.trainable(variables))
+    os.makedirs(out_dir, exist_ok=True)
+    write_config(cfg, out_dir)
+    checkpointer = Checkpointer(os.path.join(out_dir, "checkpoints"))
+    try:
+        checkpointer.save(step, state, loader_position={}, config={})
+    finally:
+        checkpointer.close()
+    return out_dir

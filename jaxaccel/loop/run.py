@@ -11,12 +11,13 @@ import time
 import jax
 import numpy as np
 
-from jaxaccel import profiling, stacking
+from jaxaccel import nn, profiling, stacking, techniques
 from jaxaccel.config import to_dict
 from jaxaccel.data import batches
 from jaxaccel.loader import DevicePrefetcher, place_batch
 from jaxaccel.loop.console import LineProgress, announce, log_window, progress_bar
-from jaxaccel.loop.setup import Setup, make_params, open_stream, stage_model
+from jaxaccel.loop.compile import plan_remat
+from jaxaccel.loop.setup import Setup, open_stream
 from jaxaccel.metrics import MetricsWriter, truncate_metrics
 from jaxaccel.sharding import param_shardings, parse_axis_rules
 from jaxaccel.state import abstract_sharded_state
@@ -187,14 +188,12 @@ def agreed_stop(local: int | None) -> int | None:
 def grow_run(run: Setup, progress: Progress) -> Setup:
     """The next progressive-stacking stage: the model twice as deep, its state grown from the
     trained one (``stacking.grow``), the loader continuing from its position."""
-    from jaxaccel import nn
-    from jaxaccel.loop.compile import plan_remat
     cfg = run.cfg
     old_depth = run.stages[-1][1]
     depth = 2 * old_depth
-    model = stage_model(cfg, None if depth == run.full_layers else depth)
+    model = techniques.abstract(cfg, depth=None if depth == run.full_layers else depth)
     state, shardings = abstract_sharded_state(
-        make_params(cfg, depth), run.optimizer, cfg.run.seed, cfg.make_loss_scale(), run.mesh,
+        techniques.variables(cfg, depth), run.optimizer, cfg.run.seed, cfg.make_loss_scale(), run.mesh,
         cfg.policy(), axis_rules=parse_axis_rules(cfg.mesh.axis_rules))
     stack_path = nn.the_stack(model, "progressive stacking")[0]
     state = jax.device_put(stacking.grow(progress.state, state, old_depth, stack_path),

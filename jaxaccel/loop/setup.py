@@ -20,6 +20,7 @@ from jaxaccel.config import check_json_outputs, check_writable, field_value, ove
 from jaxaccel.corpus import corpus_of
 from jaxaccel.data import DataStream
 from jaxaccel.errors import ConfigError
+from jaxaccel.loop.compile import eval_microbatches, plan_remat
 from jaxaccel.loop.console import announce
 from jaxaccel.loop.record import base_weights, run_environment
 from jaxaccel.optim import build_optimizer
@@ -69,20 +70,6 @@ class Setup:
                                 # the steps just before the checkpoint resumed from (its meta)
 
 
-def stage_model(cfg, depth: int | None):
-    """The abstract model of a progressive-stacking stage of ``depth`` blocks (None: whole)."""
-    return techniques.abstract(cfg, depth=depth)
-
-
-def make_params(cfg, depth: int | None):
-    """``make(key, *base) -> nnx.State``: the model's variables built from ``key`` (with a
-    trained run's weights ``base`` when fine-tuning)."""
-    def make(key, *base):
-        return nnx.state(techniques.build(cfg, key, depth=depth,
-                                          base_state=base[0] if base else None))
-    return make
-
-
 def set_up(cfg, mesh, mesh_shape, full_model) -> Setup:
     multiple = batch_shards(mesh_shape) * cfg.optimizer.accumulate
     if cfg.data.batch_size is not None and cfg.data.batch_size % multiple:
@@ -129,13 +116,13 @@ def set_up(cfg, mesh, mesh_shape, full_model) -> Setup:
         full_layers = len(nn.the_stack(full_model, "progressive stacking")[1])
         first_step = (checkpointer.latest_step() or 0) if cfg.run.resume else 0
         depth = stacking.depth_at(first_step, full_layers, stages, stack_ends)
-    model = full_model if depth in (None, full_layers) else stage_model(cfg, depth)
+    model = full_model if depth in (None, full_layers) else techniques.abstract(cfg, depth=depth)
     begin = time.perf_counter()
     base = ()
     if cfg.run.init_from is not None and not cfg.run.resume:
         weights = base_weights(cfg.run.init_from, cfg)
         base = (jax.device_put(weights, param_shardings(mesh, weights, _rules(cfg))),)
-    state, shardings = init_sharded_state(make_params(cfg, depth), optimizer, cfg.run.seed,
+    state, shardings = init_sharded_state(techniques.variables(cfg, depth), optimizer, cfg.run.seed,
                                           cfg.make_loss_scale(), mesh, cfg.policy(),
                                           axis_rules=_rules(cfg), args=base)
     jax.block_until_ready(state)
@@ -144,7 +131,6 @@ def set_up(cfg, mesh, mesh_shape, full_model) -> Setup:
     plan = None
     full_cfg = cfg
     if cfg.run.memory_budget is not None:
-        from jaxaccel.loop.compile import plan_remat
         cfg, model, plan = plan_remat(cfg, model, depth, optimizer, state, stream, batch_layout)
     resume_config = {**resume_settings(full_cfg, stream_args, total_steps, multiple),
                      "data.corpus_fingerprint": corpus.fingerprint}
@@ -181,13 +167,6 @@ def set_up(cfg, mesh, mesh_shape, full_model) -> Setup:
 
 def _rules(cfg):
     return parse_axis_rules(cfg.mesh.axis_rules)
-
-
-def eval_microbatches(cfg) -> int:
-    """Microbatches of an evaluation batch: the pipeline's (``accumulate``) with a pp strategy,
-    else 1 (the whole batch at once)."""
-    from jaxaccel.sharding import pipelined
-    return cfg.optimizer.accumulate if pipelined(cfg.mesh.strategy) else 1
 
 
 def resolve_run_dir(cfg) -> str:

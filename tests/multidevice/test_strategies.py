@@ -8,15 +8,16 @@ import os
 import jax
 import numpy as np
 import pytest
+from flax import nnx
 
-from experiments.sharding import mlp_temp_bytes
+from jaxaccel import gpt, techniques
 from jaxaccel.checkpoint import Checkpointer
 from jaxaccel.compiled import CompiledFn
 from jaxaccel.config import build
 from jaxaccel.errors import ConfigError
 from jaxaccel.loader import place_batch
 from jaxaccel.loop import train
-from jaxaccel.model import ModelConfig, make_apply
+from jaxaccel.model import make_apply
 from jaxaccel.optim import make_optimizer
 from jaxaccel.sharding import (STRATEGIES, batch_sharding, bytes_per_device, make_mesh,
                                mesh_shape, pipelined, replicated)
@@ -26,8 +27,16 @@ from jaxaccel.train import lm_train_step
 assert jax.device_count() == 8, "run with XLA_FLAGS=--xla_force_host_platform_device_count=8"
 
 # The one-hot embedding, as on a GPU (a CPU's auto is the gather; its case is below).
-CFG = ModelConfig(vocab_size=128, d_model=64, n_layers=2, n_heads=8, max_seq_len=32,
-                  embedding="one_hot")
+CFG = {"gpt.d_model": 64, "gpt.n_layers": 2, "gpt.n_heads": 8, "model.max_seq_len": 32,
+       "gpt.embedding": "one_hot"}
+VOCAB = 128
+
+
+def config(values=None, /, **changes):
+    """The TrainConfig of ``CFG`` (a GPT of 128 ids) with ``values`` by field path and
+    ``changes`` to its gpt section by name (``n_layers=4``)."""
+    cfg = build(values={**CFG, **(values or {}), **{f"gpt.{k}": v for k, v in changes.items()}})
+    return dataclasses.replace(cfg, model=dataclasses.replace(cfg.model, vocab_size=VOCAB))
 OPTIMIZER = make_optimizer("adamw", learning_rate=1e-2, weight_decay=0.1, warmup_steps=0,
                            total_steps=10)
 
@@ -45,17 +54,21 @@ def batch(seed, B=8, T=32, vocab=128):
             "positions": np.tile(positions.astype(np.int32), (B, 1)) * (segment_ids > 0)}
 
 
-def losses_on(mesh, cfg=CFG, steps=5):
+def losses_on(mesh, cfg=None, steps=5):
     """The loss of each of ``steps`` steps, trained with the state and batch sharded on mesh."""
+    cfg = cfg or config()
     with jax.set_mesh(mesh):
-        state, shardings = init_sharded_state(cfg, OPTIMIZER, 0, None, mesh)
+        state, shardings = init_sharded_state(techniques.variables(cfg), OPTIMIZER, 0, None,
+                                              mesh)
         layout = batch_sharding(mesh)
-        step = CompiledFn(lm_train_step(make_apply(cfg), OPTIMIZER),
+        graphdef = nnx.graphdef(techniques.abstract(cfg))
+        step = CompiledFn(lm_train_step(make_apply(graphdef), OPTIMIZER, trainable=nnx.Param),
                           in_shardings=(shardings, layout),
                           out_shardings=(shardings, replicated(mesh)), donate_argnums=0)
         losses = []
         for i in range(steps):
-            state, metrics = step(state, place_batch(batch(i, vocab=cfg.vocab_size), layout))
+            state, metrics = step(state, place_batch(batch(i, vocab=cfg.model.vocab_size),
+                                                     layout))
             losses.append(float(metrics["loss"]))
     return np.array(losses), state
 
@@ -77,9 +90,10 @@ def single_losses():
     ("dp+fsdp", "explicit", "gather")])
 def test_every_strategy_trains_like_one_device(strategy, axis_types, how, single_losses):
     mesh = make_mesh(mesh_shape(strategy, 8), axis_types)
-    losses, state = losses_on(mesh, dataclasses.replace(CFG, embedding=how))
+    losses, state = losses_on(mesh, config(embedding=how))
     np.testing.assert_allclose(losses, single_losses, rtol=1e-5)
-    assert state.params["blocks"][0]["mlp"]["w_in"]["kernel"].sharding.mesh.shape == mesh.shape
+    kernel = state.params["blocks"]["layers"][0]["mlp"]["w_in"]["kernel"][...]
+    assert kernel.sharding.mesh.shape == mesh.shape
 
 
 @pytest.mark.parametrize("strategy, axis_types", [("dp+fsdp", "explicit"), ("fsdp+tp", "auto")])
@@ -87,32 +101,34 @@ def test_the_sorted_sum_embedding_trains_like_one_device(strategy, axis_types):
     """``sorted_sum`` (a GPU's auto above 2,048 ids) sums the table gradient sorted on each
     device's tokens and then over the batch axes (``embedding.sorted_sum_lookup``): the same
     losses as one device."""
-    cfg = dataclasses.replace(CFG, embedding="sorted_sum")
+    cfg = config(embedding="sorted_sum")
     reference = losses_on(single_device_mesh(), cfg, steps=3)[0]
     mesh = make_mesh(mesh_shape(strategy, 8), axis_types)
     np.testing.assert_allclose(losses_on(mesh, cfg, steps=3)[0], reference, rtol=1e-5)
 
 
 def test_scanned_layers_and_grouped_query_heads_under_tp_with_explicit_axes():
-    cfg = dataclasses.replace(CFG, n_kv_heads=4, scan_layers=True)
+    cfg = config({"remat.scan_layers": True}, n_kv_heads=4)
     reference = losses_on(single_device_mesh(), cfg, steps=3)[0]
     mesh = make_mesh({"data": 2, "fsdp": 1, "tensor": 4}, "explicit")
     np.testing.assert_allclose(losses_on(mesh, cfg, steps=3)[0], reference, rtol=1e-5)
 
 
 def test_fsdp_stores_an_eighth_of_parameters_and_optimizer_state_per_device():
-    cfg = dataclasses.replace(CFG, d_model=128, n_heads=4, n_kv_heads=4)
+    cfg = config(d_model=128, n_heads=4, n_kv_heads=4)
     states = {}
     for strategy in ("dp", "fsdp"):
         mesh = make_mesh(mesh_shape(strategy, 8))
         with jax.set_mesh(mesh):
-            state, _ = init_sharded_state(cfg, OPTIMIZER, 0, None, mesh)
+            state, _ = init_sharded_state(techniques.variables(cfg), OPTIMIZER, 0, None, mesh)
         states[strategy] = bytes_per_device((state.params, state.opt_state))
     assert states["fsdp"] <= states["dp"] / 8 * 1.05, states
 
 
 def test_tp_over_four_devices_keeps_a_quarter_of_the_mlp_activations():
-    cfg = dataclasses.replace(CFG, d_model=128, n_heads=4, n_kv_heads=4, d_ff=1024)
+    from experiments.sharding import mlp_temp_bytes
+    cfg = gpt.preset("tiny", vocab_size=VOCAB, d_model=128, n_layers=2, n_heads=4, n_kv_heads=4,
+                     d_ff=1024, max_seq_len=32)      # the GPT's shape (gpt.GPTConfig)
     one = mlp_temp_bytes(single_device_mesh(), cfg, (8, 32))
     four = mlp_temp_bytes(make_mesh({"data": 1, "fsdp": 1, "tensor": 4}, devices=jax.devices()[:4]),
                           cfg, (8, 32))
@@ -130,19 +146,21 @@ def test_checkpoint_restores_across_meshes(tmp_path):
                            ({"data": 1, "fsdp": 1, "tensor": 1}, jax.devices()[:1])):
         mesh = make_mesh(shape, devices=devices)
         with jax.set_mesh(mesh):
-            target, shardings = init_sharded_state(CFG, OPTIMIZER, 1, None, mesh)
+            target, shardings = init_sharded_state(techniques.variables(config()), OPTIMIZER, 1,
+                                                   None, mesh)
         restored, _, step = checkpointer.restore(target, config={})
         assert step == 2
         jax.tree.map(np.testing.assert_array_equal, jax.device_get(restored), expected)
-        kernel = restored.params["blocks"][1]["attn"]["wq"]["kernel"]
-        assert kernel.sharding == shardings.params["blocks"][1]["attn"]["wq"]["kernel"]
+        kernel = restored.params["blocks"]["layers"][1]["attn"]["wq"]["kernel"][...]
+        assert kernel.sharding == \
+            shardings.params["blocks"]["layers"][1]["attn"]["wq"]["kernel"]
     checkpointer.close()
 
 
 def loop_config(corpus_path, run_dir, **overrides):
     """A small run's TrainConfig; ``overrides`` by field path, e.g. ``{"mesh.shape": ...}``."""
     return build(values={
-        "data.path": corpus_path, "model.d_model": 64, "model.n_layers": 2, "model.n_heads": 8,
+        "data.path": corpus_path, "gpt.d_model": 64, "gpt.n_layers": 2, "gpt.n_heads": 8,
         "model.max_seq_len": 32, "data.batch_size": 8, "run.steps": 4, "run.log_every": 1,
         "run.eval_every": 0, "run.checkpoint_every": 0, "run.eval_batches": 2,
         "run.progress": False, "run.run_dir": str(run_dir),
@@ -158,16 +176,16 @@ def train_losses(summary):
 def test_training_loop_resumes_on_another_mesh(corpus_path, tmp_path):
     """A run on a dp+fsdp mesh, and the same run split: its first half pipelined (fsdp+pp, 1F1B),
     its checkpoint resumed on one device without stages. The losses agree step by step."""
-    common = {"model.scan_layers": True, "optimizer.accumulate": 2, "data.batch_size": 16}
+    common = {"remat.scan_layers": True, "optimizer.accumulate": 2, "data.batch_size": 16}
     whole = train(loop_config(corpus_path, tmp_path / "whole", **common, **{
         "mesh.strategy": "dp+fsdp", "mesh.shape": "data=2,fsdp=4"}))
     assert whole.mesh == {"stage": 1, "data": 2, "fsdp": 4, "tensor": 1}
-    assert whole.compiles == 1 and whole.pipeline_schedule is None
+    assert whole.compiles == 1 and "pipeline" not in whole.techniques
     first = train(loop_config(corpus_path, tmp_path / "split", **common, **{
         "mesh.strategy": "fsdp+pp", "mesh.shape": "stage=2,fsdp=4",
         "mesh.pipeline_schedule": "1f1b"}), should_stop=lambda step: step == 2)
     assert first.interrupted == "requested" and first.mesh["stage"] == 2
-    assert first.pipeline_schedule == "1f1b" and first.pipeline_bubble == pytest.approx(1 / 3)
+    assert first.techniques["pipeline"] == {"schedule": "1f1b", "bubble": pytest.approx(1 / 3)}
     second = train(loop_config(corpus_path, tmp_path / "split", **common, **{
         "mesh.num_devices": 1, "run.resume": True}))
     assert second.steps == 4 and second.mesh["stage"] == 1
@@ -180,13 +198,13 @@ def test_fp8_and_nm_sparsity_train_on_fsdp_tp_like_one_device(corpus_path, tmp_p
     model runs split over fsdp x tensor (a contraction split on both sides needs its output
     sharding under explicit axes); amaxes and masks are global, so the losses agree with one
     device's up to float8 rounding of differently reduced sums."""
-    common = {"precision.policy": "fp8", "model.sparsity": "2:4", "model.sparsity_every": 2}
+    common = {"precision.policy": "fp8", "sparsity.pattern": "2:4", "sparsity.every": 2}
     one = train(loop_config(corpus_path, tmp_path / "one", **common, **{"mesh.num_devices": 1}))
     split = train(loop_config(corpus_path, tmp_path / "split", **common, **{
         "mesh.strategy": "fsdp+tp", "mesh.axis_types": "explicit"}))
-    assert split.mesh["tensor"] == 2 and split.fp8.startswith("emulated")
+    assert split.mesh["tensor"] == 2 and split.techniques["fp8"]["note"].startswith("emulated")
     np.testing.assert_allclose(train_losses(split), train_losses(one), rtol=2e-2)
-    assert split.sparsity_density == one.sparsity_density == 0.5
+    assert split.techniques["sparsity"]["density"] == one.techniques["sparsity"]["density"] == 0.5
 
 
 def test_token_dropping_and_importance_sampling_train_on_fsdp_like_one_device(corpus_path,
@@ -194,13 +212,13 @@ def test_token_dropping_and_importance_sampling_train_on_fsdp_like_one_device(co
     """The kept tokens are gathered and scattered within each batch row, so rows split over fsdp
     never exchange them; the per-id loss buffer and the rows' scores are global sums, so the
     draws and the losses agree with one device's."""
-    common = {"model.token_keep": 0.5, "model.token_drop_layers": "1:2",
-              "model.token_drop_score": "loss", "data.batching": "fixed",
+    common = {"token_drop.keep": 0.5, "token_drop.layers": "1:2",
+              "token_drop.score": "loss", "data.batching": "fixed",
               "data.sampling": "loss", "run.steps": 6}
     one = train(loop_config(corpus_path, tmp_path / "one", **common, **{"mesh.num_devices": 1}))
     split = train(loop_config(corpus_path, tmp_path / "split", **common, **{
         "mesh.strategy": "fsdp"}))
-    assert split.mesh["fsdp"] == 8 and split.sampling == "loss"
+    assert split.mesh["fsdp"] == 8 and split.techniques["sampling"] == "loss"
     np.testing.assert_allclose(train_losses(split), train_losses(one), rtol=1e-4)
     assert split.val_loss == pytest.approx(one.val_loss, rel=1e-4)
 
@@ -214,8 +232,8 @@ def test_loop_rejects_a_batch_the_data_axes_do_not_divide(corpus_path, tmp_path)
 def test_pallas_attention_runs_per_shard_under_fsdp_and_tp():
     """The Pallas kernel, which XLA cannot split, runs through shard_map on each device's rows
     and heads, and trains as the XLA attention does on one device."""
-    pallas = dataclasses.replace(CFG, attention="pallas", n_kv_heads=4)
-    reference = losses_on(single_device_mesh(), dataclasses.replace(pallas, attention="xla"),
+    pallas = config(attention="pallas", n_kv_heads=4)
+    reference = losses_on(single_device_mesh(), config(attention="xla", n_kv_heads=4),
                           steps=2)[0]
     mesh = make_mesh({"data": 1, "fsdp": 4, "tensor": 2}, "explicit")
     np.testing.assert_allclose(losses_on(mesh, pallas, steps=2)[0], reference, rtol=1e-5)

@@ -1,0 +1,94 @@
+"""One direction of imports: no circles in the library, the model knows no technique, techniques
+know no loop, experiments import the library and never each other (only their shared harness,
+``experiments.common``). Read from the source (module-level and function-level imports alike)."""
+
+import ast
+import os
+
+import pytest
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+# The technique modules: each a transformation of a model, a gradient function or the data.
+TECHNIQUES = ("lora", "fp8", "sparsity", "init", "remat", "stochastic_depth", "token_drop",
+              "stacking", "pipeline", "precision", "sampling", "grads", "optim", "surgery")
+
+
+def modules(package: str) -> dict[str, str]:
+    """Every module of ``package`` by dotted name -> its file."""
+    found = {}
+    for folder, _, files in os.walk(os.path.join(ROOT, package)):
+        for name in files:
+            if name.endswith(".py"):
+                path = os.path.join(folder, name)
+                dotted = os.path.relpath(path, ROOT)[:-3].replace(os.sep, ".")
+                found[dotted.removesuffix(".__init__")] = path
+    return found
+
+
+def imports(path: str, known: set[str]) -> set[str]:
+    """The modules of ``known`` that the file at ``path`` imports, anywhere in it."""
+    tree = ast.parse(open(path).read())
+    out = set()
+    for node in ast.walk(tree):
+        if isinstance(node, ast.Import):
+            names = [a.name for a in node.names]
+        elif isinstance(node, ast.ImportFrom) and node.module:
+            # ``from package import module`` imports the module (its package's __init__ runs
+            # first whatever the spelling: not an edge of its own)
+            subs = [f"{node.module}.{a.name}" for a in node.names]
+            names = [s for s in subs if s in known] or [node.module]
+        else:
+            continue
+        out |= {n for n in names if n in known}
+    own = os.path.relpath(path, ROOT)[:-3].replace(os.sep, ".").removesuffix(".__init__")
+    return {n for n in out if not own.startswith(n + ".")}     # a module's own packages
+
+
+GRAPH = {}
+for package in ("jaxaccel", "experiments"):
+    for name, path in modules(package).items():
+        GRAPH[name] = path
+EDGES = {name: imports(path, set(GRAPH)) - {name} for name, path in GRAPH.items()}
+
+
+def cycle_from(start: str) -> list[str] | None:
+    """A path from ``start`` back to itself, if there is one."""
+    stack, seen = [(start, [start])], set()
+    while stack:
+        node, path = stack.pop()
+        for nxt in EDGES.get(node, ()):
+            if nxt == start:
+                return path + [start]
+            if nxt not in seen:
+                seen.add(nxt)
+                stack.append((nxt, path + [nxt]))
+    return None
+
+
+def test_no_import_circles():
+    circles = {" -> ".join(c) for name in sorted(GRAPH) if (c := cycle_from(name))}
+    assert not circles, "\n".join(sorted(circles))
+
+
+def test_the_model_knows_no_technique():
+    allowed = {"jaxaccel.nn", "jaxaccel.attention", "jaxaccel.embedding", "jaxaccel.errors",
+               "jaxaccel.settings", "jaxaccel.sharding", "jaxaccel.tokenizer", "jaxaccel"}
+    assert EDGES["jaxaccel.gpt"] <= allowed, EDGES["jaxaccel.gpt"] - allowed
+    assert EDGES["jaxaccel.nn"] <= {"jaxaccel.errors", "jaxaccel"}
+
+
+@pytest.mark.parametrize("technique", TECHNIQUES)
+def test_techniques_know_no_loop_nor_config(technique):
+    name = f"jaxaccel.{technique}"
+    assert not {m for m in EDGES[name] if m.startswith(("jaxaccel.loop", "jaxaccel.config",
+                                                         "experiments"))}
+
+
+def test_experiments_import_the_library_never_each_other():
+    for name, edges in EDGES.items():
+        if name.startswith("experiments.") and name != "experiments.common":
+            others = {m for m in edges if m.startswith("experiments.")} - {"experiments.common",
+                                                                          "experiments"}
+            assert not others, f"{name} imports {others}"
+    assert not [m for m in EDGES if m.startswith("jaxaccel")
+                and any(e.startswith("experiments") for e in EDGES[m])]
