@@ -3,15 +3,14 @@
 A compiled program is stored on disk keyed by its HLO, the compile options and the device, so a
 repeated run, a resumed run and every row of ``experiments.speedup`` (a process each) compile a
 step once per machine and read it back afterwards. ``run.compilation_cache`` names the folder
-(``--compilation-cache DIR``) or turns it off (``off``); without it the folder is
-``$JAX_COMPILATION_CACHE_DIR`` when that is set, else ``xla/`` under the corpus cache folder
-(``data.cache_dir``, ``$JAXACCEL_CACHE_DIR``, ``~/.cache/jaxaccel``).
+(``--compilation-cache DIR``) or turns it off (``off``); by default it is
+``$JAX_COMPILATION_CACHE_DIR``, else ``xla/`` under the corpus cache folder (``data.cache_dir``,
+``$JAXACCEL_CACHE_DIR``, ``~/.cache/jaxaccel``).
 
 ``MIN_COMPILE_SECONDS`` is the smallest compile worth a disk entry: JAX's default (1 s) would
 leave out every step that compiles in under a second; 0.1 s keeps the many tiny programs of a
-run out of the cache and the steps in it
-(``$JAX_PERSISTENT_CACHE_MIN_COMPILE_TIME_SECS``, when set, is kept). A folder that cannot be written is one warning line and the run goes on uncached.
-"""
+run out of the cache and the steps in it (``$JAX_PERSISTENT_CACHE_MIN_COMPILE_TIME_SECS``, when
+set, wins). A folder that cannot be written is one warning line and the run goes on uncached."""
 
 import os
 

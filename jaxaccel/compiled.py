@@ -2,8 +2,7 @@
 
 In JAX every new input shape is a new XLA compilation. ``CompiledFn`` makes that visible: it
 lowers and compiles once per distinct set of argument shapes, counts the compilations and their
-seconds, and keeps each compiled executable for XLA's memory and cost analyses.
-"""
+seconds, and keeps each compiled executable for XLA's memory and cost analyses."""
 
 import time
 
@@ -51,8 +50,7 @@ class CompiledFn:
 
 
 def abstract(tree):
-    """``tree`` as ShapeDtypeStructs, to compile for its shapes (and shardings) without its
-    values."""
+    """``tree`` as ShapeDtypeStructs, to compile for its shapes and shardings without values."""
     return jax.tree.map(
         lambda x: jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=getattr(x, "sharding", None)),
         tree)
@@ -60,11 +58,9 @@ def abstract(tree):
 
 def memory_bytes(executable) -> dict:
     """XLA's compiled memory analysis as a dict of byte counts; empty if the backend has none.
-
     ``total`` is the device memory the step needs at once: inputs, outputs not aliased to
     (donated) inputs, and temporaries. ``host_*`` count pinned host memory (where offloading
-    remat policies put saved activations) and ``host_total`` adds them up the same way.
-    """
+    remat policies put saved activations) and ``host_total`` adds them up the same way."""
     analysis = executable.memory_analysis()
     if analysis is None:
         return {}
@@ -78,17 +74,13 @@ def memory_bytes(executable) -> dict:
 
 
 def flops(executable) -> float | None:
-    """FLOPs of one call from XLA's ``cost_analysis()``, None if the backend gives none.
-
-    XLA counts the body of a loop once, whatever its trip count: for a ``lax.scan`` over layers
-    this is the FLOPs outside the loop plus one layer's.
-    """
+    """FLOPs of one call from XLA's ``cost_analysis()``, None if the backend gives none. XLA
+    counts a loop's body once, whatever its trip count: for a ``lax.scan`` over layers this is
+    the FLOPs outside the loop plus one layer's."""
     analysis = executable.cost_analysis()
     if isinstance(analysis, (list, tuple)):   # one dict per device program in older versions
         analysis = analysis[0] if analysis else None
-    if not analysis or "flops" not in analysis:
-        return None
-    return float(analysis["flops"])
+    return float(analysis["flops"]) if analysis and "flops" in analysis else None
 
 
 def largest_memory_bytes(compiled_fn: CompiledFn) -> dict | None:

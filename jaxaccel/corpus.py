@@ -3,31 +3,27 @@
 A source is one of
 
 * ``"stdlib"``: the Python files of the running interpreter's standard library, one document
-  per top-level function or class and one for the rest of each module. It is on every machine,
-  so experiments run anywhere without a download.
+  per top-level function or class and one for the rest of each module: on every machine, so
+  experiments run anywhere without a download.
 * a directory: every regular file under it that is utf-8 text is one document.
 * a ``.jsonl`` file: one document per line, from the line's text field (``text_column``).
-* Parquet (a ``.parquet`` file, or a directory of them such as a Hugging Face data-files
-  dataset) or a Hugging Face dataset written by ``save_to_disk``: one document per row of the
-  text column (``jaxaccel.sources``). Nothing is downloaded.
+* Parquet files or a Hugging Face dataset written by ``save_to_disk``: one document per row of
+  the text column (``jaxaccel.sources``; nothing is downloaded).
 
 Documents are BOS + the tokenizer's ids + EOS (``jaxaccel.tokenizer``). A source is tokenized
 once, streaming: ``tokenize_batch_mb`` of text at a time is encoded (on every core, for subword
-tokenizers) and appended to a memory-mapped token file, uint16 when the vocabulary fits, else
-uint32, with each document's length, its bytes of text and its split key beside it. A
-``progress.json`` written after every batch makes an interrupted tokenization resume where it
-stopped. A corpus larger than memory is read back lazily: ``Documents`` are views into the
-mapped file, and batching plans from their lengths alone.
+tokenizers) and appended to a memory-mapped token file (uint16 when the vocabulary fits, else
+uint32) beside each document's length, bytes of text and split key; a ``progress.json`` written
+after every batch lets an interrupted tokenization resume. ``Documents`` are views into the
+mapped file and batching plans from their lengths alone, so a corpus may exceed memory.
 
-The split is a stable hash of each document's file (JSONL line, table row), so a file never
-contributes to both train and validation, and the split does not depend on the order of files.
-The cache entry is one folder per source and tokenizer, before the split (cheap to redo for any
-``val_percent``). Its key is the interpreter version for ``stdlib``, the resolved path plus the
-size and mtime of every file for a path source, and the tokenizer's fingerprint, so an edited
-corpus is re-read. The cache lives in ``cache_dir``, else ``$JAXACCEL_CACHE_DIR``, else
-``~/.cache/jaxaccel``. ``bpe:N`` tokenizers are trained on the training split and cached there
-too (``load_tokenizer``).
-"""
+The split is a stable hash of each document's file (JSONL line, table row): a file never
+contributes to both splits, whatever the order of files. The cache entry is one folder per
+source and tokenizer, before the split (cheap to redo for any ``val_percent``), keyed by the
+interpreter version for ``stdlib``, the resolved path plus every file's size and mtime for a
+path source, and the tokenizer's fingerprint, so an edited corpus is re-read. It lives in
+``cache_root(cache_dir)``; ``bpe:N`` tokenizers are trained on the training split and cached
+there too (``load_tokenizer``)."""
 
 import ast
 import contextlib
@@ -47,26 +43,23 @@ from typing import Callable
 
 import numpy as np
 
+from jaxaccel import sources
 from jaxaccel import tokenizer as tok_lib
 from jaxaccel.errors import ConfigError
+from jaxaccel.sources import Doc
 
 CACHE_FORMAT_VERSION = 2
 _DEFINITIONS = (ast.FunctionDef, ast.AsyncFunctionDef, ast.ClassDef)
 _STDLIB_SKIP_DIRS = frozenset({"site-packages", "__pycache__"})
 _SOURCES_HELP = ("pass 'stdlib', a directory of text files, a .jsonl file, Parquet files or a "
                  "Hugging Face dataset saved to disk")
-# The int64 per-document arrays of a cache entry, each in its own file.
-_DOC_ARRAYS = ("lengths", "text_bytes", "key_index")
+_DOC_ARRAYS = ("lengths", "text_bytes", "key_index")     # int64 per document, a file each
 _UNIGRAM_CHUNK = 1 << 24          # tokens counted at once by the unigram baseline
-
-# (split key, document bytes) pairs as a reader yields them; the key names the file or line.
-Doc = tuple[str, bytes]
 
 
 class Documents(Sequence):
     """Some documents of a tokenized corpus: document i is a read-only view of its tokens
-    (unsigned ints; the whole corpus is one buffer, in memory or memory-mapped). ``lengths``
-    (int64 [N]) are known without reading any token."""
+    (unsigned ints) in one buffer, in memory or memory-mapped; ``lengths`` is int64 [N]."""
 
     def __init__(self, tokens: np.ndarray, starts_N: np.ndarray, lengths_N: np.ndarray):
         self.tokens, self.starts, self.lengths = tokens, starts_N, lengths_N
@@ -86,15 +79,10 @@ class Documents(Sequence):
 
 @dataclasses.dataclass(frozen=True, eq=False)
 class Corpus:
-    """Tokenized documents of one source, split into train and validation.
-
-    Attributes:
-      name: the source as given to ``load_corpus``.
-      train, val: ``Documents``, BOS + ids + EOS of one document each.
-      stats: counts of files, documents, tokens and bytes of text, including everything skipped.
-      tokenizer: the tokenizer the documents were encoded with.
-      fingerprint: of the documents' names and lengths and the tokenizer: a resume checks it.
-    """
+    """Tokenized documents of one source (``name`` as given to ``load_corpus``), split into
+    ``train`` and ``val`` ``Documents`` (BOS + ids + EOS each) by ``tokenizer``. ``stats`` counts
+    files, documents, tokens and bytes of text, everything skipped included; ``fingerprint``, of
+    the documents' names and lengths and the tokenizer, is what a resume checks."""
 
     name: str
     train: Documents
@@ -108,16 +96,14 @@ class Corpus:
     @property
     def train_sources(self) -> tuple[str, ...]:
         """The file (JSONL line, table row) of each train document, in order."""
-        return self._sources("train")
+        keys = self._keys()
+        return tuple(keys[k] for k in self._key_index["train"])
 
     @property
     def val_sources(self) -> tuple[str, ...]:
-        """The file (JSONL line, table row) of each validation document, in order."""
-        return self._sources("val")
-
-    def _sources(self, split: str) -> tuple[str, ...]:
+        """The same for the validation documents."""
         keys = self._keys()
-        return tuple(keys[k] for k in self._key_index[split])
+        return tuple(keys[k] for k in self._key_index["val"])
 
     def bits_per_byte(self, nats_per_target: float, split: str = "val") -> float:
         """A mean loss in nats per target token of ``split`` as bits per byte of its text: the
@@ -126,21 +112,9 @@ class Corpus:
                                      self.stats[f"{split}_text_bytes"])
 
     def unigram_bits_per_token(self) -> float:
-        """Entropy in bits of the unigram distribution of the train split's target tokens.
-
-        Targets are every token but BOS. A model that has learned nothing beyond token
-        frequencies reaches this loss, so it is the baseline the training loss must beat.
-        """
-        counts_V = self._unigram_counts()
-        p_V = counts_V[counts_V > 0] / counts_V.sum()
-        return float(-(p_V * np.log2(p_V)).sum())
-
-    def unigram_bits_per_byte(self) -> float:
-        """The unigram baseline in bits per byte of the train split's text."""
-        return self.bits_per_byte(self.unigram_bits_per_token() * math.log(2), "train")
-
-    def _unigram_counts(self) -> np.ndarray:
-        """Counts of each id among the train targets, ``_UNIGRAM_CHUNK`` tokens at a time."""
+        """Entropy in bits of the unigram distribution of the train targets (every token but
+        BOS), counted ``_UNIGRAM_CHUNK`` tokens at a time: the loss of a model that learned
+        nothing beyond token frequencies, the baseline the training loss must beat."""
         counts_V = np.zeros(self.tokenizer.vocab_size, dtype=np.int64)
         pieces, size = [], 0
         for i, doc in enumerate(self.train):
@@ -149,26 +123,24 @@ class Corpus:
             if size >= _UNIGRAM_CHUNK or i == len(self.train) - 1:
                 counts_V += np.bincount(np.concatenate(pieces), minlength=len(counts_V))
                 pieces, size = [], 0
-        return counts_V
+        p_V = counts_V[counts_V > 0] / counts_V.sum()
+        return float(-(p_V * np.log2(p_V)).sum())
+
+    def unigram_bits_per_byte(self) -> float:
+        """The unigram baseline in bits per byte of the train split's text."""
+        return self.bits_per_byte(self.unigram_bits_per_token() * math.log(2), "train")
 
 
-def load_corpus(
-    source: str = "stdlib", *, tokenizer: str = "bytes", cache_dir: str | None = None,
-    val_percent: float = 2.0, text_column: str = "text", split: str | None = None,
-    tokenize_batch_mb: float = 16.0,
-) -> Corpus:
+def load_corpus(source: str = "stdlib", *, tokenizer: str = "bytes", cache_dir: str | None = None,
+                val_percent: float = 2.0, text_column: str = "text", split: str | None = None,
+                tokenize_batch_mb: float = 16.0) -> Corpus:
     """Loads, tokenizes (or reads from the cache) and splits the corpus named by ``source``.
 
-    Args:
-      source: ``"stdlib"``, a directory of text files, a ``.jsonl`` file, Parquet files or a
-        Hugging Face dataset saved to disk (see the module docstring).
-      tokenizer: ``bytes``, a tokenizer file or ``bpe:N`` (``jaxaccel.tokenizer``).
-      cache_dir: where tokenized corpora are cached (see the module docstring for the default).
-      val_percent: the percentage of files (JSONL lines, rows) that go to the validation split.
-      text_column: the field holding the text (JSONL, Parquet, datasets).
-      split: the split of a saved ``DatasetDict`` (default: train, or its only split).
-      tokenize_batch_mb: megabytes of text tokenized at once: the memory tokenizing takes.
-    """
+    Sources and the default ``cache_dir`` are in the module docstring. ``tokenizer``: ``bytes``,
+    a tokenizer file or ``bpe:N`` (``jaxaccel.tokenizer``). ``val_percent``: the percentage of
+    files (JSONL lines, rows) that go to validation. ``text_column``: the field holding the text
+    (JSONL, Parquet, datasets). ``split``: the split of a saved ``DatasetDict`` (default: train,
+    or its only split). ``tokenize_batch_mb``: text tokenized at once, the memory it takes."""
     if not 0 < val_percent < 100:
         raise ConfigError(f"val_percent must be in (0, 100), got {val_percent}; pass e.g. 2")
     if not tokenize_batch_mb > 0:
@@ -240,18 +212,13 @@ def load_tokenizer(spec: str, read: Callable[[dict], Iterator[Doc]], signature: 
 
 def _resolve_source(source: str, text_column: str, split: str | None
                     ) -> tuple[Callable[[dict], Iterator[Doc]], dict]:
-    """Returns the reader for ``source`` (it yields the documents and fills the stats it is
-    given) and the signature that keys its cache entry."""
+    """The reader for ``source`` (it yields the documents and fills the stats it is given) and
+    the signature that keys its cache entry."""
     if source == "stdlib":
         root = stdlib_root()
-        signature = {
-            "source": "stdlib",
-            "root": str(root),
-            "python": list(sys.version_info),
-            "cache_tag": sys.implementation.cache_tag,
-        }
+        signature = {"source": "stdlib", "root": str(root), "python": list(sys.version_info),
+                     "cache_tag": sys.implementation.cache_tag}
         return functools.partial(_read_stdlib, root), signature
-    from jaxaccel import sources
     path = Path(source).expanduser()
     if not path.exists():
         raise ConfigError(f"data path {source} does not exist; "
@@ -264,24 +231,15 @@ def _resolve_source(source: str, text_column: str, split: str | None
     if path.is_dir():
         skipped = {}
         rel_paths = _directory_files(path, skipped=skipped)
-        files = [[rel, *_size_and_mtime(path / rel)] for rel in rel_paths]
-        signature = {"source": "directory", "root": str(path), "files": files,
-                     "skipped": skipped}
+        files = [[rel, *sources.size_and_mtime(path / rel)] for rel in rel_paths]
+        signature = {"source": "directory", "root": str(path), "files": files, "skipped": skipped}
         return functools.partial(_read_directory, path, rel_paths, skipped), signature
     if path.is_file() and path.suffix == ".jsonl":
-        signature = {"source": "jsonl", "path": str(path), "file": _size_and_mtime(path),
+        signature = {"source": "jsonl", "path": str(path), "file": sources.size_and_mtime(path),
                      "column": text_column}
         return functools.partial(_read_jsonl, path, text_column), signature
-    raise ConfigError(
-        f"data path {source} is neither a directory, a .jsonl file nor a .parquet file; "
-        f"{_SOURCES_HELP}", field="data.path",
-    )
-
-
-def _size_and_mtime(path: Path) -> list[int]:
-    """The cheap signature of a file's content: an edit changes its size or its mtime."""
-    st = path.stat()
-    return [st.st_size, st.st_mtime_ns]
+    raise ConfigError(f"data path {source} is neither a directory, a .jsonl file nor a .parquet "
+                      f"file; {_SOURCES_HELP}", field="data.path")
 
 
 def stdlib_root() -> Path:
@@ -290,8 +248,7 @@ def stdlib_root() -> Path:
 
 
 def stdlib_files(root: Path) -> list[str]:
-    """The standard library's Python files, relative to ``root`` and sorted, outside
-    site-packages and __pycache__."""
+    """The stdlib's Python files outside site-packages and __pycache__, relative to root, sorted."""
     return [rel for rel in _directory_files(root, skip_dirs=_STDLIB_SKIP_DIRS)
             if rel.endswith(".py")]
 
@@ -311,11 +268,9 @@ def _read_stdlib(root: Path, stats: dict) -> Iterator[Doc]:
 
 
 def _module_documents(source: bytes) -> list[bytes] | None:
-    """The module's top-level lines outside definitions, then each definition with its decorators.
-
-    Works on the file's bytes, so every byte lands in exactly one document and non-utf-8
-    files keep their bytes. Returns None when the file is not valid Python for this interpreter.
-    """
+    """The module's top-level lines outside definitions, then each definition with its
+    decorators, cut from the file's bytes: every byte lands in exactly one document and non-utf-8
+    files keep their bytes. None when the file is not valid Python for this interpreter."""
     try:
         with warnings.catch_warnings():
             warnings.simplefilter("ignore")  # e.g. SyntaxWarning for invalid escapes in test data
@@ -351,11 +306,8 @@ def _directory_files(root: Path, skip_dirs: frozenset[str] = frozenset(),
         links = [d for d in dirnames if os.path.islink(os.path.join(dirpath, d))]
         skipped["symlinked_dirs_skipped"] += len(links)
         dirnames[:] = [d for d in dirnames if d not in skip_dirs and d not in links]
-        rel_paths += [
-            Path(dirpath, f).relative_to(root).as_posix()
-            for f in filenames
-            if Path(dirpath, f).is_file()
-        ]
+        rel_paths += [Path(dirpath, f).relative_to(root).as_posix() for f in filenames
+                      if Path(dirpath, f).is_file()]
     return sorted(rel_paths)
 
 
@@ -368,10 +320,8 @@ def _read_directory(root: Path, rel_paths: list[str], skipped: dict, stats: dict
         try:
             data = (root / rel).read_bytes()
         except OSError as e:
-            raise ConfigError(
-                f"cannot read {root / rel}: {e.strerror}; "
-                f"fix its permissions or move it out of {root}"
-            ) from e
+            raise ConfigError(f"cannot read {root / rel}: {e.strerror}; fix its permissions or "
+                              f"move it out of {root}") from e
         try:
             data.decode("utf-8")
         except UnicodeDecodeError:
@@ -392,9 +342,8 @@ def _read_jsonl(path: Path, column: str, stats: dict) -> Iterator[Doc]:
             try:
                 record = json.loads(line)
             except ValueError as e:
-                raise ConfigError(
-                    f"{path} line {lineno} is not valid JSON ({getattr(e, 'msg', e)}); {example}"
-                ) from e
+                raise ConfigError(f"{path} line {lineno} is not valid JSON "
+                                  f"({getattr(e, 'msg', e)}); {example}") from e
             text = record.get(column) if isinstance(record, dict) else None
             if not isinstance(text, str):
                 raise ConfigError(f'{path} line {lineno} has no string "{column}" field; '
@@ -405,23 +354,16 @@ def _read_jsonl(path: Path, column: str, stats: dict) -> Iterator[Doc]:
 def _read_table(path: Path, kind: str, column: str, split: str | None, stats: dict
                 ) -> Iterator[Doc]:
     """One document per row of a Parquet or saved Hugging Face dataset (``jaxaccel.sources``)."""
-    from jaxaccel import sources
     table_stats = {}
     docs = sources.documents(path, kind, column, table_stats, split)
-    stats.update(_reader_stats(0))
+    stats.update(_reader_stats(table_stats["files"]))
     yield from docs
-    stats["files"] = table_stats.get("files", 0)
 
 
-def _reader_stats(files: int, *, unparsable: int = 0, undecodable: int = 0) -> dict:
+def _reader_stats(files: int) -> dict:
     """The counters every reader reports, so that stats have the same keys for every source."""
-    return {
-        "files": files,
-        "unparsable_files": unparsable,
-        "undecodable_files_skipped": undecodable,
-        "unreadable_dirs_skipped": 0,
-        "symlinked_dirs_skipped": 0,
-    }
+    return {"files": files, "unparsable_files": 0, "undecodable_files_skipped": 0,
+            "unreadable_dirs_skipped": 0, "symlinked_dirs_skipped": 0}
 
 
 SKIP_REASONS = {"undecodable_files_skipped": "files not UTF-8 text",
@@ -446,15 +388,17 @@ def _token_dtype(tok) -> np.dtype:
 def _tokenize(read: Callable[[dict], Iterator[Doc]], tok, entry: Path, signature: dict,
               batch_bytes: int) -> None:
     """Streams the source through the tokenizer into ``entry``, ``batch_bytes`` of text at a
-    time, appending to its files and recording after each batch how far it got, so that a run
-    stopped midway resumes from the last recorded batch."""
+    time, resuming after the last batch its ``progress.json`` records."""
     progress = _read_progress(entry, signature)
     if progress is None or progress["done"] or not _holds(entry, progress):
         progress = {"signature": signature, "dtype": _token_dtype(tok).name, "raw_docs": 0,
                     "docs": 0, "tokens": 0, "keys": 0, "keys_bytes": 0, "empty": 0,
                     "last_key": None, "done": False}
     dtype = np.dtype(progress["dtype"])
-    _truncate(entry, progress)
+    # Cut every file back to the recorded progress: what a stopped run wrote after it is redone.
+    for name, size in _recorded_sizes(progress).items():
+        with open(entry / name, "ab") as f:
+            f.truncate(size)
     files = {name: open(entry / f"{name}.bin", "ab") for name in ("tokens", *_DOC_ARRAYS)}
     files["keys"] = open(entry / "keys.jsonl", "ab")
     stats = {}
@@ -502,7 +446,9 @@ def _append(batch: list[Doc], tok, dtype, files: dict, progress: dict, entry: Pa
         f.flush()
     if stats is not None:
         progress.update(done=True, stats={**stats, "empty_documents_skipped": progress["empty"]})
-    _write_json_atomic(entry / "progress.json", progress)
+    tmp = entry / f"progress.json.{os.getpid()}.tmp"
+    tmp.write_text(json.dumps(progress))
+    os.replace(tmp, entry / "progress.json")
 
 
 def _read_progress(entry: Path, signature: dict) -> dict | None:
@@ -529,14 +475,6 @@ def _holds(entry: Path, progress: dict) -> bool:
                    for name, size in _recorded_sizes(progress).items())
     except OSError:
         return False
-
-
-def _truncate(entry: Path, progress: dict) -> None:
-    """Cuts every file back to the recorded progress: what a stopped run wrote after its last
-    recorded batch is tokenized again."""
-    for name, size in _recorded_sizes(progress).items():
-        with open(entry / name, "ab") as f:
-            f.truncate(size)
 
 
 def _open_cache(entry: Path, signature: dict) -> dict | None:
@@ -575,12 +513,10 @@ def _open_cache(entry: Path, signature: dict) -> dict | None:
 def _key_hashes(entry: Path, keys: Callable[[], list[str]], count: int) -> np.ndarray:
     """Each split key's hash (``_key_hash``), computed once and kept in the entry."""
     path = entry / "key_hash.npy"
-    try:
+    with contextlib.suppress(OSError, ValueError):
         hashes = np.load(path)
         if hashes.shape == (count,):
             return hashes
-    except (OSError, ValueError):
-        pass
     hashes = np.array([_key_hash(key) for key in keys()], dtype=np.uint64)
     tmp = path.with_name(f"key_hash.{os.getpid()}.tmp.npy")
     try:
@@ -597,12 +533,9 @@ def _split(name: str, tok, cached: dict, val_percent: float) -> Corpus:
     lengths = cached["lengths"]
     if len(lengths) == 0:
         left_out = ", ".join(f"{n} {r}" for r, n in skipped_inputs(stats).items())
-        raise ConfigError(
-            f"corpus {name} has no non-empty documents"
-            + (f" (skipped: {left_out})" if left_out else "")
-            + f"; {_SOURCES_HELP} with some text in it",
-            field="data.path",
-        )
+        raise ConfigError(f"corpus {name} has no non-empty documents"
+                          + (f" (skipped: {left_out})" if left_out else "")
+                          + f"; {_SOURCES_HELP} with some text in it", field="data.path")
     starts = np.cumsum(lengths) - lengths
     is_val_N = _is_val(cached["key_hash"], val_percent)[cached["key_index"]]
     splits, key_index = {}, {}
@@ -611,8 +544,7 @@ def _split(name: str, tok, cached: dict, val_percent: float) -> Corpus:
             raise ConfigError(
                 f"corpus {name} has no {split} documents ({val_percent:g}% of its files, "
                 f"JSONL lines or rows go to validation): pass a corpus with more of them",
-                field="data.path"
-            )
+                field="data.path")
         splits[split] = Documents(cached["tokens"], starts[ids], lengths[ids])
         key_index[split] = cached["key_index"][ids]
         stats[f"{split}_documents"] = len(ids)
@@ -645,9 +577,3 @@ def cache_root(cache_dir: str | None) -> Path:
 def _digest(signature: dict) -> str:
     """A short stable name for a cache entry."""
     return hashlib.sha1(json.dumps(signature, sort_keys=True).encode()).hexdigest()[:20]
-
-
-def _write_json_atomic(path: Path, value: dict) -> None:
-    tmp = path.with_name(f"{path.name}.{os.getpid()}.tmp")
-    tmp.write_text(json.dumps(value))
-    os.replace(tmp, path)

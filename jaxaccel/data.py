@@ -12,12 +12,10 @@ of an epoch into batches, each with its own shape [B, T] (an ``EpochPlan``):
 * ``pack``: pieces of documents packed side by side into rows of seq_len (best-fit decreasing),
   one shape and almost no padding; segment_ids and positions keep the documents apart.
 
-Under jit every new batch shape is a new compile, so every shape a stream can ever yield is
-known before the first batch (``DataStream.shapes``). Planning looks only at document lengths,
-so an epoch is planned in full up front and any batch of it can be made without making the ones
-before it. With several processes each one makes only its own slice of rows of every global
-batch. Documents with no pairs (fewer than 2 tokens) are skipped and counted.
-"""
+Under jit every new batch shape is a new compile, so every shape a stream can yield is known
+before the first batch (``DataStream.shapes``). Planning looks only at document lengths, so an
+epoch is planned up front and any batch made without the ones before it; each process makes
+only its slice of every global batch. Documents of < 2 tokens (no pairs) are skipped and counted."""
 
 import bisect
 import math
@@ -40,18 +38,15 @@ OPTIONS = {"pad_multiple": 64, "num_buckets": 8, "pack_window": 2048, "data_para
 
 Batch = dict[str, np.ndarray]
 
-# The config field that sets each checked setting, for error messages (data_parallel comes from
-# the mesh).
+# The config field of each checked setting, for errors (data_parallel comes from the mesh).
 _FIELDS = {"seq_len": "data.seq_len", "pad_multiple": "data.pad_multiple",
            "num_buckets": "data.buckets", "pack_window": "data.pack_window"}
 
 
 class RowPlan(NamedTuple):
-    """The W rows of an epoch, each a run of Q pieces of documents ("segments") side by side.
-
-    Segment q is pairs ``start_Q[q]`` .. ``start_Q[q] + length_Q[q] - 1`` of document
-    ``doc_Q[q]``; row w holds segments ``row_offsets[w]`` .. ``row_offsets[w + 1] - 1``.
-    """
+    """The W rows of an epoch, each a run of Q pieces of documents ("segments") side by side:
+    segment q is pairs ``start_Q[q]`` .. ``start_Q[q] + length_Q[q] - 1`` of document
+    ``doc_Q[q]``; row w holds segments ``row_offsets[w]`` .. ``row_offsets[w + 1] - 1``."""
 
     doc_Q: np.ndarray  # int64
     start_Q: np.ndarray  # int64
@@ -70,11 +65,9 @@ class RowPlan(NamedTuple):
 
 
 class EpochPlan(NamedTuple):
-    """The Z global batches of an epoch, in the order they are yielded.
-
-    Batch z holds rows ``order_W[batch_offsets[z] : batch_offsets[z + 1]]`` of ``rows`` in an
-    array of shape [batch_size_Z[z], length_Z[z]]; the rows after those are all zero.
-    """
+    """The Z global batches of an epoch, in the order they are yielded: batch z holds rows
+    ``order_W[batch_offsets[z] : batch_offsets[z + 1]]`` of ``rows`` in an array of shape
+    [batch_size_Z[z], length_Z[z]]; the rows after those are all zero."""
 
     rows: RowPlan
     order_W: np.ndarray  # int64, the rows in the order the batches yield them
@@ -101,10 +94,7 @@ class Sizes(NamedTuple):
 
 
 def fixed_rows(pairs_N: np.ndarray, seq_len: int) -> RowPlan:
-    """One document per row, cut into chunks of at most seq_len pairs, each chunk its own row.
-
-    Long documents are split, never truncated; every pair appears in exactly one row.
-    """
+    """One row per chunk of at most seq_len pairs of each document (split, never truncated)."""
     chunks_N = -(-pairs_N // seq_len)
     doc_Q = np.repeat(np.arange(len(pairs_N)), chunks_N)
     first_chunk_N = np.cumsum(chunks_N) - chunks_N
@@ -116,14 +106,11 @@ def fixed_rows(pairs_N: np.ndarray, seq_len: int) -> RowPlan:
 def bucket_lengths(row_len_W: np.ndarray, num_buckets: int, pad_multiple: int,
                    seq_len: int) -> np.ndarray:
     """At most num_buckets row lengths that minimise padding when each row is padded to the
-    smallest of them that holds it.
-
-    Candidates are the multiples of pad_multiple and seq_len itself. Only candidates that some
-    row rounds up to can be optimal (moving a bucket down to the largest such one below it
-    only cuts padding), so the dynamic programme runs over those: after k rounds ``slots_C[j]``
-    is the fewest positions that at most k buckets, the largest being candidate j, give all rows
-    up to candidate j. Time O(num_buckets * C^2) and memory O(C) for C used candidates.
-    """
+    smallest of them that holds it. Candidates are the multiples of pad_multiple and seq_len;
+    only those some row rounds up to can be optimal (moving a bucket down to the largest such
+    one below it only cuts padding), so the dynamic programme runs over those: after k rounds
+    ``slots_C[j]`` is the fewest positions that at most k buckets, the largest being candidate
+    j, give all rows up to candidate j. Time O(num_buckets * C^2), memory O(C) for C of those."""
     rounded_W = np.minimum(-(-row_len_W // pad_multiple) * pad_multiple, seq_len)
     length_C, count_C = np.unique(rounded_W, return_counts=True)
     rows_up_to_C = np.cumsum(count_C)
@@ -148,12 +135,10 @@ def bucket_lengths(row_len_W: np.ndarray, num_buckets: int, pad_multiple: int,
 
 def best_fit_decreasing(length_P: np.ndarray, capacity: int) -> np.ndarray:
     """Row of each piece when pieces go, longest first, into the open row with the least room
-    that still fits them (else a new row): rows numbered in the order they are opened.
-
-    Best-fit decreasing needs at most 11/9 of the optimal rows and, with many short pieces to
-    fill the gaps, nearly always the optimum. Rows are kept in a list sorted by room, so each
-    piece costs one binary search, not a scan of the rows.
-    """
+    that still fits them (else a new row), rows numbered in the order they are opened. Best-fit
+    decreasing needs at most 11/9 of the optimal rows and, with many short pieces to fill the
+    gaps, nearly always the optimum. Open rows are kept sorted by room: one binary search, not a
+    scan of the rows, per piece."""
     order_P = np.argsort(-length_P, kind="stable")
     row_P = np.empty(len(length_P), dtype=np.int64)
     open_rows = []  # (room left, row), sorted; rows with no room left are dropped
@@ -200,17 +185,11 @@ class Fixed:
 
 
 class Dynamic(Fixed):
-    """The rows of fixed; each batch padded to its longest row rounded up to pad_multiple.
-
-    At most ceil(seq_len / pad_multiple) shapes, and fewer padded positions than fixed.
-    """
+    """``dynamic`` (module docstring): at most ceil(seq_len / pad_multiple) shapes."""
 
     def shapes(self) -> list[tuple[int, int]]:
-        """Rounded lengths from the shortest a batch's longest row can be to the longest row.
-
-        The batch with the fewest rows has k of them, so its longest row is at least the k-th
-        shortest row of the epoch, whatever the order.
-        """
+        """Rounded lengths from the shortest a batch's longest row can be (the batch with the
+        fewest rows, k, has one at least the k-th shortest of the epoch) to the longest row."""
         sizes, num_rows = self.sizes, self.rows.num_rows
         fewest_rows = num_rows - (-(-num_rows // sizes.batch_size) - 1) * sizes.batch_size
         row_len_W = np.sort(self.rows.row_lengths())
@@ -228,12 +207,9 @@ class Dynamic(Fixed):
 
 
 class Bucket(Fixed):
-    """The rows of fixed, padded to the smallest of num_buckets lengths that holds them.
-
-    Each batch holds rows of one bucket u, in an array of shape [B_u, T_u]. With a token budget,
-    B_u is tokens_per_batch // T_u rounded down to the batch multiple, so every batch holds about
-    tokens_per_batch tokens.
-    """
+    """``bucket``: rows padded to the smallest bucket length that holds them, each batch rows of
+    one bucket u in an array [B_u, T_u]. With a token budget B_u is tokens_per_batch // T_u
+    rounded down to the batch multiple, so every batch holds about tokens_per_batch tokens."""
 
     def __init__(self, pairs_N: np.ndarray, sizes: Sizes):
         super().__init__(pairs_N, sizes)
@@ -250,8 +226,7 @@ class Bucket(Fixed):
                 f"tokens_per_batch={tokens} is smaller than the longest bucket row ({longest} "
                 f"tokens) times the batch multiple {multiple} (data_parallel and process_count); "
                 f"raise tokens_per_batch to at least {longest * multiple}",
-                field="data.tokens_per_batch",
-            )
+                field="data.tokens_per_batch")
         self.batch_size_U = tokens // self.length_U // multiple * multiple
 
     def shapes(self) -> list[tuple[int, int]]:
@@ -259,11 +234,8 @@ class Bucket(Fixed):
         return sorted(zip(self.batch_size_U.tolist(), self.length_U.tolist()))
 
     def plan(self, rng: np.random.Generator | None) -> EpochPlan:
-        """Rows shuffled within their bucket, cut into batches, batches of all buckets shuffled.
-
-        Without rng, rows keep document order in a bucket and batches are ordered by their
-        first row, which is close to document order.
-        """
+        """Rows shuffled within their bucket, cut into batches, batches of all buckets shuffled;
+        without rng, rows keep document order and batches go by their first row."""
         by_bucket_W = _permutation(self.rows.num_rows, rng)
         by_bucket_W = by_bucket_W[np.argsort(self.bucket_W[by_bucket_W], kind="stable")]
         rows_U = np.bincount(self.bucket_W, minlength=len(self.length_U))
@@ -290,12 +262,9 @@ class Bucket(Fixed):
 
 
 class Pack(Fixed):
-    """Pieces of documents packed into rows of seq_len pairs: one shape, almost no padding.
-
-    A document longer than seq_len gives full chunks of seq_len pairs, each a row by itself,
-    and a remainder piece. Each epoch shuffles the pool of pieces (the remainders and the short
-    documents) and packs each window of pack_window pieces by best-fit decreasing.
-    """
+    """``pack``: a document longer than seq_len gives full rows of seq_len pairs and a remainder
+    piece; each epoch shuffles the pool of pieces (the remainders and the short documents) and
+    packs each window of pack_window pieces by best-fit decreasing."""
 
     def __init__(self, pairs_N: np.ndarray, sizes: Sizes):
         self.sizes = sizes
@@ -317,14 +286,12 @@ class Pack(Fixed):
             num_packed = int(row_P[window].max()) + 1
         # Segments grouped by row, longest first in a row (the order best-fit placed them).
         piece_Q = pool_P[np.lexsort((-self.length_P[pool_P], row_P))]
-        num_full = self.full_rows.num_rows
         packed_ends_W = np.cumsum(np.bincount(row_P, minlength=num_packed))
         rows = RowPlan(
             np.concatenate([self.full_rows.doc_Q, self.doc_P[piece_Q]]),
             np.concatenate([self.full_rows.start_Q, self.start_P[piece_Q]]),
             np.concatenate([self.full_rows.length_Q, self.length_P[piece_Q]]),
-            np.concatenate([self.full_rows.row_offsets, num_full + packed_ends_W]),
-        )
+            np.concatenate([self.full_rows.row_offsets, self.full_rows.num_rows + packed_ends_W]))
         if rng is None:
             first_doc_W = np.minimum.reduceat(rows.doc_Q, rows.row_offsets[:-1])
             order_W = np.argsort(first_doc_W, kind="stable")
@@ -333,23 +300,15 @@ class Pack(Fixed):
         return cut_batches(rows, order_W, self.sizes.batch_size, self.sizes.seq_len)
 
 
-STRATEGIES: dict[str, type[Fixed]] = {
-    "fixed": Fixed, "dynamic": Dynamic, "bucket": Bucket, "pack": Pack,
-}
+STRATEGIES: dict[str, type[Fixed]] = {"fixed": Fixed, "dynamic": Dynamic, "bucket": Bucket,
+                                       "pack": Pack}
 
 
-def make_batch(
-    documents: Sequence[np.ndarray],
-    plan: RowPlan,
-    rows_B: np.ndarray,
-    batch_size: int,
-    seq_len: int,
-) -> Batch:
-    """The Batch holding ``rows_B`` of ``plan``, topped up with all-zero rows to batch_size.
-
-    A row's segments lie side by side from column 0. The only Python loop is one slice per
-    segment; every per-token step is a numpy gather or scatter over the batch's A real pairs.
-    """
+def make_batch(documents: Sequence[np.ndarray], plan: RowPlan, rows_B: np.ndarray,
+               batch_size: int, seq_len: int) -> Batch:
+    """The Batch holding ``rows_B`` of ``plan``, topped up with all-zero rows to batch_size; a
+    row's segments lie side by side from column 0. The only Python loop is one slice per
+    segment; every per-token step is a numpy gather or scatter over the batch's A real pairs."""
     # The batch's Q segments, row by row; row b holds segments first_B[b] ..
     first_in_plan_B = plan.row_offsets[rows_B]
     segments_B = plan.row_offsets[rows_B + 1] - first_in_plan_B
@@ -360,10 +319,8 @@ def make_batch(
     segment_id_Q = np.arange(len(in_plan_Q)) - np.repeat(first_B, segments_B) + 1
     # Segment q contributes its n + 1 tokens, so the input of its pair a (counting the pairs
     # of all segments in order) is token a + q, and the target the one after.
-    tokens = np.concatenate(
-        [documents[d][s : s + n + 1] for d, s, n in zip(doc_Q.tolist(), start_Q.tolist(),
-                                                       length_Q.tolist())] or [np.zeros(0)]
-    )
+    tokens = np.concatenate([documents[d][s : s + n + 1] for d, s, n in zip(
+        doc_Q.tolist(), start_Q.tolist(), length_Q.tolist())] or [np.zeros(0)])
     pairs_before = np.concatenate([[0], np.cumsum(length_Q)])  # [Q + 1]
     row_begin_B = pairs_before[first_B]
     row_len_B = pairs_before[first_B + segments_B] - row_begin_B
@@ -388,78 +345,43 @@ def make_batch(
     }
 
 
-def batches(
-    documents: Sequence[np.ndarray],
-    *,
-    strategy: str = "fixed",
-    seq_len: int,
-    batch_size: int | None = None,
-    tokens_per_batch: int | None = None,
-    seed: int = 0,
-    epoch: int = 0,
-    shuffle: bool = True,
-    start: int = 0,
-    process_index: int = 0,
-    process_count: int = 1,
-    **options,
-) -> Iterator[Batch]:
-    """One epoch of Batches, from batch index ``start`` on; this process's rows of each.
-
-    The batches before ``start`` are skipped without being made. A last partial batch (of the
-    epoch, or of a bucket) is filled up with all-zero rows (weights 0) to keep its shape. Every
-    shape is one of ``DataStream.shapes``. Settings are checked at the call, not at the first
-    ``next``. ``options``: pad_multiple, num_buckets, pack_window, data_parallel (see OPTIONS).
-    """
+def batches(documents: Sequence[np.ndarray], *, strategy: str = "fixed", seq_len: int,
+            batch_size: int | None = None, tokens_per_batch: int | None = None, seed: int = 0,
+            epoch: int = 0, shuffle: bool = True, start: int = 0, process_index: int = 0,
+            process_count: int = 1, **options) -> Iterator[Batch]:
+    """One epoch of Batches, from batch index ``start`` on (the ones before are skipped without
+    being made); this process's rows of each. A last partial batch (of the epoch, or of a
+    bucket) is filled up with all-zero rows (weights 0) to keep its shape; every shape is one of
+    ``DataStream.shapes``. Settings are checked at the call, not at the first ``next``.
+    ``options``: pad_multiple, num_buckets, pack_window, data_parallel (see OPTIONS)."""
     if start < 0:
         raise ConfigError(f"start must be >= 0, got {start}; pass the index of the first batch")
-    batcher, _ = _make_strategy(
-        documents, strategy=strategy, seq_len=seq_len, batch_size=batch_size,
-        tokens_per_batch=tokens_per_batch, seed=seed, process_index=process_index,
-        process_count=process_count, options=options,
-    )
+    batcher, _ = _make_strategy(documents, strategy, seq_len, batch_size, tokens_per_batch, seed,
+                                process_index, process_count, options)
     plan = batcher.plan(_epoch_rng(seed, epoch, shuffle))
-    return (
-        _local_batch(documents, plan, i, process_index, process_count)
-        for i in range(start, plan.num_batches)
-    )
+    return (_local_batch(documents, plan, i, process_index, process_count)
+            for i in range(start, plan.num_batches))
 
 
 class DataStream:
     """Endless training Batches over epochs 0, 1, 2, ..., each in its own shuffled order.
-
     ``position`` ({"epoch": e, "batch": i}, JSON-serialisable) names the next batch to be
     yielded; a stream built with ``position=`` that value yields exactly the batches the
     original stream would have yielded next, which makes checkpoint/resume bitwise exact.
-    Settings are those of ``batches``. Only the current epoch's plan is kept.
-    """
+    Settings are those of ``batches``. Only the current epoch's plan is kept."""
 
-    def __init__(
-        self,
-        documents: Sequence[np.ndarray],
-        *,
-        strategy: str = "fixed",
-        seq_len: int,
-        batch_size: int | None = None,
-        tokens_per_batch: int | None = None,
-        seed: int = 0,
-        shuffle: bool = True,
-        position: dict | None = None,
-        process_index: int = 0,
-        process_count: int = 1,
-        **options,
-    ):
+    def __init__(self, documents: Sequence[np.ndarray], *, strategy: str = "fixed", seq_len: int,
+                 batch_size: int | None = None, tokens_per_batch: int | None = None,
+                 seed: int = 0, shuffle: bool = True, position: dict | None = None,
+                 process_index: int = 0, process_count: int = 1, **options):
         self._batcher, self._empty_documents = _make_strategy(
-            documents, strategy=strategy, seq_len=seq_len, batch_size=batch_size,
-            tokens_per_batch=tokens_per_batch, seed=seed, process_index=process_index,
-            process_count=process_count, options=options,
-        )
-        self._documents = documents
-        self._seed, self._shuffle = seed, shuffle
+            documents, strategy, seq_len, batch_size, tokens_per_batch, seed, process_index,
+            process_count, options)
+        self._documents, self._seed, self._shuffle = documents, seed, shuffle
         self._process_index, self._process_count = process_index, process_count
         self._cached_plan = (None, None)  # (epoch, its EpochPlan), set in one assignment
-        self._epoch, self._batch = self._parse_position(
-            {"epoch": 0, "batch": 0} if position is None else position
-        )
+        position = {"epoch": 0, "batch": 0} if position is None else position
+        self._epoch, self._batch = self._parse_position(position)
 
     @property
     def position(self) -> dict:
@@ -483,10 +405,8 @@ class DataStream:
 
     @property
     def stats(self) -> dict:
-        """How the current epoch uses its global batches (all processes together).
-
-        padding_efficiency is real pairs / positions computed, filled tail rows included.
-        """
+        """How the current epoch uses its global batches (all processes together);
+        padding_efficiency is real pairs / positions computed, filled tail rows included."""
         plan = self._epoch_plan(self._epoch)
         real_tokens = int(plan.rows.length_Q.sum())
         return {
@@ -526,17 +446,14 @@ class DataStream:
         if not (valid and batch < num_batches):
             raise ConfigError(
                 f"data position {position} does not fit an epoch of {num_batches} batches; "
-                "resume with the data and batching settings the position was saved with"
-            )
+                "resume with the data and batching settings the position was saved with")
         return epoch, batch
 
 
 def batch_stats(batch: Batch) -> dict[str, int]:
     """Host-side token counts of a Batch: real (weighted) targets and padding positions."""
-    return {
-        "real_tokens": int(batch["weights"].sum(dtype=np.float64)),
-        "padded_tokens": int(np.count_nonzero(batch["segment_ids"] == 0)),
-    }
+    return {"real_tokens": int(batch["weights"].sum(dtype=np.float64)),
+            "padded_tokens": int(np.count_nonzero(batch["segment_ids"] == 0))}
 
 
 def document_lengths(documents: Sequence[np.ndarray]) -> np.ndarray:
@@ -548,87 +465,67 @@ def document_lengths(documents: Sequence[np.ndarray]) -> np.ndarray:
     return np.array([len(doc) for doc in documents], dtype=np.int64)
 
 
-def _make_strategy(
-    documents: Sequence[np.ndarray], *, strategy: str, seq_len: int, batch_size: int | None,
-    tokens_per_batch: int | None, seed: int, process_index: int, process_count: int,
-    options: dict,
-) -> tuple[Fixed, int]:
+def _make_strategy(documents: Sequence[np.ndarray], strategy: str, seq_len: int,
+                   batch_size: int | None, tokens_per_batch: int | None, seed: int,
+                   process_index: int, process_count: int, options: dict) -> tuple[Fixed, int]:
     """The checked strategy over the documents' pair counts, and the count of empty documents."""
     if strategy not in STRATEGIES:
-        raise ConfigError(
-            f"unknown batching strategy {strategy!r}; choose one of: {', '.join(STRATEGIES)}",
-            field="data.batching",
-        )
+        raise ConfigError(f"unknown batching strategy {strategy!r}; choose one of: "
+                          f"{', '.join(STRATEGIES)}", field="data.batching")
     if seed < 0:
         raise ConfigError(f"seed must be >= 0, got {seed}; pass a non-negative seed",
                           field="run.seed")
     if not 0 <= process_index < process_count:
         raise ConfigError(
             f"process_index={process_index} is not in [0, process_count={process_count}); "
-            "pass the index of this process among process_count >= 1 processes"
-        )
+            "pass the index of this process among process_count >= 1 processes")
     sizes = _check_sizes(strategy, seq_len, batch_size, tokens_per_batch, process_count, options)
     if len(documents) == 0:
         raise ConfigError("no documents to batch; pass a corpus with at least one document",
                           field="data.path")
     pairs_N = np.maximum(document_lengths(documents) - 1, 0)
     if pairs_N.sum() == 0:
-        raise ConfigError(
-            f"the {len(documents)} documents have no (input, target) pairs; pass a corpus with "
-            "a document of >= 2 tokens", field="data.path"
-        )
+        raise ConfigError(f"the {len(documents)} documents have no (input, target) pairs; pass a "
+                          "corpus with a document of >= 2 tokens", field="data.path")
     return STRATEGIES[strategy](pairs_N, sizes), int(np.count_nonzero(pairs_N == 0))
 
 
 def _check_sizes(strategy: str, seq_len: int, batch_size: int | None,
                  tokens_per_batch: int | None, process_count: int, options: dict) -> Sizes:
-    """Rejects settings that cannot make batches, naming the setting (and config field) to
-    change."""
+    """Rejects settings that cannot make batches, naming the setting (and field) to change."""
     unknown = sorted(set(options) - set(OPTIONS))
     if unknown:
-        raise ConfigError(
-            f"unknown batching option {unknown[0]!r}; choose from: {', '.join(OPTIONS)}"
-        )
+        raise ConfigError(f"unknown batching option {unknown[0]!r}; choose from: "
+                          f"{', '.join(OPTIONS)}")
     values = OPTIONS | options
     for name, value in [("seq_len", seq_len), *values.items()]:
         if not (isinstance(value, int) and value >= 1):
-            raise ConfigError(
-                f"{name} must be >= 1, got {value!r}; pass an integer {name} >= 1",
-                field=_FIELDS.get(name),
-            )
+            raise ConfigError(f"{name} must be >= 1, got {value!r}; pass an integer {name} >= 1",
+                              field=_FIELDS.get(name))
     if strategy == "bucket" and values["num_buckets"] > seq_len:
         # each bucket is a row length: more than seq_len of them only costs planning time
-        raise ConfigError(
-            f"num_buckets={values['num_buckets']} exceeds seq_len={seq_len}; pass at most "
-            f"seq_len buckets", field=_FIELDS["num_buckets"],
-        )
+        raise ConfigError(f"num_buckets={values['num_buckets']} exceeds seq_len={seq_len}; pass "
+                          f"at most seq_len buckets", field=_FIELDS["num_buckets"])
     if (batch_size is None) == (tokens_per_batch is None):
         given = "neither" if batch_size is None else "both"
-        raise ConfigError(
-            f"pass exactly one of batch_size and tokens_per_batch, got {given}",
-            field="data.batch_size",
-        )
+        raise ConfigError(f"pass exactly one of batch_size and tokens_per_batch, got {given}",
+                          field="data.batch_size")
     data_parallel = values["data_parallel"]
     multiple = math.lcm(data_parallel, process_count)
     if tokens_per_batch is not None:
         if strategy == "dynamic":
-            raise ConfigError(
-                "dynamic batching takes batch_size, not tokens_per_batch; use bucket batching "
-                "for token budgets", field="data.tokens_per_batch"
-            )
+            raise ConfigError("dynamic batching takes batch_size, not tokens_per_batch; use bucket "
+                              "batching for token budgets", field="data.tokens_per_batch")
         if tokens_per_batch < 1:
-            raise ConfigError(
-                f"tokens_per_batch must be >= 1, got {tokens_per_batch}; pass a positive budget",
-                field="data.tokens_per_batch",
-            )
+            raise ConfigError(f"tokens_per_batch must be >= 1, got {tokens_per_batch}; pass a "
+                              "positive budget", field="data.tokens_per_batch")
         if strategy != "bucket":
             batch_size = tokens_per_batch // seq_len // multiple * multiple
             if batch_size == 0:
                 raise ConfigError(
                     f"tokens_per_batch={tokens_per_batch} holds no batch of {multiple} rows of "
                     f"seq_len={seq_len}; raise tokens_per_batch to at least {seq_len * multiple}",
-                    field="data.tokens_per_batch",
-                )
+                    field="data.tokens_per_batch")
     elif batch_size < 1:
         raise ConfigError(f"batch_size must be >= 1, got {batch_size}; pass a positive batch size",
                           field="data.batch_size")
@@ -638,8 +535,7 @@ def _check_sizes(strategy: str, seq_len: int, batch_size: int | None,
                 raise ConfigError(
                     f"batch_size={batch_size} is not a multiple of {name}={count}; pass a "
                     f"batch_size that is (e.g. {-(-batch_size // count) * count})",
-                    field="data.batch_size",
-                )
+                    field="data.batch_size")
     return Sizes(seq_len, batch_size, tokens_per_batch, values["pad_multiple"],
                  values["num_buckets"], values["pack_window"], multiple)
 

@@ -25,7 +25,7 @@ from jaxaccel import embedding, nn
 from jaxaccel.attention import IMPLEMENTATIONS, dot_product_attention
 from jaxaccel.errors import ConfigError
 from jaxaccel.settings import setting
-from jaxaccel.sharding import LogicalDot, constrain
+from jaxaccel.sharding import LogicalDot, check_divides, constrain
 from jaxaccel.tokenizer import ByteTokenizer
 
 MLP_KINDS = ("swiglu", "gelu")
@@ -216,6 +216,8 @@ class Attention(nnx.Module):
         else at ``cache_index``, attending to the cache's first ``cache_index`` + T entries."""
         cfg = self.cfg
         B, T, _ = x_BTD.shape
+        check_divides(cfg.n_heads, "heads", "n_heads", "gpt.n_heads")
+        check_divides(cfg.n_kv_heads, "kv_heads", "n_kv_heads", "gpt.n_kv_heads")
         q_BTHE = constrain(self.wq(x_BTD).reshape(B, T, cfg.n_heads, cfg.head_dim), Q_AXES)
         k_BTKE = constrain(self.wk(x_BTD).reshape(B, T, cfg.n_kv_heads, cfg.head_dim), KV_AXES)
         v_BTKE = constrain(self.wv(x_BTD).reshape(B, T, cfg.n_kv_heads, cfg.head_dim), KV_AXES)

@@ -3,21 +3,14 @@
 import jax
 
 # Dense bf16 tensor-core peaks in FLOP/s from the vendors' data sheets (SXM parts).
-PEAK_BF16_FLOPS = {
-    "H200": 989e12,
-    "H100": 989e12,
-    "A100": 312e12,
-}
+PEAK_BF16_FLOPS = {"H200": 989e12, "H100": 989e12, "A100": 312e12}
 
 
 def peak_flops(device=None) -> float | None:
     """The device's dense bf16 peak, or None where it is not known (CPUs, other GPUs)."""
     device = device or jax.devices()[0]
     kind = getattr(device, "device_kind", "")
-    for name, flops in PEAK_BF16_FLOPS.items():
-        if name in kind:
-            return flops
-    return None
+    return next((flops for name, flops in PEAK_BF16_FLOPS.items() if name in kind), None)
 
 
 def describe(device=None) -> str:
@@ -30,9 +23,7 @@ def peak_memory_bytes(device=None) -> int | None:
     by default on this process's first device."""
     device = device or jax.local_devices()[0]
     stats = device.memory_stats() if hasattr(device, "memory_stats") else None
-    if not stats:
-        return None
-    return stats.get("peak_bytes_in_use")
+    return stats.get("peak_bytes_in_use") if stats else None
 
 
 def memory_limit_bytes(device=None) -> int | None:

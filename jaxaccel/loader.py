@@ -1,12 +1,9 @@
-"""Feeding the step: a background thread keeps batches ready on the devices.
-
-``DevicePrefetcher`` wraps a ``DataStream``: a thread makes the next batches on the host, places
-them on the devices with the step's input sharding (building one global array from each
+"""Feeding the step: ``DevicePrefetcher``'s thread makes the next batches of a ``DataStream`` on
+the host, places them on the devices with the step's input sharding (one global array from each
 process's slice when there are several processes) and queues them, so the step finds its input
-waiting. It records how long the consumer waited for data, and the stream position that goes
-with each batch, since the thread runs ahead of what the step has consumed.
-"""
+waiting."""
 
+import contextlib
 import queue
 import threading
 import time
@@ -28,10 +25,8 @@ def place_batch(batch: dict, sharding=None) -> dict:
 
 class DevicePrefetcher:
     """Iterator of ``(device batch, host counts)`` that stays ``depth`` batches ahead.
-
-    ``position`` is the stream position after the last batch handed out, the one a checkpoint
-    must record. ``wait_seconds`` sums the time ``next`` blocked because no batch was ready.
-    """
+    ``position`` is the stream position after the last batch handed out (the thread runs ahead),
+    the one a checkpoint records; ``wait_seconds`` sums the time ``next`` waited for a batch."""
 
     _END = object()
 
@@ -49,11 +44,9 @@ class DevicePrefetcher:
             for batch in stream:
                 item = (place_batch(batch, sharding), batch_stats(batch), stream.position)
                 while not self._stop.is_set():
-                    try:
+                    with contextlib.suppress(queue.Full):
                         self._queue.put(item, timeout=0.1)
                         break
-                    except queue.Full:
-                        continue
                 if self._stop.is_set():
                     return
         except BaseException as error:  # handed to the consumer, which re-raises it
@@ -79,10 +72,8 @@ class DevicePrefetcher:
         """Stop the thread and drop the batches it made ahead."""
         self._stop.set()
         while self._thread.is_alive():
-            try:
+            with contextlib.suppress(queue.Empty):
                 self._queue.get(timeout=0.1)
-            except queue.Empty:
-                pass
         self._thread.join()
 
 

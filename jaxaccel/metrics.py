@@ -39,9 +39,7 @@ class MetricsWriter:
 
 
 def _plain(value):
-    if isinstance(value, (np.generic, np.ndarray)):
-        return value.item()
-    return value
+    return value.item() if isinstance(value, (np.generic, np.ndarray)) else value
 
 
 def read_metrics(path: str) -> list[dict]:
@@ -85,7 +83,6 @@ def plot_loss_curve(records: list[dict], path: str, *, unigram_bpb: float | None
     import matplotlib
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
-
     fig, ax = plt.subplots(figsize=(7, 4.5))
     for kind, style in (("train", "-"), ("eval", "o-")):
         points = [(r["step"], r["bpb"]) for r in records if r["kind"] == kind and "bpb" in r]
@@ -94,9 +91,7 @@ def plot_loss_curve(records: list[dict], path: str, *, unigram_bpb: float | None
             ax.plot(steps, bpb, style, label="validation" if kind == "eval" else kind, ms=4)
     if unigram_bpb is not None:
         ax.axhline(unigram_bpb, ls="--", color="gray", label=f"unigram entropy {unigram_bpb:.2f}")
-    ax.set_xlabel("step")
-    ax.set_ylabel("bits per byte")
-    ax.set_title(title)
+    ax.set(xlabel="step", ylabel="bits per byte", title=title)
     ax.grid(alpha=0.3)
     ax.legend()
     fig.tight_layout()
@@ -121,13 +116,10 @@ def plot_curves(path: str, curves: dict[str, tuple[list[float], list[float]]], *
     import matplotlib
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
-
     fig, ax = plt.subplots(figsize=(7.5, 4.5))
     for label, (xs, ys) in curves.items():
         ax.plot(xs, ys, label=label)
-    ax.set_xlabel(xlabel)
-    ax.set_ylabel(ylabel)
-    ax.set_title(title)
+    ax.set(xlabel=xlabel, ylabel=ylabel, title=title)
     ax.grid(alpha=0.3)
     ax.legend(fontsize=8)
     fig.tight_layout()

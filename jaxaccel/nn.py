@@ -28,7 +28,7 @@ draws random numbers (dropout) takes ``layer_key()``, the step's key folded with
 
 Tags: a model names the intermediate tensors that remat policies may keep with ``tag(x, name)``
 (``jax.ad_checkpoint.checkpoint_name``). The names ``jaxaccel.remat``'s policies use are
-``TAGS``; a model may use others with a policy of its own (``remat.save(...)``).
+``TAGS``; a model may use others with a policy of its own (``--remat save:NAME,NAME``).
 
 Technique state that is not a trained weight is a ``Buffer`` (FP8's amax histories, N:M masks,
 token dropping's running losses): the optimizer never sees it, the step updates it through the

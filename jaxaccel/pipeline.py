@@ -227,7 +227,7 @@ def _check_model(model) -> tuple:
     path, stack = nn.the_stack(model, "pipeline parallelism", "mesh.strategy")
     if not stack.scanned:
         raise ConfigError("pipeline stages split the stacked blocks, but the stack is not "
-                          "scanned; turn --scan-layers on", field="remat.scan_layers")
+                          "scanned; turn scan_layers on", field="remat.scan_layers")
     return path
 
 

@@ -2,19 +2,17 @@
 operations that took the most time in it.
 
 The loop calls ``StepProfiler.before(step)`` before dispatching each step and ``after(step,
-state)`` once it is dispatched. Before step START the profiler waits for the device to finish the
-steps in flight and starts the trace (``jax.profiler.start_trace`` into ``<run_dir>/profile``;
-no service to start); after step STOP - 1 it waits for that step and stops it, so the trace
-covers exactly steps START .. STOP - 1 and the wall time between is their step time.
+state)`` once it is dispatched. Before step START the profiler waits for the steps in flight and
+starts the trace (``jax.profiler.start_trace`` into ``<run_dir>/profile``; no service to start);
+after step STOP - 1 it waits for that step and stops it, so the trace covers exactly steps
+START .. STOP - 1 and the wall time between is their step time.
 
-``top_ops`` reads the trace JAX wrote (the ``.xplane.pb`` under ``plugins/profile``) with
-``jax.profiler.ProfileData``: every event that carries an ``hlo_op`` statistic is one execution
-of an XLA operation (a GPU kernel on the device planes, a thunk of the CPU runtime on the host
-plane). Their durations are summed per operation over the device planes (the host plane when
-there are none, as on the CPU) and divided by the steps traced: milliseconds per step, and the
-share of the measured step time. Operations on several devices add up, so on a mesh the shares
-are of the devices' total time (``devices`` says how many).
-"""
+``top_ops`` reads the trace's ``.xplane.pb`` (under ``plugins/profile``) with
+``jax.profiler.ProfileData``: every event with an ``hlo_op`` statistic is one execution of an
+XLA operation (a GPU kernel on a device plane, a CPU runtime thunk on the host plane). Durations
+are summed per operation over the device planes (the host plane when there are none, as on the
+CPU) and divided by the steps traced: ms per step, and the share of the measured step time; on
+a mesh the devices' times add up, so shares are of their total (``devices`` says how many)."""
 
 import dataclasses
 import glob
@@ -46,10 +44,9 @@ def check_window(text: str, first_step: int, total_steps: int) -> tuple[int, int
     else one ConfigError line."""
     start, stop = parse_window(text)
     if start < first_step or stop > total_steps:
-        raise ConfigError(
-            f"profile {text} is outside this run's steps {first_step} to {total_steps - 1}; "
-            f"choose START:STOP with {first_step} <= START < STOP <= {total_steps}",
-            field="run.profile")
+        raise ConfigError(f"profile {text} is outside this run's steps {first_step} to "
+                          f"{total_steps - 1}; choose START:STOP with {first_step} <= START < "
+                          f"STOP <= {total_steps}", field="run.profile")
     return start, stop
 
 
@@ -100,7 +97,6 @@ def top_ops(directory: str, start: int, stop: int, seconds: float, top: int = 10
             ) -> ProfileReport:
     """The ``top`` operations of the newest trace under ``directory`` (module docstring)."""
     from jax.profiler import ProfileData
-
     traces = sorted(glob.glob(os.path.join(directory, "plugins", "profile", "*",
                                            "*.xplane.pb")), key=os.path.getmtime)
     if not traces:
@@ -119,9 +115,8 @@ def top_ops(directory: str, start: int, stop: int, seconds: float, top: int = 10
             if totals:
                 per_plane[plane.name] = totals
     device_planes = [name for name in per_plane if name.startswith("/device:")]
-    planes = device_planes or list(per_plane)
     summed = defaultdict(int)
-    for name in planes:
+    for name in device_planes or per_plane:
         for op, ns in per_plane[name].items():
             summed[op] += ns
     steps = stop - start
@@ -140,7 +135,6 @@ def format_report(report: ProfileReport) -> str:
              f"{report.step_ms:.2f} ms per step; trace in {report.trace_dir}"]
     width = max([len(op["name"]) for op in report.ops] + [9])
     lines.append(f"  {'operation'.ljust(width)}  ms/step   share")
-    for op in report.ops:
-        lines.append(f"  {op['name'].ljust(width)}  {op['ms_per_step']:7.3f}  "
-                     f"{op['share']:6.1%}")
+    lines += [f"  {op['name'].ljust(width)}  {op['ms_per_step']:7.3f}  {op['share']:6.1%}"
+              for op in report.ops]
     return "\n".join(lines)

@@ -6,7 +6,8 @@ import os
 
 
 def format_table(rows: list[dict], columns: list[tuple[str, str, str]]) -> str:
-    """A markdown table; ``columns`` are (key, header, format spec), e.g. ("speedup", "x", ".2f")."""
+    """A markdown table; ``columns`` are (key, header, format spec), e.g. ("speedup", "x",
+    ".2f")."""
     def cell(row, key, spec):
         value = row.get(key)
         if value is None:
@@ -30,7 +31,6 @@ def bar_chart(path: str, labels: list[str], panels: list[tuple[str, list[float]]
     import matplotlib
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
-
     many = len(labels) > 6   # long label lists get wider panels and slanted labels
     width = max(4.2, 0.45 * len(labels)) if many else 4.2
     fig, axes = plt.subplots(1, len(panels), figsize=(width * len(panels), 4.6 if many else 3.8))

@@ -2,56 +2,47 @@
 proportion to a smoothed score of their document, and reweight the loss so that its gradient
 stays an unbiased estimate of the uniform one.
 
-What a row is. Only ``fixed`` batching is supported: there a row is one chunk of at most
-seq_len pairs of one document, so a row's score is its document's (``dynamic`` and ``bucket``
-would change the batch shapes with the draw, and a ``pack`` row mixes documents; they are
-refused with a ConfigError naming ``data.sampling``). The rows are ``data.fixed_rows`` of the
-training documents, the same in every epoch: N rows of lengths n_i (real pairs), A = sum n_i.
+Rows are ``data.fixed_rows`` of the training documents, the same in every epoch: N rows of n_i
+real pairs, A = sum n_i. Only ``fixed`` batching is supported, where a row is one chunk of one
+document and scores as its document (``dynamic`` and ``bucket`` would change the batch shapes
+with the draw, a ``pack`` row mixes documents: a ConfigError naming ``data.sampling``).
 
-The score table holds one float per *document*, not per row. A document is split into many
-rows (on the stdlib at seq_len 128, 14 k documents give 251 k rows), and a short run draws each
-row about once, so a row's own last loss would rarely be seen again; its document's tells what
-its other chunks are like. A score is *relative*: the row's per-token loss (``loss``), or the
-per-token bound of its gradient norm (``grad-norm``: ||softmax(logits) - onehot(target)|| summed
-over the row's real tokens, the norm of the gradient at the logits, which bounds the per-example
-gradient norm up to a constant, Katharopoulos & Fleuret 2018), divided by the token mean of the
-same step's batch. Losses fall as training goes; the ratio to the concurrent batch does not, so
-a score written early is not stale in scale. Unseen documents score 1 (the batch average), and
-so the first draws are uniform. Two rows of one document in a step average their scores.
-
-Smoothing and the draw. Row i of document d(i) is drawn with probability
+Scores are kept per *document*: a document is split into many rows (on the stdlib at seq_len
+128, 14 k documents give 251 k rows) and a short run draws each row about once, so a row's own
+last loss would rarely be seen again; its document's tells what its other chunks are like. A
+score is the row's per-token loss (``loss``) or per-token gradient-norm bound (``grad-norm``:
+||softmax(logits) - onehot(target)|| summed over the row's real tokens, the norm of the gradient
+at the logits, which bounds the per-example gradient norm up to a constant, Katharopoulos &
+Fleuret 2018), *relative* to the token mean of the same step's batch: losses fall as training
+goes, the ratio does not, so an early score is not stale in scale. Unseen documents score 1
+(the batch average), so the first draws are uniform; two rows of one document in a step
+average their scores. Row i of document d(i) is drawn with probability
 
     p_i = (1 - floor) * s_d(i)^power / sum_j s_d(j)^power  +  floor / N
 
-so the rows of a document stay equally likely, a document is drawn in proportion to its rows
-times its smoothed score, and every row keeps p_i >= floor / N > 0: every document stays
-reachable. Batch t draws B rows with replacement from ``default_rng([seed, STREAM, t])``
-(inverse CDF), a pure function of the seed, the step and the scores, and each process then
-makes its slice of the same global batch.
+so a document's rows stay equally likely, a document is drawn in proportion to its rows times
+its smoothed score, and every row stays reachable (p_i >= floor / N > 0). Batch t draws B rows
+with replacement from ``default_rng([seed, STREAM, t])`` (inverse CDF), a pure function of the
+seed, the step and the scores; each process makes its slice of the same global batch.
 
-The weights. With R the real tokens of the global batch, row b's token weights are multiplied
-by u_b = R / (B A p_b), and the loss is normalised by R, the unweighted real-token count
-(``train.lm_loss(..., sampling=...)``; ``aux["real_tokens"]`` stays that true count, so
-microbatches are weighted and tokens counted as before). The loss is then
-sum_b S_b / (B A p_b), with S_b the row's summed token loss, whose expectation over one draw
-is sum_i p_i S_i / (A p_i) = sum_i S_i / A: the token mean over the whole training set, exactly,
-for any batch size and any accumulation (the uniform path's sum S / R is a ratio, unbiased only
-in the limit). ``uniform`` leaves all of this out: the default path is today's, bit for bit.
+With R the real tokens of the global batch, row b's token weights are multiplied by
+u_b = R / (B A p_b) and the loss is normalised by R (``train.lm_loss(..., sampling=...)``;
+``aux["real_tokens"]`` stays the unweighted count, so microbatches are weighted and tokens
+counted as before). The loss sum_b S_b / (B A p_b), S_b the row's summed token loss, then has
+expectation sum_i p_i S_i / (A p_i) = sum_i S_i / A over one draw: the token mean over the whole
+training set, exactly, for any batch size and accumulation (the uniform path's S / R is a
+ratio, unbiased only in the limit). ``uniform`` leaves all of this out: that path is unchanged.
 
-Scores come from the step. The loss function returns the rows' score sums in
-``aux["rows"]`` (``grads.accumulate`` puts them back in row order; the step returns them among
-its replicated metrics, so every process sees the same). The loop hands each step's metrics to
-``Sampler.submit`` without waiting; scores are fetched ``FETCH_LAG`` steps late (by then the
-step is done) and batch t is drawn from the scores of steps <= t - lag, with
-``lag = prefetch + FETCH_LAG + 2``: the prefetch thread, at most prefetch + 1 batches ahead,
-then never waits for a score, and the draw does not depend on timing.
-
-Checkpoints. The loader position of a sampled run is ``{"batch": t, "sampler": ...}``: the
-score table as of step t - lag (the base every later draw starts from) and the updates of the
-steps after it, up to t - 1, so a resumed run draws exactly the batches the uninterrupted one
-would have (``Sampler.state``); ``loop.resume_settings`` records ``data.prefetch`` with
-sampling, since the lag depends on it.
-"""
+The loss function returns the rows' score sums in ``aux["rows"]`` (``grads.accumulate`` puts
+them back in row order; the step returns them among its replicated metrics, so every process
+sees the same). The loop hands each step's metrics to ``Sampler.submit`` without waiting; they
+are fetched ``FETCH_LAG`` steps late (the step is done by then) and batch t is drawn from the
+scores of steps <= t - lag, lag = prefetch + FETCH_LAG + 2: the prefetch thread, at most
+prefetch + 1 batches ahead, never waits for a score, and the draw does not depend on timing.
+A sampled run's loader position is ``{"batch": t, "sampler": ...}``: the score table as of step
+t - lag (the base of every later draw) and the updates of steps t - lag + 1 .. t - 1, so a
+resumed run draws exactly the batches the uninterrupted one would have (``Sampler.state``);
+``loop.resume_settings`` records ``data.prefetch`` with sampling, since the lag depends on it."""
 
 import base64
 import collections
@@ -67,10 +58,11 @@ from jaxaccel.errors import ConfigError
 from jaxaccel.sharding import refuse_pipeline
 
 SAMPLING = ("uniform", "loss", "grad-norm")
-# The per-row sums the step returns in aux["rows"] for each score.
-SCORE_KEYS = {"loss": "loss", "grad-norm": "grad_bound"}
+SCORE_KEYS = {"loss": "loss", "grad-norm": "grad_bound"}   # each score's row sums in aux["rows"]
 FETCH_LAG = 2       # the loop fetches a step's scores this many steps after it
 STREAM = 0x5A4D     # keeps the draws' random stream apart from the epochs' shuffles
+_FIXED_ONLY = ("importance sampling draws rows of fixed batching, not {!r}; use --batching fixed "
+               "or --sampling uniform")
 
 
 def check(cfg) -> None:
@@ -80,9 +72,7 @@ def check(cfg) -> None:
     if data.sampling == "uniform":
         return
     if data.batching != "fixed":
-        raise ConfigError(f"importance sampling draws rows of fixed batching, not "
-                          f"{data.batching!r}; use --batching fixed or --sampling uniform",
-                          field="data.sampling")
+        raise ConfigError(_FIXED_ONLY.format(data.batching), field="data.sampling")
     refuse_pipeline(cfg.mesh.strategy, "importance sampling", "data.sampling")
 
 
@@ -119,8 +109,8 @@ def row_probabilities(scores_D: np.ndarray, doc_W: np.ndarray, power: float,
 
 
 def importance_weights(p_B: np.ndarray, n_B: np.ndarray, total_pairs: int) -> np.ndarray:
-    """u_b = R / (B A p_b): with the loss normalised by the batch's real tokens R, the loss is
-    sum_b S_b / (B A p_b), unbiased for the token mean of all A pairs."""
+    """u_b = R / (B A p_b) of each drawn row: the loss normalised by the batch's real tokens R
+    is then unbiased for the token mean of all A pairs (module docstring)."""
     return n_B.sum() / (len(p_B) * total_pairs * p_B)
 
 
@@ -141,14 +131,12 @@ def draw(p_W: np.ndarray, count: int, seed: int, step: int) -> np.ndarray:
 
 
 class Sampler:
-    """The score table and the probabilities each batch is drawn from; thread-safe.
-
-    The loop's thread calls ``submit`` (every step) and ``flush``/``state`` (at checkpoints);
-    the prefetch thread calls ``probabilities`` and ``record_draw`` while it makes batch t.
-    After the scores of step s are observed, ``head`` is the table with every step <= s applied
-    and ``base`` the one with the steps <= s - lag + 1, ``recent`` the updates in between;
-    the probabilities of each observed step are published for the batch ``lag`` steps later.
-    """
+    """The score table and the probabilities each batch is drawn from; thread-safe. The loop's
+    thread calls ``submit`` (every step) and ``flush``/``state`` (at checkpoints), the prefetch
+    thread ``probabilities`` and ``record_draw`` while it makes batch t. After the scores of
+    step s are observed, ``head`` is the table with every step <= s applied, ``base`` the one
+    with the steps <= s - lag + 1 and ``recent`` the updates in between; the probabilities of
+    each observed step are published for the batch ``lag`` steps later."""
 
     def __init__(self, doc_W, row_len_W, num_documents: int, *, sampling: str, power: float,
                  floor: float, lag: int, state: dict | None = None):
@@ -252,20 +240,16 @@ def _decode(text: str, num_documents: int) -> np.ndarray:
 
 
 class SampledStream:
-    """Endless importance-sampled training Batches, a ``DataStream`` in the loop's eyes.
-
-    Settings are ``DataStream``'s (``strategy`` must be fixed) plus ``sampling``, ``power``,
-    ``floor`` and ``lag``. ``position`` is ``{"batch": t}`` for batch t, with ``"sampler"``
-    (``Sampler.state``) when resuming; the loop adds it at checkpoints.
-    """
+    """Endless importance-sampled training Batches, a ``DataStream`` in the loop's eyes. Settings
+    are ``DataStream``'s (``strategy`` must be fixed) plus ``sampling``, ``power``, ``floor`` and
+    ``lag``. ``position`` is ``{"batch": t}`` for batch t, with ``"sampler"`` (``Sampler.state``)
+    when resuming; the loop adds it at checkpoints."""
 
     def __init__(self, documents, *, strategy: str = "fixed", seq_len: int, seed: int = 0,
                  position: dict | None = None, process_index: int = 0, process_count: int = 1,
                  sampling: str, power: float, floor: float, lag: int, **options):
         if strategy != "fixed":
-            raise ConfigError(f"importance sampling draws rows of fixed batching, not "
-                              f"{strategy!r}; use --batching fixed or --sampling uniform",
-                              field="data.sampling")
+            raise ConfigError(_FIXED_ONLY.format(strategy), field="data.sampling")
         # A fixed stream checks the settings and resolves the batch size.
         uniform = DataStream(documents, strategy="fixed", seq_len=seq_len, seed=seed,
                              shuffle=False, process_index=process_index,
@@ -279,8 +263,7 @@ class SampledStream:
         self._documents, self._seed = documents, seed
         self._process_index, self._process_count = process_index, process_count
         position = {"batch": 0} if position is None else position
-        batch = position.get("batch")
-        state = position.get("sampler")
+        batch, state = position.get("batch"), position.get("sampler")
         if not (isinstance(batch, int) and batch >= 0) or (
                 position != {"batch": 0} and (state is None or state.get("step") != batch)):
             raise ConfigError(f"data position {sorted(position)} is not an importance-sampled "

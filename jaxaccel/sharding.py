@@ -243,6 +243,20 @@ def constrain(x, axes):
     return jax.lax.with_sharding_constraint(x, spec)
 
 
+def check_divides(size: int, axis: str, what: str, field: str) -> None:
+    """One ConfigError line when ``size`` (a model's count of heads, say) does not split over
+    the mesh axis (in context) its logical ``axis`` is computed on."""
+    mesh = jax.sharding.get_abstract_mesh()
+    names = logical_spec((axis,), COMPUTE_RULES)[0]
+    parts = math.prod(dict(mesh.shape).get(n, 1) for n in
+                      ((names,) if isinstance(names, str) else names or ())) \
+        if not mesh.empty else 1
+    if size % parts:
+        raise ConfigError(f"{what}={size} does not split over the {parts} devices its {axis} "
+                          f"are computed on; choose {what} divisible by {parts} or a smaller "
+                          f"axis in the mesh", field=field)
+
+
 def matmul(x, w, out_axes):
     """``x @ w`` with the result laid out as ``out_axes``. Under Explicit axes the output sharding
     is given to the matmul itself: contracting a dimension split on both sides (the second

@@ -1,24 +1,19 @@
-"""Corpus readers for tables on disk: Parquet files and Hugging Face datasets saved to disk.
-
-Two kinds of source are read, one document per row of a string column (``text_column``):
+"""Corpus readers for tables on disk, one document per row of a string column (``text_column``):
 
 * ``"parquet"``: a ``.parquet`` file, or a directory holding ``.parquet`` files at any depth
   (such as a Hugging Face data-files dataset, ``data/train-00000-of-00002.parquet``), read in
-  order of their relative POSIX paths, so the order is the same on every machine.
+  order of their relative POSIX paths, the same on every machine.
 * ``"hf_dataset"``: a directory written by ``datasets``' ``save_to_disk``, a ``Dataset``
   (``dataset_info.json`` and ``state.json``) or a ``DatasetDict`` (``dataset_dict.json``) of
   which one split is read.
 
-Corpora may be larger than memory: rows are read in record batches of ``BATCH_ROWS``, and
-only the current batch is held, as Arrow buffers; each document is sliced from them as bytes,
-never decoded to ``str``. Schema, column type and row count are checked before the first
-document is read, so a mistake is reported at once, in one line naming the fix (``ConfigError``).
-
-Nothing is ever downloaded: ``datasets`` is imported with ``HF_DATASETS_OFFLINE`` and
-``HF_HUB_OFFLINE`` set, and a dataset name or a loading script (which would need the network)
-is refused with how to save the dataset first. ``pyarrow`` and ``datasets`` are optional
-dependencies, imported only when such a source is read.
-"""
+Corpora may be larger than memory: only the current record batch of ``BATCH_ROWS`` rows is
+held, as Arrow buffers, and each document is sliced from them as bytes, never decoded to
+``str``. Schema, column type and row count are checked before the first document is read, so a
+mistake is reported at once, in one line naming the fix (``ConfigError``). Nothing is ever
+downloaded: ``datasets`` is imported with ``HF_DATASETS_OFFLINE`` and ``HF_HUB_OFFLINE`` set,
+and a dataset name or a loading script (which would need the network) is refused with how to
+save the dataset first. ``pyarrow`` and ``datasets`` are optional, imported only when needed."""
 
 import json
 import os
@@ -28,8 +23,7 @@ from pathlib import Path
 
 from jaxaccel.errors import ConfigError
 
-# (split key, utf-8 bytes of one document); the key names the file or split and the row.
-Doc = tuple[str, bytes]
+Doc = tuple[str, bytes]     # (split key naming the file or split and the row, utf-8 document)
 
 BATCH_ROWS = 1024                       # rows per record batch held in memory at once
 _HF_DATASET_FILES = ("dataset_info.json", "state.json")
@@ -46,15 +40,9 @@ def _save_first(what: str) -> str:
 
 
 def hub_name_hint(source: str) -> str | None:
-    """For a data path that does not exist: the advice when it looks like a hub dataset name.
-
-    Args:
-      source: the data path as the user gave it (``"wikitext"``, ``"allenai/c4"``).
-
-    Returns:
-      One sentence to add to the "does not exist" error, or None when ``source`` does not look
-      like a Hugging Face dataset name (it has a file suffix, or is absolute or relative).
-    """
+    """For a data path that does not exist: one sentence of advice to add to the error when it
+    looks like a Hugging Face dataset name (``"wikitext"``, ``"allenai/c4"``), else None (it has
+    a file suffix, or is an absolute or relative path)."""
     if (_HUB_NAME.fullmatch(source) is None or source.startswith(".")
             or Path(source).suffix in {".jsonl", ".parquet", ".json", ".txt", ".arrow"}):
         return None
@@ -62,17 +50,11 @@ def hub_name_hint(source: str) -> str | None:
 
 
 def kind_of(path: Path) -> str | None:
-    """The kind of table source at ``path``, if it is one.
-
-    Args:
-      path: an existing file or directory.
-
-    Returns:
-      ``"parquet"`` for a ``.parquet`` file or a directory holding ``.parquet`` files (searched
-      recursively, skipping hidden folders); ``"hf_dataset"`` for a ``save_to_disk`` directory,
-      or for a hub repository holding only a loading script (``NAME/NAME.py``), which
-      ``documents`` refuses with advice; else None (for example a directory of text files).
-    """
+    """The kind of table source at ``path`` (an existing file or directory): ``"parquet"`` for
+    a ``.parquet`` file or a directory holding ``.parquet`` files (searched recursively, skipping
+    hidden folders); ``"hf_dataset"`` for a ``save_to_disk`` directory, or for a hub repository
+    holding only a loading script (``NAME/NAME.py``), which ``documents`` refuses with advice;
+    else None (for example a directory of text files)."""
     path = Path(path)
     if path.is_file():
         return "parquet" if path.suffix == ".parquet" else None
@@ -80,29 +62,18 @@ def kind_of(path: Path) -> str | None:
         return None
     if _is_saved_dataset(path) or _is_loading_script_repo(path):
         return "hf_dataset"
-    if any(True for _ in _walk_files(path, (".parquet",))):
-        return "parquet"
-    return None
+    return "parquet" if any(True for _ in _walk_files(path, (".parquet",))) else None
 
 
 def signature(path: Path, kind: str, text_column: str, split: str | None) -> dict:
-    """The JSON-serialisable cache key of a table source: a changed data file changes it.
-
-    Args:
-      path: the source's file or directory.
-      kind: its ``kind_of``.
-      text_column: the column read.
-      split: the ``DatasetDict`` split asked for, or None.
-
-    Returns:
-      ``{"source", "path", "column", "split", "files"}``, ``files`` being ``[relative path,
-      size, mtime_ns]`` of every data file (``.parquet``, ``.arrow``, ``.json``).
-    """
+    """The JSON-serialisable cache key of a table source: ``{"source", "path", "column", "split",
+    "files"}``, ``files`` being ``[relative path, size, mtime_ns]`` of every data file
+    (``.parquet``, ``.arrow``, ``.json``), so a changed data file changes it."""
     path = Path(path).resolve()
     if path.is_file():
-        files = [[path.name, *_size_and_mtime(path)]]
+        files = [[path.name, *size_and_mtime(path)]]
     else:
-        files = [[rel, *_size_and_mtime(path / rel)]
+        files = [[rel, *size_and_mtime(path / rel)]
                  for rel in _walk_files(path, _SIGNATURE_SUFFIXES)]
     return {"source": kind, "path": str(path), "column": text_column, "split": split,
             "files": files}
@@ -110,23 +81,12 @@ def signature(path: Path, kind: str, text_column: str, split: str | None) -> dic
 
 def documents(path: Path, kind: str, text_column: str, stats: dict,
               split: str | None = None) -> Iterator[Doc]:
-    """The documents of a table source, one per row of ``text_column``, read lazily.
-
-    The source is checked now (files, column, its type, row count; ``ConfigError`` if wrong);
-    rows are read as the returned iterator advances, ``BATCH_ROWS`` at a time.
-
-    Args:
-      path: a ``.parquet`` file or a directory (see ``kind_of``).
-      kind: ``"parquet"`` or ``"hf_dataset"``.
-      text_column: the string column holding the text.
-      stats: filled with ``files`` (data files) now, and ``rows`` (rows read so far).
-      split: the split of a saved ``DatasetDict``; None picks ``"train"``, or the only split.
-
-    Returns:
-      An iterator of ``(key, utf-8 bytes)``; the key is ``"<relative file path>:<row>"`` for
-      Parquet and ``"<split>:<row>"`` for a saved dataset (rows counted from 0), so the
-      train/validation split is per row. A null value is an empty document (``b""``).
-    """
+    """The documents of a table source of ``kind`` (``kind_of``), one per row of ``text_column``,
+    checked now and read as the returned iterator advances. ``stats`` gets ``files`` (data
+    files) now and ``rows`` (rows read so far). ``split``: of a saved ``DatasetDict``; None picks
+    ``"train"``, or the only split. Yields ``(key, utf-8 bytes)``, the key ``"<relative file
+    path>:<row>"`` for Parquet and ``"<split>:<row>"`` for a saved dataset (rows from 0), so the
+    train/validation split is per row; a null is ``b""``."""
     path = Path(path)
     if kind == "parquet":
         batches, n_files = _parquet_batches(path, text_column)
@@ -138,22 +98,19 @@ def documents(path: Path, kind: str, text_column: str, stats: dict,
     return _documents(batches, stats)
 
 
-# ---------------------------------------------------------------------------------------------
-# Parquet
-
-
 def _parquet_batches(path: Path, column: str):
     """Checks the Parquet files at ``path``; returns (iterator of (file key, batch), files)."""
-    pq = _import_pyarrow_parquet()
+    try:
+        import pyarrow.parquet as pq
+    except ImportError as e:
+        raise ConfigError("reading Parquet needs pyarrow; install jaxaccel[data] "
+                          "(or pip install pyarrow)", field="data.path") from e
     if path.is_file():
         rel_paths, root = [path.name], path.parent
     else:
         rel_paths, root = list(_walk_files(path, (".parquet",))), path
         if not rel_paths:
-            raise ConfigError(
-                f"{path} holds neither .parquet files nor a dataset written by save_to_disk; "
-                "pass a .parquet file, a directory of them, or a save_to_disk directory",
-                field="data.path")
+            raise _not_a_table(path)
     metadata, total_rows = [], 0
     for rel in rel_paths:
         try:
@@ -176,20 +133,13 @@ def _parquet_batches(path: Path, column: str):
     return batches(), len(rel_paths)
 
 
-# ---------------------------------------------------------------------------------------------
-# Hugging Face datasets saved to disk
-
-
 def _hf_batches(path: Path, column: str, split: str | None):
     """Checks the saved dataset at ``path``; returns (iterator of (split, batch), files)."""
     if not _is_saved_dataset(path):
         if _is_loading_script_repo(path) or any(path.glob("*.py")):
             raise ConfigError(_save_first(f"{path} holds a dataset loading script, which would "
                                           "download the data"), field="data.path")
-        raise ConfigError(
-            f"{path} holds neither .parquet files nor a dataset written by save_to_disk; "
-            "pass a .parquet file, a directory of them, or a save_to_disk directory",
-            field="data.path")
+        raise _not_a_table(path)
     target, where, name = path, path, None
     if (path / _HF_DICT_FILE).is_file():
         name = _pick_split(path, _saved_splits(path), split)
@@ -215,7 +165,6 @@ def _hf_batches(path: Path, column: str, split: str | None):
     _check_column(dataset.data.schema, column, where)
     if dataset.num_rows == 0:
         raise _empty(where)
-    files = len(dataset.cache_files)
 
     def batches():
         arrow = dataset.select_columns([column]).with_format("arrow")
@@ -223,7 +172,7 @@ def _hf_batches(path: Path, column: str, split: str | None):
             for chunk in table.column(0).chunks:
                 yield name, chunk
 
-    return batches(), files
+    return batches(), len(dataset.cache_files)
 
 
 def _saved_splits(path: Path) -> list[str]:
@@ -258,10 +207,6 @@ def _pick_split(path: Path, splits: list[str], split: str | None) -> str:
                       "--data-split NAME to choose one", field="data.split")
 
 
-# ---------------------------------------------------------------------------------------------
-# Shared
-
-
 def _documents(batches, stats: dict) -> Iterator[Doc]:
     """Yields each row of each (key prefix, string array) batch as a document."""
     row, prefix = 0, None
@@ -292,10 +237,7 @@ def _array_bytes(array) -> Iterator[bytes]:
     data = memoryview(data_buf) if data_buf is not None else memoryview(b"")
     nulls = array.is_null().to_pylist() if array.null_count else None
     for i in range(n):
-        if nulls is not None and nulls[i]:
-            yield b""
-        else:
-            yield bytes(data[offsets[i]:offsets[i + 1]])
+        yield b"" if nulls is not None and nulls[i] else bytes(data[offsets[i]:offsets[i + 1]])
 
 
 def _check_column(schema, column: str, where) -> None:
@@ -312,6 +254,12 @@ def _check_column(schema, column: str, where) -> None:
             or pa.types.is_string_view(kind)):
         raise ConfigError(f"column '{column}' of {where} holds {kind}, not text; pass "
                           "--text-column NAME with a string column", field="data.text_column")
+
+
+def _not_a_table(path: Path) -> ConfigError:
+    return ConfigError(f"{path} holds neither .parquet files nor a dataset written by "
+                       "save_to_disk; pass a .parquet file, a directory of them, or a "
+                       "save_to_disk directory", field="data.path")
 
 
 def _empty(where) -> ConfigError:
@@ -345,18 +293,10 @@ def _walk_files(root: Path, suffixes: tuple[str, ...]) -> Iterator[str]:
     return iter(sorted(found))
 
 
-def _size_and_mtime(path: Path) -> list[int]:
+def size_and_mtime(path: Path) -> list[int]:
+    """The cheap signature of a file's content: an edit changes its size or its mtime."""
     st = path.stat()
     return [st.st_size, st.st_mtime_ns]
-
-
-def _import_pyarrow_parquet():
-    try:
-        import pyarrow.parquet as pq
-    except ImportError as e:
-        raise ConfigError("reading Parquet needs pyarrow; install jaxaccel[data] "
-                          "(or pip install pyarrow)", field="data.path") from e
-    return pq
 
 
 def _import_datasets():

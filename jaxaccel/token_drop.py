@@ -88,11 +88,12 @@ class TokenDropSettings:
                          flag="token_drop_score", choices=SCORES)
 
 
-def layer_range(text: str | None, n_layers: int) -> tuple[int, int]:
+def layer_range(text: str | None, n_layers: int | None) -> tuple[int, int]:
     """``(start, end)``: layers start .. end - 1 see only the kept tokens. ``text`` (START:END)
-    parsed and checked, or the middle half, ``max(1, L // 4) .. L - max(1, L // 4)``: empty for
-    fewer than 3 layers (the first and last see every token)."""
-    L = n_layers
+    parsed and checked (against ``n_layers`` when given), or the middle half, ``max(1, L // 4)
+    .. L - max(1, L // 4)``: empty for fewer than 3 layers (the first and last see every
+    token)."""
+    L = n_layers if n_layers is not None else float("inf")
     if text is None:
         start = max(1, L // 4)
         return start, max(start, L - start)
@@ -102,9 +103,10 @@ def layer_range(text: str | None, n_layers: int) -> tuple[int, int]:
     except ValueError:
         start = end = None
     if not sep or start is None or not 0 <= start < end <= L:
-        raise ConfigError(f"token_drop_layers must be START:END with 0 <= START < END <= "
-                          f"n_layers={L} (e.g. {max(1, L // 4)}:{L - max(1, L // 4)}), got "
-                          f"{text!r}", field="token_drop.layers")
+        bound = "" if n_layers is None else (
+            f" <= n_layers={L} (e.g. {max(1, L // 4)}:{L - max(1, L // 4)})")
+        raise ConfigError(f"token_drop_layers must be START:END with 0 <= START < END{bound}, "
+                          f"got {text!r}", field="token_drop.layers")
     return start, end
 
 
@@ -173,7 +175,10 @@ class TokenDrop(nn.BlockTransform, nn.Updated):
 
 
 def check(cfg) -> None:
-    """What token dropping cannot combine with: pipeline stages."""
+    """The layers' form (their range needs the model's depth: ``apply``), and what token
+    dropping cannot combine with: pipeline stages."""
+    if cfg.token_drop.layers is not None:
+        layer_range(cfg.token_drop.layers, None)
     if cfg.token_drop.keep < 1.0:
         refuse_pipeline(cfg.mesh.strategy, "token dropping", "token_drop.keep")
 

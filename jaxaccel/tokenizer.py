@@ -4,8 +4,7 @@
 
 * ``bytes``: every byte is a token, plus three special ids. Ids 0, 1, 2 are PAD, BOS and EOS;
   byte b has id b + 3, so 259 ids are real, padded to 320 (a multiple of 64).
-* a path to a Hugging Face ``tokenizer.json`` (the ``tokenizers`` library) or a SentencePiece
-  ``.model``.
+* a Hugging Face ``tokenizer.json`` (``tokenizers`` library) or SentencePiece ``.model`` file.
 * ``bpe:N``: a byte-level BPE of N tokens (PAD, BOS, EOS first, as ids 0, 1, 2), trained with
   ``tokenizers`` on the training split of the corpus (``jaxaccel.corpus.load_tokenizer``) and
   kept in the cache and in the run directory.
@@ -15,11 +14,8 @@ name (``SPECIAL_NAMES``); one it lacks gets a new id after its vocabulary, so a 
 ``tokenizer.json`` (only ``<|endoftext|>``) has BOS = EOS = that id and PAD = the next. The model's
 embedding and output projection use ``padded_vocab_size``: ``vocab_size`` (all ids, new specials
 included) rounded up to a multiple of 128 (64 for bytes), for tensor-core friendly shapes; the
-extra ids are never produced. Decoding drops special and padding ids.
-
-A tokenizer's ``fingerprint`` names its exact vocabulary and rules: the corpus cache and a
-resumed run check it.
-"""
+extra ids are never produced. Decoding drops special and padding ids. A tokenizer's
+``fingerprint`` names its exact vocabulary and rules; the corpus cache and resumed runs check it."""
 
 import hashlib
 import math
@@ -32,9 +28,7 @@ import numpy as np
 
 from jaxaccel.errors import ConfigError
 
-PAD_ID = 0
-BOS_ID = 1
-EOS_ID = 2
+PAD_ID, BOS_ID, EOS_ID = 0, 1, 2
 BYTE_OFFSET = 3
 NUM_BYTES = 256
 SUBWORD_PAD_MULTIPLE = 128
@@ -50,8 +44,7 @@ SPECIAL_NAMES = {
     "eos": ("<|eos|>", "</s>", "<eos>", "<|end_of_text|>", "[EOS]", "<|endoftext|>"),
 }
 BPE_SPECIALS = ("<|pad|>", "<|bos|>", "<|eos|>")      # ids 0, 1, 2 of a bpe:N tokenizer
-# The file a run directory keeps its tokenizer in, by kind.
-RUN_FILES = {"hf": "tokenizer.json", "sentencepiece": "tokenizer.model"}
+RUN_FILES = {"hf": "tokenizer.json", "sentencepiece": "tokenizer.model"}  # in a run dir, by kind
 
 
 def _round_up(n: int, multiple: int) -> int:
@@ -59,11 +52,7 @@ def _round_up(n: int, multiple: int) -> int:
 
 
 class ByteTokenizer:
-    """Maps text to byte ids and back.
-
-    Args:
-      pad_multiple: ``padded_vocab_size`` is ``vocab_size`` rounded up to a multiple of this.
-    """
+    """Maps text to byte ids and back."""
 
     kind = "bytes"
     spec = "bytes"
@@ -99,10 +88,8 @@ class ByteTokenizer:
         return _frame(ids, [len(doc) for doc in docs], BOS_ID, EOS_ID)
 
     def decode(self, ids) -> str:
-        """Returns the text of the byte ids in ``ids``; special and out-of-range ids are dropped.
-
-        Byte sequences that are not valid utf-8 (e.g. a sample cut mid-character) become U+FFFD.
-        """
+        """The text of the byte ids in ``ids``; special and out-of-range ids are dropped, and bytes
+        that are not valid utf-8 (e.g. a sample cut mid-character) become U+FFFD."""
         ids = np.asarray(ids, dtype=np.int64).reshape(-1)
         byte_values = ids[(ids >= BYTE_OFFSET) & (ids < self.vocab_size)] - BYTE_OFFSET
         return byte_values.astype(np.uint8).tobytes().decode("utf-8", errors="replace")
@@ -249,8 +236,7 @@ def _as_text(text: str | bytes) -> str:
 
 def parse_spec(spec: str) -> tuple[str, int | str]:
     """``("bytes", 0)``, ``("bpe", N)`` or ``("file", path)``; one error line for anything else.
-
-    Reads nothing but the spec (a file's existence is checked by ``vocab_of``)."""
+    Reads nothing but the spec (``open_file`` checks that a file exists)."""
     if spec == "bytes":
         return "bytes", 0
     match = re.fullmatch(r"bpe:(\d+)", spec)

@@ -1,15 +1,13 @@
 """Experiment trackers (``run.trackers``): the run's metrics mirrored to TensorBoard event files
 or to Weights & Biases, besides ``metrics.jsonl`` (always written, ``jaxaccel.metrics``).
 
-Both are optional extras, never required: ``pip install 'jaxaccel[tensorboard]'`` (tensorboardX,
-event files under ``<run_dir>/tensorboard``) and ``pip install 'jaxaccel[wandb]'``. A tracker
-that is asked for and not installed is one error line before any work (``check``), not a
-silently missing curve. W&B runs offline unless ``run.wandb_mode`` says ``online``: the run is
-kept under ``<run_dir>/wandb`` and ``wandb sync`` uploads it later, so no network is needed to
-train. A resumed run continues the same W&B run (its id is derived from the run directory).
-
-Only process 0 of a multi-process run tracks (every process sees the same global metrics).
-"""
+Both are optional extras: ``pip install 'jaxaccel[tensorboard]'`` (tensorboardX, event files
+under ``<run_dir>/tensorboard``) and ``pip install 'jaxaccel[wandb]'``; one asked for and not
+installed is one error line before any work (``check``), not a silently missing curve. W&B runs
+offline unless ``run.wandb_mode`` says ``online``: the run is kept under ``<run_dir>/wandb`` and
+``wandb sync`` uploads it later, so training needs no network. A resumed run continues the same
+W&B run (its id is derived from the run directory). Only process 0 of a multi-process run
+tracks (every process sees the same global metrics)."""
 
 import hashlib
 import importlib.util
@@ -26,8 +24,7 @@ def parse(text: str | None) -> list[str]:
     names = [n.strip() for n in (text or "none").split(",") if n.strip()]
     if names == ["none"]:
         return []
-    unknown = [n for n in names if n not in TRACKERS]
-    if unknown or not names or len(set(names)) != len(names):
+    if any(n not in TRACKERS for n in names) or not names or len(set(names)) != len(names):
         raise ConfigError(f"trackers must be none or a comma list of {', '.join(TRACKERS)} "
                           f"without repeats, got {text!r}", field="run.trackers")
     return names
@@ -83,10 +80,5 @@ class WandB:
 def open_trackers(names: list[str], run_dir: str, *, config: dict | None = None,
                   project: str = "jaxaccel", wandb_mode: str = "offline") -> list:
     """One tracker object per name (``log(step, kind, scalars)``, ``close()``)."""
-    trackers = []
-    for name in names:
-        if name == "tensorboard":
-            trackers.append(TensorBoard(run_dir))
-        else:
-            trackers.append(WandB(run_dir, config or {}, project, wandb_mode))
-    return trackers
+    return [TensorBoard(run_dir) if name == "tensorboard"
+            else WandB(run_dir, config or {}, project, wandb_mode) for name in names]

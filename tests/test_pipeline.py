@@ -125,7 +125,7 @@ def test_pp_strategies_fill_the_mesh():
     (lambda: check("zigzag", 2, 2), "unknown pipeline schedule 'zigzag'",
      "mesh.pipeline_schedule"),
     (lambda: check_layers(techniques.abstract(config(**{"remat.scan_layers": False})), 4),
-     "the stack is not scanned; turn --scan-layers on", "remat.scan_layers"),
+     "the stack is not scanned; turn scan_layers on", "remat.scan_layers"),
     (lambda: check_layers(techniques.abstract(config()), 4),
      "the model's 2 layers do not split evenly over 4 pipeline stages", "mesh.shape"),
     (lambda: check_layers(techniques.abstract(config(**{"gpt.n_layers": 6})), 4),

@@ -1,8 +1,12 @@
 """Each technique's training losses on jaxaccel's GPT over a few steps, to compare two versions.
 
-    python tools/technique_losses.py --out before.json            # every row
+    python tools/technique_losses.py --out after.json             # every row
     python tools/technique_losses.py --out after.json --rows baseline,fp8
-    python tools/technique_losses.py --compare before.json after.json
+    python tools/technique_losses.py --compare tools/technique_losses_9f0ddd2.json after.json
+
+``tools/technique_losses_9f0ddd2.json`` is the record of commit 9f0ddd2 (jaxaccel's GPT with the
+techniques inside the model), taken before the "any model" change; BENCHMARKS.md compares it
+with the code after it.
 
 Each row runs ``python -m experiments.train`` with the same small model and corpus and the
 technique's flags, logging every step; the record is the loss of every step and the final
