@@ -1,36 +1,21 @@
 """Run configuration: nested dataclass sections, a YAML file, overrides and flags.
 
-A ``TrainConfig`` has a section per concern: ``model`` (which model: a preset of jaxaccel's GPT or
-a factory of one's own, ``jaxaccel.model.ModelConfig``), ``gpt`` (the preset's fields),
-``data``, ``optimizer``, ``precision``, ``mesh``, ``run``, and one per technique, each declared in
-the technique's own module (``init``, ``remat``, ``stochastic_depth``, ``token_drop``, ``lora``,
-``adapters``, ``sparsity``, ``fp8``, ``stacking``). An experiment's config is a ``TrainConfig``
-with one more section, ``experiment``, for its own settings.
-
-``parse(argv, cls)`` is the one place where fields meet the command line. Every field is a flag
-(``--seq-len`` sets ``data.seq_len``; a field may name another flag, as ``mesh.strategy`` is
-``--sharding``), ``--help`` groups them by section, and the values come from, lowest first:
-
-1. the field's default;
-2. the experiment's own defaults (``parse(..., defaults={"data.seq_len": 256})``);
-3. ``--config FILE.yaml``, a nested mapping of sections to fields;
-4. ``section.field=value`` overrides and flags.
-
-Library code raises ``ConfigError`` naming the field (``field="gpt.n_heads"``);
-``describe_error`` adds the flag that sets it. ``to_dict`` and ``write_config`` give the resolved
-config back as the same nested mapping, which ``--config`` reads again.
-
-Why not tyro or draccus: both derive flags from the nesting (``--data.seq-len``), and the flat
-flags that the README, BENCHMARKS.md and every recorded command use (``--seq-len``) would all
-change; argparse plus PyYAML, about 200 lines here, keep them and add the file and overrides.
+A ``TrainConfig`` has a section per concern (``model``: a GPT preset or one's own factory;
+``gpt``: the preset's fields; ``data``, ``optimizer``, ``precision``, ``mesh``, ``run``) and one
+per technique, declared in its module; an experiment's config adds ``experiment``. In ``parse``
+every field is a flag (``--seq-len`` sets ``data.seq_len``), values coming from, lowest first:
+the field's default, the experiment's ``defaults``, ``--config FILE.yaml`` (sections of fields),
+then ``section.field=value`` overrides and flags. ``ConfigError`` names the field,
+``describe_error`` adds its flag. Flat flags, not tyro's or draccus's nested ones
+(``--data.seq-len``): every recorded command uses them.
 """
 
 import argparse
+import contextlib
 import dataclasses
-import math
 import os
 import sys
-import types
+import tempfile
 import typing
 
 import yaml
@@ -48,7 +33,7 @@ from jaxaccel.precision import LOSS_SCALE_KINDS, get_policy, make_loss_scale
 from jaxaccel.remat import RematSettings
 from jaxaccel.sampling import SAMPLING
 from jaxaccel.settings import FLOAT_RANGE, INT_LIMIT, INT_RANGE, Range, setting
-from jaxaccel.sharding import AXIS_TYPES, STRATEGIES as SHARDING_STRATEGIES
+from jaxaccel.sharding import AXIS_TYPES, STRATEGIES as SHARDING_STRATEGIES, parse_axis_rules
 from jaxaccel.sparsity import SparsitySettings
 from jaxaccel.stacking import StackingSettings
 from jaxaccel.stochastic_depth import StochasticDepthSettings
@@ -78,8 +63,7 @@ class DataConfig:
     split: str | None = setting(None, "the split of a Hugging Face DatasetDict saved to disk "
                                       "(default: train, or its only split)", flag="data_split")
     tokenize_batch_mb: float = setting(16.0, "megabytes of text tokenized at once when a corpus "
-                                             "is first read: the memory tokenizing takes",
-                                       above=0)
+                                             "is first read: the memory tokenizing takes", above=0)
     seq_len: int | None = setting(None, "training sequence length (default: the model context)",
                                   at_least=1)
     batching: str = setting("fixed", "batching strategy: fixed padding, dynamic padding, length "
@@ -87,29 +71,25 @@ class DataConfig:
     batch_size: int | None = setting(None, "sequences per batch (default 16 unless "
                                            "tokens_per_batch is given)", at_least=1)
     tokens_per_batch: int | None = setting(None, "token budget per batch instead of batch_size "
-                                                 "(bucket: a batch size per bucket)",
-                                        at_least=1)
+                                                 "(bucket: a batch size per bucket)", at_least=1)
     buckets: int = setting(8, "number of length buckets (bucket batching; at most seq_len)",
                            at_least=1, at_most=MAX_BUCKETS)
     pad_multiple: int = setting(64, "row lengths are padded to a multiple of this (dynamic, "
                                     "bucket)", at_least=1)
-    pack_window: int | None = setting(None, "documents packed together per window (pack "
-                                            "batching; default: the data module's)",
-                                            at_least=1)
+    pack_window: int | None = setting(None, "documents packed together per window (pack batching; "
+                                            "default: the data module's)", at_least=1)
     prefetch: int = setting(2, "batches the loader thread keeps ready on the devices",
                             at_least=1, at_most=MAX_PREFETCH)
-    sampling: str = setting("uniform", "importance sampling of documents (fixed batching): "
-                                       "uniform (off), loss (documents drawn by their last seen "
-                                       "loss) or grad-norm (by a bound of their gradient norm), "
-                                       "the loss reweighted by 1/(N p) to stay unbiased",
-                            choices=SAMPLING)
+    sampling: str = setting(
+        "uniform", "importance sampling of documents (fixed batching): uniform (off), loss "
+        "(documents drawn by their last seen loss) or grad-norm (by a bound of their gradient "
+        "norm), the loss reweighted by 1/(N p) to stay unbiased", choices=SAMPLING)
     sampling_power: float = setting(1.0, "importance sampling: probabilities proportional to "
                                          "the documents' relative scores to this power (0 = "
                                          "uniform)", at_least=0)
     sampling_floor: float = setting(0.1, "importance sampling: share of the probability spread "
                                          "uniformly over all rows, so every document stays "
-                                         "reachable (0 < floor <= 1)",
-                                    above=0, at_most=1)
+                                         "reachable (0 < floor <= 1)", above=0, at_most=1)
     cache_dir: str | None = setting(None, "tokenized corpus cache (default $JAXACCEL_CACHE_DIR "
                                           "or ~/.cache/jaxaccel)")
 
@@ -160,12 +140,11 @@ class PrecisionConfig:
                                    flag="loss_scale_growth_interval", at_least=1)
     growth_factor: float = setting(2.0, "dynamic scale growth factor",
                                    flag="loss_scale_growth_factor", above=1,
-                                  at_most=MAX_LOSS_SCALE)
+                                   at_most=MAX_LOSS_SCALE)
     backoff: float = setting(0.5, "dynamic scale factor on a non-finite step",
                              flag="loss_scale_backoff", above=0, below=1)
     min_scale: float = setting(1.0, "the dynamic scale never backs off below this",
-                               flag="loss_scale_min", above=0,
-                               at_most=MAX_LOSS_SCALE)
+                               flag="loss_scale_min", above=0, at_most=MAX_LOSS_SCALE)
     matmul: str = setting("default", "float32 matmul precision (jax_default_matmul_precision): "
                                      "default lets GPUs use TF32, highest forces full float32",
                           flag="matmul_precision", choices=MATMUL_PRECISIONS)
@@ -173,47 +152,40 @@ class PrecisionConfig:
 
 @dataclasses.dataclass
 class MeshConfig:
-    strategy: str = setting("dp", "how the step is split over the mesh: dp (parameters "
-                                  "replicated, batch split), fsdp (parameters, gradients and "
-                                  "optimizer state split too: ZeRO-3), tp (attention heads and "
-                                  "MLP split, Megatron-style), pp (the layers split into "
-                                  "pipeline stages; needs scan_layers, microbatches = "
-                                  "accumulate), and the combinations fsdp+tp, dp+fsdp, dp+pp, "
-                                  "fsdp+pp, tp+pp, fsdp+tp+pp",
-                            flag="sharding", choices=tuple(SHARDING_STRATEGIES))
-    shape: str | None = setting(None, "mesh axis sizes as axis=size pairs over the axes stage, "
-                                      "data, fsdp, tensor, e.g. stage=4,fsdp=2 (-1: the "
-                                      "remaining devices); default: the strategy's axes share "
-                                      "all devices (fsdp+tp: tensor=2; dp+fsdp: data = hosts, or "
-                                      "2; a +pp combination: 2 devices on each other axis, the "
-                                      "rest as stages)", flag="mesh")
-    pipeline_schedule: str = setting("gpipe", "with a pp strategy: gpipe (all microbatches "
-                                              "forward, then backward) or 1f1b (one forward, one "
-                                              "backward: stage inputs kept bounded by the stage "
-                                              "count, not the microbatches)",
-                                     choices=tuple(PIPELINE_SCHEDULES))
+    strategy: str = setting(
+        "dp", "how the step is split over the mesh: dp (parameters replicated, batch split), fsdp "
+        "(parameters, gradients and optimizer state split too: ZeRO-3), tp (attention heads and "
+        "MLP split, Megatron-style), pp (the layers split into pipeline stages; needs "
+        "scan_layers, microbatches = accumulate), and the combinations fsdp+tp, dp+fsdp, dp+pp, "
+        "fsdp+pp, tp+pp, fsdp+tp+pp", flag="sharding", choices=tuple(SHARDING_STRATEGIES))
+    shape: str | None = setting(
+        None, "mesh axis sizes as axis=size pairs over the axes stage, data, fsdp, tensor, e.g. "
+        "stage=4,fsdp=2 (-1: the remaining devices); default: the strategy's axes share all "
+        "devices (fsdp+tp: tensor=2; dp+fsdp: data = hosts, or 2; a +pp combination: 2 devices on "
+        "each other axis, the rest as stages)", flag="mesh")
+    pipeline_schedule: str = setting(
+        "gpipe", "with a pp strategy: gpipe (all microbatches forward, then backward) or 1f1b "
+        "(one forward, one backward: stage inputs kept bounded by the stage count, not the "
+        "microbatches)", choices=tuple(PIPELINE_SCHEDULES))
     num_devices: int | None = setting(None, "train on the first N devices of this process "
-                                            "(default: all devices of all processes)",
-                                     at_least=1)
+                                            "(default: all devices of all processes)", at_least=1)
     axis_types: str = setting("auto", "mesh axis types: auto (XLA completes the shardings) or "
                                       "explicit (shardings are part of every array's type)",
                               flag="mesh_axis_types", choices=tuple(AXIS_TYPES))
     coordinator: str | None = setting(None, "HOST:PORT of process 0: train over several "
                                             "processes (hosts) with jax.distributed")
-    num_processes: int | None = setting(None, "number of processes (with coordinator)",
-                                         at_least=1)
+    num_processes: int | None = setting(None, "number of processes (with coordinator)", at_least=1)
     process_id: int | None = setting(None, "this process's index, 0 .. N-1 (with coordinator)",
                                        at_least=0)
     distributed: bool = setting(False, "start jax.distributed from the cluster's environment "
                                        "(SLURM, Open MPI, ...) instead of coordinator")
     distributed_timeout: int = setting(300, "seconds to wait for all processes to reach the "
                                             "coordinator", at_least=1)
-    axis_rules: str | None = setting(None, "logical axes for variables the model does not "
-                                           "annotate, as PATH_REGEX=axis,axis;... with axes "
-                                           "embed, heads, kv_heads, mlp, vocab, layers (or - for "
-                                           "a dimension kept whole), e.g. 'qkv/kernel=embed,heads'"
-                                           "; tensor parallelism needs them on a model without "
-                                           "nnx.with_partitioning")
+    axis_rules: str | None = setting(
+        None, "logical axes for variables the model does not annotate, as "
+        "PATH_REGEX=axis,axis;... with axes embed, heads, kv_heads, mlp, vocab, layers (or - for "
+        "a dimension kept whole), e.g. 'qkv/kernel=embed,heads'; tensor parallelism needs them on "
+        "a model without nnx.with_partitioning")
 
 
 @dataclasses.dataclass
@@ -224,10 +196,9 @@ class RunConfig:
                                        at_least=1, at_most=2**62)
     seed: int = setting(0, "seed of parameters, data order and dropout", at_least=0)
     memory_budget: int | str | None = setting(
-        None, "device bytes the train step may use, or auto (this device's memory): compile "
-              "every remat policy and take the fastest (fewest FLOPs) that fits the batch; "
-              "overrides remat.policy", choices=("auto",), at_least=1,
-        at_most=2**62)
+        None, "device bytes the train step may use, or auto (this device's memory): compile every "
+        "remat policy and take the fastest (fewest FLOPs) that fits the batch; overrides "
+        "remat.policy", choices=("auto",), at_least=1, at_most=2**62)
     run_dir: str | None = setting(None, "run directory (default: a new runs/train-<time>; with "
                                         "resume, the latest one)")
     resume: bool = setting(False, "continue the run in run_dir from its latest checkpoint")
@@ -243,15 +214,13 @@ class RunConfig:
     eval_every: int = setting(100, "evaluate on eval_batches validation batches every N steps "
                                     "(0 = off)", at_least=0)
     eval_batches: int = setting(20, "validation batches in periodic evaluations, spread over the "
-                                    "split (the final one: final_eval_batches); a number at "
-                                    "least the split's batches evaluates all of it",
-                                at_least=1)
+                                    "split (the final one: final_eval_batches); a number at least "
+                                    "the split's batches evaluates all of it", at_least=1)
     eval_batch_size: int | None = setting(None, "rows per validation batch (default: the "
                                                 "training batch's rows)", at_least=1)
-    final_eval_batches: int | None = setting(100, "validation batches of the final evaluation, "
-                                                  "spread over the split (a number at least the "
-                                                  "split's batches, or null in a config file, "
-                                                  "evaluates all of it)", at_least=1)
+    final_eval_batches: int | None = setting(
+        100, "validation batches of the final evaluation, spread over the split (a number at "
+        "least the split's batches, or null in a config file, evaluates all of it)", at_least=1)
     log_every: int = setting(10, "write metrics every N steps (0: every step)", at_least=0)
     progress: bool = setting(True, "show a progress bar")
     stop_at: str | None = setting(None, "pause at this step: save a checkpoint and exit 0, "
@@ -274,15 +243,13 @@ class RunConfig:
     wandb_mode: str = setting("offline", "W&B mode: offline (kept in <run_dir>/wandb, upload "
                                          "later with wandb sync), online or disabled",
                               choices=("offline", "online", "disabled"))
-    init_from: str | None = setting(None, "start from the weights of this trained run "
-                                          "directory (its latest checkpoint), e.g. to fine-tune "
-                                          "it with LoRA or adapters; the model's shape must "
-                                          "match its")
+    init_from: str | None = setting(None, "start from the weights of this trained run directory "
+                                          "(its latest checkpoint), e.g. to fine-tune it with "
+                                          "LoRA or adapters; the model's shape must match its")
 
 
 def parse_stop_at(text) -> int | tuple[int, int]:
-    """``run.stop_at``: a step number N >= 1, or a share ``A/B`` of the run (0 < A <= B) as
-    ``(A, B)``; one ConfigError line otherwise."""
+    """``run.stop_at``: a step N >= 1, or a share ``A/B`` (0 < A <= B) as ``(A, B)``."""
     number, slash, whole = str(text).strip().partition("/")
     if number.isdigit() and (whole.isdigit() if slash else True):
         if not slash and int(number) >= 1:
@@ -294,8 +261,8 @@ def parse_stop_at(text) -> int | tuple[int, int]:
 
 
 def stop_step(text, total_steps: int, first_step: int) -> int:
-    """The step ``run.stop_at`` pauses a run of ``total_steps`` at (a share rounds to the
-    nearest step, at least 1), checked against the run's steps and the step it resumes from."""
+    """The step ``run.stop_at`` pauses at (a share rounds to the nearest step, at least 1),
+    checked against the run's steps and the step it resumes from."""
     value = parse_stop_at(text)
     step = value if isinstance(value, int) else max(1, round(total_steps * value[0] / value[1]))
     if step > total_steps:
@@ -340,10 +307,9 @@ class TrainConfig:
     def batching_options(self) -> dict:
         """Keyword arguments of ``jaxaccel.data.DataStream`` for the batch size and strategy."""
         data = self.data
-        batch_size = data.batch_size
-        if batch_size is None and data.tokens_per_batch is None:
-            batch_size = 16
-        options = {"batch_size": batch_size, "tokens_per_batch": data.tokens_per_batch,
+        unsized = data.batch_size is None and data.tokens_per_batch is None
+        options = {"batch_size": 16 if unsized else data.batch_size,
+                   "tokens_per_batch": data.tokens_per_batch,
                    "pad_multiple": data.pad_multiple, "num_buckets": data.buckets}
         if data.pack_window is not None:
             options["pack_window"] = data.pack_window
@@ -366,14 +332,12 @@ class TrainConfig:
             growth_interval=p.growth_interval, min_scale=p.min_scale, static_scale=p.init_scale)
 
     def validate(self):
-        """Check the settings: each numeric field in its range (``check_ranges``), then
-        together (ConfigError naming the field otherwise); each technique checks what it cannot
-        combine with (``jaxaccel.techniques.check``)."""
-        from jaxaccel import techniques
+        """ConfigError naming the field unless every field is in range (``check_ranges``) and
+        the settings fit together (each technique's own: ``jaxaccel.techniques.check``)."""
+        from jaxaccel import profiling, techniques, trackers
         check_ranges(self)
         if self.run.profile is not None:
-            from jaxaccel.profiling import parse_window
-            parse_window(self.run.profile)
+            profiling.parse_window(self.run.profile)
         if self.run.stop_at is not None:
             parse_stop_at(self.run.stop_at)
         accumulate = self.optimizer.accumulate
@@ -395,9 +359,7 @@ class TrainConfig:
                               f"{self.mesh.num_processes}; pass 0 .. {self.mesh.num_processes - 1}",
                               field="mesh.process_id")
         self.make_loss_scale()
-        from jaxaccel.trackers import check as check_trackers
-        check_trackers(self.run.trackers, self.run.wandb_mode)
-        from jaxaccel.sharding import parse_axis_rules
+        trackers.check(self.run.trackers, self.run.wandb_mode)
         parse_axis_rules(self.mesh.axis_rules)
         techniques.check(self)
         if self.run.init_from is not None and not os.path.isfile(
@@ -407,17 +369,13 @@ class TrainConfig:
                               field="run.init_from")
 
 
-# ---------------------------------------------------------------------------------------------
 # Ranges: every numeric field of every section, checked the same way.
 
 def field_ranges(cls) -> dict[str, "Range | None"]:
-    """Every field of ``cls``'s sections by path: its declared ``Range`` (None when the field
-    declares none: an int then takes ``INT_RANGE``, a float ``FLOAT_RANGE``)."""
-    ranges = {}
-    for section, section_cls in _sections(cls).items():
-        for f in dataclasses.fields(section_cls):
-            ranges[f"{section}.{f.name}"] = f.metadata.get("range")
-    return ranges
+    """Every field of ``cls``'s sections by path: its declared ``Range`` (or None)."""
+    return {f"{section}.{f.name}": f.metadata.get("range")
+            for section, section_cls in _sections(cls).items()
+            for f in dataclasses.fields(section_cls)}
 
 
 # Fields that name a file or directory: an empty string is refused, never read as ".".
@@ -426,14 +384,13 @@ PATH_FIELDS = ("path", "run_dir", "json", "cache_dir", "init_from", "coordinator
 
 
 def check_ranges(cfg):
-    """ConfigError for the first numeric field of ``cfg`` (any config class: a TrainConfig, an
-    experiment's) that is not finite or out of its range, or path field (``PATH_FIELDS``) that
-    is empty; other fields pass."""
+    """ConfigError for the first numeric field of ``cfg`` (any config class) that is not finite
+    or out of its range (an int without one: ``INT_RANGE``, a float: ``FLOAT_RANGE``), or path
+    field (``PATH_FIELDS``) that is empty."""
     for path, declared in field_ranges(type(cfg)).items():
-        value = field_value(cfg, path)
-        if isinstance(value, str) and not value.strip() and \
-                path.rpartition(".")[2] in PATH_FIELDS:
-            raise ConfigError(f"{path.rpartition('.')[2]} is empty (an empty path would mean "
+        value, name = field_value(cfg, path), path.rpartition(".")[2]
+        if isinstance(value, str) and not value.strip() and name in PATH_FIELDS:
+            raise ConfigError(f"{name} is empty (an empty path would mean "
                               f"the current directory); pass a path, or leave it out for the "
                               f"default", field=path)
         if isinstance(value, bool) or not isinstance(value, (int, float)):
@@ -444,19 +401,16 @@ def check_ranges(cfg):
 
 
 def check_json_outputs(cfg):
-    """ConfigError, before any work, for a ``json`` field (any section) whose file could not be
-    written: its folder missing, not a folder or not writable."""
+    """ConfigError, before any work, for a ``json`` field whose folder is missing or unwritable."""
     for path in field_ranges(type(cfg)):
-        if path.rpartition(".")[2] == "json" and field_value(cfg, path):
-            check_writable(path, os.path.dirname(os.path.abspath(field_value(cfg, path))),
-                           may_create=False)
+        value = field_value(cfg, path)
+        if path.rpartition(".")[2] == "json" and value:
+            check_writable(path, os.path.dirname(os.path.abspath(value)), may_create=False)
 
 
 def check_writable(field: str, path: str, *, may_create: bool):
     """ConfigError naming ``field`` unless a file can be written in the folder ``path`` (with
     ``may_create``: in the nearest existing folder it would be created in)."""
-    import tempfile
-
     name = field.rpartition(".")[2]
     folder = os.path.abspath(path)
     while may_create and not os.path.exists(folder):
@@ -466,14 +420,12 @@ def check_writable(field: str, path: str, *, may_create: bool):
                           + ("" if may_create else "; create it first or choose another path"),
                           field=field)
     try:
-        with tempfile.TemporaryFile(dir=folder):
-            pass
+        tempfile.TemporaryFile(dir=folder).close()
     except OSError as e:
         raise ConfigError(f"{name}: cannot write in {folder} ({e.strerror}); choose another "
                           f"path", field=field) from None
 
 
-# ---------------------------------------------------------------------------------------------
 # Field paths, overrides and files.
 
 def field_value(cfg, path: str):
@@ -486,25 +438,14 @@ def _sections(cls) -> dict[str, type]:
     return {f.name: f.type for f in dataclasses.fields(cls)}
 
 
-def _fields(section_cls):
-    """(name, type, help, flag name, choices) of a section's settable fields."""
-    for f in dataclasses.fields(section_cls):
-        flag = f.metadata["flag"]       # "" for a field no flag sets (model.vocab_size)
-        yield f.name, f.type, f.metadata["help"], None if flag == "" else flag or f.name, \
-            f.metadata["choices"]
-
-
 def _alternatives(annotation) -> list:
-    """The types of a union annotation other than None (``[int, str]`` for ``int | str |
-    None``); empty for a plain type."""
+    """A union's types other than None (``[int, str]`` for ``int | str | None``); [] if plain."""
     return [a for a in typing.get_args(annotation) if a is not type(None)]
 
 
 def _scalar_type(annotation):
     """int for ``int | None``, and so on."""
-    if isinstance(annotation, types.UnionType) or typing.get_origin(annotation) is typing.Union:
-        return next(a for a in typing.get_args(annotation) if a is not type(None))
-    return annotation
+    return (_alternatives(annotation) or [annotation])[0]
 
 
 def _coerce(path: str, value, annotation, choices):
@@ -525,15 +466,11 @@ def _coerce(path: str, value, annotation, choices):
             and type(None) in typing.get_args(annotation)):
         value = None            # an override's YAML null unsets an optional text field
     if isinstance(value, str) and kind is not str:
-        try:
+        with contextlib.suppress(yaml.YAMLError):
             value = yaml.safe_load(value)
-        except yaml.YAMLError:
-            pass
         if kind is float and isinstance(value, str):
-            try:
+            with contextlib.suppress(ValueError):
                 value = float(value)                 # YAML reads 1e-3 as text
-            except ValueError:
-                pass
     if value is None and type(None) in typing.get_args(annotation):
         return None
     if kind is float and type(value) is int:
@@ -550,17 +487,18 @@ def _field_table(cls) -> dict[str, tuple]:
     """Every settable field of ``cls`` by path: (type, help, flag, choices)."""
     table = {}
     for section, section_cls in _sections(cls).items():
-        for name, kind, help_text, flag, choices in _fields(section_cls):
-            table[f"{section}.{name}"] = (kind, help_text, flag, choices)
+        for f in dataclasses.fields(section_cls):
+            flag = f.metadata["flag"]       # "" for a field no flag sets (model.vocab_size)
+            table[f"{section}.{f.name}"] = (f.type, f.metadata["help"],
+                                            None if flag == "" else flag or f.name,
+                                            f.metadata["choices"])
     return table
 
 
 def build(cls=None, values: dict | None = None):
-    """A ``cls`` (default TrainConfig) from ``{"section.field": value}``, with what the other
-    settings imply resolved: the model's context (``model.max_seq_len``: the preset's, else
-    ``data.seq_len``, else 256), the tokenizer (the preset's when none is given: bytes, or
-    bpe:50257 for gpt2) and the model's vocabulary (its padded size; a config file's own
-    vocab_size is kept if the tokenizer's fits in it). A preset's fields are checked here."""
+    """A ``cls`` (default TrainConfig) from ``{"section.field": value}``, the model's context
+    (the preset's, else ``data.seq_len``, else 256), tokenizer (the preset's) and vocabulary (the
+    tokenizer's padded size, or a larger vocab_size given) resolved, a preset's fields checked."""
     cls = cls or TrainConfig
     table = _field_table(cls)
     by_section = {section: {} for section in _sections(cls)}
@@ -601,8 +539,7 @@ RENAMED = {"model.preset": "model.name", "model.fp8": None,
 
 
 def _resolve_model(model: ModelConfig, data: "DataConfig", gpt_settings):
-    """The model section with its context and vocabulary resolved, and the data section with
-    its tokenizer (``build``)."""
+    """The model section with context and vocabulary resolved, the data section's tokenizer."""
     preset = is_preset(model.name)
     if preset and model.name not in gpt_lib.PRESETS:
         raise ConfigError(f"unknown model {model.name!r}: give a preset "
@@ -612,9 +549,7 @@ def _resolve_model(model: ModelConfig, data: "DataConfig", gpt_settings):
                                     else data.seq_len or 256)
     spec = data.tokenizer or (gpt_lib.PRESET_TOKENIZERS.get(model.name, "bytes") if preset
                               else "bytes")
-    vocab = tokenizer_vocab(spec)
-    if (model.vocab_size or 0) >= vocab:
-        vocab = model.vocab_size
+    vocab = max(tokenizer_vocab(spec), model.vocab_size or 0)
     model = dataclasses.replace(model, max_seq_len=context, vocab_size=vocab)
     if preset and gpt_settings is not None:
         given = {k: v for k, v in dataclasses.asdict(gpt_settings).items() if v is not None}
@@ -661,19 +596,16 @@ def read_config_file(path: str) -> dict:
 
 
 def write_config(cfg, run_dir: str, command: str | None = None):
-    """The resolved training config (``config.yaml``: the TrainConfig sections, without an
-    experiment's own) and the command line (``command.txt``) into ``run_dir``, so that
-    ``python -m experiments.train --config run_dir/config.yaml`` repeats the run."""
+    """``config.yaml`` (the TrainConfig sections, not an experiment's) and ``command.txt`` into
+    ``run_dir``: ``python -m experiments.train --config run_dir/config.yaml`` repeats the run."""
     sections = {f.name for f in dataclasses.fields(TrainConfig)}
     with open(os.path.join(run_dir, "config.yaml"), "w") as f:
-        yaml.safe_dump({k: v for k, v in to_dict(cfg).items() if k in sections}, f,
-                       sort_keys=False)
+        yaml.safe_dump({k: v for k, v in to_dict(cfg).items() if k in sections}, f, sort_keys=False)
     if command is not None:
         with open(os.path.join(run_dir, "command.txt"), "w") as f:
             f.write(command + "\n")
 
 
-# ---------------------------------------------------------------------------------------------
 # The command line.
 
 def build_parser(cls=None, *, defaults: dict | None = None, fixed: tuple = (),
@@ -696,15 +628,15 @@ def build_parser(cls=None, *, defaults: dict | None = None, fixed: tuple = (),
         if flag in flags:
             raise ValueError(f"flag --{flag} of {path} is also {flags[flag]}'s")
         flags[flag] = path
-        group = _group(parser, section)
+        groups = {g.title: g for g in parser._action_groups}
+        group = groups.get(section) or parser.add_argument_group(section)
         default = shown[section].get(name)
         accepts = _accepts(ranges.get(path), kind)
         kwargs = {"dest": path, "default": argparse.SUPPRESS,
                   "help": f"{help_text} ({path}, default: {default}{accepts})".replace("%", "%%")}
         if _scalar_type(kind) is bool:
             kwargs["action"] = argparse.BooleanOptionalAction
-        elif str in typing.get_args(kind) and len(_alternatives(kind)) > 1:
-            # a number or a word: _coerce reads it
+        elif str in typing.get_args(kind) and len(_alternatives(kind)) > 1:  # a number or word
             kwargs["metavar"] = "|".join([name.upper(), *choices])
         else:
             kwargs["type"] = _scalar_type(kind)
@@ -728,17 +660,11 @@ def _accepts(declared, annotation) -> str:
 
 
 class _Parser(argparse.ArgumentParser):
-    """argparse whose errors (an unknown flag, a value of the wrong type) are one line and exit
-    code 2, like a ConfigError's, rather than the whole usage."""
+    """argparse whose errors (an unknown flag, a bad value) are one line, like ConfigError's."""
 
     def error(self, message):
         print(f"error: {message}; see --help", file=sys.stderr)
         raise SystemExit(2)
-
-
-def _group(parser, section: str):
-    groups = {g.title: g for g in parser._action_groups}
-    return groups.get(section) or parser.add_argument_group(section)
 
 
 def flag_of(path: str, cls=None) -> str | None:
@@ -758,15 +684,12 @@ def describe_error(error: ConfigError, cls=None) -> str:
 
 def parse(argv=None, cls=None, *, defaults: dict | None = None, fixed: tuple = (),
           unused: dict | None = None, description: str = ""):
-    """A ``cls`` (default TrainConfig) from the command line: the fields' defaults, then
-    ``defaults``, then ``--config``, then flags and ``section.field=value`` overrides. A field in
-    ``fixed`` is set by the experiment and may not be given at all; one in ``unused`` (path:
-    why) keeps its flag but is refused if given, so that a flag shown is never silently
-    ignored. Every numeric field is then checked against its range (``check_ranges``)."""
+    """A ``cls`` (default TrainConfig) from the command line (module docstring), its ranges
+    checked. A field in ``fixed`` is set by the experiment and may not be given; one in
+    ``unused`` (path: why) keeps its flag but is refused if given, never silently ignored."""
     cls = cls or TrainConfig
     parser = build_parser(cls, defaults=defaults, fixed=fixed, description=description)
     args = vars(parser.parse_intermixed_args(argv))
-    values = dict(defaults or {})
     config_file = args.pop("config", None)
     given = read_config_file(config_file) if config_file else {}
     explicit = set(args) - {"overrides"}      # flags and overrides, not a file's fields
@@ -784,8 +707,7 @@ def parse(argv=None, cls=None, *, defaults: dict | None = None, fixed: tuple = (
         if path in (unused or {}) and path in explicit:
             raise ConfigError(f"{path} is not used by this experiment "
                               f"({unused[path]}); leave it out", field=path)
-    values.update(given)
-    cfg = build(cls, values)
+    cfg = build(cls, {**(defaults or {}), **given})
     check_ranges(cfg)
     check_json_outputs(cfg)
     return cfg

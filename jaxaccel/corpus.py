@@ -1,29 +1,15 @@
 """Text corpora as tokenized documents on disk, split into train and validation by file.
 
-A source is one of
+A source is ``"stdlib"`` (the running interpreter's standard library, a document per top-level
+function or class and one for the rest of each module: no download needed), a directory (a
+document per utf-8 text file), a ``.jsonl`` file (a document per line, its ``text_column``), or
+Parquet files or a saved Hugging Face dataset (a document per row, ``jaxaccel.sources``).
 
-* ``"stdlib"``: the Python files of the running interpreter's standard library, one document
-  per top-level function or class and one for the rest of each module: on every machine, so
-  experiments run anywhere without a download.
-* a directory: every regular file under it that is utf-8 text is one document.
-* a ``.jsonl`` file: one document per line, from the line's text field (``text_column``).
-* Parquet files or a Hugging Face dataset written by ``save_to_disk``: one document per row of
-  the text column (``jaxaccel.sources``; nothing is downloaded).
-
-Documents are BOS + the tokenizer's ids + EOS (``jaxaccel.tokenizer``). A source is tokenized
-once, streaming: ``tokenize_batch_mb`` of text at a time is encoded (on every core, for subword
-tokenizers) and appended to a memory-mapped token file (uint16 when the vocabulary fits, else
-uint32) beside each document's length, bytes of text and split key; a ``progress.json`` written
-after every batch lets an interrupted tokenization resume. ``Documents`` are views into the
-mapped file and batching plans from their lengths alone, so a corpus may exceed memory.
-
-The split is a stable hash of each document's file (JSONL line, table row): a file never
-contributes to both splits, whatever the order of files. The cache entry is one folder per
-source and tokenizer, before the split (cheap to redo for any ``val_percent``), keyed by the
-interpreter version for ``stdlib``, the resolved path plus every file's size and mtime for a
-path source, and the tokenizer's fingerprint, so an edited corpus is re-read. It lives in
-``cache_root(cache_dir)``; ``bpe:N`` tokenizers are trained on the training split and cached
-there too (``load_tokenizer``)."""
+A source is tokenized once (BOS + ids + EOS per document), streaming and resumably, into a cache
+folder per source and tokenizer (``cache_root``): memory-mapped tokens (uint16 or uint32) and
+each document's length, text bytes and split key. ``Documents`` view the mapping, so a corpus may
+exceed memory. The split hashes each document's file (JSONL line, table row); ``bpe:N``
+tokenizers are trained on the train split and cached there too (``load_tokenizer``)."""
 
 import ast
 import contextlib
@@ -31,6 +17,7 @@ import dataclasses
 import fcntl
 import functools
 import hashlib
+import itertools
 import json
 import math
 import os
@@ -46,7 +33,6 @@ import numpy as np
 from jaxaccel import sources
 from jaxaccel import tokenizer as tok_lib
 from jaxaccel.errors import ConfigError
-from jaxaccel.sources import Doc
 
 CACHE_FORMAT_VERSION = 2
 _DEFINITIONS = (ast.FunctionDef, ast.AsyncFunctionDef, ast.ClassDef)
@@ -58,8 +44,7 @@ _UNIGRAM_CHUNK = 1 << 24          # tokens counted at once by the unigram baseli
 
 
 class Documents(Sequence):
-    """Some documents of a tokenized corpus: document i is a read-only view of its tokens
-    (unsigned ints) in one buffer, in memory or memory-mapped; ``lengths`` is int64 [N]."""
+    """Documents of a corpus: document i is a read-only view of its tokens in one buffer."""
 
     def __init__(self, tokens: np.ndarray, starts_N: np.ndarray, lengths_N: np.ndarray):
         self.tokens, self.starts, self.lengths = tokens, starts_N, lengths_N
@@ -79,10 +64,7 @@ class Documents(Sequence):
 
 @dataclasses.dataclass(frozen=True, eq=False)
 class Corpus:
-    """Tokenized documents of one source (``name`` as given to ``load_corpus``), split into
-    ``train`` and ``val`` ``Documents`` (BOS + ids + EOS each) by ``tokenizer``. ``stats`` counts
-    files, documents, tokens and bytes of text, everything skipped included; ``fingerprint``, of
-    the documents' names and lengths and the tokenizer, is what a resume checks."""
+    """Source ``name``'s ``train`` and ``val`` ``Documents``, ``stats`` and resume fingerprint."""
 
     name: str
     train: Documents
@@ -96,25 +78,20 @@ class Corpus:
     @property
     def train_sources(self) -> tuple[str, ...]:
         """The file (JSONL line, table row) of each train document, in order."""
-        keys = self._keys()
-        return tuple(keys[k] for k in self._key_index["train"])
+        return tuple(map(self._keys().__getitem__, self._key_index["train"]))
 
     @property
     def val_sources(self) -> tuple[str, ...]:
         """The same for the validation documents."""
-        keys = self._keys()
-        return tuple(keys[k] for k in self._key_index["val"])
+        return tuple(map(self._keys().__getitem__, self._key_index["val"]))
 
     def bits_per_byte(self, nats_per_target: float, split: str = "val") -> float:
-        """A mean loss in nats per target token of ``split`` as bits per byte of its text: the
-        total over the split divided by its UTF-8 bytes, so tokenizers compare."""
+        """A mean loss in nats per target token of ``split`` as bits per byte of its text."""
         return tok_lib.bits_per_byte(nats_per_target, self.stats[f"{split}_targets"],
                                      self.stats[f"{split}_text_bytes"])
 
     def unigram_bits_per_token(self) -> float:
-        """Entropy in bits of the unigram distribution of the train targets (every token but
-        BOS), counted ``_UNIGRAM_CHUNK`` tokens at a time: the loss of a model that learned
-        nothing beyond token frequencies, the baseline the training loss must beat."""
+        """Entropy in bits of the train targets' unigram distribution: the baseline loss to beat."""
         counts_V = np.zeros(self.tokenizer.vocab_size, dtype=np.int64)
         pieces, size = [], 0
         for i, doc in enumerate(self.train):
@@ -134,13 +111,9 @@ class Corpus:
 def load_corpus(source: str = "stdlib", *, tokenizer: str = "bytes", cache_dir: str | None = None,
                 val_percent: float = 2.0, text_column: str = "text", split: str | None = None,
                 tokenize_batch_mb: float = 16.0) -> Corpus:
-    """Loads, tokenizes (or reads from the cache) and splits the corpus named by ``source``.
-
-    Sources and the default ``cache_dir`` are in the module docstring. ``tokenizer``: ``bytes``,
-    a tokenizer file or ``bpe:N`` (``jaxaccel.tokenizer``). ``val_percent``: the percentage of
-    files (JSONL lines, rows) that go to validation. ``text_column``: the field holding the text
-    (JSONL, Parquet, datasets). ``split``: the split of a saved ``DatasetDict`` (default: train,
-    or its only split). ``tokenize_batch_mb``: text tokenized at once, the memory it takes."""
+    """Loads, tokenizes (or reads from the cache) and splits the corpus ``source`` (module
+    docstring). ``val_percent``: the percentage of files (JSONL lines, rows) for validation;
+    ``split``: of a saved ``DatasetDict`` (default: train, or its only split)."""
     if not 0 < val_percent < 100:
         raise ConfigError(f"val_percent must be in (0, 100), got {val_percent}; pass e.g. 2")
     if not tokenize_batch_mb > 0:
@@ -175,10 +148,7 @@ def _locked(path: Path):
                           f"--cache-dir with a writable folder", field="data.cache_dir") from e
     with lock:
         fcntl.flock(lock, fcntl.LOCK_EX)
-        try:
-            yield
-        finally:
-            fcntl.flock(lock, fcntl.LOCK_UN)
+        yield       # closing the file releases the lock, on an error too
 
 
 def corpus_of(data) -> Corpus:
@@ -188,10 +158,9 @@ def corpus_of(data) -> Corpus:
                        tokenize_batch_mb=data.tokenize_batch_mb)
 
 
-def load_tokenizer(spec: str, read: Callable[[dict], Iterator[Doc]], signature: dict,
+def load_tokenizer(spec: str, read: Callable[[dict], Iterator[sources.Doc]], signature: dict,
                    root: Path, val_percent: float):
-    """The tokenizer ``spec`` names; a ``bpe:N`` one is trained on the train split's documents
-    the first time and read from the cache (keyed by the source and the split) after that."""
+    """The tokenizer ``spec`` names; ``bpe:N`` is trained on the train split once and cached."""
     kind, value = tok_lib.parse_spec(spec)
     if kind == "bytes":
         return tok_lib.ByteTokenizer()
@@ -211,9 +180,8 @@ def load_tokenizer(spec: str, read: Callable[[dict], Iterator[Doc]], signature: 
 
 
 def _resolve_source(source: str, text_column: str, split: str | None
-                    ) -> tuple[Callable[[dict], Iterator[Doc]], dict]:
-    """The reader for ``source`` (it yields the documents and fills the stats it is given) and
-    the signature that keys its cache entry."""
+                    ) -> tuple[Callable[[dict], Iterator[sources.Doc]], dict]:
+    """The reader for ``source`` (yields documents, fills the stats given) and its cache key."""
     if source == "stdlib":
         root = stdlib_root()
         signature = {"source": "stdlib", "root": str(root), "python": list(sys.version_info),
@@ -243,7 +211,6 @@ def _resolve_source(source: str, text_column: str, split: str | None
 
 
 def stdlib_root() -> Path:
-    """The running interpreter's standard library."""
     return Path(sysconfig.get_paths()["stdlib"])
 
 
@@ -253,24 +220,21 @@ def stdlib_files(root: Path) -> list[str]:
             if rel.endswith(".py")]
 
 
-def _read_stdlib(root: Path, stats: dict) -> Iterator[Doc]:
+def _read_stdlib(root: Path, stats: dict) -> Iterator[sources.Doc]:
     """Splits every standard library module into its top-level definitions and the rest."""
     rel_paths = stdlib_files(root)
     stats.update(_reader_stats(len(rel_paths)))
     for rel in rel_paths:
         source = (root / rel).read_bytes()
         docs = _module_documents(source)
-        if docs is None:
-            stats["unparsable_files"] += 1
-            docs = [source]
-        for doc in docs:
+        stats["unparsable_files"] += docs is None
+        for doc in docs or [source]:
             yield rel, doc
 
 
 def _module_documents(source: bytes) -> list[bytes] | None:
     """The module's top-level lines outside definitions, then each definition with its
-    decorators, cut from the file's bytes: every byte lands in exactly one document and non-utf-8
-    files keep their bytes. None when the file is not valid Python for this interpreter."""
+    decorators: every byte lands in one document. None when the file is not valid Python."""
     try:
         with warnings.catch_warnings():
             warnings.simplefilter("ignore")  # e.g. SyntaxWarning for invalid escapes in test data
@@ -278,25 +242,22 @@ def _module_documents(source: bytes) -> list[bytes] | None:
     except (SyntaxError, ValueError, RecursionError):
         return None
     lines = source.splitlines(keepends=True)  # \n, \r\n and \r: the line ends ast counts
-    in_definition = [False] * len(lines)
-    definitions = []
+    rest, definitions, end = [], [], 0
     for node in tree.body:
         if isinstance(node, _DEFINITIONS):
             first = min([node.lineno] + [d.lineno for d in node.decorator_list]) - 1
+            rest += lines[end:first]
             definitions.append(b"".join(lines[first : node.end_lineno]))
-            in_definition[first : node.end_lineno] = [True] * (node.end_lineno - first)
-    rest = b"".join(line for line, used in zip(lines, in_definition) if not used)
-    return [rest] + definitions
+            end = node.end_lineno
+    return [b"".join(rest + lines[end:])] + definitions
 
 
 def _directory_files(root: Path, skip_dirs: frozenset[str] = frozenset(),
                      skipped: dict | None = None) -> list[str]:
     """Paths, relative to root and sorted, of every regular file under root outside skip_dirs.
-    Folders that cannot be listed and symlinked folders (not followed: no cycles, no file read
-    twice) are counted in ``skipped`` (``unreadable_dirs_skipped``, ``symlinked_dirs_skipped``)."""
+    Folders that cannot be listed and symlinked ones (not followed) are counted in ``skipped``."""
     skipped = {} if skipped is None else skipped
-    skipped.setdefault("unreadable_dirs_skipped", 0)
-    skipped.setdefault("symlinked_dirs_skipped", 0)
+    skipped.update(unreadable_dirs_skipped=0, symlinked_dirs_skipped=0)
 
     def unreadable(error):
         skipped["unreadable_dirs_skipped"] += 1
@@ -312,9 +273,8 @@ def _directory_files(root: Path, skip_dirs: frozenset[str] = frozenset(),
 
 
 def _read_directory(root: Path, rel_paths: list[str], skipped: dict, stats: dict
-                    ) -> Iterator[Doc]:
-    """One document per file that is utf-8 text; other files are counted and skipped, as are
-    the folders ``_directory_files`` could not or would not enter (``skipped``)."""
+                    ) -> Iterator[sources.Doc]:
+    """One document per file that is utf-8 text; other files are counted and skipped."""
     stats.update(_reader_stats(len(rel_paths)), **skipped)
     for rel in rel_paths:
         try:
@@ -330,7 +290,7 @@ def _read_directory(root: Path, rel_paths: list[str], skipped: dict, stats: dict
         yield rel, data
 
 
-def _read_jsonl(path: Path, column: str, stats: dict) -> Iterator[Doc]:
+def _read_jsonl(path: Path, column: str, stats: dict) -> Iterator[sources.Doc]:
     """One document per line, from its ``column`` field; a blank line is an empty document."""
     stats.update(_reader_stats(1))
     example = f'write one JSON object per line, like {{"{column}": "..."}}'
@@ -352,7 +312,7 @@ def _read_jsonl(path: Path, column: str, stats: dict) -> Iterator[Doc]:
 
 
 def _read_table(path: Path, kind: str, column: str, split: str | None, stats: dict
-                ) -> Iterator[Doc]:
+                ) -> Iterator[sources.Doc]:
     """One document per row of a Parquet or saved Hugging Face dataset (``jaxaccel.sources``)."""
     table_stats = {}
     docs = sources.documents(path, kind, column, table_stats, split)
@@ -377,7 +337,6 @@ def skipped_inputs(stats: dict) -> dict[str, int]:
             if stats.get(key, 0)}
 
 
-# =============================================================================================
 # The cache entry: tokenize once, streaming, resumable; open as memory maps.
 
 def _token_dtype(tok) -> np.dtype:
@@ -385,10 +344,9 @@ def _token_dtype(tok) -> np.dtype:
     return np.dtype(np.uint16 if tok.vocab_size <= 2**16 else np.uint32)
 
 
-def _tokenize(read: Callable[[dict], Iterator[Doc]], tok, entry: Path, signature: dict,
+def _tokenize(read: Callable[[dict], Iterator[sources.Doc]], tok, entry: Path, signature: dict,
               batch_bytes: int) -> None:
-    """Streams the source through the tokenizer into ``entry``, ``batch_bytes`` of text at a
-    time, resuming after the last batch its ``progress.json`` records."""
+    """Tokenizes the source into ``entry``, ``batch_bytes`` at a time, resuming per progress."""
     progress = _read_progress(entry, signature)
     if progress is None or progress["done"] or not _holds(entry, progress):
         progress = {"signature": signature, "dtype": _token_dtype(tok).name, "raw_docs": 0,
@@ -401,12 +359,9 @@ def _tokenize(read: Callable[[dict], Iterator[Doc]], tok, entry: Path, signature
             f.truncate(size)
     files = {name: open(entry / f"{name}.bin", "ab") for name in ("tokens", *_DOC_ARRAYS)}
     files["keys"] = open(entry / "keys.jsonl", "ab")
-    stats = {}
-    batch, batch_size, skip = [], 0, progress["raw_docs"]
+    stats, batch, batch_size = {}, [], 0
     try:
-        for i, (key, doc) in enumerate(read(stats)):
-            if i < skip:                     # tokenized before an interruption
-                continue
+        for key, doc in itertools.islice(read(stats), progress["raw_docs"], None):
             batch.append((key, doc))
             batch_size += len(doc)
             if batch_size >= batch_bytes:
@@ -418,10 +373,9 @@ def _tokenize(read: Callable[[dict], Iterator[Doc]], tok, entry: Path, signature
             f.close()
 
 
-def _append(batch: list[Doc], tok, dtype, files: dict, progress: dict, entry: Path,
+def _append(batch: list[sources.Doc], tok, dtype, files: dict, progress: dict, entry: Path,
             stats: dict | None = None) -> None:
-    """Tokenizes one batch, appends it and records the progress; with ``stats`` (the reader's,
-    after the last batch) the entry is marked complete."""
+    """Tokenizes and appends a batch, records the progress; ``stats`` marks the entry complete."""
     kept = [(key, doc) for key, doc in batch if doc.strip()]
     progress["empty"] += len(batch) - len(kept)
     progress["raw_docs"] += len(batch)
@@ -478,15 +432,13 @@ def _holds(entry: Path, progress: dict) -> bool:
 
 
 def _open_cache(entry: Path, signature: dict) -> dict | None:
-    """A complete entry's arrays (tokens memory-mapped), or None if it is missing, incomplete,
-    another source's or inconsistent."""
+    """A complete, consistent entry's arrays (tokens memory-mapped), else None."""
     progress = _read_progress(entry, signature)
     if progress is None or not progress.get("done"):
         return None
     try:
         dtype, docs = np.dtype(progress["dtype"]), progress["docs"]
-        arrays = {name: np.fromfile(entry / f"{name}.bin", dtype=np.int64)
-                  for name in _DOC_ARRAYS}
+        arrays = {name: np.fromfile(entry / f"{name}.bin", dtype=np.int64) for name in _DOC_ARRAYS}
         size = (entry / "tokens.bin").stat().st_size
         if size != progress["tokens"] * dtype.itemsize or any(
                 len(a) != docs for a in arrays.values()):
@@ -499,11 +451,10 @@ def _open_cache(entry: Path, signature: dict) -> dict | None:
     lengths = arrays["lengths"]
     if lengths.sum() != progress["tokens"] or (docs and lengths.min() < 3):
         return None
-    keys_path = entry / "keys.jsonl"
 
     @functools.cache
     def keys() -> list[str]:
-        with keys_path.open("rb") as f:
+        with (entry / "keys.jsonl").open("rb") as f:
             return [json.loads(line) for line in f]
 
     return {"tokens": tokens, "stats": progress["stats"], "keys": keys,
@@ -529,8 +480,7 @@ def _key_hashes(entry: Path, keys: Callable[[], list[str]], count: int) -> np.nd
 
 def _split(name: str, tok, cached: dict, val_percent: float) -> Corpus:
     """Assigns each document to train or validation by the hash of its split key."""
-    stats = dict(cached["stats"])
-    lengths = cached["lengths"]
+    stats, lengths = dict(cached["stats"]), cached["lengths"]
     if len(lengths) == 0:
         left_out = ", ".join(f"{n} {r}" for r, n in skipped_inputs(stats).items())
         raise ConfigError(f"corpus {name} has no non-empty documents"
@@ -541,10 +491,9 @@ def _split(name: str, tok, cached: dict, val_percent: float) -> Corpus:
     splits, key_index = {}, {}
     for split, ids in (("train", np.flatnonzero(~is_val_N)), ("val", np.flatnonzero(is_val_N))):
         if len(ids) == 0:
-            raise ConfigError(
-                f"corpus {name} has no {split} documents ({val_percent:g}% of its files, "
-                f"JSONL lines or rows go to validation): pass a corpus with more of them",
-                field="data.path")
+            raise ConfigError(f"corpus {name} has no {split} documents ({val_percent:g}% of its "
+                              f"files, JSONL lines or rows go to validation): pass a corpus with "
+                              f"more of them", field="data.path")
         splits[split] = Documents(cached["tokens"], starts[ids], lengths[ids])
         key_index[split] = cached["key_index"][ids]
         stats[f"{split}_documents"] = len(ids)
@@ -559,8 +508,7 @@ def _split(name: str, tok, cached: dict, val_percent: float) -> Corpus:
 
 def _key_hash(key: str) -> int:
     """A stable pseudo-random number per split key: the same on every machine."""
-    return int.from_bytes(hashlib.sha1(key.encode("utf-8", "surrogateescape")).digest()[:8],
-                          "big")
+    return int.from_bytes(hashlib.sha1(key.encode("utf-8", "surrogateescape")).digest()[:8], "big")
 
 
 def _is_val(key_hash, val_percent: float):

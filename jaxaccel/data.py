@@ -1,21 +1,13 @@
 """Batching: token documents -> Batch dicts of numpy arrays (the contract in DESIGN.md).
 
-A document of n tokens gives n - 1 (input, target) pairs. A batching strategy lays the pairs
-of all documents out in rows of at most ``seq_len`` pairs (a ``RowPlan``) and groups the rows
-of an epoch into batches, each with its own shape [B, T] (an ``EpochPlan``):
-
-* ``fixed``: one chunk of at most seq_len pairs of one document per row, padded to seq_len.
-* ``dynamic``: the rows of fixed, each batch padded only to its longest row (rounded up to a
-  multiple of ``pad_multiple``).
-* ``bucket``: the rows of fixed sorted into ``num_buckets`` length buckets chosen to minimise
-  padding; each batch holds rows of one bucket, optionally with a token budget per batch.
-* ``pack``: pieces of documents packed side by side into rows of seq_len (best-fit decreasing),
-  one shape and almost no padding; segment_ids and positions keep the documents apart.
-
-Under jit every new batch shape is a new compile, so every shape a stream can yield is known
-before the first batch (``DataStream.shapes``). Planning looks only at document lengths, so an
-epoch is planned up front and any batch made without the ones before it; each process makes
-only its slice of every global batch. Documents of < 2 tokens (no pairs) are skipped and counted."""
+A document of n tokens gives n - 1 (input, target) pairs. A strategy lays them out in rows of at
+most ``seq_len`` pairs (a ``RowPlan``) and groups an epoch's rows into batches of shape [B, T]
+(an ``EpochPlan``): ``fixed`` (a chunk of one document per row, padded to seq_len), ``dynamic``
+(each batch padded to its longest row), ``bucket`` (batches of rows of one of ``num_buckets``
+lengths chosen to minimise padding) or ``pack`` (pieces of documents side by side in each row).
+Plans use only document lengths, so every shape (a jit compile each) is known before the first
+batch (``DataStream.shapes``) and any batch is made alone, each process making its slice.
+Documents of < 2 tokens are skipped and counted."""
 
 import bisect
 import math
@@ -30,10 +22,9 @@ BATCH_KEYS = ("inputs", "targets", "weights", "segment_ids", "positions")
 BATCH_DTYPES = {"inputs": np.int32, "targets": np.int32, "weights": np.float32,
                 "segment_ids": np.int32, "positions": np.int32}
 
-# Strategy options and their defaults. Best-fit's cost per piece grows with the open rows, so
-# packing goes by windows of the shuffled pool; 2048 pieces hold enough short ones to fill the
-# gaps next to long ones: on the stdlib at seq_len 1024 an epoch packs into 30,563 rows, against
-# 30,557 packing the whole epoch at once and a bound of 30,555 (64 pieces: 30,718).
+# Options and defaults. Best-fit's cost grows with the open rows, so packing goes by windows of
+# pieces; on the stdlib at seq_len 1024 windows of 2048 pack an epoch into 30,563 rows (the whole
+# epoch at once: 30,557; bound 30,555; windows of 64: 30,718).
 OPTIONS = {"pad_multiple": 64, "num_buckets": 8, "pack_window": 2048, "data_parallel": 1}
 
 Batch = dict[str, np.ndarray]
@@ -55,7 +46,6 @@ class RowPlan(NamedTuple):
 
     @property
     def num_rows(self) -> int:
-        """Rows in an epoch."""
         return len(self.row_offsets) - 1
 
     def row_lengths(self) -> np.ndarray:
@@ -77,7 +67,6 @@ class EpochPlan(NamedTuple):
 
     @property
     def num_batches(self) -> int:
-        """Batches in the epoch."""
         return len(self.batch_offsets) - 1
 
 
@@ -105,12 +94,10 @@ def fixed_rows(pairs_N: np.ndarray, seq_len: int) -> RowPlan:
 
 def bucket_lengths(row_len_W: np.ndarray, num_buckets: int, pad_multiple: int,
                    seq_len: int) -> np.ndarray:
-    """At most num_buckets row lengths that minimise padding when each row is padded to the
-    smallest of them that holds it. Candidates are the multiples of pad_multiple and seq_len;
-    only those some row rounds up to can be optimal (moving a bucket down to the largest such
-    one below it only cuts padding), so the dynamic programme runs over those: after k rounds
-    ``slots_C[j]`` is the fewest positions that at most k buckets, the largest being candidate
-    j, give all rows up to candidate j. Time O(num_buckets * C^2), memory O(C) for C of those."""
+    """At most num_buckets row lengths minimising padding when each row is padded to the
+    smallest that holds it: a dynamic programme, O(num_buckets * C^2), over the C lengths some
+    row rounds up to (only those can be optimal). After k rounds ``slots_C[j]`` is the fewest
+    positions that at most k buckets, the largest at candidate j, give all rows up to j."""
     rounded_W = np.minimum(-(-row_len_W // pad_multiple) * pad_multiple, seq_len)
     length_C, count_C = np.unique(rounded_W, return_counts=True)
     rows_up_to_C = np.cumsum(count_C)
@@ -135,10 +122,8 @@ def bucket_lengths(row_len_W: np.ndarray, num_buckets: int, pad_multiple: int,
 
 def best_fit_decreasing(length_P: np.ndarray, capacity: int) -> np.ndarray:
     """Row of each piece when pieces go, longest first, into the open row with the least room
-    that still fits them (else a new row), rows numbered in the order they are opened. Best-fit
-    decreasing needs at most 11/9 of the optimal rows and, with many short pieces to fill the
-    gaps, nearly always the optimum. Open rows are kept sorted by room: one binary search, not a
-    scan of the rows, per piece."""
+    that fits them (else a new row, numbered in order). Needs at most 11/9 of the optimal rows,
+    with many short pieces nearly always the optimum. Open rows are kept sorted by room."""
     order_P = np.argsort(-length_P, kind="stable")
     row_P = np.empty(len(length_P), dtype=np.int64)
     open_rows = []  # (room left, row), sorted; rows with no room left are dropped
@@ -171,12 +156,12 @@ class Fixed:
         self.rows = fixed_rows(pairs_N, sizes.seq_len)
 
     def shapes(self) -> list[tuple[int, int]]:
-        """Every global batch shape of every epoch."""
         return [(self.sizes.batch_size, self.sizes.seq_len)]
 
     def plan(self, rng: np.random.Generator | None) -> EpochPlan:
         """The batches of an epoch; rows in a random order, or in document order without rng."""
-        order_W = _permutation(self.rows.num_rows, rng)
+        order_W = (np.arange(self.rows.num_rows) if rng is None
+                   else rng.permutation(self.rows.num_rows))
         return cut_batches(self.rows, order_W, self.sizes.batch_size, self.sizes.seq_len)
 
     def stats(self) -> dict:
@@ -188,8 +173,7 @@ class Dynamic(Fixed):
     """``dynamic`` (module docstring): at most ceil(seq_len / pad_multiple) shapes."""
 
     def shapes(self) -> list[tuple[int, int]]:
-        """Rounded lengths from the shortest a batch's longest row can be (the batch with the
-        fewest rows, k, has one at least the k-th shortest of the epoch) to the longest row."""
+        """Rounded lengths from the least a batch's longest row can be to the longest row."""
         sizes, num_rows = self.sizes, self.rows.num_rows
         fewest_rows = num_rows - (-(-num_rows // sizes.batch_size) - 1) * sizes.batch_size
         row_len_W = np.sort(self.rows.row_lengths())
@@ -207,9 +191,8 @@ class Dynamic(Fixed):
 
 
 class Bucket(Fixed):
-    """``bucket``: rows padded to the smallest bucket length that holds them, each batch rows of
-    one bucket u in an array [B_u, T_u]. With a token budget B_u is tokens_per_batch // T_u
-    rounded down to the batch multiple, so every batch holds about tokens_per_batch tokens."""
+    """``bucket``: each batch rows of one bucket u, [B_u, T_u]; with a token budget B_u is
+    tokens_per_batch // T_u rounded down to the batch multiple."""
 
     def __init__(self, pairs_N: np.ndarray, sizes: Sizes):
         super().__init__(pairs_N, sizes)
@@ -230,13 +213,13 @@ class Bucket(Fixed):
         self.batch_size_U = tokens // self.length_U // multiple * multiple
 
     def shapes(self) -> list[tuple[int, int]]:
-        """One shape per bucket."""
         return sorted(zip(self.batch_size_U.tolist(), self.length_U.tolist()))
 
     def plan(self, rng: np.random.Generator | None) -> EpochPlan:
         """Rows shuffled within their bucket, cut into batches, batches of all buckets shuffled;
         without rng, rows keep document order and batches go by their first row."""
-        by_bucket_W = _permutation(self.rows.num_rows, rng)
+        by_bucket_W = (np.arange(self.rows.num_rows) if rng is None
+                       else rng.permutation(self.rows.num_rows))
         by_bucket_W = by_bucket_W[np.argsort(self.bucket_W[by_bucket_W], kind="stable")]
         rows_U = np.bincount(self.bucket_W, minlength=len(self.length_U))
         batches_U = -(-rows_U // self.batch_size_U)
@@ -245,10 +228,8 @@ class Bucket(Fixed):
         bucket_end_U = np.cumsum(rows_U)
         first_Z = bucket_end_U[bucket_Z] - rows_U[bucket_Z] + index_Z * self.batch_size_U[bucket_Z]
         count_Z = np.minimum(self.batch_size_U[bucket_Z], bucket_end_U[bucket_Z] - first_Z)
-        if rng is None:
-            batch_order_Z = np.argsort(by_bucket_W[first_Z], kind="stable")
-        else:
-            batch_order_Z = rng.permutation(len(bucket_Z))
+        batch_order_Z = (np.argsort(by_bucket_W[first_Z], kind="stable") if rng is None
+                         else rng.permutation(len(bucket_Z)))
         first_Z, count_Z = first_Z[batch_order_Z], count_Z[batch_order_Z]
         bucket_Z = bucket_Z[batch_order_Z]
         offsets = np.concatenate([[0], np.cumsum(count_Z)])
@@ -257,14 +238,12 @@ class Bucket(Fixed):
                          self.length_U[bucket_Z])
 
     def stats(self) -> dict:
-        """The bucket lengths the dynamic programme chose."""
         return {"bucket_lengths": self.length_U.tolist()}
 
 
 class Pack(Fixed):
-    """``pack``: a document longer than seq_len gives full rows of seq_len pairs and a remainder
-    piece; each epoch shuffles the pool of pieces (the remainders and the short documents) and
-    packs each window of pack_window pieces by best-fit decreasing."""
+    """``pack``: full rows of seq_len pairs of long documents; each epoch shuffles the other
+    pieces and packs each window of pack_window of them by best-fit decreasing."""
 
     def __init__(self, pairs_N: np.ndarray, sizes: Sizes):
         self.sizes = sizes
@@ -276,7 +255,7 @@ class Pack(Fixed):
 
     def plan(self, rng: np.random.Generator | None) -> EpochPlan:
         """Packs the pool afresh and orders all rows at random (or by their first document)."""
-        pool_P = _permutation(len(self.doc_P), rng)  # the pieces in the order they are packed
+        pool_P = np.arange(len(self.doc_P)) if rng is None else rng.permutation(len(self.doc_P))
         row_P = np.empty(len(pool_P), dtype=np.int64)  # the packed row of piece pool_P[p]
         num_packed = 0
         for begin in range(0, len(pool_P), self.sizes.pack_window):
@@ -292,23 +271,19 @@ class Pack(Fixed):
             np.concatenate([self.full_rows.start_Q, self.start_P[piece_Q]]),
             np.concatenate([self.full_rows.length_Q, self.length_P[piece_Q]]),
             np.concatenate([self.full_rows.row_offsets, self.full_rows.num_rows + packed_ends_W]))
-        if rng is None:
-            first_doc_W = np.minimum.reduceat(rows.doc_Q, rows.row_offsets[:-1])
-            order_W = np.argsort(first_doc_W, kind="stable")
-        else:
-            order_W = rng.permutation(rows.num_rows)
+        first_doc_W = np.minimum.reduceat(rows.doc_Q, rows.row_offsets[:-1])
+        order_W = (np.argsort(first_doc_W, kind="stable") if rng is None
+                   else rng.permutation(rows.num_rows))
         return cut_batches(rows, order_W, self.sizes.batch_size, self.sizes.seq_len)
 
 
-STRATEGIES: dict[str, type[Fixed]] = {"fixed": Fixed, "dynamic": Dynamic, "bucket": Bucket,
-                                       "pack": Pack}
+STRATEGIES = {"fixed": Fixed, "dynamic": Dynamic, "bucket": Bucket, "pack": Pack}
 
 
 def make_batch(documents: Sequence[np.ndarray], plan: RowPlan, rows_B: np.ndarray,
                batch_size: int, seq_len: int) -> Batch:
-    """The Batch holding ``rows_B`` of ``plan``, topped up with all-zero rows to batch_size; a
-    row's segments lie side by side from column 0. The only Python loop is one slice per
-    segment; every per-token step is a numpy gather or scatter over the batch's A real pairs."""
+    """The Batch holding ``rows_B`` of ``plan``, topped up with all-zero rows to batch_size,
+    segments side by side from column 0: one slice per segment, then numpy gathers/scatters."""
     # The batch's Q segments, row by row; row b holds segments first_B[b] ..
     first_in_plan_B = plan.row_offsets[rows_B]
     segments_B = plan.row_offsets[rows_B + 1] - first_in_plan_B
@@ -330,7 +305,6 @@ def make_batch(documents: Sequence[np.ndarray], plan: RowPlan, rows_B: np.ndarra
     slot_A = pair_A + np.repeat(np.arange(len(rows_B)) * seq_len - row_begin_B, row_len_B)
 
     def scatter(values_A: np.ndarray) -> np.ndarray:
-        """A zero [batch_size, seq_len] int32 array with values_A at the real pairs' slots."""
         array_BT = np.zeros((batch_size, seq_len), dtype=np.int32)
         array_BT.ravel()[slot_A] = values_A
         return array_BT
@@ -349,11 +323,9 @@ def batches(documents: Sequence[np.ndarray], *, strategy: str = "fixed", seq_len
             batch_size: int | None = None, tokens_per_batch: int | None = None, seed: int = 0,
             epoch: int = 0, shuffle: bool = True, start: int = 0, process_index: int = 0,
             process_count: int = 1, **options) -> Iterator[Batch]:
-    """One epoch of Batches, from batch index ``start`` on (the ones before are skipped without
-    being made); this process's rows of each. A last partial batch (of the epoch, or of a
-    bucket) is filled up with all-zero rows (weights 0) to keep its shape; every shape is one of
-    ``DataStream.shapes``. Settings are checked at the call, not at the first ``next``.
-    ``options``: pad_multiple, num_buckets, pack_window, data_parallel (see OPTIONS)."""
+    """One epoch of Batches from batch index ``start`` on, this process's rows of each; a
+    partial batch is topped up with all-zero rows. Settings are checked at the call, not at the
+    first ``next``. ``options``: pad_multiple, num_buckets, pack_window, data_parallel."""
     if start < 0:
         raise ConfigError(f"start must be >= 0, got {start}; pass the index of the first batch")
     batcher, _ = _make_strategy(documents, strategy, seq_len, batch_size, tokens_per_batch, seed,
@@ -365,10 +337,9 @@ def batches(documents: Sequence[np.ndarray], *, strategy: str = "fixed", seq_len
 
 class DataStream:
     """Endless training Batches over epochs 0, 1, 2, ..., each in its own shuffled order.
-    ``position`` ({"epoch": e, "batch": i}, JSON-serialisable) names the next batch to be
-    yielded; a stream built with ``position=`` that value yields exactly the batches the
-    original stream would have yielded next, which makes checkpoint/resume bitwise exact.
-    Settings are those of ``batches``. Only the current epoch's plan is kept."""
+    ``position`` ({"epoch": e, "batch": i}) names the next batch; a stream built with
+    ``position=`` that value yields exactly what the original would have yielded next, so a
+    resume is bitwise exact. Settings are those of ``batches``."""
 
     def __init__(self, documents: Sequence[np.ndarray], *, strategy: str = "fixed", seq_len: int,
                  batch_size: int | None = None, tokens_per_batch: int | None = None,
@@ -405,8 +376,7 @@ class DataStream:
 
     @property
     def stats(self) -> dict:
-        """How the current epoch uses its global batches (all processes together);
-        padding_efficiency is real pairs / positions computed, filled tail rows included."""
+        """How the current epoch uses its global batches; padding_efficiency: pairs / positions."""
         plan = self._epoch_plan(self._epoch)
         real_tokens = int(plan.rows.length_Q.sum())
         return {
@@ -432,10 +402,9 @@ class DataStream:
         return batch
 
     def _epoch_plan(self, epoch: int) -> EpochPlan:
-        """The plan of ``epoch``, kept until another epoch is asked for."""
         if self._cached_plan[0] != epoch:
-            plan = self._batcher.plan(_epoch_rng(self._seed, epoch, self._shuffle))
-            self._cached_plan = (epoch, plan)
+            rng = _epoch_rng(self._seed, epoch, self._shuffle)
+            self._cached_plan = (epoch, self._batcher.plan(rng))
         return self._cached_plan[1]
 
     def _parse_position(self, position: dict) -> tuple[int, int]:
@@ -444,9 +413,9 @@ class DataStream:
         valid = isinstance(epoch, int) and isinstance(batch, int) and epoch >= 0 and batch >= 0
         num_batches = self._epoch_plan(epoch if valid else 0).num_batches
         if not (valid and batch < num_batches):
-            raise ConfigError(
-                f"data position {position} does not fit an epoch of {num_batches} batches; "
-                "resume with the data and batching settings the position was saved with")
+            raise ConfigError(f"data position {position} does not fit an epoch of {num_batches} "
+                              "batches; resume with the data and batching settings the "
+                              "position was saved with")
         return epoch, batch
 
 
@@ -456,19 +425,11 @@ def batch_stats(batch: Batch) -> dict[str, int]:
             "padded_tokens": int(np.count_nonzero(batch["segment_ids"] == 0))}
 
 
-def document_lengths(documents: Sequence[np.ndarray]) -> np.ndarray:
-    """Tokens in each document, int64 [N], without reading them where the documents know
-    (``corpus.Documents``: a corpus larger than memory is planned from its lengths alone)."""
-    known = getattr(documents, "lengths", None)
-    if known is not None:
-        return np.asarray(known, dtype=np.int64)
-    return np.array([len(doc) for doc in documents], dtype=np.int64)
-
-
 def _make_strategy(documents: Sequence[np.ndarray], strategy: str, seq_len: int,
                    batch_size: int | None, tokens_per_batch: int | None, seed: int,
                    process_index: int, process_count: int, options: dict) -> tuple[Fixed, int]:
-    """The checked strategy over the documents' pair counts, and the count of empty documents."""
+    """The strategy over the documents' pair counts and the count of empty documents, after
+    rejecting settings that cannot make batches (naming the setting, and field, to change)."""
     if strategy not in STRATEGIES:
         raise ConfigError(f"unknown batching strategy {strategy!r}; choose one of: "
                           f"{', '.join(STRATEGIES)}", field="data.batching")
@@ -476,23 +437,9 @@ def _make_strategy(documents: Sequence[np.ndarray], strategy: str, seq_len: int,
         raise ConfigError(f"seed must be >= 0, got {seed}; pass a non-negative seed",
                           field="run.seed")
     if not 0 <= process_index < process_count:
-        raise ConfigError(
-            f"process_index={process_index} is not in [0, process_count={process_count}); "
-            "pass the index of this process among process_count >= 1 processes")
-    sizes = _check_sizes(strategy, seq_len, batch_size, tokens_per_batch, process_count, options)
-    if len(documents) == 0:
-        raise ConfigError("no documents to batch; pass a corpus with at least one document",
-                          field="data.path")
-    pairs_N = np.maximum(document_lengths(documents) - 1, 0)
-    if pairs_N.sum() == 0:
-        raise ConfigError(f"the {len(documents)} documents have no (input, target) pairs; pass a "
-                          "corpus with a document of >= 2 tokens", field="data.path")
-    return STRATEGIES[strategy](pairs_N, sizes), int(np.count_nonzero(pairs_N == 0))
-
-
-def _check_sizes(strategy: str, seq_len: int, batch_size: int | None,
-                 tokens_per_batch: int | None, process_count: int, options: dict) -> Sizes:
-    """Rejects settings that cannot make batches, naming the setting (and field) to change."""
+        raise ConfigError(f"process_index={process_index} is not in [0, process_count="
+                          f"{process_count}); pass the index of this process among "
+                          "process_count >= 1 processes")
     unknown = sorted(set(options) - set(OPTIONS))
     if unknown:
         raise ConfigError(f"unknown batching option {unknown[0]!r}; choose from: "
@@ -532,22 +479,27 @@ def _check_sizes(strategy: str, seq_len: int, batch_size: int | None,
     else:
         for name, count in (("data_parallel", data_parallel), ("process_count", process_count)):
             if batch_size % count:
-                raise ConfigError(
-                    f"batch_size={batch_size} is not a multiple of {name}={count}; pass a "
-                    f"batch_size that is (e.g. {-(-batch_size // count) * count})",
-                    field="data.batch_size")
-    return Sizes(seq_len, batch_size, tokens_per_batch, values["pad_multiple"],
-                 values["num_buckets"], values["pack_window"], multiple)
+                raise ConfigError(f"batch_size={batch_size} is not a multiple of {name}={count}; "
+                                  f"pass a batch_size that is (e.g. "
+                                  f"{-(-batch_size // count) * count})", field="data.batch_size")
+    sizes = Sizes(seq_len, batch_size, tokens_per_batch, values["pad_multiple"],
+                  values["num_buckets"], values["pack_window"], multiple)
+    if len(documents) == 0:
+        raise ConfigError("no documents to batch; pass a corpus with at least one document",
+                          field="data.path")
+    lengths = getattr(documents, "lengths", None)   # corpus.Documents: not read, may be huge
+    if lengths is None:
+        lengths = [len(doc) for doc in documents]
+    pairs_N = np.maximum(np.asarray(lengths, dtype=np.int64) - 1, 0)
+    if pairs_N.sum() == 0:
+        raise ConfigError(f"the {len(documents)} documents have no (input, target) pairs; pass a "
+                          "corpus with a document of >= 2 tokens", field="data.path")
+    return STRATEGIES[strategy](pairs_N, sizes), int(np.count_nonzero(pairs_N == 0))
 
 
 def _epoch_rng(seed: int, epoch: int, shuffle: bool) -> np.random.Generator | None:
     """The random source of an epoch, a pure function of (seed, epoch); None without shuffling."""
     return np.random.default_rng([seed, epoch]) if shuffle else None
-
-
-def _permutation(n: int, rng: np.random.Generator | None) -> np.ndarray:
-    """A random order of n items, or their own order without rng."""
-    return np.arange(n) if rng is None else rng.permutation(n)
 
 
 def _local_batch(documents: Sequence[np.ndarray], plan: EpochPlan, index: int,

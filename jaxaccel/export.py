@@ -1,36 +1,20 @@
 """Export a trained run's model to safetensors with a config file, checked by reading it back.
 
-Two layouts (``export(run_dir, out_dir, format)``; ``export_native`` and ``export_llama`` name
-one):
+``export(run_dir, out_dir, format)`` writes one of two layouts, with the run's tokenizer file
+beside them unless it was trained on bytes:
 
-- ``native``, for any model: every variable of the model's state (LoRA merged, float32) under
-  its dotted path (``blocks.layers.0.attn.wq.kernel``; a scanned stack's without the index,
-  layer axis first), buffers included (FP8's histories, bool N:M masks: state the forward
-  reads or training keeps), and ``config.json`` = the run's settings (``train_config``: the
-  model's factory and every technique, so ``load_native`` rebuilds the same model),
-  ``"format": "jaxaccel"``, the step and the tokenizer's ids.
-- ``llama``, for jaxaccel's GPT: Hugging Face's ``LlamaForCausalLM`` layout (``model.layers.{i}.self_attn.q_proj
-  .weight`` ... as torch Linear weights [out, in], safetensors metadata ``format: pt`` as
-  ``transformers`` requires) and its ``config.json``. Only for a model whose evaluation forward
-  is Llama's (``blocker`` names what is in the way otherwise): RMSNorm before each branch and at
-  the end (flax's, epsilon 1e-6), RoPE on the two halves of each head's features (HF's
-  ``rotate_half``, so q/k need no permutation), SwiGLU (``w_gate`` -> ``gate_proj``, the one
-  through silu; ``w_in`` -> ``up_proj``; ``w_out`` -> ``down_proj``) and an untied head. N:M
-  masks are folded into their weights (evaluation multiplies by them: exact); dropout,
-  stochastic depth and token dropping act in training only. Branch gates (rezero, skipinit)
-  come only with the inits that also remove the blocks' norms, so they are refused with them,
-  not folded; adapters and FP8's quantise-dequantise matmuls are refused.
+- ``native``, for any model: every variable of its state (LoRA merged, float32, buffers such as
+  FP8 histories and N:M masks included) under its dotted path, and ``config.json``: the run's
+  settings (``load_native`` rebuilds the model from them), the step and the tokenizer.
+- ``llama``, for jaxaccel's GPT when its evaluation forward is Llama's (``blocker`` says why not):
+  HF ``LlamaForCausalLM`` tensors (N:M masks folded in) with safetensors metadata ``format: pt``,
+  as ``transformers`` requires, and its config. Our RoPE rotates the halves of each head's
+  features like HF's ``rotate_half``, so q/k need no permutation.
 
-Both write the run's tokenizer file beside them (``tokenizer.json`` or ``tokenizer.model``)
-when it was not trained on bytes.
-
-After writing, the files are read back: every tensor must equal what was meant bitwise, and a
-forward pass computed from the files alone (llama: ``llama_forward``, an independent NumPy
-Llama in float64; native: the model rebuilt from the config, ``load_native``) must give our
-model's float32 logits on a short sequence to ``LOGIT_TOLERANCE`` times the largest logit
-(at least 1). A failure raises ``ExportCheckError`` naming the check and leaves the files in
-place. Files are written under temporary names and renamed, so a crash never leaves a half file
-under a final name.
+Files are written under temporary names and renamed, then read back: every tensor must equal
+what was meant bitwise, and the logits of a forward pass from the files alone (``llama_forward``,
+an independent float64 NumPy Llama, or ``load_native``) our model's to ``LOGIT_TOLERANCE`` times
+max(1, largest logit); else ``ExportCheckError``, the files left in place.
 """
 
 import dataclasses
@@ -71,8 +55,7 @@ class ExportCheckError(RuntimeError):
 
 
 def blocker(cfg) -> tuple[str, str] | None:
-    """(why, fix) for the first setting of the run ``cfg`` (a TrainConfig) that keeps its model
-    from Hugging Face's Llama layout; None when it has that layout."""
+    """(why, fix): the first setting of TrainConfig ``cfg`` barring HF's Llama layout, or None."""
     from jaxaccel import gpt, model as model_lib
     if not model_lib.is_preset(cfg.model.name):
         return (f"the model is {cfg.model.name}, not jaxaccel's GPT", "a --model preset")
@@ -93,13 +76,6 @@ def blocker(cfg) -> tuple[str, str] | None:
     return next(((why, fix) for blocked, why, fix in reasons if blocked), None)
 
 
-def refuse_llama(cfg):
-    """One ConfigError line naming the setting that keeps ``cfg`` from the Llama layout."""
-    why, fix = blocker(cfg)
-    raise ConfigError(f"the model has no Hugging Face Llama layout: {why}; export in format "
-                      f"native instead, or retrain with {fix}", field="format")
-
-
 def flatten(state) -> dict[str, np.ndarray]:
     """The variables of a model's state by dotted path, as NumPy arrays."""
     from jaxaccel.sharding import path_name
@@ -108,9 +84,7 @@ def flatten(state) -> dict[str, np.ndarray]:
 
 
 def plain_gpt(model):
-    """jaxaccel's GPT as the plain architecture the Llama layout holds: N:M masks folded into
-    their weights (evaluation multiplies by them: exact), the stack unscanned, block
-    techniques off."""
+    """jaxaccel's GPT as plain Llama: N:M masks folded in, the stack unscanned, techniques off."""
     from jaxaccel import nn, sparsity, surgery
     for path, wrapper in surgery.wrappers(model, sparsity.Sparse):
         kernel = wrapper.kernel
@@ -128,8 +102,7 @@ LLAMA_NAMES = {("attn", "wq"): "self_attn.q_proj", ("attn", "wk"): "self_attn.k_
 
 
 def llama_tensors(model) -> dict[str, np.ndarray]:
-    """The Hugging Face Llama tensors of jaxaccel's GPT (``plain_gpt``), float32; a linear
-    layer's kernel [in, out] becomes a torch Linear weight [out, in]."""
+    """HF Llama tensors (float32) of a ``plain_gpt``; kernels [in, out] become weights [out, in]."""
     def vector(x):
         return np.asarray(x[...], np.float32)
 
@@ -149,8 +122,7 @@ def llama_tensors(model) -> dict[str, np.ndarray]:
 
 
 def tokenizer_record(tok) -> dict:
-    """The tokenizer the model was trained with, for config.json: bytes, or the file written
-    beside the weights (``tokenizer.RUN_FILES``)."""
+    """The model's tokenizer for config.json: bytes, or the file beside the weights."""
     record = {"name": type(tok).__name__, "vocab_size": tok.vocab_size,
               "padded_vocab_size": tok.padded_vocab_size, "pad_token_id": tok.pad_id,
               "bos_token_id": tok.bos_id, "eos_token_id": tok.eos_id}
@@ -175,25 +147,16 @@ def llama_config(model, step: int, tok) -> dict:
     }
 
 
-def native_config(train_config: dict, step: int, tok) -> dict:
-    """The run's settings (``train_config``, as ``config.to_dict`` gives them), the format, the
-    step and the tokenizer."""
-    return {"format": "jaxaccel", "train_config": train_config, "step": step,
-            "tokenizer": tokenizer_record(tok)}
-
-
 def load_native(tensors: dict[str, np.ndarray], config: dict):
-    """The model a native export holds, rebuilt from its config (its factory and techniques)
-    and its tensors, in evaluation mode."""
+    """The model of a native export, rebuilt from its config and tensors, in evaluation mode."""
     from flax import nnx
 
     from jaxaccel import techniques
     from jaxaccel.config import TrainConfig, build, flatten as flat_config
     cfg = build(TrainConfig, flat_config(config["train_config"]))
-    model = techniques.abstract(cfg)
-    graphdef, abstract_state = nnx.split(model)
+    graphdef, abstract_state = nnx.split(techniques.abstract(cfg))
     names = flatten(jax.tree.map(lambda x: np.zeros((), np.int8), abstract_state))
-    leaves, treedef = jax.tree_util.tree_flatten(abstract_state)
+    treedef = jax.tree_util.tree_structure(abstract_state)
     state = jax.tree_util.tree_unflatten(treedef, [jnp.asarray(tensors[name]) for name in names])
     model = nnx.merge(graphdef, state)
     model.eval()
@@ -201,9 +164,8 @@ def load_native(tensors: dict[str, np.ndarray], config: dict):
 
 
 def llama_forward(tensors: dict[str, np.ndarray], config: dict, ids_T: np.ndarray) -> np.ndarray:
-    """Logits [T, V] of one sequence from HF Llama tensors and config alone, in float64 NumPy:
-    what HF's ``LlamaForCausalLM`` computes (rotate_half RoPE, grouped-query causal attention,
-    down(silu(gate) * up)), written independently of ``jaxaccel.model``."""
+    """Logits [T, V] of one sequence from HF Llama tensors and config alone, in float64 NumPy, as
+    HF's ``LlamaForCausalLM`` computes them, written independently of ``jaxaccel.model``."""
     w = {k: v.astype(np.float64) for k, v in tensors.items()}
     H, K, E = config["num_attention_heads"], config["num_key_value_heads"], config["head_dim"]
     T = len(ids_T)
@@ -249,15 +211,8 @@ def llama_forward(tensors: dict[str, np.ndarray], config: dict, ids_T: np.ndarra
     return linear(rms_norm(x_TD, w["model.norm.weight"]), "lm_head.weight")
 
 
-def native_forward(tensors: dict[str, np.ndarray], config: dict, ids_T: np.ndarray) -> np.ndarray:
-    """Logits [T, V] of one sequence from native tensors and config alone (``load_native``)."""
-    return our_logits(load_native(tensors, config), ids_T)
-
-
 def our_logits(model, ids_T) -> np.ndarray:
-    """The model's float32 logits [T, V] of one sequence in evaluation mode, with jaxaccel's
-    attention as the plain XLA einsums (every implementation computes the same; this one runs
-    on any device)."""
+    """The model's float32 logits [T, V] of one sequence, attention as XLA einsums (any device)."""
     from flax import nnx
 
     from jaxaccel.attention import as_xla
@@ -270,16 +225,9 @@ def our_logits(model, ids_T) -> np.ndarray:
     return np.asarray(logits[0], np.float32)
 
 
-def check_format(format: str):
-    """One ConfigError line for a format not in ``FORMATS``."""
-    if format not in FORMATS:
-        raise ConfigError(f"unknown format {format!r}; choose one of {', '.join(FORMATS)}",
-                          field="format")
-
-
 def check_out_dir(out_dir: str, overwrite: bool):
-    """One ConfigError line, before any work, for an out_dir that is a file, holds files
-    (without ``overwrite``) or cannot be created or written."""
+    """One ConfigError line for an out_dir that is a file, non-empty (without ``overwrite``) or
+    cannot be created or written."""
     from jaxaccel.config import check_writable
 
     if os.path.exists(out_dir) and not os.path.isdir(out_dir):
@@ -292,11 +240,12 @@ def check_out_dir(out_dir: str, overwrite: bool):
 
 
 def write_files(out_dir: str, tensors: dict[str, np.ndarray], config: dict, metadata: dict):
-    """``WEIGHTS`` and ``CONFIG`` in ``out_dir``: both written in full under temporary names,
-    synced, then renamed to their final names."""
+    """``WEIGHTS`` and ``CONFIG`` in ``out_dir``, written under temporary names, synced, renamed."""
     from safetensors.numpy import save_file
 
     os.makedirs(out_dir, exist_ok=True)
+    umask = os.umask(0)             # read by setting it and back
+    os.umask(umask)
     writers = {WEIGHTS: lambda path: save_file(tensors, path, metadata=metadata),
                CONFIG: lambda path: dump_json(path, config)}
     done = {}
@@ -307,7 +256,7 @@ def write_files(out_dir: str, tensors: dict[str, np.ndarray], config: dict, meta
             write(done[name])
             with open(done[name], "rb+") as f:
                 os.fsync(f.fileno())
-            os.chmod(done[name], 0o666 & ~current_umask())
+            os.chmod(done[name], 0o666 & ~umask)
     except BaseException:
         for path in done.values():
             if os.path.exists(path):
@@ -317,16 +266,8 @@ def write_files(out_dir: str, tensors: dict[str, np.ndarray], config: dict, meta
         os.replace(path, os.path.join(out_dir, name))
 
 
-def current_umask() -> int:
-    """The process's umask (read by setting it and back)."""
-    umask = os.umask(0)
-    os.umask(umask)
-    return umask
-
-
 def read_back(out_dir: str, tensors: dict[str, np.ndarray], config: dict):
-    """The files of ``out_dir`` as (tensors, config); ExportCheckError unless every tensor and
-    the config equal what was meant, bitwise."""
+    """The files of ``out_dir`` as (tensors, config); ExportCheckError unless bitwise as meant."""
     from safetensors.numpy import load_file
 
     read = load_file(os.path.join(out_dir, WEIGHTS))
@@ -349,7 +290,13 @@ def read_back(out_dir: str, tensors: dict[str, np.ndarray], config: dict):
 def check_logits(model, context: int, forward, read, config_read, out_dir, tok) -> float:
     """The largest difference between our model's logits and ``forward``'s from the files;
     ExportCheckError beyond the tolerance."""
-    real_ids = min(model_vocab(model, context), tok.vocab_size)
+    from flax import nnx
+
+    from jaxaccel.model import make_apply, sequence_batch
+    graphdef, state = nnx.split(model)
+    shape_batch = sequence_batch(jax.ShapeDtypeStruct((1, min(4, context)), jnp.int32))
+    vocab = jax.eval_shape(make_apply(graphdef), state, shape_batch).shape[-1]
+    real_ids = min(vocab, tok.vocab_size)
     ids_T = np.random.default_rng(0).integers(BYTE_OFFSET, real_ids, min(CHECK_TOKENS, context))
     expected_TV = our_logits(model, ids_T)
     got_TV = forward(read, config_read, ids_T)
@@ -362,32 +309,25 @@ def check_logits(model, context: int, forward, read, config_read, out_dir, tok) 
     return diff
 
 
-def model_vocab(model, context: int) -> int:
-    """The vocabulary size of a model's logits."""
-    from flax import nnx
-
-    from jaxaccel.model import make_apply, sequence_batch
-    graphdef, state = nnx.split(model)
-    batch = sequence_batch(jax.ShapeDtypeStruct((1, min(4, context)), jnp.int32))
-    return jax.eval_shape(make_apply(graphdef), state, batch).shape[-1]
-
-
 def export(run_dir: str, out_dir: str, format: str = "auto", *,
            overwrite: bool = False) -> Exported:
     """Write the model of ``run_dir``'s latest checkpoint to ``out_dir`` in ``format`` (auto:
-    llama when the model has that layout, else native) and check it by reading it back
-    (module docstring). ConfigError, before anything is written, for a bad format or run
-    directory, an out_dir that is not empty (without ``overwrite``, which replaces only the
-    two files) or not writable, and format llama for a model without that layout."""
+    llama if the model has that layout, else native) and check it by reading it back.
+    ConfigError, before anything is written, for a bad format or run directory, a non-empty
+    out_dir (without ``overwrite``) or an unwritable one, and llama for a model without it."""
     from flax import nnx
 
-    from jaxaccel.config import to_dict
+    from jaxaccel.config import override, to_dict
     from jaxaccel.generate import load_run, read_run_config
 
-    check_format(format)
+    if format not in FORMATS:
+        raise ConfigError(f"unknown format {format!r}; choose one of {', '.join(FORMATS)}",
+                          field="format")
     trained = read_run_config(run_dir)
-    if format == "llama" and blocker(trained):
-        refuse_llama(trained)
+    blocked = format == "llama" and blocker(trained)
+    if blocked:
+        raise ConfigError(f"the model has no Hugging Face Llama layout: {blocked[0]}; export in "
+                          f"format native instead, or retrain with {blocked[1]}", field="format")
     check_out_dir(out_dir, overwrite)
     cfg, model, step = load_run(run_dir)
     tok = tokenizer_from_run(run_dir)
@@ -398,27 +338,15 @@ def export(run_dir: str, out_dir: str, format: str = "auto", *,
         metadata, forward = {"format": "pt"}, llama_forward
     else:
         tensors = flatten(nnx.state(model))
-        config = native_config(to_dict(_without_lora(cfg)), step, tok)
-        metadata, forward = {"format": "jaxaccel"}, native_forward
+        # The exported model's settings: its LoRA is merged into the weights, none left.
+        settings = override(cfg, {"lora.rank": 0, "run.init_from": None})
+        config = {"format": "jaxaccel", "train_config": to_dict(settings), "step": step,
+                  "tokenizer": tokenizer_record(tok)}
+        metadata = {"format": "jaxaccel"}
+        forward = lambda t, c, ids_T: our_logits(load_native(t, c), ids_T)    # noqa: E731
     write_files(out_dir, tensors, config, metadata)
     tok.save(out_dir)
     read, config_read = read_back(out_dir, tensors, config)
     diff = check_logits(model, cfg.model.max_seq_len, forward, read, config_read, out_dir, tok)
     return Exported(out_dir=out_dir, format=chosen, step=step, tensors=len(tensors),
                     bytes=os.path.getsize(os.path.join(out_dir, WEIGHTS)), max_logit_diff=diff)
-
-
-def _without_lora(cfg):
-    """The settings of the exported model: its LoRA merged into the weights, none left."""
-    from jaxaccel.config import override
-    return override(cfg, {"lora.rank": 0, "run.init_from": None})
-
-
-def export_native(run_dir: str, out_dir: str, *, overwrite: bool = False) -> Exported:
-    """``export`` in the native layout: every variable under its own name."""
-    return export(run_dir, out_dir, "native", overwrite=overwrite)
-
-
-def export_llama(run_dir: str, out_dir: str, *, overwrite: bool = False) -> Exported:
-    """``export`` in Hugging Face's Llama layout; one ConfigError line when the model has none."""
-    return export(run_dir, out_dir, "llama", overwrite=overwrite)

@@ -1,40 +1,21 @@
 """FP8 matmuls with delayed scaling (``--precision fp8``), for the linear layers of any model.
 
-Hopper's tensor cores multiply float8 at twice bfloat16's rate. The layers ``--fp8-targets``
-names (default: every linear layer in the model's ``nn.Stack``) compute ``x @ w`` with both
-operands in ``float8_e4m3fn`` (3 mantissa bits,
-largest 448) and the backward pass's output gradient in ``float8_e5m2`` (2 mantissa bits,
-largest 57,344: range rather than precision), accumulating in float32. Everything numerically
-sensitive stays out of FP8 by default: the embedding and the output head, norms, softmax, rotary
-angles and the loss run in the policy's bfloat16/float32, and the master weights are float32.
+The ``--fp8-targets`` layers (default: every linear layer in the ``nn.Stack``) compute ``x @ w``
+with both operands in ``float8_e4m3fn`` (3 mantissa bits, largest 448), the output gradient in
+``float8_e5m2`` (2 mantissa bits, largest 57,344), accumulating in float32; Hopper multiplies
+float8 at twice bfloat16's rate. Embedding, head, norms, softmax and loss keep the policy's
+dtypes; master weights are float32.
 
-float8 has too little range for raw tensors, so each is scaled per tensor before the cast: a
-tensor ``t`` is stored as ``cast(clip(t * s))`` and read back as ``cast(...) / s``. The scale
-comes from the tensor's largest magnitude (amax): ``s = 2^floor(log2(max_format / amax))``, the
-largest power of two that keeps the tensor in range (powers of two scale without rounding).
-Computing a tensor's amax before casting it costs a pass over it, so, as Transformer Engine does,
-the scale is *delayed*: it comes from the largest amax seen in the last ``HISTORY`` steps, and the
-amax of this step's tensor is recorded for the next. Values beyond the range saturate at the
-format's largest value (never inf or NaN); until a tensor has a history (the first step) its own
-amax is used.
-
-``apply`` wraps each targeted ``nnx.Linear`` in ``Fp8`` (module surgery, ``jaxaccel.surgery``),
-whose history ``History`` [3, HISTORY] (rows: input, weight, output gradient; column 0 the newest)
-is an ``nn.Observation`` buffer: stacked with a scanned stack, sharded (replicated), checkpointed
-and restored with the weights, never trained. Around the layer's call the wrapper hands the layer
-a ``dot_general`` that quantises both operands (the layer's own dtype promotion, bias and sharding
-stay as they are). The step reads the new amaxes as the cotangent of the history: ``matmul``'s
-backward pass returns them in column 0 instead of a gradient, ``grads.value_and_grad(observed=
-nn.Observation)`` takes them out of the gradients (the maximum over microbatches), and
-``Fp8.update`` shifts them into the history after the optimizer's update.
-
-The matmul is written as quantise, dequantise, ``dot`` (the "QDQ" form): XLA's GPU compiler
-rewrites ``dot(dequantise(f8), dequantise(f8))`` into one cuBLASLt FP8 GEMM with the scales as
-operands on sm89+ GPUs; elsewhere (the CPU) the same program runs emulated, with FP8's rounding
-and saturation but at the compute dtype's speed. We wrote this rather than use flax's
-``Fp8DotGeneralOp`` (whose amax histories are variables updated through the optimizer, with a
-special "overwrite with gradient" rule): a buffer the step updates keeps the optimizer and what
-trains unchanged.
+Each tensor is cast as ``clip(t * s)``, ``s = 2^floor(log2(max_format / amax))``, and read back
+divided by s. As in Transformer Engine the scale is *delayed*: from the largest amax of the last
+``HISTORY`` steps (on the first, the tensor's own); values beyond range saturate, never inf.
+``Fp8`` (``apply``, ``jaxaccel.surgery``) keeps them in ``History`` [3, HISTORY] (input, weight,
+output gradient; column 0 newest), an ``nn.Observation`` buffer: ``matmul``'s backward pass
+returns the step's amaxes as its cotangent, ``grads.value_and_grad`` takes them out of the
+gradients and ``Fp8.update`` shifts them in. Unlike flax's ``Fp8DotGeneralOp`` (histories
+updated through the optimizer) this leaves the optimizer unchanged. The matmul is quantise,
+dequantise, ``dot`` ("QDQ"): XLA makes it a cuBLASLt FP8 GEMM on sm89+ GPUs; elsewhere it runs
+emulated, with FP8's rounding at the compute dtype's speed.
 """
 
 import dataclasses
@@ -58,10 +39,6 @@ class Fp8Settings:
                                      "float8: " + surgery.TARGETS_HELP, flag="fp8_targets")
 
 
-def format_max(dtype) -> float:
-    return float(jnp.finfo(dtype).max)
-
-
 def amax(x) -> jax.Array:
     """The largest magnitude of ``x``, in float32."""
     return jnp.max(jnp.abs(x)).astype(jnp.float32)
@@ -72,20 +49,19 @@ def scale_for(history_amax, current_amax, dtype) -> jax.Array:
     ``current_amax``) inside ``dtype``'s range; 1 for an all-zero tensor."""
     seen = jnp.max(history_amax).astype(jnp.float32)
     reference = jnp.where(seen > 0, seen, current_amax)
-    exponent = jnp.floor(jnp.log2(format_max(dtype) / reference))
+    exponent = jnp.floor(jnp.log2(float(jnp.finfo(dtype).max) / reference))
     return jnp.where(reference > 0, jnp.exp2(jnp.clip(exponent, -126.0, 126.0)), 1.0)
 
 
 def quantize(x, scale, dtype):
     """``x * scale`` saturated to ``dtype``'s range and cast to it."""
-    limit = format_max(dtype)
+    limit = float(jnp.finfo(dtype).max)
     scaled = x.astype(jnp.float32) * scale
     return jnp.clip(scaled, -limit, limit).astype(dtype)
 
 
 def dequantize(q, scale, dtype):
-    """``q`` back in ``dtype``, divided by its scale: a convert and a multiply by the (exact,
-    power-of-two) inverse scale, the form XLA folds into an FP8 GEMM's operand."""
+    """``q`` in ``dtype`` times the exact inverse scale: the form XLA folds into an FP8 GEMM."""
     return q.astype(dtype) * (1.0 / scale).astype(dtype)
 
 
@@ -95,12 +71,9 @@ def qdq(x, scale, fp8_dtype):
 
 
 def matmul(x, w, history, axes=(None, None)):
-    """``x [B, T, K] @ w [K, N]`` with both operands through float8 e4m3, scaled by ``history``
-    ([3, HISTORY] amaxes of input, weight, output gradient); the output in ``x``'s dtype.
-    Differentiating it gives the e5m2 backward pass for x and w, and for ``history`` the
-    observed amaxes in column 0 (zeros elsewhere), not a gradient (module docstring). ``axes``
-    are the kernel's logical axes: each product is laid out by them under a mesh
-    (``sharding.einsum``)."""
+    """``x [B, T, K] @ w [K, N]`` through float8 e4m3, scaled by ``history`` [3, HISTORY]; in
+    ``x``'s dtype. Its backward pass is e5m2, and ``history``'s cotangent is the observed amaxes
+    in column 0 (zeros elsewhere). ``axes``: the kernel's logical axes (``sharding.einsum``)."""
     return _matmul(x, w.astype(x.dtype), history, tuple(axes))
 
 
@@ -164,9 +137,7 @@ class Fp8(surgery.Wrapper, nn.Updated):
         history, axes = self.history[...], surgery.kernel_axes(self)
 
         def fp8_dot(inner):
-            def dot(x, kernel, *_, **__):
-                return matmul(x, constrain(kernel, axes), history, axes)
-            return dot
+            return lambda x, kernel, *_, **__: matmul(x, constrain(kernel, axes), history, axes)
 
         with surgery.dot(self.linear(), fp8_dot):
             return self.base(x, *args, **kwargs)
@@ -188,9 +159,8 @@ def apply(model, settings: Fp8Settings) -> int:
 
 
 def check_device(device=None) -> str:
-    """How FP8 matmuls run on ``device`` (default: the first): a note for the run's output;
-    ConfigError on a GPU without FP8 tensor cores, where emulation would only be slower than
-    bf16. Off GPUs (the CPU) FP8 runs emulated: the same numerics, no speed-up."""
+    """How FP8 matmuls run on ``device`` (default: the first), a note for the run's output;
+    ConfigError on a GPU without FP8 tensor cores (emulation there is only slower than bf16)."""
     from jaxaccel.errors import ConfigError
     device = device or jax.devices()[0]
     if device.platform != "gpu":
@@ -207,9 +177,8 @@ FP8_GEMM = "__cublas$lt$matmul$f8"     # XLA:GPU's custom call for a cuBLASLt FP
 
 
 def fp8_gemms(executables) -> int | None:
-    """How many FP8 GEMMs XLA emitted in the compiled step (``CompiledFn.executables``): on a
-    GPU, whether the QDQ matmuls became FP8 tensor-core GEMMs (0: they run in the compute
-    dtype); None off GPUs, where FP8 is emulated by design."""
+    """How many FP8 GEMMs XLA emitted in the compiled step (``CompiledFn.executables``): 0 when
+    the QDQ matmuls run in the compute dtype; None off GPUs, where FP8 is emulated."""
     if jax.devices()[0].platform != "gpu" or not executables:
         return None
     return max(executable.as_text().count(FP8_GEMM) for executable in executables)

@@ -1,21 +1,15 @@
-"""Text generation from a trained model: a key/value cache where the model offers one, else the
-prefix recomputed.
+"""Text generation from a trained model: prefill, then one jitted ``lax.fori_loop`` over the new
+tokens (no host round trip per token; one compile per prompt length and count of new tokens).
 
-A model offers a cache by two methods (jaxaccel's GPT has them): ``init_cache(batch, length,
-dtype)`` and ``decode(inputs_BT, positions_BT, cache, cache_index=None) -> (logits_BTV, cache)``,
-the prefill without ``cache_index`` (the forward pass over the prompt, filling the cache from
-slot 0) and a cached step with it. Then the prompt runs once and each new token is one cached
-step. A model without them still samples: its "cache" is the row of ids so far, S = prompt + new
-tokens long, and each step runs the model over all of it and reads the logits at the new
-token's position (its causal attention never sees the empty slots after it): S times the work,
-the same tokens. Either way the whole decode is one jitted ``lax.fori_loop``: no host round trip
-per token, one compile per (prompt length, new tokens) pair.
+A model with ``init_cache(batch, length, dtype)`` and ``decode(inputs_BT, positions_BT, cache,
+cache_index=None) -> (logits_BTV, cache)`` (jaxaccel's GPT) decodes over a key/value cache: the
+prefill (no ``cache_index``) fills it from slot 0, each new token is one cached step. Any other
+model reruns itself over the row of ids so far (S = prompt + new tokens; causal attention never
+sees the empty slots): S times the work, the same tokens.
 
-Sampling: temperature 0 is greedy (argmax); otherwise the logits over the tokenizer's real ids
-(``valid_ids``: the padded tail of the vocabulary is never sampled) divided by the temperature,
-restricted to the ``top_k`` largest, drawn with ``fold_in(key, i)`` for new token i. The model
-runs as in evaluation: no dropout, every token through every layer; LoRA is merged into its
-weights (``load_run``), and its other techniques run as they trained.
+Sampling: temperature 0 is greedy; otherwise the logits over the tokenizer's real ids
+(``valid_ids``) divided by the temperature, restricted to the ``top_k`` largest, drawn with
+``fold_in(key, i)`` for new token i. The model runs in evaluation mode, LoRA merged (``load_run``).
 """
 
 import dataclasses
@@ -33,8 +27,7 @@ from jaxaccel.model import make_apply, sequence_batch
 
 def cached(model) -> bool:
     """Whether ``model`` offers a key/value cache (``init_cache`` and ``decode``)."""
-    return callable(getattr(model, "init_cache", None)) and callable(getattr(model, "decode",
-                                                                             None))
+    return all(callable(getattr(model, name, None)) for name in ("init_cache", "decode"))
 
 
 def make_decode(model):
@@ -87,8 +80,7 @@ def sample(logits_BV, key, *, temperature: float, top_k: int, valid_ids: int | N
 
 
 def make_prefill(model, cache_len: int):
-    """``prefill(state, prompt_BT) -> (logits_BTV, cache)``, jitted: the forward pass over the
-    prompt, filling a fresh cache of ``cache_len`` slots."""
+    """``prefill(state, prompt_BT) -> (logits_BTV, cache)``, jitted; ``cache_len`` cache slots."""
     prefill, _ = make_decode(model)
     return jax.jit(lambda state, prompt_BT: prefill(state, prompt_BT, cache_len))
 
@@ -127,9 +119,8 @@ def make_decode_loop(model, *, max_new_tokens: int, temperature: float, top_k: i
 
 def generate(model, prompt_BT, *, max_new_tokens: int, temperature: float = 0.0,
              top_k: int = 1, key=None, valid_ids: int | None = None, context: int | None = None):
-    """``max_new_tokens`` new ids [B, N] after ``prompt_BT`` (every row the same length) from
-    ``model`` (an nnx module, in evaluation mode); prefill, then the decode loop. Compiles on
-    each call: for timing use ``Generator``."""
+    """``max_new_tokens`` new ids [B, N] after ``prompt_BT`` (rows of one length) from ``model``
+    (an nnx module, in evaluation mode). Compiles on each call: for timing use ``Generator``."""
     return Generator(model, prompt_BT.shape[1], max_new_tokens, temperature=temperature,
                      top_k=top_k, valid_ids=valid_ids, context=context).run(
         nnx.state(model), prompt_BT, key)[0]
@@ -157,8 +148,8 @@ class Generator:
         start = time.perf_counter()
         logits_BTV, cache = jax.eval_shape(self.prefill, params, prompt_BT)
         self.prefill = self.prefill.lower(params, prompt_BT).compile()
-        last_BV = jax.ShapeDtypeStruct((logits_BTV.shape[0], logits_BTV.shape[2]),
-                                       logits_BTV.dtype)
+        B, _, V = logits_BTV.shape
+        last_BV = jax.ShapeDtypeStruct((B, V), logits_BTV.dtype)
         self.decode_loop = self.decode_loop.lower(params, last_BV, cache,
                                                   jnp.int32(self.prompt_len), key).compile()
         self.compile_seconds = time.perf_counter() - start
@@ -180,9 +171,8 @@ class Generator:
 
 @dataclasses.dataclass
 class Timings:
-    """Seconds of one generation: the prefill (prompt tokens in one pass) and the decode loop
-    (``decode_steps`` cached one-token steps over all rows; the first new token comes from the
-    prefill's logits)."""
+    """Seconds of one generation: the prefill and the decode loop (``decode_steps`` one-token
+    steps over all rows; the first new token comes from the prefill's logits)."""
 
     prefill_seconds: float
     decode_seconds: float
@@ -210,10 +200,9 @@ def check_lengths(context: int, prompt_len: int, max_new_tokens: int):
         raise ConfigError(f"max_new_tokens must be at least 1, got {max_new_tokens}",
                           field="max_new_tokens")
     if prompt_len + max_new_tokens > context:
-        raise ConfigError(
-            f"prompt ({prompt_len} tokens) + max_new_tokens ({max_new_tokens}) exceeds the "
-            f"model's context of {context}; ask for at most "
-            f"{context - prompt_len} new tokens", field="max_new_tokens")
+        raise ConfigError(f"prompt ({prompt_len} tokens) + max_new_tokens ({max_new_tokens}) "
+                          f"exceeds the model's context of {context}; ask for at most "
+                          f"{context - prompt_len} new tokens", field="max_new_tokens")
 
 
 def check_sampling(temperature: float, top_k: int):
@@ -238,9 +227,7 @@ def read_run_config(run_dir: str):
         raise ConfigError(f"{run_dir} has no config.yaml, so it is not a training run "
                           f"directory; pass the run_dir of a training run", field="run_dir")
     checkpoints = os.path.join(run_dir, "checkpoints")
-    steps = [n for n in (os.listdir(checkpoints) if os.path.isdir(checkpoints) else [])
-             if n.isdigit()]
-    if not steps:
+    if not (os.path.isdir(checkpoints) and any(n.isdigit() for n in os.listdir(checkpoints))):
         raise ConfigError(f"{run_dir} has no checkpoint; train it first (experiments.train "
                           f"writes one at the end of a run) or pass another run_dir",
                           field="run_dir")
@@ -272,7 +259,7 @@ def load_run(run_dir: str):
 
 def valid_ids_of(tokenizer) -> int:
     """The ids a tokenizer can decode: sampling never picks the padded vocabulary's tail."""
-    return int(getattr(tokenizer, "vocab_size"))
+    return int(tokenizer.vocab_size)
 
 
 def cut_at_eos(ids, eos_id: int) -> np.ndarray:

@@ -1,18 +1,9 @@
-"""jaxaccel's GPT: a decoder-only transformer in Flax NNX, and nothing else.
-
-Token embedding, rotary position embeddings driven by the batch's ``positions`` (packed documents
-restart at 0), pre-norm blocks with RMSNorm, grouped-query attention through
-``jaxaccel.attention.dot_product_attention``, a SwiGLU or GELU MLP, an untied or tied output
-head; logits in float32. It computes in the dtype of the variables it is given (the precision
-policy casts them); RMSNorm statistics, rotary angles, the attention softmax and the loss stay in
-float32.
-
-It is one client of the library among others: it follows the model contract of
-``jaxaccel.nn`` (its blocks are an ``nn.Stack``, its remat-relevant tensors are tagged) and no
-technique appears here. Its linear layers are ``nnx.Linear`` whose ``dot_general`` lays the
-kernel and the output out by logical axes (``sharding.LogicalDot``); every variable carries its
-logical axes as ``out_sharding`` metadata, so the same model runs data parallel, FSDP or tensor
-parallel by the mesh alone. ``make`` is its factory (``--model tiny|small|medium|gpt2``).
+"""jaxaccel's GPT, a decoder-only transformer in Flax NNX: rotary position embeddings from the
+batch's ``positions``, pre-norm RMSNorm blocks, grouped-query attention, a SwiGLU or GELU MLP, a
+tied or untied head. It computes in its variables' dtype (norms, rotary angles, softmax and logits
+in float32), follows the ``jaxaccel.nn`` contract with no technique in it, and carries logical
+axes (``out_sharding``, ``sharding.LogicalDot``) so the mesh alone makes it data parallel, FSDP
+or tensor parallel. ``make`` is its factory (``--model tiny|small|medium|gpt2``).
 """
 
 import dataclasses
@@ -71,8 +62,9 @@ class GPTConfig:
         for name in ("vocab_size", "d_model", "n_layers", "n_heads", "n_kv_heads", "d_ff",
                      "max_seq_len"):
             if getattr(self, name) < 1:
+                section = "model" if name in ("vocab_size", "max_seq_len") else "gpt"
                 raise ConfigError(f"{name} must be positive, got {getattr(self, name)}",
-                                  field=_field(name))
+                                  field=f"{section}.{name}")
         if self.d_model % self.n_heads:
             raise ConfigError(f"n_heads={self.n_heads} does not divide d_model={self.d_model}; "
                               f"choose n_heads dividing d_model", field="gpt.n_heads")
@@ -91,13 +83,7 @@ class GPTConfig:
                 raise ConfigError(f"unknown {name} {value!r}; choose one of {', '.join(choices)}",
                                   field=f"gpt.{name}")
         if not 0.0 <= self.dropout < 1.0:
-            raise ConfigError(f"dropout must be in [0, 1), got {self.dropout}",
-                              field="gpt.dropout")
-
-
-def _field(name: str) -> str:
-    return {"vocab_size": "model.vocab_size", "max_seq_len": "model.max_seq_len"}.get(
-        name, f"gpt.{name}")
+            raise ConfigError(f"dropout must be in [0, 1), got {self.dropout}", field="gpt.dropout")
 
 
 def default_d_ff(d_model: int, mlp: str) -> int:
@@ -147,8 +133,8 @@ class GPTSettings:
 
 
 def preset(name: str, **overrides) -> GPTConfig:
-    """A preset's config with some fields replaced; ``None`` overrides are ignored.
-    ``n_kv_heads`` and ``d_ff`` are re-derived unless given, so ``n_heads=8`` alone stays valid."""
+    """A preset's config with the non-None ``overrides``; ``n_kv_heads`` and ``d_ff`` are
+    re-derived unless given, so ``n_heads=8`` alone stays valid."""
     if name not in PRESETS:
         raise ConfigError(f"unknown model preset {name!r}; choose one of {', '.join(PRESETS)} "
                           f"or give a factory FILE.py:FUNCTION", field="model.name")
@@ -164,8 +150,7 @@ def preset(name: str, **overrides) -> GPTConfig:
 
 def make(vocab_size: int, max_seq_len: int, *, rngs: nnx.Rngs, preset_name: str = "tiny",
          **overrides) -> "GPT":
-    """The factory of ``--model <preset>``: the preset's GPT with ``overrides`` (GPTConfig
-    fields) at this vocabulary and context."""
+    """``--model <preset>``'s factory: the preset's GPT with ``overrides`` (GPTConfig fields)."""
     return GPT(preset(preset_name, vocab_size=vocab_size, max_seq_len=max_seq_len, **overrides),
                rngs=rngs)
 
@@ -210,10 +195,8 @@ class Attention(nnx.Module):
         self.wo = linear(cfg.n_heads * hd, d, out_std, ("heads", "embed"), rngs)
 
     def __call__(self, x_BTD, sin_BTR, cos_BTR, segment_ids_BT, cache=None, cache_index=None):
-        """The attention branch. With ``cache`` = (k_BSKE, v_BSKE), this layer's key/value cache
-        (``decode``), it also returns the cache with this call's keys and values written in: at
-        0 when ``cache_index`` is None (the prefill, which attends as the forward pass does),
-        else at ``cache_index``, attending to the cache's first ``cache_index`` + T entries."""
+        """With ``cache`` = (k_BSKE, v_BSKE), also the cache with this call's keys and values
+        written at ``cache_index`` (attending to that + T slots) or, the prefill, at 0."""
         cfg = self.cfg
         B, T, _ = x_BTD.shape
         check_divides(cfg.n_heads, "heads", "n_heads", "gpt.n_heads")
@@ -240,9 +223,8 @@ class Attention(nnx.Module):
 
 
 def cached_attention(q_BTHE, k_BSKE, v_BSKE, index):
-    """Attention of T new queries at positions ``index`` .. ``index`` + T - 1 over a key/value
-    cache of S slots whose first ``index`` + T hold keys (slots after them are masked). The
-    arithmetic of ``xla_attention``: scores and softmax in float32, 1/sqrt(E) scale."""
+    """T queries at positions ``index`` .. ``index`` + T - 1 over the first ``index`` + T of a
+    key/value cache's S slots, with ``xla_attention``'s arithmetic (float32 softmax)."""
     B, T, H, E = q_BTHE.shape
     S, K = k_BSKE.shape[1], k_BSKE.shape[2]
     q_BTKGE = q_BTHE.reshape(B, T, K, H // K, E)
@@ -277,8 +259,7 @@ class MLP(nnx.Module):
 
 
 class Block(nnx.Module):
-    """Pre-norm transformer block: x + attn(norm(x)), then x + mlp(norm(x)); residual dropout
-    keyed by the layer (``nn.layer_key``)."""
+    """x + attn(norm(x)), then x + mlp(norm(x)); residual dropout keyed by ``nn.layer_key``."""
 
     def __init__(self, cfg: GPTConfig, *, rngs: nnx.Rngs):
         self.dropout = cfg.dropout
@@ -334,8 +315,7 @@ class GPT(nnx.Module):
         return self.logits(x_BTD)
 
     def embed_tokens(self, inputs_BT):
-        """The token embeddings [B, T, D] in the table's own dtype (the policy's compute dtype
-        once the caller cast the variables)."""
+        """The token embeddings [B, T, D] in the table's dtype (the policy's compute dtype)."""
         table_VD = constrain(self.embed.embedding[...], ("vocab", "embed"))
         return embedding.lookup(table_VD, inputs_BT, ACTIVATION_AXES, self.cfg.embedding)
 
@@ -352,18 +332,14 @@ class GPT(nnx.Module):
     # -- generation with a key/value cache (jaxaccel.generate) -------------------------------
 
     def init_cache(self, batch: int, length: int, dtype=jnp.float32):
-        """An empty key/value cache of ``length`` slots: a pair of [L, B, S, K, E] arrays (K key/
-        value heads: a grouped-query model caches K, not H, heads)."""
+        """An empty key/value cache of ``length`` slots: two [L, B, S, K, E] arrays (K kv heads)."""
         cfg = self.cfg
         zeros = jnp.zeros((len(self.blocks), batch, length, cfg.n_kv_heads, cfg.head_dim), dtype)
         return zeros, zeros
 
     def decode(self, inputs_BT, positions_BT, cache, cache_index=None):
-        """Logits [B, T, V] of ``inputs_BT`` (one document per row, at ``positions_BT``) and the
-        cache with their keys and values written in. Without ``cache_index`` this is the
-        prefill: the forward pass of ``__call__`` (in evaluation, every token through every
-        layer) that also fills the cache from slot 0; with it, the T tokens attend to the
-        cache's first ``cache_index`` + T slots."""
+        """Logits [B, T, V] of ``inputs_BT`` (a document per row) and the cache with their keys
+        and values written in: at 0 (the prefill) or at ``cache_index`` (``Attention``)."""
         sin_BTR, cos_BTR = rotary_sin_cos(positions_BT, self.cfg.head_dim, self.cfg.rope_base)
         segment_ids_BT = jnp.ones_like(inputs_BT)
         x_BTD = self.embed_tokens(inputs_BT)

@@ -1,11 +1,9 @@
 """Gradient functions and the transformations that compose them.
 
 A gradient function is ``grad_fn(params, batch, key, *, scale=None) -> ((loss, aux), grads)``:
-the loss of ``params`` on ``batch`` (any pytree), its ``aux`` (a dict of additive statistics such
-as token counts) and the gradient. ``key`` is a PRNG key for dropout and the like. ``scale``
-seeds the backward pass, so the gradients are those of ``scale * loss``: the hook loss scaling
-(``jaxaccel.precision.loss_scaled``) uses. Each transformation below takes a gradient function
-and returns one with the same signature, so they compose in any order:
+the loss on ``batch`` (any pytree), its ``aux`` (additive statistics such as token counts) and
+the gradient of ``scale * loss`` (loss scaling's hook). The transformations below return
+gradient functions of the same signature, so they compose in any order:
 
     grad_fn = accumulate(value_and_grad(loss_fn), microbatches=4, weight="real_tokens")
 """
@@ -23,29 +21,19 @@ ROWS = "rows"
 
 
 def value_and_grad(loss_fn, *, trainable=None, observed=None):
-    """The gradient function of ``loss_fn(params, batch, key) -> (loss, aux)``.
+    """The gradient function of ``loss_fn(params, batch, key) -> (loss, aux)``; the backward
+    pass starts from ``scale`` (default 1), bit for bit ``jax.grad`` of ``scale * loss``.
 
-    The backward pass starts from ``scale`` (default 1) instead of 1: the gradient of
-    ``scale * loss``, computed without changing the loss function, bit for bit what
-    ``jax.grad(lambda p: scale * loss_fn(p, ...)[0])`` gives. ``params`` is any pytree.
-
-    With ``trainable`` (an NNX filter: a variable type, ``nn.trainable(state)``) ``params`` is a
-    model's ``nnx.State`` and only the variables it matches are differentiated: the gradients are
-    that part of the state alone, and the others enter the forward pass as constants, so no
-    gradient is computed for them at all (LoRA and adapters freeze the base weights; buffers
-    are never trained).
-
-    With ``observed`` (a filter, ``nn.Observation``) the variables it matches are probes: they
-    are differentiated too, but their cotangents are observations the backward pass reports
-    (FP8's amax), not gradients. They come back as ``aux["observed_max"]`` (a State shaped like
-    those variables, combined across microbatches by maximum), never in the gradients.
+    With ``trainable`` (an NNX filter) ``params`` is a model's ``nnx.State`` and only the
+    matched variables are differentiated, the others entering as constants (LoRA and adapters
+    freeze the base weights; buffers never train). With ``observed`` (``nn.Observation``) the
+    matched variables are probes whose cotangents (FP8's amax) return as ``aux["observed_max"]``.
     """
 
     def grad_fn(params, batch, key, *, scale=None):
         train, probes, frozen = partition(params, trainable, observed)
-        loss, backward, aux = jax.vjp(
-            lambda t, p: loss_fn(combine(t, p, frozen), batch, key), train, probes,
-            has_aux=True)
+        loss, backward, aux = jax.vjp(lambda t, p: loss_fn(combine(t, p, frozen), batch, key),
+                                      train, probes, has_aux=True)
         seed = jnp.ones_like(loss) if scale is None else jnp.asarray(scale, loss.dtype)
         grads, observations = backward(seed)
         if observed is not None:
@@ -71,14 +59,11 @@ def combine(*parts):
     """A state again from the parts of ``partition`` (empty parts skipped)."""
     parts = [p for p in parts if not (isinstance(p, dict) and not p)
              and not (isinstance(p, nnx.State) and not len(p))]
-    if len(parts) == 1:
-        return parts[0]
-    return nnx.merge_state(*parts)
+    return parts[0] if len(parts) == 1 else nnx.merge_state(*parts)
 
 
 def _zeros_like_grads(params, grads_shape):
-    """Zeros shaped like the gradients (all of ``params``, or its trainable part), each made like
-    the parameter at its path (so with its sharding)."""
+    """Zeros shaped like the gradients, each made like the parameter at its path (sharded so)."""
     by_path = {jax.tree_util.keystr(p): leaf
                for p, leaf in jax.tree_util.tree_flatten_with_path(params)[0]}
     flat, treedef = jax.tree_util.tree_flatten_with_path(grads_shape)
@@ -93,11 +78,8 @@ def _add_aux(total, aux):
 
 
 def split_microbatches(batch, microbatches: int):
-    """Every ``[B, ...]`` leaf of ``batch`` as ``[M, B / M, ...]``, taking every M-th row.
-
-    Strided rather than contiguous, so that when the rows are split over devices each
-    microbatch takes the same share of every device's rows and stays spread over all of them.
-    """
+    """Every ``[B, ...]`` leaf of ``batch`` as ``[M, B / M, ...]``, taking every M-th row: so
+    when the rows are split over devices, each microbatch takes a share of every device's."""
     rows = {x.shape[0] if x.ndim else None for x in jax.tree.leaves(batch)}
     if len(rows) != 1 or None in rows:
         raise ConfigError(f"cannot split a batch into microbatches: its leaves need one shared "
@@ -112,24 +94,13 @@ def split_microbatches(batch, microbatches: int):
 
 
 def accumulate(grad_fn, microbatches: int, *, reduce: str = "mean", weight: str | None = None):
-    """Gradient accumulation as a transformation of ``grad_fn`` (same signature).
-
-    The batch (any pytree whose leaves share a leading row dimension) is split into
-    ``microbatches`` parts (``split_microbatches``); ``lax.scan`` runs them one after the other
-    and adds their losses and gradients into one gradient-sized accumulator, so only one
-    microbatch's activations are alive at a time. Microbatch ``i`` gets the key
-    ``fold_in(key, i)``. How the parts combine is explicit:
-
-    - ``reduce="sum"``: losses and gradients add up (losses that are sums over the batch);
-    - ``reduce="mean"``: they are averaged (losses that are means over the batch), weighted by
-      ``aux[weight]`` when ``weight`` names an aux entry: with a token-mean loss and
-      ``weight="real_tokens"`` the result is the whole batch's token mean, however unevenly the
-      real tokens fall into microbatches.
-
-    ``aux`` entries are additive statistics and are summed, except ``aux["observed_max"]``
-    (``value_and_grad``'s observations), whose leaves combine by maximum, and ``aux["rows"]``, a
-    dict of per-row values ``[rows of the microbatch, ...]``, which come back as the whole
-    batch's rows in the batch's order.
+    """Gradient accumulation of ``grad_fn`` (same signature): ``lax.scan`` runs the batch's
+    ``microbatches`` parts (``split_microbatches``; part ``i`` gets the key ``fold_in(key, i)``)
+    into one gradient-sized accumulator, so one microbatch's activations are alive at a time.
+    ``reduce="sum"`` adds losses and gradients up; ``reduce="mean"`` averages them, weighted by
+    ``aux[weight]`` when given: with a token-mean loss and ``weight="real_tokens"``, the whole
+    batch's token mean however the tokens fall. ``aux`` entries are summed, ``observed_max`` by
+    maximum, and ``rows`` (per-row values) come back in the batch's row order.
     """
     if microbatches < 1:
         raise ConfigError(f"accumulate must be >= 1, got {microbatches}",

@@ -1,32 +1,19 @@
-"""Initialisation schemes that let a transformer train without warmup or normalisation, as
-transformations of any model whose blocks are an ``nn.Stack``.
+"""Initialisation schemes for training without warmup or normalisation, for any model whose
+blocks are an ``nn.Stack``: ``--init`` picks one, ``apply(model, settings, key)`` applies it.
 
-``--init`` picks one; ``apply(model, settings, key)`` changes the freshly built model:
-
-- ``default``: the model as its factory built it (jaxaccel's GPT: GPT-2's, every matmul weight
-  and the embedding N(0, 0.02), the residual output projections N(0, 0.02 / sqrt(2 L)),
-  pre-norm blocks).
+- ``default``: the model as built (jaxaccel's GPT: GPT-2's N(0, 0.02), residual output
+  projections N(0, 0.02 / sqrt(2 L)), pre-norm blocks).
 - ``rezero`` (Bachlechner et al. 2020, "ReZero is All You Need: Fast Convergence at Large
-  Depth"): ``x_{l+1} = x_l + alpha_l F_l(x_l)`` with one learned scalar ``alpha_l`` per block,
-  shared by its residual branches as in the paper's transformer layer, starting at 0, and no
-  normalisation in the blocks: every block starts as the identity map.
+  Depth"): ``x + alpha_l F_l(x)``, one learned scalar per block, starting at 0.
 - ``skipinit`` (De & Smith 2020, "Batch Normalization Biases Residual Blocks Towards the
-  Identity Function in Deep Networks"): a learned scalar multiplier at the end of every
-  residual branch, starting at 0, the normalisation removed; also the identity at the start.
+  Identity Function in Deep Networks"): a learned scalar per residual branch, starting at 0.
 - ``tfixup`` (Huang et al. 2020, "Improving Transformer Optimization Through Better
-  Initialization"), the decoder's rule with M = L blocks: Xavier-uniform initialisation of every
-  linear layer (U(-a, a), a = sqrt(6 / (fan_in + fan_out))), the input embedding N(0, d^-1/2),
-  then the embedding and the layers ``--tfixup-scaled`` names (jaxaccel's GPT: each block's value
-  and output projections and its MLP; queries and keys keep their Xavier scale) scaled by
-  ``(9 L)^(-1/4)``. No normalisation in the blocks and, the paper's point, no warmup.
+  Initialization"), decoder rule, M = L: Xavier-uniform linear layers, embedding N(0, d^-1/2),
+  the embedding and the ``--tfixup-scaled`` layers scaled by ``(9 L)^(-1/4)``.
 
-The surgery is generic: the norms removed are the blocks' ``nnx.RMSNorm`` and ``nnx.LayerNorm``
-layers (replaced by ``Identity``; the final norm before the head is outside the residual stream
-these papers analyse and stays); a gate multiplies the output of each layer ``--gate-targets``
-names (jaxaccel's GPT: ``o,out``, the ends of its attention and MLP branches), one ``nnx.Param``
-scalar shared within a block for ReZero. Random draws are keyed by each weight's path with the
-layer index taken out and folded in apart (``blocks/attn/wv/kernel``, layer 3), so a scanned and
-an unrolled stack start from the same values.
+The last three replace the blocks' norms by ``Identity`` (the final norm stays); gates multiply
+the outputs of the ``--gate-targets`` layers. Draws are keyed by path without the layer index
+(``canonical``), so scanned and unrolled stacks start alike.
 """
 
 import dataclasses
@@ -132,8 +119,7 @@ def canonical(path: tuple, stack_path: tuple) -> tuple[str, int | None]:
     layer = _block_index(path, stack_path)
     if layer is None:
         return surgery.path_text(path), None
-    rest = path[len(stack_path) + 2:]
-    return surgery.path_text((*stack_path, *rest)), layer
+    return surgery.path_text((*stack_path, *path[len(stack_path) + 2:])), layer
 
 
 def _draw(key, name: str, layer, shape, sample):
@@ -143,8 +129,7 @@ def _draw(key, name: str, layer, shape, sample):
 
 def _xavier(key, shape, dtype):
     """Xavier/Glorot uniform over the last two dimensions (fan in, fan out)."""
-    fan_in, fan_out = shape[-2], shape[-1]
-    limit = (6.0 / (fan_in + fan_out)) ** 0.5
+    limit = (6.0 / (shape[-2] + shape[-1])) ** 0.5
     return jax.random.uniform(key, shape, dtype, -limit, limit)
 
 

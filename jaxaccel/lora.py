@@ -1,23 +1,13 @@
 """Parameter-efficient fine-tuning of any NNX model: LoRA and bottleneck adapters.
 
-LoRA (Hu et al. 2021, "LoRA: Low-Rank Adaptation of Large Language Models") freezes a trained
-weight W [d_in, d_out] and learns its update as a product of two low-rank matrices,
-``W + (alpha / r) A B``, A [d_in, r] Gaussian (std d_in^-1/2) and B [r, d_out] zero, so the model
-starts as the trained one. ``apply_lora`` wraps the linear layers ``--lora-targets`` names
-(module surgery, ``jaxaccel.surgery``) in ``LoRA``, whose factors are flax's ``nnx.LoRAParam``.
-``merge`` folds them back into W (ours, and flax's own ``nnx.LoRA(base_module=...)``), after
-which the model is its base again, with the same logits.
-
-Adapters (Houlsby et al. 2019, "Parameter-Efficient Transfer Learning for NLP") are the
-addition-based alternative: ``apply_adapters`` puts a bottleneck ``h + up(gelu(down(h)))`` on the
-output of each layer ``--adapter-targets`` names (jaxaccel's GPT: the attention and MLP branches'
-last projections, ``o,out``), ``up`` starting at zero. They add a little compute and cannot be
-merged; their weights are ``nn.Tuned``.
-
-What trains is a filter on variable types (``nn.trainable``): a model holding ``LoRAParam`` or
-``Tuned`` variables trains only those; the step differentiates only them, the optimizer keeps
-state only for them, and the frozen weights pass through every step bit for bit. Random draws are
-keyed by each layer's path, so any model, any order of techniques, gets the same factors.
+LoRA (Hu et al. 2021, "LoRA: Low-Rank Adaptation of Large Language Models") learns the update of
+a frozen trained weight W as ``(alpha / r) A B``, A [d_in, r] Gaussian (std d_in^-1/2), B
+[r, d_out] zero: ``apply_lora`` wraps the ``--lora-targets`` layers in ``LoRA`` (``nnx.LoRAParam``
+factors), ``merge`` folds them (and flax's ``nnx.LoRA``) back into W, same logits. Adapters
+(Houlsby et al. 2019, "Parameter-Efficient Transfer Learning for NLP"): ``apply_adapters`` adds
+``h + up(gelu(down(h)))`` (``nn.Tuned``, ``up`` zero; not mergeable) after each
+``--adapter-targets`` layer. A model holding ``LoRAParam`` or ``Tuned`` variables trains only
+those (``nn.trainable``). Draws are keyed by layer path, so any order of techniques agrees.
 """
 
 import dataclasses
@@ -138,17 +128,16 @@ def apply_adapters(model, settings: AdapterSettings, key) -> int:
     """Put an ``Adapter`` on the output of each targeted layer; how many (0 when off)."""
     if not settings.dim:
         return 0
-    targets = settings.targets or surgery.default_targets(model, "adapters", None, "adapters.targets")
+    targets = settings.targets or surgery.default_targets(model, "adapters", None,
+                                                          "adapters.targets")
     adapter_key = jax.random.fold_in(key, 0xADA)
     return surgery.wrap(model, targets, lambda path, layer: Adapter(
         layer, settings.dim, _key(adapter_key, path)), field="adapters.targets")
 
 
-def _fold(wrapper) -> None:
-    """Fold a LoRA wrapper's update into the kernel of the layer it wraps, in float32."""
-    kernel = wrapper.kernel
-    a, b = (jnp.asarray(v[...], jnp.float32) for v in (wrapper.lora_a, wrapper.lora_b))
-    scale = getattr(wrapper, "scale", 1.0)
+def _fold(kernel, lora, scale=1.0) -> None:
+    """Add ``scale * lora_a @ lora_b`` of ``lora`` to ``kernel``, in float32."""
+    a, b = (jnp.asarray(v[...], jnp.float32) for v in (lora.lora_a, lora.lora_b))
     w = kernel[...]
     kernel[...] = (w.astype(jnp.float32) + scale * (a @ b)).astype(w.dtype)
 
@@ -156,22 +145,19 @@ def _fold(wrapper) -> None:
 def merge(model) -> int:
     """Fold every LoRA update into its weight, in place: ours (``LoRA``) and flax's
     ``nnx.LoRA(base_module=...)``; the model is its base architecture again. How many."""
-    merged = 0
-    for path, layer in [(p, n) for p, n in nnx.iter_graph(model) if isinstance(n, LoRA)]:
-        _fold(layer)
+    ours = [(p, n) for p, n in nnx.iter_graph(model) if isinstance(n, LoRA)]
+    for path, layer in ours:
+        _fold(layer.kernel, layer, layer.scale)
         surgery.replace(model, path, layer.base)
-        merged += 1
-    for path, layer in [(p, n) for p, n in nnx.iter_graph(model) if isinstance(n, nnx.LoRA)]:
+    flax = [(p, n) for p, n in nnx.iter_graph(model) if isinstance(n, nnx.LoRA)]
+    for path, layer in flax:
         base = getattr(layer, "base_module", None)
         if base is None or not hasattr(base, "kernel"):
             raise ConfigError(f"{surgery.path_text(path)} is an nnx.LoRA without a base layer: "
                               f"it has no weight to merge into")
-        a, b = (jnp.asarray(v[...], jnp.float32) for v in (layer.lora_a, layer.lora_b))
-        base.kernel[...] = (base.kernel[...].astype(jnp.float32) + a @ b).astype(
-            base.kernel[...].dtype)
+        _fold(base.kernel, layer)
         surgery.replace(model, path, base)
-        merged += 1
-    return merged
+    return len(ours) + len(flax)
 
 
 def count(state) -> tuple[int, int]:

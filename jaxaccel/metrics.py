@@ -16,15 +16,16 @@ class MetricsWriter:
     ``trackers`` (``jaxaccel.trackers``: TensorBoard, W&B) as ``<kind>/<name>``."""
 
     def __init__(self, run_dir: str, process_index: int = 0, trackers=()):
-        # Every process of a multi-process run sees the same global metrics; process 0 writes
-        # metrics.jsonl and the others their own file beside it, so none overwrites another's.
+        # Every process sees the same global metrics: each writes its own file, none overwrites.
         name = "metrics.jsonl" if process_index == 0 else f"metrics.process{process_index}.jsonl"
         self.path = os.path.join(run_dir, name)
         self._file = open(self.path, "a")
         self._trackers = list(trackers)
 
     def write(self, step: int, kind: str, values: dict):
-        record = {"step": int(step), "kind": kind, **{k: _plain(v) for k, v in values.items()}}
+        values = {k: v.item() if isinstance(v, (np.generic, np.ndarray)) else v
+                  for k, v in values.items()}
+        record = {"step": int(step), "kind": kind, **values}
         self._file.write(json.dumps(finite_json(record), allow_nan=False) + "\n")
         self._file.flush()
         scalars = {key: value for key, value in record.items() if key not in ("step", "kind")
@@ -38,21 +39,15 @@ class MetricsWriter:
             tracker.close()
 
 
-def _plain(value):
-    return value.item() if isinstance(value, (np.generic, np.ndarray)) else value
-
-
 def read_metrics(path: str) -> list[dict]:
     """The records of a ``metrics.jsonl``; a last line cut short (a killed run) is left out."""
-    return _parse(_lines(path))
+    return _read(path)[0]
 
 
-def _lines(path: str) -> list[str]:
+def _read(path: str) -> tuple[list[dict], int]:
+    """The records of ``path`` and its count of non-blank lines."""
     with open(path) as f:
-        return [line for line in f if line.strip()]
-
-
-def _parse(lines: list[str]) -> list[dict]:
+        lines = [line for line in f if line.strip()]
     records = []
     for i, line in enumerate(lines):
         try:
@@ -60,21 +55,20 @@ def _parse(lines: list[str]) -> list[dict]:
         except json.JSONDecodeError:
             if i < len(lines) - 1:
                 raise
-    return records
+    return records, len(lines)
 
 
 def truncate_metrics(path: str, step: int) -> int:
-    """Keep the records of ``path`` up to ``step`` (the checkpoint a run resumes from): the
-    steps a killed run logged after its last checkpoint are run again, and would otherwise
-    appear twice; a cut last line goes too. Returns how many records (or cut lines) went."""
+    """Keeps the records of ``path`` up to ``step``, the checkpoint a run resumes from (the
+    steps after it are run again), and drops a cut last line. Returns how many lines went."""
     if not os.path.exists(path):
         return 0
-    lines = _lines(path)
-    kept = [r for r in _parse(lines) if r["step"] <= step]
+    records, num_lines = _read(path)
+    kept = [r for r in records if r["step"] <= step]
     with open(path + ".tmp", "w") as f:
         f.writelines(json.dumps(r) + "\n" for r in kept)
     os.replace(path + ".tmp", path)
-    return len(lines) - len(kept)
+    return num_lines - len(kept)
 
 
 def plot_loss_curve(records: list[dict], path: str, *, unigram_bpb: float | None = None,

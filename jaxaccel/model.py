@@ -1,20 +1,10 @@
 """Any model jaxaccel trains: where it comes from, what it must offer, and its pure functions.
 
-``--model`` names a preset of jaxaccel's GPT (``tiny``, ``small``, ``medium``, ``gpt2``;
-``jaxaccel.gpt``) or a factory of the user's own, ``FILE.py:FUNCTION`` or
-``package.module:FUNCTION``: a function
-
-    factory(vocab_size, max_seq_len, *, rngs, **args) -> nnx.Module
-
-(``--model-args`` gives ``args``, a YAML mapping). The module it returns follows the contract of
-``jaxaccel.nn``: ``model(inputs_BT, positions=..., segment_ids=...) -> logits [B, T, vocab_size]``
-and, for the block techniques, its blocks in one ``nn.Stack``. ``check`` says in one line what a
-model lacks before any work is done.
-
-Training code works on the model's state (``nnx.State``: every variable, of every type) and pure
-functions of it: ``make_apply`` (the forward pass of a Batch), ``parts`` (the model cut at its
-stack, for pipeline stages). Variable types say what each variable is: ``nnx.Param`` weights
-(``nn.trainable`` says which train), ``nn.Buffer`` technique state the step updates.
+``--model`` names a preset of ``jaxaccel.gpt`` or a factory ``FILE.py:FUNCTION`` or
+``package.module:FUNCTION``, ``factory(vocab_size, max_seq_len, *, rngs, **args) -> nnx.Module``
+(``args``: ``--model-args``, YAML). The module follows the ``jaxaccel.nn`` contract; ``check``
+says in one line what it lacks. Training works on pure functions of its ``nnx.State``:
+``make_apply`` (the forward pass) and ``parts`` (the model cut at its stack, for pipelining).
 """
 
 import dataclasses
@@ -75,8 +65,7 @@ def factory_args(cfg: ModelConfig) -> dict:
 
 
 def load_factory(name: str) -> Callable:
-    """The factory ``--model`` names: a preset's (``gpt.make``) or ``FILE.py:FUNCTION`` /
-    ``package.module:FUNCTION``; one ConfigError line if it cannot be loaded."""
+    """The factory ``--model`` names (a preset's: ``gpt.make``); a ConfigError if none loads."""
     if is_preset(name):
         if name not in gpt.PRESETS:
             raise ConfigError(f"unknown model {name!r}: give a preset ({', '.join(gpt.PRESETS)}) "
@@ -104,8 +93,7 @@ def load_factory(name: str) -> Callable:
                           field="model.name") from None
     factory = getattr(module, function, None)
     if not callable(factory):
-        raise ConfigError(f"model {name}: {where} has no function {function!r}",
-                          field="model.name")
+        raise ConfigError(f"model {name}: {where} has no function {function!r}", field="model.name")
     return factory
 
 
@@ -120,9 +108,8 @@ def _describe(error: BaseException) -> str:
 
 
 def build(cfg: ModelConfig, gpt_settings, key) -> nnx.Module:
-    """The model a config describes, freshly initialised from ``key``, before any technique.
-    Its parameters draw from the ``params`` stream of ``nnx.Rngs`` (any other stream, such as
-    ``dropout``, from a key of its own)."""
+    """The model of ``cfg`` initialised from ``key`` (``nnx.Rngs``' ``params`` stream; other
+    streams, such as ``dropout``, from a key of their own), before any technique."""
     factory = load_factory(cfg.name)
     args = factory_args(cfg)
     if is_preset(cfg.name):
@@ -158,22 +145,18 @@ def build(cfg: ModelConfig, gpt_settings, key) -> nnx.Module:
 
 
 def describe(cfg: ModelConfig, gpt_settings=None) -> str:
-    """The preset's name (or layers x width when the gpt section changes it), else the
-    factory."""
-    if not is_preset(cfg.name):
-        return cfg.name
-    given = {k: v for k, v in dataclasses.asdict(gpt_settings or {}).items() if v is not None} \
-        if gpt_settings is not None else {}
-    if not given:
+    """The preset's name (layers x width when the gpt section changes it), else the factory."""
+    given = {} if gpt_settings is None else {
+        k: v for k, v in dataclasses.asdict(gpt_settings).items() if v is not None}
+    if not is_preset(cfg.name) or not given:
         return cfg.name
     shape = gpt.preset(cfg.name, **given)
     return f"{shape.n_layers}x{shape.d_model}"
 
 
 def abstract(make) -> nnx.Module:
-    """The module ``make()`` returns, with ShapeDtypeStructs for arrays (nothing computed).
-    Unlike ``nnx.eval_shape`` it leaves the variables' logical axes (``out_sharding``) as
-    metadata instead of turning them into shardings of the mesh in context."""
+    """``make()`` with ShapeDtypeStructs for arrays; unlike ``nnx.eval_shape`` it keeps logical
+    axes (``out_sharding``) as metadata rather than shardings of the mesh in context."""
     graph = {}
 
     def state():
@@ -199,9 +182,8 @@ def call_arguments(model) -> set[str]:
 
 
 def check(model, name: str, *, vocab_size: int, packed: bool) -> None:
-    """One ConfigError line if ``model`` cannot train as configured: its call must take the ids
-    (and, for packed rows, ``positions`` and ``segment_ids``: each document restarts its
-    positions and attends only to itself) and give logits of the vocabulary's size."""
+    """A ConfigError if ``model`` cannot train as configured: its call must take the ids (packed
+    rows: with ``positions`` and ``segment_ids``) and give logits of the vocabulary's size."""
     if not callable(model):
         raise ConfigError(f"model {name}: {type(model).__name__} has no __call__",
                           field="model.name")
@@ -215,8 +197,8 @@ def check(model, name: str, *, vocab_size: int, packed: bool) -> None:
     # rows the mesh in context splits over its batch axes (Explicit axes refuse an uneven split)
     mesh = jax.sharding.get_abstract_mesh()
     rows = max(2, 1 if mesh.empty else math.prod(mesh.shape.get(a, 1) for a in ("data", "fsdp")))
-    batch = {k: jax.ShapeDtypeStruct((rows, 8), dtype) for k, dtype in
-             (("inputs", jnp.int32), ("positions", jnp.int32), ("segment_ids", jnp.int32))}
+    batch = {k: jax.ShapeDtypeStruct((rows, 8), jnp.int32)
+             for k in ("inputs", "positions", "segment_ids")}
     try:
         logits = jax.eval_shape(make_apply(graphdef, segment_attention=packed), state, batch)
     except ConfigError:
@@ -235,13 +217,10 @@ def check(model, name: str, *, vocab_size: int, packed: bool) -> None:
 # Pure functions of the state.
 
 def make_apply(graphdef, *, segment_attention: bool = True):
-    """``apply(state, batch, key=None) -> logits [B, T, V]``: the model's forward pass on a Batch.
-
-    ``key`` (training) reaches the blocks through ``nn.step`` (dropout, stochastic depth, token
-    dropping) and reseeds the model's ``nnx.Rngs`` streams; without one (evaluation) none of
-    that runs. ``segment_attention=False`` is for rows that each hold one document from column 0
-    (every batching but pack): the model gets no segment ids, so attention is causal only; a
-    real token's keys are the same and padding's outputs are read by no loss."""
+    """``apply(state, batch, key=None) -> logits [B, T, V]``; ``key`` (training) reseeds the
+    ``nnx.Rngs`` streams and reaches the blocks through ``nn.step``. ``segment_attention=False``
+    (a document per row from column 0: every batching but pack) passes no segment ids: causal
+    attention alone changes no real token's output."""
     takes = None
 
     def apply(state, batch, key=None):
@@ -250,7 +229,7 @@ def make_apply(graphdef, *, segment_attention: bool = True):
         if takes is None:
             takes = call_arguments(model)
         if key is not None:
-            _reseed(model, key)
+            nn._reseed(model, key)
         kwargs = {"positions": batch.get("positions")}
         if segment_attention:
             kwargs["segment_ids"] = batch.get("segment_ids")
@@ -258,14 +237,6 @@ def make_apply(graphdef, *, segment_attention: bool = True):
             return model(batch["inputs"], **{k: v for k, v in kwargs.items() if k in takes})
 
     return apply
-
-
-def _reseed(model, key):
-    streams = sorted({v.get_metadata().get("tag") for _, v in nnx.iter_graph(model)
-                      if isinstance(v, nnx.RngKey)} - {None})
-    if streams:
-        nnx.reseed(model, policy="match_shape",
-                   **{name: jax.random.fold_in(key, i) for i, name in enumerate(streams)})
 
 
 def eval_graphdef(graphdef, abstract_state):
@@ -295,13 +266,9 @@ class _Captured(Exception):
 
 
 class Parts(NamedTuple):
-    """The model cut at its stack, as pure functions (``jaxaccel.pipeline``):
-
-    - ``embed(state, batch) -> (x, token_args)``: everything before the stack;
-    - ``blocks(stack_state, x, token_args, batch, key, first_layer, total_layers) -> x``: the
-      stack (its state, ``stack_of(state)``: all of its layers or a pipeline stage's slice);
-    - ``head(state, batch, x) -> logits``: everything after it.
-    """
+    """The model cut at its stack: ``embed(state, batch) -> (x, token_args)``, ``blocks(
+    stack_state, x, token_args, batch, key, first_layer, total_layers) -> x`` (``stack_of(state)``
+    or a stage's slice), ``head(state, batch, x) -> logits``."""
 
     embed: Callable
     blocks: Callable
@@ -310,9 +277,8 @@ class Parts(NamedTuple):
 
 
 def parts(graphdef, abstract_state, *, segment_attention: bool = True) -> Parts:
-    """The model's parts: its own forward pass run up to the stack (which raises what it was
-    given) or from it (which returns the given hidden states), so any model whose blocks are
-    one ``nn.Stack`` can be cut, whatever its code."""
+    """The model's ``Parts``: its own forward pass run up to its ``nn.Stack`` (which raises what
+    it was given) or from it (which returns the given hidden states), whatever its code."""
     model = nnx.merge(graphdef, abstract_state)
     stack_path, stack = nn.the_stack(model, "pipeline parallelism", "mesh.strategy")
     stack_graphdef = nnx.graphdef(stack)
@@ -347,8 +313,7 @@ def stack_of(state, stack_path: tuple):
 
 
 def split_at(state, path: tuple):
-    """``(rest, sub)``: the variables of ``state`` under ``path`` (as a state of their own,
-    paths relative to it) apart from the others."""
+    """``(rest, sub)``: ``state`` less the variables under ``path``, and those (paths below it)."""
     flat = list(nnx.to_flat_state(state))
     inside = [(p[len(path):], v) for p, v in flat if tuple(p[:len(path)]) == tuple(path)]
     outside = [(p, v) for p, v in flat if tuple(p[:len(path)]) != tuple(path)]

@@ -1,39 +1,25 @@
-"""What a model offers jaxaccel, and what its blocks may ask of the step that runs them.
+"""The contract a model meets for jaxaccel, and what its blocks may ask of the running step.
 
-A model is a flax ``nnx.Module`` that maps token ids to logits:
-
-    model(inputs_BT, positions=positions_BT, segment_ids=segment_ids_BT) -> logits [B, T, V]
-
-It declares its transformer blocks one way: it holds them in a ``Stack`` and calls the stack once,
-with the hidden states and the per-token arrays its blocks read:
+A model is a flax ``nnx.Module``,
+``model(inputs_BT, positions=positions_BT, segment_ids=segment_ids_BT) -> logits [B, T, V]``,
+that holds its transformer blocks in one ``Stack`` and calls it once:
 
     self.blocks = nn.Stack([Block(...) for _ in range(n_layers)])
-    ...
     x_BTD = self.blocks(x_BTD, positions=positions_BT, segment_ids=segment_ids_BT)
 
-The stack calls ``block(x_BTD, **token_args) -> x_BTD`` for each block in turn. Every keyword
-argument is None or an array whose first two dimensions are the batch's rows and tokens: a block
-technique may then run a block on some rows (stochastic depth) or some tokens (token dropping)
-by gathering them. ``segment_ids`` (0 on padding) is the one argument a technique reads by name.
+The stack calls ``block(x_BTD, **token_args) -> x_BTD`` for each block. Every keyword argument is
+None or an array [B, T, ...], so a technique may run a block on some rows (stochastic depth) or
+tokens (token dropping) by gathering them; ``segment_ids`` (0 on padding) is the one it reads by
+name. Block techniques act on the stack, never on the model's code: ``remat`` scans it,
+``stochastic_depth`` and ``token_drop`` add a ``BlockTransform``, ``stacking`` grows it,
+``pipeline`` slices it.
 
-Block techniques act on the stack, not on the model's code: ``jaxaccel.remat`` scans it
-(``Stack.scan``: the blocks' variables stacked on a leading layer axis, one ``lax.scan``) and
-checkpoints each block under a policy; ``stochastic_depth`` and ``token_drop`` add a
-``BlockTransform``; ``stacking`` grows it; ``pipeline`` runs slices of it on pipeline stages.
-
-A step tells the blocks what they may need through ``step(...)``, a context the runtime sets
-around the model's call: the step's PRNG key (None in evaluation) and the batch. A block that
-draws random numbers (dropout) takes ``layer_key()``, the step's key folded with its layer index;
-``nnx.Dropout`` layers need nothing: their streams are reseeded from the same key.
-
-Tags: a model names the intermediate tensors that remat policies may keep with ``tag(x, name)``
-(``jax.ad_checkpoint.checkpoint_name``). The names ``jaxaccel.remat``'s policies use are
-``TAGS``; a model may use others with a policy of its own (``--remat save:NAME,NAME``).
-
-Technique state that is not a trained weight is a ``Buffer`` (FP8's amax histories, N:M masks,
-token dropping's running losses): the optimizer never sees it, the step updates it through the
-``update`` hook of the module that owns it, and an ``Observation`` buffer's cotangent is what the
-backward pass observed (FP8's amaxes) rather than a gradient.
+The runtime sets ``step(...)`` (the PRNG key, None in evaluation, and the batch) around the
+model's call. A block that draws random numbers takes ``layer_key()``, the key folded with its
+layer index; ``nnx.Dropout`` streams are reseeded from it unasked. ``tag(x, name)`` names a tensor
+remat policies may keep (``TAGS``: those ``jaxaccel.remat``'s use; ``--remat save:NAME,NAME``
+takes any). Technique state that is not a trained weight is a ``Buffer``, updated by its module's
+``update`` hook (``Updated``).
 """
 
 import contextlib
@@ -62,36 +48,29 @@ def tag(x, name: str):
 
 
 class Buffer(nnx.Variable):
-    """State a technique keeps beside the weights: checkpointed, sharded and grown with them,
-    never trained; the module that owns it updates it after each step (``Updated``)."""
+    """Technique state checkpointed, sharded and grown with the weights, never trained."""
 
 
 class Observation(Buffer):
-    """A buffer whose cotangent, in the backward pass, is an observation (FP8's amaxes) that its
-    module's ``update`` receives, not a gradient."""
+    """A buffer whose cotangent is an observation for ``update`` (FP8's amaxes), not a gradient."""
 
 
 class Tuned(nnx.Param):
-    """A weight a fine-tuning technique adds (adapters). A model that holds any, or flax's
-    ``nnx.LoRAParam``, trains only those (``trainable``)."""
+    """A weight a fine-tune adds (adapters): a model holding any trains only those."""
 
 
 def trainable(state):
-    """The filter of what trains in a model's state: its ``Tuned`` and ``nnx.LoRAParam``
-    variables when it holds any (a fine-tune: every other weight is frozen), else every
-    ``nnx.Param``. Buffers are never trained."""
+    """What trains in ``state``: its ``Tuned`` and ``nnx.LoRAParam`` variables when it holds any
+    (a fine-tune), else every ``nnx.Param``; never a buffer."""
     tuned = (Tuned, nnx.LoRAParam)
     leaves = jax.tree.leaves(state, is_leaf=lambda x: isinstance(x, nnx.Variable))
     return nnx.Any(*tuned) if any(isinstance(v, tuned) for v in leaves) else nnx.Param
 
 
 class Updated:
-    """A module whose buffers the step updates after the optimizer's update.
-
-    ``loss_stats(logits_BTV, batch) -> dict`` (optional) adds statistics of the batch, summed
-    over microbatches, that ``update`` receives as ``stats``; ``update(step, stats, observed)``
-    changes the module's buffers in place (``observed``: the cotangents of its ``Observation``
-    buffers, a State shaped like them, or None)."""
+    """A module whose ``update(step, stats, observed)`` changes its buffers after each step:
+    ``stats`` sums its optional ``loss_stats(logits_BTV, batch)`` over microbatches, ``observed``
+    is its ``Observation`` buffers' cotangents (a State) or None."""
 
     def loss_stats(self, logits_BTV, batch):
         return None
@@ -105,9 +84,8 @@ def updated_modules(model) -> list[tuple[tuple, "Updated"]]:
 
 
 def loss_stats(model):
-    """``stats(state, logits_BTV, batch) -> {path: stats}`` of the ``Updated`` modules of
-    ``model`` (abstract or not; the loss's ``aux["buffer_stats"]``), or None when none gives
-    any."""
+    """``stats(state, logits_BTV, batch) -> {path: stats}`` of ``model``'s ``Updated`` modules
+    (the loss's ``aux["buffer_stats"]``), or None when none gives any."""
     if not any(type(m).loss_stats is not Updated.loss_stats for _, m in updated_modules(model)):
         return None
     graphdef = nnx.graphdef(model)
@@ -121,10 +99,8 @@ def loss_stats(model):
 
 
 def updater(model):
-    """``update(state, step, stats) -> state``: every ``Updated`` module's ``update`` run on the
-    state after the optimizer's update (``stats``: ``{"buffer_stats": {path: ...},
-    "observed_max": the Observation buffers' cotangents}``); None when ``model`` (abstract or
-    not) has no such module."""
+    """``update(state, step, stats) -> state`` running every ``Updated`` module's ``update``
+    (``stats``: ``{"buffer_stats": {path: ...}, "observed_max": ...}``), or None if none."""
     if not updated_modules(model):
         return None
     graphdef = nnx.graphdef(model)
@@ -136,8 +112,7 @@ def updater(model):
             mine = observed
             for key in path:
                 mine = mine.get(key) if mine is not None and hasattr(mine, "get") else None
-            module.update(step, stats.get("buffer_stats", {}).get("/".join(map(str, path))),
-                          mine)
+            module.update(step, stats.get("buffer_stats", {}).get("/".join(map(str, path))), mine)
         return nnx.state(model)
 
     return update
@@ -148,11 +123,9 @@ def updater(model):
 
 @dataclasses.dataclass(frozen=True)
 class Step:
-    """What the runtime tells a model's blocks while it runs: the step's PRNG key (None in
-    evaluation), the batch, and for a pipeline stage which slice of the layers its stack holds
-    (``first_layer`` of ``total_layers``). ``stack`` replaces the stack's run when set
-    (``stack(stack_module, x, token_args)``: how ``jaxaccel.model.parts`` cuts a model at its
-    stack)."""
+    """What the runtime tells the blocks: the key (None in evaluation), the batch, a pipeline
+    stage's layers (``first_layer`` of ``total_layers``), and a ``stack(stack, x, token_args)`` to
+    run in the stack's place (``jaxaccel.model.parts``)."""
 
     key: Any = None
     batch: Any = None
@@ -180,8 +153,7 @@ def current() -> Step:
 
 
 def layer_key():
-    """The PRNG key of the block being run: the step's key folded with the block's layer index
-    (None in evaluation)."""
+    """The running block's PRNG key: the step's folded with its layer index (None in evaluation)."""
     return _LAYER_KEY.get()
 
 
@@ -189,12 +161,9 @@ def layer_key():
 # The stack of blocks.
 
 class BlockTransform(nnx.Module):
-    """A block technique installed on a ``Stack`` (``Stack.add``).
-
-    Per layer, ``variant(layer, total, rows, training)`` is a static choice (stochastic depth's
-    kept rows) and ``wrap(fn, variant, scanned)`` wraps the layer's pure function ``fn(state, x,
-    token_args, index) -> x``; transforms with a lower ``order`` wrap closer to the block.
-    ``span(...)`` and ``run_span(...)`` run a range of layers differently (token dropping)."""
+    """A block technique on a ``Stack``: per layer a static ``variant`` (stochastic depth's kept
+    rows) and ``wrap`` around ``fn(state, x, token_args, index) -> x`` (lower ``order``: closer
+    to the block); ``span`` and ``run_span`` run a range of layers differently (token dropping)."""
 
     order = 0
 
@@ -214,11 +183,8 @@ class BlockTransform(nnx.Module):
 
 
 class Stack(nnx.Module):
-    """A model's transformer blocks, run in order by ``stack(x, **token_args)``.
-
-    Unrolled, ``layers`` is an ``nnx.List`` of the blocks; scanned (``scan``), one block module
-    whose variables are stacked on a leading layer axis. ``transforms`` are the block techniques
-    installed on it."""
+    """A model's blocks, run in order by ``stack(x, **token_args)``: ``layers`` is an ``nnx.List``,
+    or once scanned one block with variables stacked on a leading layer axis."""
 
     def __init__(self, blocks):
         blocks = list(blocks)
@@ -246,14 +212,12 @@ class Stack(nnx.Module):
         self.transforms.append(transform)
 
     def scan(self):
-        """Stack the blocks' variables on a leading layer axis, so that one ``lax.scan`` runs them
-        (XLA compiles one block instead of n); the blocks must share one structure. Each
-        variable is marked ``stacked`` (metadata): its first dimension is the layers'."""
+        """Stack the blocks' variables on a leading layer axis (metadata ``stacked``) so that one
+        ``lax.scan`` runs them: XLA compiles one block instead of n."""
         if self.scanned:
             return
-        blocks = list(self.layers)
-        graphdef, _ = nnx.split(blocks[0])
-        states = [nnx.state(b) for b in blocks]
+        graphdef = nnx.graphdef(self.layers[0])
+        states = [nnx.state(b) for b in self.layers]
         try:
             stacked = jax.tree.map(lambda *xs: jnp.stack(xs), *states)
         except ValueError as e:
@@ -278,10 +242,8 @@ class Stack(nnx.Module):
         self.scanned = False
 
     def map(self, fn, x, xs):
-        """``fn(block, x, x_i) -> (x, y_i)`` over the blocks in order, ``x_i`` the i-th slice of
-        ``xs`` (a pytree with a leading layer axis); returns ``(x, ys)`` with ``ys`` stacked on a
-        leading layer axis. A scanned stack runs one ``lax.scan``. No block technique runs: this
-        is for evaluation paths of the model's own, such as a key/value-cached decode."""
+        """``(x, ys)`` of ``fn(block, x, x_i) -> (x, y_i)`` over the blocks (``xs``, ``ys`` on a
+        layer axis), no block technique: for evaluation paths such as a cached decode."""
         if self.scanned:
             graphdef, stacked = nnx.split(self.layers)
 
@@ -311,7 +273,6 @@ class Stack(nnx.Module):
                     for i in range(count)]
 
         def run(x, token_args, lo, hi):
-            """Layers lo .. hi - 1 of this stack on ``x``."""
             if not self.scanned:
                 for i in range(lo, hi):
                     graphdef, state = nnx.split(self.layers[i])
@@ -346,8 +307,7 @@ class Stack(nnx.Module):
         return run(x, token_args, 0, count)
 
     def _layer_fn(self, graphdef, transforms, variant, key):
-        """One layer as a pure function ``fn(state, x, token_args, index) -> x``, wrapped by the
-        transforms (the first innermost)."""
+        """One layer as ``fn(state, x, token_args, index) -> x``, wrapped by the transforms."""
         scanned = self.scanned
 
         def fn(state, x, token_args, index):
@@ -367,8 +327,7 @@ class Stack(nnx.Module):
 
 
 def _reseed(module, key):
-    """Reseed every ``nnx.Rngs`` stream ``module`` holds (``nnx.Dropout``'s) from ``key``, so that
-    each layer and step draws its own numbers."""
+    """Reseed ``module``'s ``nnx.Rngs`` streams (``nnx.Dropout``'s) from ``key``."""
     streams = sorted({v.get_metadata().get("tag") for _, v in nnx.iter_graph(module)
                       if isinstance(v, nnx.RngKey)} - {None})
     if streams:
@@ -382,8 +341,7 @@ def stacks(model) -> list[tuple[tuple, "Stack"]]:
 
 
 def the_stack(model, technique: str, field: str | None = None) -> tuple[tuple, "Stack"]:
-    """The model's one ``Stack``, or one ConfigError line (naming ``field``, the setting that
-    asked for ``technique``) saying what the model lacks."""
+    """``(path, stack)`` of the model's one ``Stack``, else a ConfigError naming ``field``."""
     from jaxaccel.errors import ConfigError
     found = stacks(model)
     if len(found) != 1:

@@ -1,25 +1,12 @@
 """Optimizers by name, with the defaults that large-batch transformer training needs.
 
-``make_optimizer(name, ...)`` returns an ``optax.GradientTransformation`` for ``adamw``,
-``lion``, ``lamb``, ``lars``, ``sgd`` (momentum, optionally Nesterov) and ``adafactor``. The update
-rules are optax's own transformations; this module is the glue around them:
-
-- weight decay (and the LAMB/LARS trust ratio) applies to the weight matrices only: the default
-  ``decay_mask`` leaves out biases and normalisation scales (every variable under two
-  dimensions within one layer, scanned stacks included) and embedding tables (``nnx.Embed``,
-  ``mark_no_decay``), judged by rank, variable type and metadata, never by name; pass
-  ``mask=`` to choose otherwise;
-- one schedule family for all: constant, or linear warmup then cosine or linear decay, or
-  inverse square root (``make_schedule``);
-- ``scale_learning_rate`` moves a learning rate tuned at one batch size to another (linear or
-  square-root rule);
-- global-norm clipping before the update, and optionally optimizer state kept in bfloat16
-  (``state_dtype``) to halve its memory.
-
-Each optimizer's recommended settings live in ``DEFAULTS``; Lion's are AdamW's scaled as its
-authors advise (learning rate 3-10x smaller, weight decay 3-10x larger: here 10x and 10x, so the
-product lr * weight decay, the strength of the decay, stays AdamW's). The learning rates of LAMB,
-LARS and SGD are the best of a short sweep on the tiny model (BENCHMARKS.md).
+``make_optimizer(name, ...)`` returns an ``optax.GradientTransformation`` (``adamw``, ``lion``,
+``lamb``, ``lars``, ``sgd``, ``adafactor``) around optax's update rules, with weight decay and
+LAMB/LARS trust ratios only on weight matrices (``decay_mask``, never by name), one schedule
+family (``make_schedule``), global-norm clipping and optional bfloat16 state. In ``DEFAULTS``
+Lion's are AdamW's with lr 10x smaller and weight decay 10x larger (its authors advise 3-10x;
+lr * weight decay stays AdamW's); LAMB's, LARS's and SGD's are the best of a short sweep on the
+tiny model (BENCHMARKS.md).
 """
 
 import dataclasses
@@ -53,8 +40,7 @@ class OptimizerDefaults:
 
 _ADAMW_LR, _ADAMW_WD = 3e-3, 0.1
 DEFAULTS = {
-    "adamw": OptimizerDefaults(_ADAMW_LR, _ADAMW_WD, 0.9, 0.95,
-                               "Adam with decoupled weight decay"),
+    "adamw": OptimizerDefaults(_ADAMW_LR, _ADAMW_WD, 0.9, 0.95, "Adam with decoupled weight decay"),
     "lion": OptimizerDefaults(_ADAMW_LR / LION_FACTOR, _ADAMW_WD * LION_FACTOR, 0.9, 0.99,
                               f"sign of interpolated momentum; lr {LION_FACTOR:g}x smaller and "
                               f"weight decay {LION_FACTOR:g}x larger than AdamW's"),
@@ -77,23 +63,20 @@ def describe_defaults() -> str:
 
 def make_schedule(name: str, learning_rate: float, *, warmup_steps: int, total_steps: int,
                   final_fraction: float = 0.1):
-    """``schedule(step) -> learning rate``: linear warmup from 0, then the named shape.
-
-    ``constant`` holds the peak; ``cosine`` and ``linear`` decay to ``final_fraction`` of it at
-    ``total_steps``; ``rsqrt`` decays as ``peak * sqrt(warmup / step)`` after the warmup.
-    """
+    """``schedule(step) -> learning rate``: linear warmup from 0, then ``constant`` (the peak),
+    ``cosine`` or ``linear`` decay to ``final_fraction`` of it at ``total_steps``, or ``rsqrt``
+    (``peak * sqrt(warmup / step)``)."""
     if name not in SCHEDULES:
         raise ConfigError(f"unknown schedule {name!r}; choose one of {', '.join(SCHEDULES)}",
                           field="optimizer.schedule")
     warmup_steps = max(0, min(warmup_steps, total_steps - 1))
     decay_steps = max(total_steps - warmup_steps, 1)
-    end_value = learning_rate * final_fraction
     if name == "constant":
         after = optax.constant_schedule(learning_rate)
     elif name == "cosine":
         after = optax.cosine_decay_schedule(learning_rate, decay_steps, alpha=final_fraction)
     elif name == "linear":
-        after = optax.linear_schedule(learning_rate, end_value, decay_steps)
+        after = optax.linear_schedule(learning_rate, learning_rate * final_fraction, decay_steps)
     else:
         offset = max(warmup_steps, 1)
         after = lambda step: learning_rate * jax.lax.rsqrt((step + offset) / offset)  # noqa: E731
@@ -105,11 +88,8 @@ def make_schedule(name: str, learning_rate: float, *, warmup_steps: int, total_s
 
 def scale_learning_rate(learning_rate: float, rule: str, batch_size: float,
                         base_batch_size: float) -> float:
-    """The learning rate for ``batch_size`` given one tuned at ``base_batch_size``.
-
-    ``linear`` multiplies by the batch ratio (Goyal et al.), ``sqrt`` by its square root (the rule
-    for adaptive optimizers such as Adam and LAMB), ``none`` leaves it.
-    """
+    """The learning rate for ``batch_size`` given one tuned at ``base_batch_size``: times the
+    batch ratio (``linear``, Goyal et al.), its square root (``sqrt``, for Adam and LAMB) or 1."""
     if rule not in LR_SCALING:
         raise ConfigError(f"unknown learning-rate scaling {rule!r}; choose one of "
                           f"{', '.join(LR_SCALING)}", field="optimizer.lr_scaling")
@@ -127,20 +107,18 @@ def path_name(path) -> str:
 
 
 def mark_no_decay(model) -> None:
-    """Mark every embedding table of ``model`` (``nnx.Embed``) as taking no weight decay
-    (metadata ``weight_decay=False``), in place: an embedding row is a lookup, not a weight
-    matrix, whatever its rank."""
+    """Mark ``model``'s embedding tables (``nnx.Embed``) ``weight_decay=False``, in place: an
+    embedding row is a lookup, not a weight matrix, whatever its rank."""
     for _, module in nnx.iter_graph(model):
         if isinstance(module, nnx.Embed):
             module.embedding.set_metadata("weight_decay", False)
 
 
 def decay_mask(params, exclude: tuple[str, ...] = ()):
-    """True on the variables weight decay (and LAMB/LARS trust ratios) applies to: weights of
-    two or more dimensions per layer (a scanned stack's leading layer axis does not count), but
-    not those whose metadata says ``weight_decay=False`` (embedding tables, ``mark_no_decay``)
-    or whose path matches one of the ``exclude`` regular expressions (``--no-decay``). Judged by
-    rank, type and metadata, never by a variable's name; a plain pytree is judged by rank."""
+    """True on the variables weight decay (and LAMB/LARS trust ratios) applies to: ``nnx.Param``
+    of two or more dimensions per layer (not counting a scanned stack's layer axis; a plain
+    pytree's leaves by rank alone), unless their metadata says ``weight_decay=False``
+    (``mark_no_decay``) or their path matches an ``exclude`` regular expression (``--no-decay``)."""
     try:
         patterns = [re.compile(p) for p in exclude]
     except re.error as e:
@@ -162,37 +140,22 @@ def decay_mask(params, exclude: tuple[str, ...] = ()):
 
 
 def with_state_dtype(inner: optax.GradientTransformation, dtype) -> optax.GradientTransformation:
-    """Keep ``inner``'s floating-point state in ``dtype`` between steps (bfloat16: half the bytes);
-    it is updated in float32 and rounded back after each step."""
+    """Keep ``inner``'s floating-point state in ``dtype`` between steps, updated in float32."""
 
     def cast(tree, to):
         return jax.tree.map(lambda x: x.astype(to) if jnp.issubdtype(x.dtype, jnp.floating) else x,
                             tree)
 
-    def init(params):
-        return cast(inner.init(params), dtype)
-
     def update(updates, state, params=None):
         updates, state = inner.update(updates, cast(state, jnp.float32), params)
         return updates, cast(state, dtype)
 
-    return optax.GradientTransformation(init, update)
+    return optax.GradientTransformation(lambda params: cast(inner.init(params), dtype), update)
 
 
 def state_bytes(opt_state) -> int:
     """Bytes of the optimizer state's arrays."""
     return sum(x.size * x.dtype.itemsize for x in jax.tree.leaves(opt_state))
-
-
-def _lamb(schedule, b1, b2, weight_decay, mask):
-    """LAMB from optax's parts, so that the trust ratio obeys the same mask as the decay (optax's
-    ``lamb`` applies the trust ratio to every leaf, norm scales included)."""
-    return optax.chain(
-        optax.scale_by_adam(b1=b1, b2=b2, eps=1e-6),
-        optax.add_decayed_weights(weight_decay, mask),
-        optax.masked(optax.scale_by_trust_ratio(), mask),
-        optax.scale_by_learning_rate(schedule),
-    )
 
 
 def resolve_defaults(name: str, learning_rate: float | None,
@@ -211,14 +174,10 @@ def make_optimizer(name: str = "adamw", *, learning_rate: float | None = None,
                    warmup_steps: int = 0, total_steps: int, clip_norm: float | None = 1.0,
                    b1: float | None = None, b2: float | None = None, nesterov: bool = True,
                    mask=None, state_dtype=None):
-    """The named optimizer as one ``optax.GradientTransformation`` (clipping included).
-
-    Its learning rate follows ``make_schedule(schedule, learning_rate, ...)``: call that with the
-    same arguments for the value at a step. ``learning_rate``, ``weight_decay``, ``b1`` and
-    ``b2`` default to ``DEFAULTS[name]``. ``mask``
-    (a tree of bools or a function of the params) says where weight decay and trust ratios apply;
-    default ``decay_mask``. ``state_dtype`` (e.g. ``jnp.bfloat16``) stores the state in that dtype.
-    """
+    """The named optimizer as one ``optax.GradientTransformation`` (clipping included), its
+    learning rate ``make_schedule(schedule, learning_rate, ...)``; unset hyperparameters are
+    ``DEFAULTS[name]``'s. ``mask`` (bools or a function of the params; default ``decay_mask``):
+    where weight decay and trust ratios apply. ``state_dtype``: the state's dtype between steps."""
     learning_rate, weight_decay = resolve_defaults(name, learning_rate, weight_decay)
     defaults = DEFAULTS[name]
     b1 = defaults.b1 if b1 is None else b1
@@ -240,15 +199,18 @@ def make_optimizer(name: str = "adamw", *, learning_rate: float | None = None,
     if total_steps < 1:
         raise ConfigError(f"total steps must be >= 1, got {total_steps}", field="run.steps")
     mask = decay_mask if mask is None else mask
-    lr = make_schedule(schedule, learning_rate, warmup_steps=warmup_steps,
-                       total_steps=total_steps)
+    lr = make_schedule(schedule, learning_rate, warmup_steps=warmup_steps, total_steps=total_steps)
 
     if name == "adamw":
         rule = optax.adamw(lr, b1=b1, b2=b2, weight_decay=weight_decay, mask=mask)
     elif name == "lion":
         rule = optax.lion(lr, b1=b1, b2=b2, weight_decay=weight_decay, mask=mask)
     elif name == "lamb":
-        rule = _lamb(lr, b1, b2, weight_decay, mask)
+        # From optax's parts: its ``lamb`` puts the trust ratio on every leaf, norm scales too.
+        rule = optax.chain(optax.scale_by_adam(b1=b1, b2=b2, eps=1e-6),
+                           optax.add_decayed_weights(weight_decay, mask),
+                           optax.masked(optax.scale_by_trust_ratio(), mask),
+                           optax.scale_by_learning_rate(lr))
     elif name == "lars":
         rule = optax.lars(lr, weight_decay=weight_decay, weight_decay_mask=mask,
                           trust_ratio_mask=mask, momentum=b1, nesterov=nesterov)

@@ -1,45 +1,29 @@
 """Pipeline parallelism: the stacked blocks split into stages over the mesh's ``stage`` axis, the
 batch into microbatches that flow through the stages on a schedule.
 
-Layout. It runs any model whose blocks are an ``nn.Stack``, scanned (``--scan-layers``): the
-stack's variables are stacked ([L, ...]) and their ``layers`` dimension is split over ``stage``
-(``sharding.PARAM_RULES``): stage s holds layers ``s * L/S .. (s+1) * L/S - 1``, and their
-optimizer state with them. The model is cut at its stack (``model.parts``: its own forward pass
-run up to the stack, and from it): what comes before the stack (the embedding) runs on the first
-stage and what comes after it (the final norm, the output head) and the loss on the last, one
-microbatch at a time, so logits never exist for the whole batch. Their weights, though, are
-*spread*: replicated over ``stage`` (and split over ``fsdp``/``tensor`` as in every strategy), their gradients summed
-over stages at the end of the step. Placing them on the end stages alone would make those
-stages' parameter shards differently shaped from the others', which one SPMD program over the
-``stage`` axis cannot express; the price is their bytes on every stage (stated apart in
-``experiments.sharding``), small next to the blocks of a deep model.
+The model's blocks must be a scanned ``nn.Stack`` (``--scan-layers``); stage s of S holds layers
+``s * L/S .. (s+1) * L/S - 1`` and their optimizer state. The model is cut at its stack
+(``model.parts``): the embedding runs on the first stage, the final norm, head and loss on the
+last, a microbatch at a time. Their weights are replicated over ``stage`` (one SPMD program
+cannot give stages shards of different shapes), their gradients summed over stages. Only
+``stage`` is a manual axis (``jax.shard_map``; within a stage the usual constraints split the
+blocks over the other axes); activations go on and gradients back by ``lax.ppermute``.
 
-Inside the pipeline only ``stage`` is a manual axis (``jax.shard_map(axis_names={"stage"})``):
-within a stage the blocks are still split over ``data``/``fsdp``/``tensor`` by the usual
-constraints. Activations go to the next stage and their gradients to the previous one with
-``lax.ppermute``, once per tick.
+A schedule is two tables, ``forward[t, s]`` and ``backward[t, s]``: the microbatch stage s runs
+at tick t, or -1; ``lax.switch`` picks the branch (idle, first, middle or last stage), so idle
+slots cost nothing. A stage keeps the *input* of each microbatch run forward and not yet
+backward; its backward recomputes the forward from it inside ``jax.vjp``. The first stage keeps
+nothing (it re-embeds the ids); the last runs no separate forward: its backward computes its
+blocks, the head and the loss, seeded with ``scale / real tokens of the batch``.
 
-Schedules. A schedule is two tables, ``forward[t, s]`` and ``backward[t, s]``: the microbatch
-stage s runs forward (or backward) at tick t, or -1. Every tick each stage does at most one
-forward and one backward, each chosen by ``lax.switch`` (idle, first, middle or last stage) so
-that idle slots cost nothing. A stage keeps the *input* of every microbatch it has run forward
-and not yet backward, and its backward recomputes the stage's forward from that input inside
-``jax.vjp``: what a schedule stores is its stage inputs (plus whatever the remat policy keeps
-while one microbatch is recomputed). The first stage keeps nothing (it re-embeds the token ids);
-the last runs no separate forward: its backward computes its blocks, the head and the loss of
-the microbatch, seeded with ``scale / real tokens of the batch``.
-
-- ``gpipe`` (Huang et al. 2019): every microbatch forward, then every microbatch backward; each
-  stage after the first keeps M inputs.
+- ``gpipe`` (Huang et al. 2019): all forwards, then all backwards; a stage after the first keeps
+  M inputs.
 - ``1f1b`` (PipeDream-Flush, Narayanan et al. 2021): a microbatch goes backward on the last
-  stage in the tick it arrives, so after 2(S - 1 - s) forward-only ticks stage s runs one forward
-  and one backward per tick and keeps at most 2(S - 1 - s) + 1 inputs (2(S - 2) + 1 on stage 1),
-  however many microbatches there are. In lockstep ticks the gradient needs as many ticks to
-  come back as the activation took to go, so this is more than an asynchronous 1F1B's S - s.
+  stage in the tick it arrives, so stage s keeps at most 2(S - 1 - s) + 1 inputs (2(S - 2) + 1
+  on stage 1) for any M: in lockstep ticks, more than an asynchronous 1F1B's S - s.
 
-Both have the bubble (S - 1) / (M + S - 1) of the step (``bubble_fraction``): 1F1B bounds the
-memory, not the idle time. Gradients, loss and aux are those of ``grads.accumulate`` over the
-same microbatches with ``weight="real_tokens"``: the whole batch's token mean.
+Both idle (S - 1) / (M + S - 1) of the step (``bubble_fraction``). Gradients, loss and aux equal
+``grads.accumulate``'s over the same microbatches with ``weight="real_tokens"``.
 """
 
 import dataclasses
@@ -131,26 +115,22 @@ def bubble_fraction(stages: int, microbatches: int) -> float:
 
 
 def _stage_kinds(stages: int):
-    """(first, last) of each kind of stage: index 0 for stage 0, 1 for the middle ones, 2 for the
-    last (one kind, both, for a single stage)."""
-    if stages == 1:
-        return ((True, True),)
-    return ((True, False), (False, False), (False, True))
+    """(first, last) of each stage kind: 0 stage 0, 1 the middle ones, 2 the last (or one: both)."""
+    return ((True, True),) if stages == 1 else ((True, False), (False, False), (False, True))
 
 
 def _stage_function(parts, policy, mbs, keys, frozen, frozen_layers, total_layers):
     """``stage_fn(kind, stage_layers, rest, x_BTD, m, first_layer)``: stage ``kind`` (first?,
-    last?) on microbatch m of ``mbs``: the model up to its stack on the first stage (``x_BTD``
-    unused), the stage's layers of the stack, and on the last what follows the stack and the
-    summed token loss and weight instead of activations. ``frozen`` and ``frozen_layers`` are
-    the variables that are not differentiated (outside the stack, and the stage's layers': RNG
-    streams, say)."""
+    last?) on microbatch m of ``mbs``: the model up to its stack on the first (``x_BTD`` unused),
+    the stage's layers, and on the last what follows the stack, returning the summed token loss
+    and weight. ``frozen`` and ``frozen_layers``: the variables outside the stack and of the
+    stage's layers that are not differentiated (RNG streams, say)."""
 
     def stage_fn(kind, stage_layers, rest, x_BTD, m, first_layer):
         first, last = kind
         mb = _select(mbs, m)
-        state = _join(grads_lib.combine(rest, frozen),
-                      grads_lib.combine(stage_layers, frozen_layers), parts.stack_path)
+        state = join_at(grads_lib.combine(rest, frozen), (*parts.stack_path, "layers"),
+                        grads_lib.combine(stage_layers, frozen_layers))
         embedded, token_args = parts.embed(state, mb)
         if first:
             x_BTD = embedded
@@ -172,8 +152,7 @@ def stage_count() -> int:
 
 
 def _position(stages: int):
-    """This stage's index on the ``stage`` axis and its kind (an index into ``_stage_kinds``),
-    inside ``_on_stages``."""
+    """This stage's index and kind (an index into ``_stage_kinds``), inside ``_on_stages``."""
     if stages == 1:
         return 0, 0
     s = jax.lax.axis_index(AXIS)
@@ -181,26 +160,11 @@ def _position(stages: int):
 
 
 def _on_stages(run, stages: int, in_specs, out_specs):
-    """``run`` once per stage, manual over ``stage`` only (the other mesh axes stay as the mesh
-    has them); ``run`` itself for a single stage, which needs no mesh."""
+    """``run`` once per stage, manual over ``stage`` only; ``run`` itself for a single stage."""
     if stages == 1:
         return run
     return jax.shard_map(run, in_specs=in_specs, out_specs=out_specs, axis_names={AXIS},
                          check_vma=False)
-
-
-def _split(state, stack_path):
-    """``(rest, layers)``: the stack's stacked layers apart from every other variable."""
-    return split_at(state, (*stack_path, "layers"))
-
-
-def _join(rest, layers, stack_path):
-    """The state again from ``_split``'s parts (``layers``: all of them, or a stage's)."""
-    return join_at(rest, (*stack_path, "layers"), layers)
-
-
-def _activation_axes(ndim: int) -> tuple:
-    return ("batch", "seq", *(None,) * (ndim - 2))
 
 
 def _zeros_like(tree, dtype=None):
@@ -222,19 +186,18 @@ def _shift(x, stages, direction):
     return jax.lax.ppermute(x, AXIS, pairs) if pairs else jnp.zeros_like(x)
 
 
-def _check_model(model) -> tuple:
-    """The path of the model's stack; ConfigError unless it is scanned."""
-    path, stack = nn.the_stack(model, "pipeline parallelism", "mesh.strategy")
+def _scanned_stack(model):
+    """The model's stack; ConfigError unless it is scanned."""
+    _, stack = nn.the_stack(model, "pipeline parallelism", "mesh.strategy")
     if not stack.scanned:
         raise ConfigError("pipeline stages split the stacked blocks, but the stack is not "
                           "scanned; turn scan_layers on", field="remat.scan_layers")
-    return path
+    return stack
 
 
 def check_layers(model, stages: int) -> None:
     """One clear line if the model's layers do not split evenly over the stages."""
-    _check_model(model)
-    layers = len(nn.the_stack(model, "pipeline parallelism", "mesh.strategy")[1])
+    layers = len(_scanned_stack(model))
     if layers < stages or layers % stages:
         raise ConfigError(f"the model's {layers} layers do not split evenly over {stages} "
                           f"pipeline stages; choose a stage count (mesh stage=N) dividing "
@@ -243,20 +206,15 @@ def check_layers(model, stages: int) -> None:
 
 def pipeline_grad_fn(model, microbatches: int, schedule: str = "gpipe", *,
                      policy: Policy = POLICIES["fp32"], trainable=None):
-    """The gradient function (``jaxaccel.grads`` signature) of the language-model loss of
-    ``model`` (abstract or not) with its stack pipelined over the ``stage`` axis of the mesh in
-    context, ``microbatches`` per step; ``trainable`` (an NNX filter) says which variables it
-    differentiates (the others are constants).
-
-    Its loss, aux (``real_tokens``, ``padded_tokens``) and gradients are those of
-    ``accumulate(value_and_grad(lm_loss(cast(apply, policy))), microbatches,
-    weight="real_tokens")``; microbatch i gets the key ``fold_in(key, i)`` (the key itself when
-    there is one microbatch), as there.
-    """
-    _check_model(model)
+    """The gradient function (``jaxaccel.grads`` signature) of ``model``'s (abstract or not)
+    language-model loss, its stack pipelined over the mesh's ``stage`` axis, ``microbatches`` per
+    step, differentiating the ``trainable`` variables (an NNX filter; the others are constants).
+    Loss, aux and gradients are ``accumulate(value_and_grad(lm_loss(cast(apply, policy))),
+    microbatches, weight="real_tokens")``'s, with its keys (``fold_in(key, i)``)."""
+    total_layers = len(_scanned_stack(model))
     graphdef, abstract_state = nnx.split(model)
     parts = model_parts(graphdef, abstract_state)
-    total_layers = len(nn.the_stack(model, "pipeline parallelism", "mesh.strategy")[1])
+    layers_at = (*parts.stack_path, "layers")
     check(schedule, 1, microbatches)
 
     def grad_fn(params, batch, key, *, scale=None):
@@ -269,16 +227,14 @@ def pipeline_grad_fn(model, microbatches: int, schedule: str = "gpipe", *,
         real_tokens = jnp.sum(batch["weights"].astype(jnp.float32))
         seed = (1.0 if scale is None else scale) / jnp.maximum(real_tokens, 1.0)
         train, _, frozen = grads_lib.partition(params, trainable)
-        rest, blocks = _split(policy.cast_to_compute(train), parts.stack_path)
-        frozen, frozen_blocks = _split(policy.cast_to_compute(frozen), parts.stack_path)
+        rest, blocks = split_at(policy.cast_to_compute(train), layers_at)
+        frozen, frozen_blocks = split_at(policy.cast_to_compute(frozen), layers_at)
         kinds = _stage_kinds(stages)
-        x_spec, _ = jax.eval_shape(parts.embed, policy.cast_to_compute(params),
-                                   _select(mbs, 0))
-        x_axes = _activation_axes(len(x_spec.shape))
+        x_spec, _ = jax.eval_shape(parts.embed, policy.cast_to_compute(params), _select(mbs, 0))
+        x_axes = ("batch", "seq", *(None,) * (len(x_spec.shape) - 2))
 
         def run(stage_blocks, stage_frozen, rest, seed, mbs, keys):
-            stage_fn = _stage_function(parts, policy, mbs, keys, frozen, stage_frozen,
-                                       total_layers)
+            stage_fn = _stage_function(parts, policy, mbs, keys, frozen, stage_frozen, total_layers)
             s, kind = _position(stages)
             first_layer = s * layers
             forward, backward = jnp.asarray(plan.forward), jnp.asarray(plan.backward)
@@ -296,9 +252,8 @@ def pipeline_grad_fn(model, microbatches: int, schedule: str = "gpipe", *,
             def idle_forward(x, m):
                 return x0
 
-            # A backward branch adds its gradients to the running sums it is given, so a stage
-            # that has no such gradients (idle, or the middle ones for the embedding and head)
-            # passes them through instead of adding zeros every tick.
+            # A backward branch adds its gradients to the running sums it is given; a stage without
+            # such gradients (idle, or a middle one's for embedding and head) passes them through.
             def run_backward(k):
                 first, last = kinds[k]
 
@@ -308,11 +263,11 @@ def pipeline_grad_fn(model, microbatches: int, schedule: str = "gpipe", *,
                         stage_blocks, rest, x)
                     if last:       # the loss, seeded
                         loss = out[0]
-                        grads = vjp((seed.astype(loss.dtype), jnp.zeros_like(out[1])))
+                        d_blocks_mb, d_rest_mb, d_x = vjp((seed.astype(loss.dtype),
+                                                           jnp.zeros_like(out[1])))
                     else:
                         loss = jnp.zeros((), jnp.float32)
-                        grads = vjp(returned.astype(out.dtype))
-                    d_blocks_mb, d_rest_mb, d_x = grads
+                        d_blocks_mb, d_rest_mb, d_x = vjp(returned.astype(out.dtype))
                     if first or last:
                         d_rest = _add(d_rest, d_rest_mb)
                     return loss, _add(d_blocks, d_blocks_mb), d_rest, d_x
@@ -355,8 +310,8 @@ def pipeline_grad_fn(model, microbatches: int, schedule: str = "gpipe", *,
         staged = _on_stages(run, stages, in_specs=(P(AXIS), P(AXIS), P(), P(), P(), P()),
                             out_specs=(P(), P(), P(AXIS)))
         loss_sum, d_rest, d_blocks = staged(blocks, frozen_blocks, rest, seed, mbs, keys)
-        grads = jax.tree.map(lambda g, p: g.astype(p.dtype),
-                             _join(d_rest, d_blocks, parts.stack_path), train)
+        grads = jax.tree.map(lambda g, p: g.astype(p.dtype), join_at(d_rest, layers_at, d_blocks),
+                             train)
         loss = loss_sum / jnp.maximum(real_tokens, 1.0)
         aux = {"real_tokens": real_tokens,
                "padded_tokens": jnp.sum(batch["segment_ids"] == 0).astype(jnp.float32)}
@@ -367,22 +322,20 @@ def pipeline_grad_fn(model, microbatches: int, schedule: str = "gpipe", *,
 
 def pipeline_eval_fn(model, microbatches: int, *, policy: Policy = POLICIES["fp32"]):
     """``eval_step(state, batch) -> {"loss_sum", "weight_sum"}`` (``train.make_eval_step``'s
-    contract) with the stack pipelined over the ``stage`` axis: every microbatch forward, one
-    stage per tick, the last stage adding up the loss. Nothing is kept for a backward pass."""
-    _check_model(model)
+    contract), pipelined: each microbatch forward, one stage per tick, the last summing the loss."""
+    total_layers = len(_scanned_stack(model))
     graphdef, abstract_state = nnx.split(model)
     parts = model_parts(graphdef, abstract_state, segment_attention=False)
-    total_layers = len(nn.the_stack(model, "pipeline parallelism", "mesh.strategy")[1])
 
     def eval_step(state, batch):
         stages = stage_count()
         layers = total_layers // stages
         mbs = grads_lib.split_microbatches(batch, microbatches)
         params = policy.cast_to_compute(state.params)
-        rest, blocks = _split(params, parts.stack_path)
+        rest, blocks = split_at(params, (*parts.stack_path, "layers"))
         kinds = _stage_kinds(stages)
         x_spec, _ = jax.eval_shape(parts.embed, params, _select(mbs, 0))
-        x_axes = _activation_axes(len(x_spec.shape))
+        x_axes = ("batch", "seq", *(None,) * (len(x_spec.shape) - 2))
 
         def run(stage_blocks, rest, mbs):
             stage_fn = _stage_function(parts, policy, mbs, None, {}, {}, total_layers)

@@ -1,10 +1,8 @@
 """Choose a remat policy for a memory budget, from XLA's compiled memory analysis.
 
-For each policy the train step is compiled ahead of time on ShapeDtypeStructs (nothing runs):
-its device bytes at the requested batch (``memory_bytes(...)["total"]``: arguments, outputs not
-aliased to donated inputs, temporaries), its FLOPs from ``cost_analysis()``, and by search the
-largest batch whose step fits the budget. The choice is the fastest policy that fits the
-requested batch: by measured step time when the caller has timings, else by compiled FLOPs (the
+Each policy's train step is compiled ahead of time (nothing runs) for its device bytes at the
+requested batch, its FLOPs, and by search the largest batch within the budget. The choice is the
+fastest policy that fits: by measured step time when given, else by compiled FLOPs (the
 recomputation a policy pays), ties going to the earlier policy in ``REMAT_POLICIES``.
 """
 
@@ -31,8 +29,8 @@ class Plan:
 
 def compile_step(train_step, abstract_state, batch_size: int, seq_len: int,
                  batch_sharding=None):
-    """The train step compiled (state donated, as the loop runs it) for a batch shape; sharded
-    as the ShapeDtypeStructs of the state and ``batch_sharding`` say, when they say."""
+    """The train step compiled (state donated, as the loop runs it) for a batch shape, sharded
+    as the state's ShapeDtypeStructs and ``batch_sharding`` say, when they say."""
     return jax.jit(train_step, donate_argnums=0).lower(
         abstract_state, abstract_batch((batch_size, seq_len), batch_sharding)).compile()
 
@@ -41,15 +39,12 @@ def largest_batch(total_at, budget: int, *, limit: int = 4096, hint: int = 2,
                   rounds: int = 6) -> int:
     """The largest batch b <= limit with ``total_at(b) <= budget``; 0 if not even 1 fits.
 
-    Memory grows with the batch, nearly affinely, so secant guesses find the answer in a handful
-    of compiles. The first line runs through the bytes at 1 and at ``hint`` (pass a batch whose
-    bytes are known already, to save a compile); then the guesses extrapolate from batches that
-    fit while no batch is known not to, then interpolate between the largest that fits and the
-    smallest that does not (regula falsi with the Illinois step, so a curved memory profile
-    cannot stall it); each guess that fits is followed by a probe of the batch after it. A
-    binary search (doubling while no batch is known not to fit) finishes what ``rounds``
-    guesses leave. ``total_at`` may be expensive (a compile per call); it is called once per
-    batch.
+    Memory grows nearly affinely with the batch, so secant guesses find it in a few compiles:
+    the line through the bytes at 1 and ``hint`` (a batch whose bytes are known saves a
+    compile), extrapolation while no batch is known not to fit, then regula falsi with the
+    Illinois step between the largest that fits and the smallest that does not (a curved
+    profile cannot stall it), each fitting guess followed by a probe of the next batch; after
+    ``rounds`` guesses a binary search finishes. ``total_at`` is called once per batch.
     """
     known = {}
     lo, hi = 0, limit + 1     # lo fits (0: nothing yet); hi does not fit, or is past the limit
@@ -99,13 +94,11 @@ def plan_remat(make_step, abstract_state, *, seq_len: int, batch_size: int, budg
                batch_sharding=None) -> Plan:
     """Compile ``make_step(policy)`` for each policy and choose one that fits ``budget`` bytes.
 
-    ``abstract_state`` is the TrainState's ShapeDtypeStructs (the policies share its layout).
-    ``step_seconds`` maps policies to measured step times; without it FLOPs decide. With
-    ``search`` each row also gets ``max_batch``, the largest batch within the budget among the
-    multiples of ``multiple`` (the microbatch count under gradient accumulation), and ``probed``,
-    the total bytes at each batch the search compiled. Under a mesh, the bytes are per device:
-    pass ``abstract_state`` with shardings and the ``batch_sharding``.
-    Raises ConfigError when no policy fits the requested batch.
+    ``abstract_state``: the TrainState's ShapeDtypeStructs (with shardings and
+    ``batch_sharding``, the bytes are per device). ``step_seconds`` maps policies to measured
+    step times; without it FLOPs decide. With ``search`` each row also gets ``max_batch`` (the
+    largest batch in budget among the multiples of ``multiple``, the microbatch count) and
+    ``probed`` (the bytes at each batch compiled). ConfigError when no policy fits the batch.
     """
     if budget < 1:
         raise ConfigError(f"memory budget must be a positive number of bytes, got {budget}",
@@ -130,20 +123,15 @@ def plan_remat(make_step, abstract_state, *, seq_len: int, batch_size: int, budg
                               f"analysis to plan with; leave memory_budget unset and choose "
                               f"model.remat", field="run.memory_budget")
         rows.append({
-            "policy": policy,
-            "batch_size": batch_size,
-            "temp_bytes": memory["temp"],
-            "total_bytes": memory["total"],
-            "host_bytes": memory["host_total"],
-            "flops": flops(at_batch),
-            "step_s": (step_seconds or {}).get(policy),
+            "policy": policy, "batch_size": batch_size, "temp_bytes": memory["temp"],
+            "total_bytes": memory["total"], "host_bytes": memory["host_total"],
+            "flops": flops(at_batch), "step_s": (step_seconds or {}).get(policy),
             "fits": memory["total"] <= budget,
             "max_batch": (largest_batch(total_at, budget, limit=limit // multiple,
                                         hint=batch_size // multiple) * multiple
                           if search else None),
             "compiles": len(executables),
-            "probed": {b: memory_bytes(e)["total"] for b, e in sorted(executables.items())},
-        })
+            "probed": {b: memory_bytes(e)["total"] for b, e in sorted(executables.items())}})
     policy, criterion = choose_policy(rows, budget, batch_size)
     return Plan(policy=policy, criterion=criterion, budget=budget, batch_size=batch_size,
                 rows=rows)
@@ -159,19 +147,15 @@ def choose_policy(rows: list[dict], budget: int, batch_size: int) -> tuple[str, 
             f"no remat policy fits batch {batch_size} in {budget:,} bytes (the leanest, "
             f"{least['policy']!r}, needs {least['total_bytes']:,}); lower the batch size or raise "
             f"memory_budget", field="run.memory_budget")
-    timed = all(r.get("step_s") is not None for r in fitting)
-    criterion = "step_s" if timed else "flops"
+    criterion = "step_s" if all(r.get("step_s") is not None for r in fitting) else "flops"
     best = min(fitting, key=lambda r: (r[criterion] is None, r[criterion] or 0.0))
     return best["policy"], criterion
 
 
 def choose_remat(make_step, abstract_state, shapes, budget: int, batch_sharding=None):
-    """The remat policy a run's ``memory_budget`` chooses, and the plan: ``plan_remat`` at the
-    run's batch shape with the most tokens (the longest among those), every policy's step
-    compiled ahead of time, nothing run. ``make_step(policy)`` builds the run's step with that
-    remat policy. The largest batch per policy is left to ``experiments.remat``
-    (``search=True``): its search costs several compiles per policy, too long a start for a run.
-    """
+    """The policy a run's ``memory_budget`` chooses, and the plan: ``plan_remat`` at the run's
+    batch shape with the most tokens (the longest among those), without the largest-batch
+    search (``experiments.remat``'s), whose compiles would make too long a start for a run."""
     rows, seq_len = max(shapes, key=lambda shape: (shape[0] * shape[1], shape[1]))
     plan = plan_remat(make_step, abstract_state, seq_len=seq_len, batch_size=rows, budget=budget,
                       search=False, batch_sharding=batch_sharding)

@@ -2,21 +2,15 @@
 
 A ``Policy`` names three dtypes: parameters are stored in ``param_dtype`` (float32 in every named
 policy, so the optimizer updates full-precision weights), the model computes in ``compute_dtype``,
-and outputs such as logits are cast to ``output_dtype`` before the loss, which stays in float32.
-``cast(fn, policy)`` applies a policy to any function of parameters.
+outputs such as logits are cast to ``output_dtype`` before the float32 loss (``cast``).
 
-float16 has few exponent bits, so small gradients flush to zero in its backward pass. Loss scaling
-multiplies the float32 loss by a large factor before differentiation and divides the gradients by
-it afterwards. ``DynamicLossScale`` follows PyTorch's GradScaler: halve the scale and skip the step
-when a gradient overflows, double it after ``growth_interval`` finite steps in a row.
-``StaticLossScale`` keeps one scale; ``NoLossScale`` is the identity. All three are pytrees with
-the same interface, so they live inside the jitted train state and orbax saves them with it, and
-all three count non-finite steps. Two transformations put them to work:
-
-- ``loss_scaled(grad_fn)``: scale, unscale, test finiteness and adjust the scale, around any
-  gradient function of ``jaxaccel.grads``;
-- ``skip_nonfinite(optimizer)``: an optax wrapper that leaves the parameters and the optimizer
-  state untouched on a step whose gradients were not all finite.
+float16's few exponent bits flush small gradients to zero; loss scaling multiplies the float32
+loss by a large factor before differentiation and divides the gradients by it after.
+``DynamicLossScale`` follows PyTorch's GradScaler (halve the scale and skip the step on overflow,
+double it after ``growth_interval`` finite steps), ``StaticLossScale`` keeps one, ``NoLossScale``
+is the identity: pytrees saved with the train state, all counting non-finite steps.
+``loss_scaled(grad_fn)`` applies one to a gradient function; ``skip_nonfinite(optimizer)`` skips
+the update on a non-finite step.
 """
 
 import dataclasses
@@ -37,6 +31,7 @@ _DTYPES = {
     "float16": jnp.float16, "f16": jnp.float16, "fp16": jnp.float16,
 }
 _KEYS = ("params", "compute", "output")
+_FIELD = "precision.policy"
 
 
 def _is_floating(x) -> bool:
@@ -50,8 +45,7 @@ def _cast_floating(tree, dtype):
 
 @dataclasses.dataclass(frozen=True)
 class Policy:
-    """Which dtype parameters are stored in, the model computes in, and outputs are returned in;
-    with ``fp8`` the targeted linear layers multiply in float8 (``jaxaccel.fp8``)."""
+    """Storage, compute and output dtypes; with ``fp8``, ``jaxaccel.fp8``'s float8 matmuls."""
 
     param_dtype: Any
     compute_dtype: Any
@@ -80,11 +74,9 @@ class Policy:
     @property
     def name(self) -> str:
         """The POLICIES name if there is one, else ``params=...,compute=...,output=...``."""
-        for name, policy in POLICIES.items():
-            if policy == self:
-                return name
         dtypes = (self.param_dtype, self.compute_dtype, self.output_dtype)
-        return ",".join(f"{key}={dtype.name}" for key, dtype in zip(_KEYS, dtypes))
+        return next((name for name, policy in POLICIES.items() if policy == self),
+                    ",".join(f"{key}={dtype.name}" for key, dtype in zip(_KEYS, dtypes)))
 
     def __str__(self) -> str:
         return self.name
@@ -96,9 +88,6 @@ POLICIES = {
     "fp16": Policy(jnp.float32, jnp.float16, jnp.float32),
     "fp8": Policy(jnp.float32, jnp.bfloat16, jnp.float32, fp8=True),
 }
-
-
-_FIELD = "precision.policy"
 
 
 def get_policy(spec: str) -> Policy:
@@ -156,10 +145,8 @@ class _Scaled:
 
     def unscale(self, grads):
         """Divide every floating leaf by the scale, in float32, keeping each leaf's dtype."""
-        def unscale_leaf(g):
-            return (g.astype(jnp.float32) / self.scale).astype(g.dtype) if _is_floating(g) else g
-
-        return jax.tree.map(unscale_leaf, grads)
+        return jax.tree.map(lambda g: (g.astype(jnp.float32) / self.scale).astype(g.dtype)
+                            if _is_floating(g) else g, grads)
 
 
 @struct.dataclass
@@ -258,10 +245,8 @@ def make_loss_scale(kind: str, policy: Policy, *, initial_scale: float = 2.0**16
                     growth_factor: float = 2.0, backoff_factor: float = 0.5,
                     growth_interval: int = 2000, min_scale: float = 1.0,
                     static_scale: float = 2.0**15) -> LossScale:
-    """The loss scale of ``kind``; ``auto`` is dynamic for float16 compute and none otherwise.
-
-    Each kind reads only its own settings, so a config may pass all of them.
-    """
+    """The loss scale of ``kind`` (``auto``: dynamic for float16 compute, else none), reading
+    only that kind's settings, so a config may pass all of them."""
     if kind == "auto":
         kind = "dynamic" if policy.needs_loss_scaling else "none"
     if kind == "dynamic":
@@ -276,11 +261,8 @@ def make_loss_scale(kind: str, policy: Policy, *, initial_scale: float = 2.0**16
 
 
 def all_finite(tree) -> jax.Array:
-    """True iff every element of every floating leaf is finite (a bool scalar array).
-
-    It reduces whole (global) arrays, so under jit with sharded inputs XLA inserts the
-    cross-device reduction: every device gets the same answer and skips the same steps.
-    """
+    """True iff every element of every floating leaf is finite (a bool scalar array). It reduces
+    global arrays: under jit every device gets the same answer and skips the same steps."""
     return functools.reduce(
         jnp.logical_and,
         (jnp.all(jnp.isfinite(x)) for x in jax.tree.leaves(tree) if _is_floating(x)),
@@ -288,17 +270,14 @@ def all_finite(tree) -> jax.Array:
 
 
 def select_tree(pred: jax.Array, on_true, on_false):
-    """``on_true`` if the scalar ``pred`` holds, else ``on_false``, leaf by leaf.
-
-    The trees must match in structure, shapes and dtypes; the chosen leaves come back bitwise.
-    """
+    """``on_true`` if the scalar ``pred`` holds, else ``on_false`` (trees of one structure,
+    shapes and dtypes), leaf by leaf; the chosen leaves come back bitwise."""
     return jax.tree.map(lambda a, b: jnp.where(pred, a, b), on_true, on_false)
 
 
 def cast(fn, policy: Policy):
-    """``fn(params, *args)`` computing in the policy's dtypes: the floating leaves of ``params``
-    are cast to ``compute_dtype`` on the way in and those of the result to ``output_dtype`` on
-    the way out. Gradients flow back through the casts in the parameters' own dtype."""
+    """``fn(params, *args)`` in the policy's dtypes: floating ``params`` cast to ``compute_dtype``,
+    the result to ``output_dtype``; gradients flow back through the casts in params' dtype."""
 
     def cast_fn(params, *args, **kwargs):
         return policy.cast_to_output(fn(policy.cast_to_compute(params), *args, **kwargs))
@@ -307,10 +286,8 @@ def cast(fn, policy: Policy):
 
 
 def compute_in(model, dtype) -> int:
-    """Make ``model``'s flax layers compute in ``dtype`` (a 16-bit policy's), in place: each
-    layer with a ``dtype`` of None (infer from the inputs and variables) gets ``dtype``, as flax's
-    own mixed precision sets it. Without this, ``nnx.Embed`` returns its table in float32 even
-    when its variables were cast, and every later matmul would promote to float32. How many."""
+    """Set ``dtype`` on ``model``'s flax layers whose ``dtype`` is None (infer), in place; how many.
+    Without it ``nnx.Embed`` returns float32 even from cast variables, promoting later matmuls."""
     changed = 0
     for _, module in nnx.iter_graph(model):
         if isinstance(module, nnx.Module) and hasattr(module, "param_dtype") and \
@@ -333,15 +310,9 @@ def float32_warning(locations: list[str], policy: Policy) -> str | None:
 
 
 def loss_scaled(grad_fn):
-    """Loss scaling as a transformation of a gradient function (``jaxaccel.grads``).
-
-    Returns ``scaled(params, batch, key, loss_scale) -> ((loss, aux), grads, loss_scale)``: the
-    backward pass runs on the loss times ``loss_scale``'s scale, the float32 gradients come back
-    divided by it, ``aux["grads_finite"]`` says whether all of them are finite, and the returned
-    loss scale is adjusted for the next step (backed off after an overflow, grown after a run of
-    finite steps, the non-finite step counted). Pass ``grads_finite`` on to an optimizer wrapped
-    in ``skip_nonfinite`` to skip the step.
-    """
+    """Loss scaling around a gradient function: ``scaled(params, batch, key, loss_scale) ->
+    ((loss, aux), grads, loss_scale)`` unscales the gradients, sets ``aux["grads_finite"]`` (for
+    ``skip_nonfinite``) and returns the loss scale adjusted for the next step."""
 
     def scaled(params, batch, key, loss_scale):
         (loss, aux), grads = grad_fn(params, batch, key, scale=loss_scale.loss_scale)
@@ -353,14 +324,9 @@ def loss_scaled(grad_fn):
 
 
 def skip_nonfinite(optimizer: optax.GradientTransformation):
-    """``optimizer`` that makes no update, and keeps its state, when the gradients are not all
-    finite: the skipped step of loss scaling.
-
-    ``update(grads, state, params, grads_finite=...)`` takes the finiteness ``loss_scaled``
-    already computed; without it the wrapper tests the gradients itself. Unlike
-    ``optax.apply_if_finite`` it adds no state and never gives up skipping: the loss scale backs
-    off until the gradients are finite again.
-    """
+    """``optimizer`` that makes no update and keeps its state when the gradients are not all
+    finite (``grads_finite=`` from ``loss_scaled``, else tested here). Unlike
+    ``optax.apply_if_finite`` it adds no state and never stops skipping."""
     inner = optax.with_extra_args_support(optimizer)
 
     def update(grads, state, params=None, *, grads_finite=None, **extra):

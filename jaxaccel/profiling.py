@@ -1,25 +1,18 @@
-"""``--profile START:STOP``: a ``jax.profiler`` trace of some training steps and the device
+"""``--profile START:STOP``: a ``jax.profiler`` trace of steps START .. STOP - 1 and the device
 operations that took the most time in it.
 
-The loop calls ``StepProfiler.before(step)`` before dispatching each step and ``after(step,
-state)`` once it is dispatched. Before step START the profiler waits for the steps in flight and
-starts the trace (``jax.profiler.start_trace`` into ``<run_dir>/profile``; no service to start);
-after step STOP - 1 it waits for that step and stops it, so the trace covers exactly steps
-START .. STOP - 1 and the wall time between is their step time.
-
-``top_ops`` reads the trace's ``.xplane.pb`` (under ``plugins/profile``) with
-``jax.profiler.ProfileData``: every event with an ``hlo_op`` statistic is one execution of an
-XLA operation (a GPU kernel on a device plane, a CPU runtime thunk on the host plane). Durations
-are summed per operation over the device planes (the host plane when there are none, as on the
-CPU) and divided by the steps traced: ms per step, and the share of the measured step time; on
-a mesh the devices' times add up, so shares are of their total (``devices`` says how many)."""
+The loop calls ``StepProfiler.before`` before dispatching each step and ``after`` once it is
+dispatched; the trace starts once the steps before START are done and stops once STOP - 1 is,
+so the wall time between is their step time. ``top_ops`` sums, per operation, the durations of
+the trace's events with an ``hlo_op`` statistic over the device planes (the host plane without
+any): ms per step, and share of the step time (of all devices' total, on a mesh)."""
 
 import dataclasses
 import glob
 import os
 import time
 import warnings
-from collections import defaultdict
+from collections import Counter, defaultdict
 
 import jax
 
@@ -40,8 +33,7 @@ def parse_window(text: str) -> tuple[int, int]:
 
 
 def check_window(text: str, first_step: int, total_steps: int) -> tuple[int, int]:
-    """The window of ``text`` inside this run's steps (``first_step`` .. ``total_steps`` - 1),
-    else one ConfigError line."""
+    """The window of ``text``, checked to lie in steps ``first_step`` .. ``total_steps`` - 1."""
     start, stop = parse_window(text)
     if start < first_step or stop > total_steps:
         raise ConfigError(f"profile {text} is outside this run's steps {first_step} to "
@@ -82,8 +74,7 @@ class StepProfiler:
         if step == self.stop - 1 and self._began is not None:
             jax.block_until_ready(state)
             seconds = time.perf_counter() - self._began
-            jax.profiler.stop_trace()
-            self._began = None
+            self.close()
             self.report = top_ops(self.directory, self.start, self.stop, seconds, self.top)
 
     def close(self):
@@ -115,10 +106,9 @@ def top_ops(directory: str, start: int, stop: int, seconds: float, top: int = 10
             if totals:
                 per_plane[plane.name] = totals
     device_planes = [name for name in per_plane if name.startswith("/device:")]
-    summed = defaultdict(int)
+    summed = Counter()
     for name in device_planes or per_plane:
-        for op, ns in per_plane[name].items():
-            summed[op] += ns
+        summed.update(per_plane[name])
     steps = stop - start
     step_ms = seconds * 1e3 / steps
     devices = max(len(device_planes), 1)

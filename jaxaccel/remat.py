@@ -1,28 +1,15 @@
 """How a model's stack of blocks is compiled: remat by policy, and scanned layers.
 
-Activations, not weights, fill the memory of transformer training. ``jax.checkpoint`` trades
-memory for recomputation: a checkpointed block keeps only what its policy saves and recomputes
-the rest in the backward pass. ``apply`` installs ``Remat`` on the model's ``nn.Stack``, which
-checkpoints every block under the policy ``--remat`` names:
+``apply`` installs ``Remat`` on the model's ``nn.Stack``: each block, under ``jax.checkpoint``,
+keeps what the ``--remat`` policy saves and recomputes the rest in the backward pass: ``none``
+(no remat), ``full`` (its input), ``dots`` (matmul outputs without batch dimensions),
+``attention`` (the tensors tagged ``query``, ``key``, ``value``, ``attention_out`` by
+``nn.tag``), ``mlp`` (``mlp_in``, ``mlp_gate``), ``offload`` (attention's, in pinned host
+memory; on jax 0.11's CPU backend it saves nothing) or ``save:NAME,NAME`` (the model's own
+tags). ``check_tags`` refuses a policy whose tags the model never uses (it would act as full).
 
-- ``none``: no remat, every activation is kept;
-- ``full``: only the block's input is kept, the whole block is recomputed;
-- ``dots``: matmul outputs without batch dimensions are kept (the projections, not the
-  attention scores), XLA's ``dots_with_no_batch_dims_saveable``;
-- ``attention``: the tensors tagged ``query``, ``key``, ``value`` and ``attention_out``
-  (``nn.tag``) are kept, the MLP is recomputed;
-- ``mlp``: the tensors tagged ``mlp_in`` and ``mlp_gate`` are kept, attention is recomputed;
-- ``offload``: what ``attention`` keeps, moved to pinned host memory and fetched back for the
-  backward pass (``save_and_offload_only_these_names``). The CPU backend of jax 0.11 accepts
-  the policy and computes the same numbers; there host and device memory are the same RAM, so
-  it saves nothing;
-- ``save:NAME,NAME``: the tensors a model tagged with these names of its own.
-
-The tag-based policies need the model to tag those tensors (``nn.tag``): ``check_tags`` refuses
-a policy none of whose names the model's step ever names (it would silently act as ``full``).
-
-``--scan-layers`` (``scan``) stacks the blocks' variables on a leading layer axis and runs them
-with one ``lax.scan``: XLA compiles one block instead of n (``nn.Stack.scan``).
+``--scan-layers`` stacks the blocks' variables on a leading layer axis and runs them with one
+``lax.scan``: one block to compile instead of n (``nn.Stack.scan``).
 """
 
 import dataclasses
@@ -33,11 +20,8 @@ from jaxaccel import nn
 from jaxaccel.errors import ConfigError
 from jaxaccel.settings import setting
 
-POLICY_TAGS = {
-    "attention": (nn.QUERY, nn.KEY, nn.VALUE, nn.ATTENTION_OUT),
-    "mlp": (nn.MLP_IN, nn.MLP_GATE),
-    "offload": (nn.QUERY, nn.KEY, nn.VALUE, nn.ATTENTION_OUT),
-}
+_ATTENTION = (nn.QUERY, nn.KEY, nn.VALUE, nn.ATTENTION_OUT)
+POLICY_TAGS = {"attention": _ATTENTION, "mlp": (nn.MLP_IN, nn.MLP_GATE), "offload": _ATTENTION}
 REMAT_POLICIES = ("none", "full", "dots", "attention", "mlp", "offload")
 
 

@@ -1,48 +1,27 @@
-"""Importance sampling of documents (``data.sampling``): draw the rows of each batch in
-proportion to a smoothed score of their document, and reweight the loss so that its gradient
-stays an unbiased estimate of the uniform one.
+"""Importance sampling of documents (``data.sampling``): draw each batch's rows in proportion to
+a smoothed score of their document, and reweight the loss so its gradient stays unbiased.
 
-Rows are ``data.fixed_rows`` of the training documents, the same in every epoch: N rows of n_i
-real pairs, A = sum n_i. Only ``fixed`` batching is supported, where a row is one chunk of one
-document and scores as its document (``dynamic`` and ``bucket`` would change the batch shapes
-with the draw, a ``pack`` row mixes documents: a ConfigError naming ``data.sampling``).
-
-Scores are kept per *document*: a document is split into many rows (on the stdlib at seq_len
-128, 14 k documents give 251 k rows) and a short run draws each row about once, so a row's own
-last loss would rarely be seen again; its document's tells what its other chunks are like. A
-score is the row's per-token loss (``loss``) or per-token gradient-norm bound (``grad-norm``:
-||softmax(logits) - onehot(target)|| summed over the row's real tokens, the norm of the gradient
-at the logits, which bounds the per-example gradient norm up to a constant, Katharopoulos &
-Fleuret 2018), *relative* to the token mean of the same step's batch: losses fall as training
-goes, the ratio does not, so an early score is not stale in scale. Unseen documents score 1
-(the batch average), so the first draws are uniform; two rows of one document in a step
-average their scores. Row i of document d(i) is drawn with probability
+Rows are ``data.fixed_rows`` of the training documents: N rows of n_i real pairs, A = sum n_i;
+only ``fixed`` batching is supported (the others change shapes with the draw or mix documents).
+Scores are per *document* (a short run draws each row about once: stdlib at seq_len 128 has
+14 k documents, 251 k rows): a row's per-token loss (``loss``) or gradient-norm bound
+(``grad-norm``: ||softmax(logits) - onehot|| over its real tokens, Katharopoulos & Fleuret
+2018), relative to the batch's token mean so that scores stay in scale; unseen documents score
+1. Row i of document d(i) is drawn with probability
 
     p_i = (1 - floor) * s_d(i)^power / sum_j s_d(j)^power  +  floor / N
 
-so a document's rows stay equally likely, a document is drawn in proportion to its rows times
-its smoothed score, and every row stays reachable (p_i >= floor / N > 0). Batch t draws B rows
-with replacement from ``default_rng([seed, STREAM, t])`` (inverse CDF), a pure function of the
-seed, the step and the scores; each process makes its slice of the same global batch.
+B rows with replacement from ``default_rng([seed, STREAM, t])`` for batch t. Row b's token
+weights are multiplied by u_b = R / (B A p_b), R the batch's real tokens, and the loss
+normalised by R (``train.lm_loss``): its expectation is exactly the token mean over the
+training set, for any batch size and accumulation. ``uniform`` leaves all this out.
 
-With R the real tokens of the global batch, row b's token weights are multiplied by
-u_b = R / (B A p_b) and the loss is normalised by R (``train.lm_loss(..., sampling=...)``;
-``aux["real_tokens"]`` stays the unweighted count, so microbatches are weighted and tokens
-counted as before). The loss sum_b S_b / (B A p_b), S_b the row's summed token loss, then has
-expectation sum_i p_i S_i / (A p_i) = sum_i S_i / A over one draw: the token mean over the whole
-training set, exactly, for any batch size and accumulation (the uniform path's S / R is a
-ratio, unbiased only in the limit). ``uniform`` leaves all of this out: that path is unchanged.
-
-The loss function returns the rows' score sums in ``aux["rows"]`` (``grads.accumulate`` puts
-them back in row order; the step returns them among its replicated metrics, so every process
-sees the same). The loop hands each step's metrics to ``Sampler.submit`` without waiting; they
-are fetched ``FETCH_LAG`` steps late (the step is done by then) and batch t is drawn from the
-scores of steps <= t - lag, lag = prefetch + FETCH_LAG + 2: the prefetch thread, at most
-prefetch + 1 batches ahead, never waits for a score, and the draw does not depend on timing.
-A sampled run's loader position is ``{"batch": t, "sampler": ...}``: the score table as of step
-t - lag (the base of every later draw) and the updates of steps t - lag + 1 .. t - 1, so a
-resumed run draws exactly the batches the uninterrupted one would have (``Sampler.state``);
-``loop.resume_settings`` records ``data.prefetch`` with sampling, since the lag depends on it."""
+The step returns the rows' score sums (``aux["rows"]``); ``Sampler.submit`` fetches them
+``FETCH_LAG`` steps late and batch t is drawn from the scores of steps <= t - lag, lag =
+prefetch + FETCH_LAG + 2, so the prefetch thread never waits and draws do not depend on timing.
+The loader position ``{"batch": t, "sampler": ...}`` holds the score table as of t - lag and the
+updates since, so a resumed run draws the same batches (``loop.resume_settings`` records
+``data.prefetch``, on which the lag depends)."""
 
 import base64
 import collections
@@ -68,11 +47,10 @@ _FIXED_ONLY = ("importance sampling draws rows of fixed batching, not {!r}; use 
 def check(cfg) -> None:
     """Importance sampling's settings, and what it cannot combine with: batchings other than
     fixed, and pipeline stages."""
-    data = cfg.data
-    if data.sampling == "uniform":
+    if cfg.data.sampling == "uniform":
         return
-    if data.batching != "fixed":
-        raise ConfigError(_FIXED_ONLY.format(data.batching), field="data.sampling")
+    if cfg.data.batching != "fixed":
+        raise ConfigError(_FIXED_ONLY.format(cfg.data.batching), field="data.sampling")
     refuse_pipeline(cfg.mesh.strategy, "importance sampling", "data.sampling")
 
 
@@ -131,12 +109,9 @@ def draw(p_W: np.ndarray, count: int, seed: int, step: int) -> np.ndarray:
 
 
 class Sampler:
-    """The score table and the probabilities each batch is drawn from; thread-safe. The loop's
-    thread calls ``submit`` (every step) and ``flush``/``state`` (at checkpoints), the prefetch
-    thread ``probabilities`` and ``record_draw`` while it makes batch t. After the scores of
-    step s are observed, ``head`` is the table with every step <= s applied, ``base`` the one
-    with the steps <= s - lag + 1 and ``recent`` the updates in between; the probabilities of
-    each observed step are published for the batch ``lag`` steps later."""
+    """The score table and the probabilities each batch is drawn from; thread-safe (the
+    prefetch thread calls ``probabilities`` and ``record_draw``). After step s, ``head`` has
+    every step <= s applied, ``base`` the steps <= s - lag + 1, ``recent`` those between."""
 
     def __init__(self, doc_W, row_len_W, num_documents: int, *, sampling: str, power: float,
                  floor: float, lag: int, state: dict | None = None):
@@ -240,10 +215,9 @@ def _decode(text: str, num_documents: int) -> np.ndarray:
 
 
 class SampledStream:
-    """Endless importance-sampled training Batches, a ``DataStream`` in the loop's eyes. Settings
-    are ``DataStream``'s (``strategy`` must be fixed) plus ``sampling``, ``power``, ``floor`` and
-    ``lag``. ``position`` is ``{"batch": t}`` for batch t, with ``"sampler"`` (``Sampler.state``)
-    when resuming; the loop adds it at checkpoints."""
+    """Endless importance-sampled training Batches, a ``DataStream`` to the loop: its settings
+    (``strategy`` fixed) plus ``sampling``, ``power``, ``floor``, ``lag``. ``position``:
+    ``{"batch": t}``, plus ``"sampler"`` (``Sampler.state``, added at checkpoints) to resume."""
 
     def __init__(self, documents, *, strategy: str = "fixed", seq_len: int, seed: int = 0,
                  position: dict | None = None, process_index: int = 0, process_count: int = 1,

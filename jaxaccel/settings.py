@@ -1,9 +1,8 @@
 """Declaring a setting: its default, help, flag, choices and range, in one place.
 
-Every section of a run's configuration is a dataclass whose fields are declared with
-``setting(...)``: ``jaxaccel.config`` turns each into a flag and a ``section.field=value``
-override and checks it against its ``Range``. Technique modules declare their own sections this
-way (``jaxaccel.lora.LoRASettings``, ...), so a technique's settings live beside its code.
+Every config section is a dataclass of ``setting(...)`` fields, which ``jaxaccel.config`` turns
+into flags and overrides and checks against their ``Range``; technique modules declare their own
+sections this way (``jaxaccel.lora.LoRASettings``, ...).
 """
 
 import dataclasses
@@ -18,11 +17,9 @@ INT_LIMIT = 2**31 - 1
 
 @dataclasses.dataclass(frozen=True)
 class Range:
-    """The values a numeric setting accepts: a float must be finite, an int fit ``INT_LIMIT``
-    (unless ``at_most`` allows more), and both lie within the bounds given: ``at_least`` /
-    ``above`` (inclusive / exclusive lower), ``at_most`` / ``below`` (upper). ``note`` says what
-    a special value means (``0 = off``). ``check`` raises ConfigError naming the field, its
-    value and the range."""
+    """The values a numeric setting accepts: finite, an int within ``INT_LIMIT`` (unless
+    ``at_most`` allows more), and within ``at_least`` / ``above`` (inclusive / exclusive lower)
+    and ``at_most`` / ``below`` (upper). ``note`` says what a special value means (``0 = off``)."""
 
     at_least: float | None = None
     above: float | None = None
@@ -43,8 +40,7 @@ class Range:
         if low is None:
             return f"a finite number {'<=' if self.below is None else '<'} {_number(high)}"
         if kind is int:
-            return f"at least {_number(low)}" if self.above is None else \
-                f"more than {_number(low)}"
+            return f"{'at least' if self.above is None else 'more than'} {_number(low)}"
         return f"a finite number {'>=' if self.above is None else '>'} {_number(low)}"
 
     def contains(self, value) -> bool:
@@ -77,9 +73,8 @@ INT_RANGE, FLOAT_RANGE = Range(at_least=0), Range()     # the ranges of a field 
 
 def setting(default, help_text: str, *, flag: str | None = None, choices=None,
             at_least=None, above=None, at_most=None, below=None, note: str = ""):
-    """A config field with its help text; ``flag`` when its flag is not ``--<field name>``.
-    A numeric field's range (``Range``): ``at_least``/``above`` and ``at_most``/``below``
-    (without them: an int >= 0, a float finite); ``validate`` checks every field against it."""
+    """A config field with its help text; ``flag`` when its flag is not ``--<field name>``, and
+    a numeric field's ``Range`` (without bounds: an int >= 0, a float finite)."""
     metadata = {"help": help_text, "flag": flag, "choices": choices,
                 "range": Range(at_least, above, at_most, below, note)}
     return dataclasses.field(default=default, metadata=metadata)

@@ -1,25 +1,16 @@
 """Sharding the pure step over a device mesh: data parallel, FSDP (ZeRO-3), tensor parallel and
 pipeline parallel.
 
-The mesh always has the four named axes ``stage``, ``data``, ``fsdp`` and ``tensor`` (unused
-ones have size 1), so one set of rules serves every strategy and only the mesh's shape changes:
-
-- every variable dimension has a logical name (``embed``, ``heads``, ``mlp``, ...): from the
-  model's own metadata, ``--axis-rules`` or its rank (``variable_axes``). ``PARAM_RULES`` map them to mesh axes for storage: parameters,
-  gradients and optimizer state are split over ``fsdp`` along ``embed`` (ZeRO-3) and over
-  ``tensor`` along attention heads and the MLP's inner dimension (Megatron); the stacked
-  blocks' ``layers`` dimension is split over ``stage`` (each pipeline stage holds its layers;
-  ``jaxaccel.pipeline`` runs them).
-- ``COMPUTE_RULES`` say how tensors are laid out while the model computes: the batch over
-  ``data`` x ``fsdp``, heads and MLP features over ``tensor``, and weights gathered over
-  ``fsdp`` one layer at a time where they are used (``constrain``).
-
-A strategy (``mesh.strategy``) names the mesh axes it uses; ``mesh_shape`` fills in their sizes.
-Mesh axes are Auto (XLA's propagation completes the shardings from the constraints) or Explicit
-(shardings are part of every array's type and each op's output sharding must be unambiguous);
-the model runs under both.
+The mesh always has the axes ``stage``, ``data``, ``fsdp`` and ``tensor`` (unused ones of size
+1), so one set of rules serves every strategy (``mesh.strategy`` names the axes it uses,
+``mesh_shape`` sizes them). Every variable dimension has a logical name (``embed``, ``heads``,
+...: ``variable_axes``); ``PARAM_RULES`` map it to the mesh axis it is stored split over,
+``COMPUTE_RULES`` to the one it is laid out over while the model computes (``constrain``). The
+model runs under Auto mesh axes (XLA completes the shardings) and Explicit ones (shardings are
+part of every array's type, and each op's output sharding must be unambiguous).
 """
 
+import contextlib
 import dataclasses
 import math
 import re
@@ -39,23 +30,29 @@ AXIS_TYPES = {"auto": AxisType.Auto, "explicit": AxisType.Explicit}
 
 # Which mesh axes each strategy spreads the work over.
 STRATEGIES = {
-    "dp": ("data",),
-    "fsdp": ("fsdp",),
-    "tp": ("tensor",),
-    "fsdp+tp": ("fsdp", "tensor"),
-    "dp+fsdp": ("data", "fsdp"),
-    "pp": ("stage",),
-    "dp+pp": ("data", "stage"),
-    "fsdp+pp": ("fsdp", "stage"),
-    "tp+pp": ("tensor", "stage"),
+    "dp": ("data",), "fsdp": ("fsdp",), "tp": ("tensor",), "fsdp+tp": ("fsdp", "tensor"),
+    "dp+fsdp": ("data", "fsdp"), "pp": ("stage",), "dp+pp": ("data", "stage"),
+    "fsdp+pp": ("fsdp", "stage"), "tp+pp": ("tensor", "stage"),
     "fsdp+tp+pp": ("fsdp", "tensor", "stage"),
 }
-# The sizes a strategy gives its secondary axes when the mesh sets none of its axes (each only
-# where it divides the devices); the remaining devices go to its other axis (a pipeline's
-# stages).
+# The sizes a strategy gives its secondary axes when the mesh sets none of its axes (each where
+# it divides the devices); the remaining devices go to its other axis (a pipeline's stages).
 DEFAULT_SIZES = {"fsdp+tp": {"tensor": 2}, "dp+fsdp": {"data": 2}, "dp+pp": {"data": 2},
                  "fsdp+pp": {"fsdp": 2}, "tp+pp": {"tensor": 2},
                  "fsdp+tp+pp": {"tensor": 2, "fsdp": 2}}
+
+# Logical axis -> mesh axis (or None: replicated) for parameters and optimizer state at rest:
+# ZeRO-3 over fsdp along embed, Megatron over tensor, the stacked layers over pipeline stages.
+PARAM_RULES = {
+    "layers": "stage", "vocab": None, "embed": "fsdp", "heads": "tensor", "kv_heads": "tensor",
+    "mlp": "tensor", "norm": None, "lora": None, "adapter": None, "fp8": None, "fp8_history": None,
+}
+# ... and while the model computes: weights gathered over fsdp, the batch split over data x fsdp.
+COMPUTE_RULES = {
+    "batch": BATCH_AXES, "seq": None, "embed": None, "heads": "tensor", "kv_heads": "tensor",
+    "head_dim": None, "mlp": "tensor", "vocab": None, "layers": None, "norm": None,
+    "lora": None, "adapter": None, "fp8": None, "fp8_history": None,
+}
 
 
 def pipelined(strategy: str) -> bool:
@@ -64,25 +61,11 @@ def pipelined(strategy: str) -> bool:
 
 
 def refuse_pipeline(strategy: str, technique: str, field: str) -> None:
-    """One ConfigError line naming ``field`` when ``strategy`` pipelines the layers: for the
-    techniques the pipelined gradient function does not run."""
+    """ConfigError naming ``field`` when ``strategy`` pipelines the layers, which ``technique``
+    does not run with."""
     if pipelined(strategy):
         raise ConfigError(f"{technique} does not run with the pipeline strategy {strategy}; "
                           f"choose a strategy without pp", field=field)
-
-# Logical axis -> mesh axis (or None: replicated) for parameters and optimizer state at rest.
-PARAM_RULES = {
-    "layers": "stage", "vocab": None, "embed": "fsdp", "heads": "tensor", "kv_heads": "tensor",
-    "mlp": "tensor", "norm": None, "lora": None, "adapter": None, "fp8": None,
-    "fp8_history": None,
-}
-# ... and for tensors while the model computes: weights are gathered over fsdp, the batch is
-# split over data x fsdp.
-COMPUTE_RULES = {
-    "batch": BATCH_AXES, "seq": None, "embed": None, "heads": "tensor", "kv_heads": "tensor",
-    "head_dim": None, "mlp": "tensor", "vocab": None, "layers": None, "norm": None,
-    "lora": None, "adapter": None, "fp8": None, "fp8_history": None,
-}
 
 
 def parse_mesh(text: str | None) -> dict[str, int]:
@@ -108,15 +91,10 @@ def parse_mesh(text: str | None) -> dict[str, int]:
 
 def mesh_shape(strategy: str, device_count: int, sizes: dict[str, int] | None = None,
                process_count: int = 1) -> dict[str, int]:
-    """The size of every mesh axis for ``strategy`` on ``device_count`` devices.
-
-    ``sizes`` (from ``mesh.shape``) fix some axes; one axis may be -1 (the remaining devices).
-    Unset axes the strategy uses get defaults: a lone axis takes every device; ``fsdp+tp`` puts
-    2 devices on ``tensor``; ``dp+fsdp`` replicates across hosts (``data`` = the process count,
-    or 2 on one host) and shards within them; a ``+pp`` combination puts 2 devices on each of
-    its other axes and makes the rest stages (``DEFAULT_SIZES``). Axes the strategy does not use
-    must be 1.
-    """
+    """The size of every mesh axis for ``strategy`` on ``device_count`` devices: ``sizes``
+    (``mesh.shape``) fix some, one may be -1 (the remaining devices); unused axes must be 1.
+    When none of the strategy's axes is set, ``DEFAULT_SIZES`` apply (``dp+fsdp``: ``data`` =
+    the process count on several hosts); the axis left takes the remaining devices."""
     if strategy not in STRATEGIES:
         raise ConfigError(f"unknown sharding strategy {strategy!r}; choose one of "
                           f"{', '.join(STRATEGIES)}", field="mesh.strategy")
@@ -163,9 +141,8 @@ def format_mesh(shape: dict[str, int]) -> str:
 
 def build_mesh(strategy: str, mesh: str | None = None, axis_types: str = "auto",
                num_devices: int | None = None):
-    """The run's mesh and its axis sizes for ``strategy``, the ``mesh`` text (``parse_mesh``) and
-    ``axis_types``, over all devices of all processes (or the first ``num_devices`` of a single
-    process)."""
+    """The run's mesh and its axis sizes, over all devices of all processes (or the first
+    ``num_devices`` of a single process)."""
     devices = jax.devices()
     if num_devices is not None and num_devices != len(devices):
         if jax.process_count() > 1 or not 1 <= num_devices <= len(devices):
@@ -185,8 +162,7 @@ def build_mesh(strategy: str, mesh: str | None = None, axis_types: str = "auto",
 
 
 def make_mesh(shape: dict[str, int], axis_types: str = "auto", devices=None):
-    """A ``jax.sharding.Mesh`` with axes stage, data, fsdp, tensor of these sizes, all of one
-    type."""
+    """A ``jax.sharding.Mesh`` with axes stage, data, fsdp, tensor of these sizes and type."""
     if axis_types not in AXIS_TYPES:
         raise ConfigError(f"unknown mesh axis type {axis_types!r}; choose one of "
                           f"{', '.join(AXIS_TYPES)}", field="mesh.axis_types")
@@ -201,11 +177,8 @@ def make_mesh(shape: dict[str, int], axis_types: str = "auto", devices=None):
 
 
 def logical_spec(axes, rules: dict) -> PartitionSpec:
-    """The PartitionSpec of a tensor whose dimensions have these logical names.
-
-    A mesh axis is used once per tensor: a later dimension that maps to an axis already taken
-    stays unsplit.
-    """
+    """The PartitionSpec of a tensor whose dimensions have these logical names; a later
+    dimension that maps to a mesh axis already taken stays unsplit."""
     taken, spec = set(), []
     for name in axes:
         # a logical name by its rule, a mesh axis's name as itself; other names keep it whole
@@ -224,23 +197,23 @@ def target_device():
     return device if device is not None else jax.devices()[0]
 
 
-def _explicit(mesh) -> bool:
-    """Whether the mesh's axes are Explicit (those a ``shard_map`` has not made Manual)."""
-    types = [t for t in mesh.axis_types if t != AxisType.Manual]
-    return bool(types) and all(t == AxisType.Explicit for t in types)
+def _laid_out(out_axes, plain, explicit):
+    """``plain()`` laid out as the logical ``out_axes`` on the mesh in context: under Explicit
+    axes ``explicit(spec)`` (the op told its sharding), else a constraint; without a mesh, as is."""
+    mesh = jax.sharding.get_abstract_mesh()
+    if mesh.empty:
+        return plain()
+    spec = logical_spec(out_axes, COMPUTE_RULES)
+    types = [t for t in mesh.axis_types if t != AxisType.Manual]    # not a shard_map's axes
+    if types and all(t == AxisType.Explicit for t in types):
+        return explicit(spec)
+    return jax.lax.with_sharding_constraint(plain(), spec)
 
 
 def constrain(x, axes):
-    """``x`` laid out for computing as its logical ``axes`` say, on the mesh in context
-    (``jax.set_mesh``); unchanged when no mesh is set. On a weight stored split over ``fsdp`` this
-    is the all-gather of FSDP, done where the weight is used."""
-    mesh = jax.sharding.get_abstract_mesh()
-    if mesh.empty:
-        return x
-    spec = logical_spec(axes, COMPUTE_RULES)
-    if _explicit(mesh):
-        return jax.sharding.reshard(x, spec)
-    return jax.lax.with_sharding_constraint(x, spec)
+    """``x`` laid out for computing as its logical ``axes`` say (``_laid_out``). On a weight
+    stored split over ``fsdp`` this is the all-gather of FSDP, done where the weight is used."""
+    return _laid_out(axes, lambda: x, lambda spec: jax.sharding.reshard(x, spec))
 
 
 def check_divides(size: int, axis: str, what: str, field: str) -> None:
@@ -248,9 +221,8 @@ def check_divides(size: int, axis: str, what: str, field: str) -> None:
     the mesh axis (in context) its logical ``axis`` is computed on."""
     mesh = jax.sharding.get_abstract_mesh()
     names = logical_spec((axis,), COMPUTE_RULES)[0]
-    parts = math.prod(dict(mesh.shape).get(n, 1) for n in
-                      ((names,) if isinstance(names, str) else names or ())) \
-        if not mesh.empty else 1
+    names = (names,) if isinstance(names, str) else names or ()
+    parts = 1 if mesh.empty else math.prod(dict(mesh.shape).get(n, 1) for n in names)
     if size % parts:
         raise ConfigError(f"{what}={size} does not split over the {parts} devices its {axis} "
                           f"are computed on; choose {what} divisible by {parts} or a smaller "
@@ -258,36 +230,22 @@ def check_divides(size: int, axis: str, what: str, field: str) -> None:
 
 
 def matmul(x, w, out_axes):
-    """``x @ w`` with the result laid out as ``out_axes``. Under Explicit axes the output sharding
-    is given to the matmul itself: contracting a dimension split on both sides (the second
-    matmul of a Megatron pair) is otherwise ambiguous, and this makes it a reduce over ``tensor``."""
-    mesh = jax.sharding.get_abstract_mesh()
-    if mesh.empty:
-        return x @ w
-    spec = logical_spec(out_axes, COMPUTE_RULES)
-    if _explicit(mesh):
-        return jnp.matmul(x, w, out_sharding=spec)
-    return jax.lax.with_sharding_constraint(x @ w, spec)
+    """``x @ w`` laid out as ``out_axes``: under Explicit axes this makes contracting a dimension
+    split on both sides (a Megatron pair's second matmul) a reduce over ``tensor``."""
+    return _laid_out(out_axes, lambda: x @ w, lambda spec: jnp.matmul(x, w, out_sharding=spec))
 
 
 def einsum(subscripts: str, a, b, out_axes, **kwargs):
-    """``jnp.einsum(subscripts, a, b, **kwargs)`` with the result laid out as ``out_axes`` (given
-    to the contraction itself under Explicit axes, as ``matmul`` does)."""
-    mesh = jax.sharding.get_abstract_mesh()
-    if mesh.empty:
-        return jnp.einsum(subscripts, a, b, **kwargs)
-    spec = logical_spec(out_axes, COMPUTE_RULES)
-    if _explicit(mesh):
-        return jnp.einsum(subscripts, a, b, out_sharding=spec, **kwargs)
-    return jax.lax.with_sharding_constraint(jnp.einsum(subscripts, a, b, **kwargs), spec)
+    """``jnp.einsum(subscripts, a, b, **kwargs)`` laid out as ``out_axes`` (as ``matmul``)."""
+    return _laid_out(out_axes, lambda: jnp.einsum(subscripts, a, b, **kwargs),
+                     lambda spec: jnp.einsum(subscripts, a, b, out_sharding=spec, **kwargs))
 
 
 @dataclasses.dataclass(frozen=True)
 class LogicalDot:
     """The ``dot_general`` of an ``nnx.Linear`` whose kernel has the logical ``axes`` (in, out):
-    the kernel gathered to its compute layout where it is used (FSDP's all-gather, one layer at
-    a time) and the output's features laid out as its output axis (split over ``tensor`` for
-    heads and the MLP's inner dimension). Without a mesh it is ``x @ kernel``."""
+    the kernel gathered where used (FSDP's all-gather, a layer at a time), the output's features
+    laid out as the output axis. Without a mesh it is ``x @ kernel``."""
 
     axes: tuple
 
@@ -301,20 +259,14 @@ class LogicalDot:
 def take_rows(table, ids, out_axes):
     """``table[ids]`` (an embedding lookup) laid out as ``out_axes``; under Explicit axes the
     gather is told its output sharding, which it cannot infer from a batch-split ``ids``."""
-    mesh = jax.sharding.get_abstract_mesh()
-    if mesh.empty:
-        return jnp.take(table, ids, axis=0)
-    spec = logical_spec(out_axes, COMPUTE_RULES)
-    if _explicit(mesh):
-        return table.at[ids].get(out_sharding=spec)
-    return jax.lax.with_sharding_constraint(jnp.take(table, ids, axis=0), spec)
+    return _laid_out(out_axes, lambda: jnp.take(table, ids, axis=0),
+                     lambda spec: table.at[ids].get(out_sharding=spec))
 
 
 def per_shard(fn, in_axes, out_axes):
-    """``fn`` applied to each device's shard (``jax.shard_map``) on the mesh in context, its
-    arguments and result laid out by logical axes (None for an argument that is None); ``fn``
-    itself when no mesh is set. For kernels XLA cannot split, such as Pallas calls: each device
-    runs the kernel on its rows and heads, with no communication."""
+    """``fn`` run on each device's shard (``jax.shard_map``), its arguments and result laid out
+    by logical axes (None for a None argument); ``fn`` itself without a mesh. For kernels XLA
+    cannot split (Pallas calls): each device runs its rows and heads, with no communication."""
     mesh = jax.sharding.get_abstract_mesh()
     if mesh.empty:
         return fn
@@ -324,20 +276,16 @@ def per_shard(fn, in_axes, out_axes):
                          check_vma=False)
 
 
-# Logical axis names a variable's ``out_sharding`` metadata may hold (None: a dimension kept
-# whole), besides ``AUTO``: a dimension the mesh may split over fsdp if it divides.
+# A logical axis name besides PARAM_RULES' and None (kept whole): one fsdp splits if it divides.
 AUTO = "auto"
 
 
 def variable_axes(abstract_params, rules=None):
-    """The logical axes of every variable of a model's state (a tree of tuples shaped like it).
-
-    From, first to last: ``rules`` (``{regex: axes}``, searched in the variable's path
-    ``blocks/layers/attn/wq/kernel``, ``parse_axis_rules``), the variable's own ``out_sharding``
-    metadata (``nnx.with_partitioning``, or ``kernel_metadata``), else its rank: a parameter of
-    two or more dimensions is ``AUTO`` on each (FSDP splits the first that divides), anything
-    else (norm scales, biases, scalars) is kept whole. Never from a variable's name. A variable
-    of a scanned stack (metadata ``stacked``) has ``layers`` in front."""
+    """The logical axes of every variable of a model's state (a tree of tuples shaped like it),
+    from, first to last: ``rules`` (``{regex: axes}`` searched in the path, ``parse_axis_rules``),
+    the variable's ``out_sharding`` metadata (``nnx.with_partitioning``), else its rank: ``AUTO``
+    on each dimension of a parameter of 2 or more, anything else kept whole; never its name. A
+    variable of a scanned stack (metadata ``stacked``) has ``layers`` in front."""
     compiled = [(re.compile(k), tuple(v)) for k, v in (rules or {}).items()]
 
     def axes(path, variable):
@@ -367,12 +315,9 @@ def variable_axes(abstract_params, rules=None):
 
 def path_name(path) -> str:
     """``blocks/layers/0/attn/wq/kernel`` for a key path into a state (``.value`` left out)."""
-    parts = []
-    for key in path:
-        if isinstance(key, jax.tree_util.GetAttrKey) and key.name == "value":
-            continue
-        parts.append(str(getattr(key, "key", getattr(key, "idx", getattr(key, "name", key)))))
-    return "/".join(parts)
+    return "/".join(str(getattr(key, "key", getattr(key, "idx", getattr(key, "name", key))))
+                    for key in path
+                    if not (isinstance(key, jax.tree_util.GetAttrKey) and key.name == "value"))
 
 
 def parse_axis_rules(text: str | None) -> dict:
@@ -399,10 +344,9 @@ def parse_axis_rules(text: str | None) -> dict:
 
 
 def param_shardings(mesh, abstract_params, rules=None):
-    """NamedShardings for every variable of a model's state over ``mesh``, from its logical
-    axes (``variable_axes``) and ``PARAM_RULES``; an ``AUTO`` dimension takes fsdp if it is the
-    first that divides. Without pipeline stages the stacked layers are not split (a ``stage``
-    axis of size 1 in their type would only keep Explicit axes from scanning over them)."""
+    """NamedShardings for a model's state by ``variable_axes`` and ``PARAM_RULES`` (the first
+    ``AUTO`` dimension that divides takes fsdp). Without pipeline stages the stacked layers stay
+    whole: a size-1 ``stage`` would keep Explicit axes from scanning over them."""
     shape = dict(mesh.shape)
     param_rules = PARAM_RULES if shape.get("stage", 1) > 1 else {**PARAM_RULES, "layers": None}
     fsdp = shape.get("fsdp", 1)
@@ -415,34 +359,30 @@ def param_shardings(mesh, abstract_params, rules=None):
                          for i, a in enumerate(axes))
         return NamedSharding(mesh, logical_spec(axes, param_rules))
 
-    axes_tree = variable_axes(abstract_params, rules)
-    return jax.tree.map(sharding, abstract_params, axes_tree,
+    return jax.tree.map(sharding, abstract_params, variable_axes(abstract_params, rules),
                         is_leaf=lambda x: isinstance(x, (nnx.Variable, tuple)))
 
 
 def check_split(mesh_shape: dict[str, int], abstract_params, rules=None, strategy: str = ""):
-    """One clear line if a variable's dimension does not divide over the mesh axis its logical
-    axes put it on, or if the strategy splits over ``tensor`` and the model names no dimension
-    for it (tensor parallelism would silently replicate everything)."""
+    """ConfigError if a variable's dimension does not divide over its mesh axis, or if ``tensor``
+    is split and the model names no dimension for it (it would silently replicate all)."""
     param_rules = {**PARAM_RULES, "layers": "stage"}
-    axes_tree = variable_axes(abstract_params, rules)
-    flat_axes = jax.tree.leaves(axes_tree, is_leaf=lambda x: isinstance(x, tuple))
+    flat_axes = jax.tree.leaves(variable_axes(abstract_params, rules),
+                                is_leaf=lambda x: isinstance(x, tuple))
     flat = jax.tree_util.tree_flatten_with_path(
         abstract_params, is_leaf=lambda x: isinstance(x, nnx.Variable))[0]
     tensor_used = False
     for (path, variable), axes in zip(flat, flat_axes):
         for dim, name in enumerate(axes):
-            axis = param_rules.get(name) if name in param_rules else (
-                name if name in MESH_AXES else None)
+            axis = param_rules.get(name, name if name in MESH_AXES else None)
             size = mesh_shape.get(axis, 1) if axis else 1
             tensor_used |= axis == "tensor"
             if size > 1 and variable.shape[dim] % size:
-                field = "mesh.shape"
                 raise ConfigError(
                     f"{path_name(path)} {tuple(variable.shape)}: dimension {dim} "
                     f"({variable.shape[dim]}, logical axis {name}) does not split over the "
                     f"{axis} axis ({size} devices); choose a model size divisible by {size} or a "
-                    f"smaller {axis} axis in the mesh", field=field)
+                    f"smaller {axis} axis in the mesh", field="mesh.shape")
     if mesh_shape.get("tensor", 1) > 1 and not tensor_used:
         raise ConfigError(
             f"strategy {strategy} splits over the tensor axis, but the model names no dimension "
@@ -451,14 +391,13 @@ def check_split(mesh_shape: dict[str, int], abstract_params, rules=None, strateg
 
 
 def state_shardings(mesh, abstract_state, params_sharding):
-    """Shardings for a whole TrainState: ``params`` as given; each optimizer-state leaf that has
-    the shape of the parameter whose path it ends with (Adam's moments, momenta) like that
-    parameter; everything else (step counts, factored statistics, the loss scale, the rng)
-    replicated."""
+    """Shardings for a whole TrainState: ``params`` as given; an optimizer-state leaf shaped like
+    the parameter whose path it ends with (Adam's moments) like that parameter; everything else
+    (step counts, factored statistics, the loss scale, the rng) replicated."""
     whole = replicated(mesh)
+    paths = [path for path, _ in jax.tree_util.tree_flatten_with_path(abstract_state.params)[0]]
     by_path = {tuple(path): (leaf, sharding) for path, leaf, sharding in zip(
-        _paths(abstract_state.params), jax.tree.leaves(abstract_state.params),
-        jax.tree.leaves(params_sharding))}
+        paths, jax.tree.leaves(abstract_state.params), jax.tree.leaves(params_sharding))}
 
     def for_leaf(path, leaf):
         for start in range(len(path)):
@@ -467,14 +406,10 @@ def state_shardings(mesh, abstract_state, params_sharding):
                 return match[1]
         return whole
 
-    opt_sharding = jax.tree_util.tree_map_with_path(for_leaf, abstract_state.opt_state)
     return abstract_state.replace(
-        params=params_sharding, opt_state=opt_sharding,
-        step=whole, rng=whole, loss_scale=jax.tree.map(lambda _: whole, abstract_state.loss_scale))
-
-
-def _paths(tree):
-    return [path for path, _ in jax.tree_util.tree_flatten_with_path(tree)[0]]
+        params=params_sharding, step=whole, rng=whole,
+        opt_state=jax.tree_util.tree_map_with_path(for_leaf, abstract_state.opt_state),
+        loss_scale=jax.tree.map(lambda _: whole, abstract_state.loss_scale))
 
 
 def batch_sharding(mesh):
@@ -493,12 +428,10 @@ def batch_shards(shape: dict[str, int]) -> int:
 
 
 def bytes_per_device(tree) -> int:
-    """Bytes of a tree of sharded arrays (or ShapeDtypeStructs with shardings) on the device that
-    holds the most of them."""
+    """Bytes of a tree of sharded arrays (or ShapeDtypeStructs) on its fullest device."""
     per_device = {}
     for leaf in jax.tree.leaves(tree):
-        shard_shape = leaf.sharding.shard_shape(leaf.shape)
-        size = math.prod(shard_shape) * leaf.dtype.itemsize
+        size = math.prod(leaf.sharding.shard_shape(leaf.shape)) * leaf.dtype.itemsize
         for device in leaf.sharding.device_set:
             per_device[device] = per_device.get(device, 0) + size
     return max(per_device.values(), default=0)
@@ -507,14 +440,9 @@ def bytes_per_device(tree) -> int:
 def initialize_distributed(coordinator: str | None, num_processes: int | None,
                            process_id: int | None, *, auto: bool = False,
                            timeout_s: int = 300) -> None:
-    """Start JAX's multi-controller runtime: from explicit settings, or (``auto``) from what
-    ``jax.distributed.initialize`` detects in the cluster's environment (SLURM, Open MPI, ...).
-
-    On the CPU the cross-process collectives go through gloo. A process other than 0 first waits
-    up to ``timeout_s`` seconds for the coordinator's port to accept connections and ends in one
-    ConfigError line if it never does: the runtime itself would abort the process with a stack
-    trace instead.
-    """
+    """Start JAX's multi-controller runtime from explicit settings (the processes meet first:
+    ``rendezvous``) or (``auto``) from the cluster's environment (SLURM, Open MPI, ...); CPU
+    collectives go through gloo."""
     if coordinator is None and not auto:
         if num_processes not in (None, 1) or process_id not in (None, 0):
             raise ConfigError("num_processes and process_id need a coordinator HOST:PORT "
@@ -553,19 +481,14 @@ HELLO = "jaxaccel-rendezvous/1"
 
 def rendezvous(host: str, port: int, num_processes: int, process_id: int,
                timeout_s: float) -> None:
-    """Meet every process on the coordinator's port in plain Python before JAX starts there.
-
-    JAX's runtime aborts the process with a C++ stack trace when peers never join, when the port
-    is taken or when something else answers on it; here each is one ConfigError line. Process 0
-    listens on ``port`` and waits up to ``timeout_s`` for a hello from every other process
-    (``HELLO``, its id and the process count), then answers each ``go`` and closes the port for
-    JAX's service to take; the others wait for the port (``wait_for_port``), say hello and wait
-    for ``go``. A count or an id that does not fit is refused on both sides."""
+    """Meet every process on the coordinator's port before JAX starts, whose runtime aborts with
+    a C++ stack trace when peers never join, the port is taken or something else answers on it:
+    here each is one ConfigError line. Process 0 waits ``timeout_s`` for each other's hello
+    (``HELLO``, id, process count), answers ``go`` and frees the port; misfits are refused."""
     if num_processes == 1:
         return
     if process_id == 0:
-        _gather_peers(port, num_processes, timeout_s)
-        return
+        return _gather_peers(port, num_processes, timeout_s)
     wait_for_port(host, port, timeout_s)
     deadline = time.monotonic() + timeout_s
     with socket.create_connection((host, port), timeout=timeout_s) as conn:
@@ -614,14 +537,11 @@ def _gather_peers(port: int, num_processes: int, timeout_s: float) -> None:
                         f"process(es) {', '.join(map(str, missing))} of {num_processes} did not "
                         f"join within {timeout_s:g} s; start every process with the same "
                         f"--coordinator and --num-processes and its own --process-id, or "
-                        f"raise --distributed-timeout", field="mesh.distributed_timeout"
-                    ) from None
+                        f"raise --distributed-timeout", field="mesh.distributed_timeout") from None
                 problem, peer_id = _check_hello(conn, deadline, num_processes, peers)
                 if problem:
-                    try:                          # a probe (wait_for_port) has gone already
+                    with contextlib.suppress(OSError):  # a probe (wait_for_port) has gone
                         conn.sendall(f"error: {problem}\n".encode())
-                    except OSError:
-                        pass
                     conn.close()
                     if peer_id is not None:       # a jaxaccel process with other settings
                         raise ConfigError(f"process {peer_id}: {problem}",
@@ -633,10 +553,8 @@ def _gather_peers(port: int, num_processes: int, timeout_s: float) -> None:
                 conn.sendall(b"go\n")
             for conn in peers.values():          # the peers close first: the port stays free
                 conn.settimeout(5.0)
-                try:
+                with contextlib.suppress(OSError):
                     conn.recv(1)
-                except OSError:
-                    pass
         finally:
             for conn in peers.values():
                 conn.close()
@@ -645,8 +563,7 @@ def _gather_peers(port: int, num_processes: int, timeout_s: float) -> None:
 def _check_hello(conn, deadline: float, num_processes: int, peers: dict):
     """``(problem or None, the peer's id or None)`` of a connection's hello."""
     words = _read_line(conn, min(deadline, time.monotonic() + 10.0)).split()
-    if len(words) != 3 or words[0] != HELLO or not words[1].isdigit() or \
-            not words[2].isdigit():
+    if len(words) != 3 or words[0] != HELLO or not all(w.isdigit() for w in words[1:]):
         return "not a jaxaccel process", None
     peer_id, count = int(words[1]), int(words[2])
     if count != num_processes:

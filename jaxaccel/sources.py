@@ -1,19 +1,10 @@
 """Corpus readers for tables on disk, one document per row of a string column (``text_column``):
-
-* ``"parquet"``: a ``.parquet`` file, or a directory holding ``.parquet`` files at any depth
-  (such as a Hugging Face data-files dataset, ``data/train-00000-of-00002.parquet``), read in
-  order of their relative POSIX paths, the same on every machine.
-* ``"hf_dataset"``: a directory written by ``datasets``' ``save_to_disk``, a ``Dataset``
-  (``dataset_info.json`` and ``state.json``) or a ``DatasetDict`` (``dataset_dict.json``) of
-  which one split is read.
-
-Corpora may be larger than memory: only the current record batch of ``BATCH_ROWS`` rows is
-held, as Arrow buffers, and each document is sliced from them as bytes, never decoded to
-``str``. Schema, column type and row count are checked before the first document is read, so a
-mistake is reported at once, in one line naming the fix (``ConfigError``). Nothing is ever
-downloaded: ``datasets`` is imported with ``HF_DATASETS_OFFLINE`` and ``HF_HUB_OFFLINE`` set,
-and a dataset name or a loading script (which would need the network) is refused with how to
-save the dataset first. ``pyarrow`` and ``datasets`` are optional, imported only when needed."""
+``"parquet"`` (a ``.parquet`` file or a directory holding them at any depth, read in order of
+relative POSIX paths) and ``"hf_dataset"`` (a ``save_to_disk`` directory of a ``Dataset`` or a
+``DatasetDict``, one split read). One record batch of ``BATCH_ROWS`` rows is held at a time,
+documents sliced from its Arrow buffers, and all is checked before the first document is read.
+Nothing is downloaded: ``datasets`` runs offline; a dataset name or loading script is refused
+with how to save the dataset first. ``pyarrow`` and ``datasets`` are optional imports."""
 
 import json
 import os
@@ -40,9 +31,7 @@ def _save_first(what: str) -> str:
 
 
 def hub_name_hint(source: str) -> str | None:
-    """For a data path that does not exist: one sentence of advice to add to the error when it
-    looks like a Hugging Face dataset name (``"wikitext"``, ``"allenai/c4"``), else None (it has
-    a file suffix, or is an absolute or relative path)."""
+    """Advice for a missing data path that looks like a hub dataset name (``"allenai/c4"``)."""
     if (_HUB_NAME.fullmatch(source) is None or source.startswith(".")
             or Path(source).suffix in {".jsonl", ".parquet", ".json", ".txt", ".arrow"}):
         return None
@@ -50,11 +39,8 @@ def hub_name_hint(source: str) -> str | None:
 
 
 def kind_of(path: Path) -> str | None:
-    """The kind of table source at ``path`` (an existing file or directory): ``"parquet"`` for
-    a ``.parquet`` file or a directory holding ``.parquet`` files (searched recursively, skipping
-    hidden folders); ``"hf_dataset"`` for a ``save_to_disk`` directory, or for a hub repository
-    holding only a loading script (``NAME/NAME.py``), which ``documents`` refuses with advice;
-    else None (for example a directory of text files)."""
+    """``"parquet"``, ``"hf_dataset"`` (also for a hub repository holding only a loading script,
+    which ``documents`` refuses with advice) or None: the kind of table source at ``path``."""
     path = Path(path)
     if path.is_file():
         return "parquet" if path.suffix == ".parquet" else None
@@ -66,27 +52,20 @@ def kind_of(path: Path) -> str | None:
 
 
 def signature(path: Path, kind: str, text_column: str, split: str | None) -> dict:
-    """The JSON-serialisable cache key of a table source: ``{"source", "path", "column", "split",
-    "files"}``, ``files`` being ``[relative path, size, mtime_ns]`` of every data file
-    (``.parquet``, ``.arrow``, ``.json``), so a changed data file changes it."""
+    """The cache key of a table source, with every data file's [path, size, mtime_ns]."""
     path = Path(path).resolve()
-    if path.is_file():
-        files = [[path.name, *size_and_mtime(path)]]
-    else:
-        files = [[rel, *size_and_mtime(path / rel)]
-                 for rel in _walk_files(path, _SIGNATURE_SUFFIXES)]
+    root, rel_paths = ((path.parent, [path.name]) if path.is_file()
+                       else (path, _walk_files(path, _SIGNATURE_SUFFIXES)))
     return {"source": kind, "path": str(path), "column": text_column, "split": split,
-            "files": files}
+            "files": [[rel, *size_and_mtime(root / rel)] for rel in rel_paths]}
 
 
 def documents(path: Path, kind: str, text_column: str, stats: dict,
               split: str | None = None) -> Iterator[Doc]:
-    """The documents of a table source of ``kind`` (``kind_of``), one per row of ``text_column``,
-    checked now and read as the returned iterator advances. ``stats`` gets ``files`` (data
-    files) now and ``rows`` (rows read so far). ``split``: of a saved ``DatasetDict``; None picks
-    ``"train"``, or the only split. Yields ``(key, utf-8 bytes)``, the key ``"<relative file
-    path>:<row>"`` for Parquet and ``"<split>:<row>"`` for a saved dataset (rows from 0), so the
-    train/validation split is per row; a null is ``b""``."""
+    """The ``(key, utf-8 bytes)`` documents of a table source, one per row of ``text_column``
+    (null: ``b""``), checked now and read as the iterator advances; keys are ``"<file>:<row>"``
+    (Parquet) or ``"<split>:<row>"``. ``stats`` gets ``files`` now and ``rows`` (read so far).
+    ``split``: of a ``DatasetDict``; None picks ``"train"``, or the only split."""
     path = Path(path)
     if kind == "parquet":
         batches, n_files = _parquet_batches(path, text_column)
@@ -111,7 +90,7 @@ def _parquet_batches(path: Path, column: str):
         rel_paths, root = list(_walk_files(path, (".parquet",))), path
         if not rel_paths:
             raise _not_a_table(path)
-    metadata, total_rows = [], 0
+    metadata = []
     for rel in rel_paths:
         try:
             meta = pq.read_metadata(root / rel)
@@ -120,8 +99,7 @@ def _parquet_batches(path: Path, column: str):
                               "or remove it", field="data.path") from e
         _check_column(meta.schema.to_arrow_schema(), column, root / rel)
         metadata.append(meta)
-        total_rows += meta.num_rows
-    if total_rows == 0:
+    if sum(meta.num_rows for meta in metadata) == 0:
         raise _empty(path)
 
     def batches():
@@ -142,25 +120,33 @@ def _hf_batches(path: Path, column: str, split: str | None):
         raise _not_a_table(path)
     target, where, name = path, path, None
     if (path / _HF_DICT_FILE).is_file():
-        name = _pick_split(path, _saved_splits(path), split)
+        name = _pick_split(path, split)
         target, where = path / name, f"{path} split '{name}'"
-    if _saved_without_data(target):     # load_from_disk fails on these; say what is wrong
+    try:        # load_from_disk fails on a Dataset that lists no data file: say what is wrong
+        no_data = json.loads((target / "state.json").read_text())["_data_files"] == []
+    except (OSError, ValueError, KeyError, TypeError):
+        no_data = False            # load_from_disk reports it
+    if no_data:
         raise _empty(where)
-    datasets = _import_datasets()
+    os.environ.setdefault("HF_DATASETS_OFFLINE", "1")
+    os.environ.setdefault("HF_HUB_OFFLINE", "1")
+    try:
+        import datasets
+    except ImportError as e:
+        raise ConfigError("reading a dataset saved with save_to_disk needs datasets; install "
+                          "jaxaccel[data] (or pip install datasets)", field="data.path") from e
     try:
         dataset = datasets.load_from_disk(str(target))
     except Exception as e:      # any failure to read the files is the user's to fix
-        raise ConfigError(_save_first(f"{target} could not be loaded with "
-                                      f"datasets.load_from_disk ({type(e).__name__}: {e})"),
-                          field="data.path") from e
+        raise ConfigError(_save_first(f"{target} could not be loaded with datasets.load_from_disk "
+                                      f"({type(e).__name__}: {e})"), field="data.path") from e
     if not isinstance(dataset, datasets.Dataset):
         raise ConfigError(f"{target} is not one dataset split; pass a save_to_disk directory "
                           "of a Dataset or a DatasetDict", field="data.path")
     if name is None:
         if split is not None and dataset.split is not None and str(dataset.split) != split:
-            raise ConfigError(f"{path} is the '{dataset.split}' split alone, not '{split}'; "
-                              "pass its DatasetDict directory or drop --data-split",
-                              field="data.split")
+            raise ConfigError(f"{path} is the '{dataset.split}' split alone, not '{split}'; pass "
+                              "its DatasetDict directory or drop --data-split", field="data.split")
         name = str(dataset.split) if dataset.split is not None else "data"
     _check_column(dataset.data.schema, column, where)
     if dataset.num_rows == 0:
@@ -175,25 +161,13 @@ def _hf_batches(path: Path, column: str, split: str | None):
     return batches(), len(dataset.cache_files)
 
 
-def _saved_splits(path: Path) -> list[str]:
-    """The split names in a saved ``DatasetDict``'s ``dataset_dict.json``."""
+def _pick_split(path: Path, split: str | None) -> str:
     try:
         splits = json.loads((path / _HF_DICT_FILE).read_text())["splits"]
     except (OSError, ValueError, KeyError, TypeError) as e:
         raise ConfigError(_save_first(f"{path / _HF_DICT_FILE} is not a readable list of "
                                       f"splits ({e})"), field="data.path") from e
-    return [str(name) for name in splits]
-
-
-def _saved_without_data(path: Path) -> bool:
-    """Whether the saved ``Dataset`` at ``path`` lists no data file (it has no rows)."""
-    try:
-        return json.loads((path / "state.json").read_text())["_data_files"] == []
-    except (OSError, ValueError, KeyError, TypeError):
-        return False            # load_from_disk reports it
-
-
-def _pick_split(path: Path, splits: list[str], split: str | None) -> str:
+    splits = [str(name) for name in splits]
     if split is not None:
         if split not in splits:
             raise ConfigError(f"{path} has no split '{split}' (it has {', '.join(splits)}); "
@@ -220,8 +194,7 @@ def _documents(batches, stats: dict) -> Iterator[Doc]:
 
 
 def _array_bytes(array) -> Iterator[bytes]:
-    """The utf-8 bytes of each value of a string Arrow array (``b""`` for null), sliced from
-    its data buffer without decoding."""
+    """The utf-8 bytes of each value of a string Arrow array (null: ``b""``), not decoded."""
     import numpy as np
     import pyarrow as pa
     if pa.types.is_dictionary(array.type) or not (pa.types.is_string(array.type)
@@ -274,16 +247,13 @@ def _is_saved_dataset(path: Path) -> bool:
 
 def _is_loading_script_repo(path: Path) -> bool:
     """A hub repository with a loading script: ``NAME/NAME.py`` beside only its card and infos."""
-    if not (path / f"{path.name}.py").is_file():
-        return False
-    return all(entry.name.startswith(".") or entry.name == f"{path.name}.py"
-               or (entry.is_file() and entry.name in _HUB_REPO_EXTRAS)
-               for entry in path.iterdir())
+    return (path / f"{path.name}.py").is_file() and all(
+        entry.name.startswith(".") or entry.name == f"{path.name}.py"
+        or (entry.is_file() and entry.name in _HUB_REPO_EXTRAS) for entry in path.iterdir())
 
 
 def _walk_files(root: Path, suffixes: tuple[str, ...]) -> Iterator[str]:
-    """Relative POSIX paths of the files under ``root`` ending in ``suffixes``, sorted, hidden
-    folders and symlinked folders skipped."""
+    """Sorted relative POSIX paths of the files under root ending in suffixes, not hidden."""
     found = []
     for dirpath, dirnames, filenames in os.walk(root):
         dirnames[:] = sorted(d for d in dirnames if not d.startswith("."))
@@ -297,15 +267,4 @@ def size_and_mtime(path: Path) -> list[int]:
     """The cheap signature of a file's content: an edit changes its size or its mtime."""
     st = path.stat()
     return [st.st_size, st.st_mtime_ns]
-
-
-def _import_datasets():
-    os.environ.setdefault("HF_DATASETS_OFFLINE", "1")
-    os.environ.setdefault("HF_HUB_OFFLINE", "1")
-    try:
-        import datasets
-    except ImportError as e:
-        raise ConfigError("reading a dataset saved with save_to_disk needs datasets; install "
-                          "jaxaccel[data] (or pip install datasets)", field="data.path") from e
-    return datasets
 

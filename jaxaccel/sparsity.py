@@ -1,26 +1,15 @@
 """N:M structured sparse training (``--sparsity 2:4``).
 
-In every group of M consecutive input weights of a dense layer's column (``w[K, N]`` grouped
-along K, the reduction axis, as NVIDIA's sparse tensor cores need), only the N of largest
-magnitude are kept. 2:4 halves the multiplications of those matmuls; Ampere and Hopper tensor
-cores run a 2:4 sparse operand at up to twice the dense rate.
+In every group of M consecutive input weights of a column (``w[K, N]`` grouped along K, as
+NVIDIA's sparse tensor cores need) only the N largest in magnitude are kept. ``apply`` wraps
+each ``--sparsity-targets`` layer (default: the ``nn.Stack``'s linear layers) in ``Sparse``,
+whose ``Mask`` buffer is recomputed from the kernel every ``sparsity_every`` steps. Gradients
+are SR-STE's (Zhou et al. 2021, "Learning N:M Fine-grained Structured Sparse Neural Networks
+From Scratch"): straight through to the dense weights, plus ``sparsity_decay * (1 - mask) * w``.
 
-``apply`` wraps each linear layer ``--sparsity-targets`` names (default: every linear layer in
-the model's ``nn.Stack``) in ``Sparse`` (module surgery, ``jaxaccel.surgery``), whose ``Mask``
-(bool, the kernel's shape and axes) is an ``nn.Buffer``: computed from the kernel when the layer
-is wrapped and again from the updated kernel every ``sparsity_every`` steps (``Sparse.update``). The forward pass multiplies by
-``w * mask``; the backward pass is SR-STE's (Zhou et al. 2021, "Learning N:M Fine-grained
-Structured Sparse Neural Networks From Scratch"): the dense weights get the gradient of the
-sparse ones as if the mask were not there (straight-through), so pruned weights keep learning
-and can grow back into the mask, plus ``sparsity_decay * (1 - mask) * w``, a decay on the pruned
-weights only that keeps the masks from flipping back and forth.
-
-The embedding and the output head stay dense by default. What this saves and what runs: ``savings`` counts the FLOPs and weight bytes a 2:4 sparse
-matmul would save. The speed itself needs sparse tensor-core kernels (cuSPARSELt, or CUTLASS's
-sparse GEMMs), which XLA does not emit and jax 0.11.2 does not expose (``jax.experimental.sparse``
-has BCOO/BCSR formats for unstructured sparsity, lowered to gathers and cuSPARSE SpMM, no N:M
-format); so here the masked matmul is a dense one and runs at the dense speed: we measure the
-quality cost of N:M training, and the savings stay counted, not timed.
+Ampere and Hopper run a 2:4 operand at up to twice the dense rate, with cuSPARSELt or CUTLASS
+kernels that XLA does not emit and jax 0.11.2 does not expose (``jax.experimental.sparse`` has
+no N:M format): the masked matmul runs dense, and ``savings`` counts what it would save.
 """
 
 import dataclasses
@@ -28,7 +17,6 @@ import functools
 
 import jax
 import jax.numpy as jnp
-
 from flax import nnx
 
 from jaxaccel import nn, surgery
@@ -161,16 +149,10 @@ def density(state) -> float:
 
 
 def savings(state, pattern: str, flops_per_token: float, bytes_per_weight: int = 2) -> dict:
-    """What an N:M sparse matmul would save on a model per token trained:
-
-    - ``flops_share``: the share of the training FLOPs (``flops_per_token``) that the sparse
-      operand removes, (1 - N/M) of the masked weights' 6 FLOPs per token (forward and both
-      backward matmuls; the weight gradient is dense in NVIDIA's recipe, so the share counting
-      only forward and input gradient, 4 of the 6, is ``flops_share_fwd_dgrad``);
-    - ``weight_bytes_share``: the share of the masked weights' bytes saved when stored
-      compressed (values N/M of them, plus 2 bits of index per kept value for 2:4, as
-      cuSPARSELt stores them).
-    """
+    """What N:M sparse matmuls would save per token trained: ``flops_share`` of the training
+    FLOPs, (1 - N/M) of the masked weights' 6 FLOPs per token (``flops_share_fwd_dgrad``: 4 of
+    the 6, NVIDIA's recipe keeping the weight gradient dense), and ``weight_bytes_share`` of their
+    bytes, stored compressed (N/M of the values plus 2 index bits each for 2:4, as cuSPARSELt)."""
     n, m = parse_pattern(pattern)
     sparse = sum(mask.size for mask in masks(state))
     index_bits = max(1, (m - 1).bit_length())

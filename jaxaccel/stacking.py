@@ -1,16 +1,12 @@
 """Progressive layer stacking (Gong et al. 2019, "Efficient Training of BERT by Progressively
-Stacking"): train a shallow model, then double its depth by stacking a copy of its trained
-blocks on top (new block ``L + i`` starts as block ``i``), and go on training.
+Stacking"): train a shallow model, then double its depth by stacking a copy of its trained blocks
+on top (new block ``L + i`` starts as block ``i``), and go on training.
 
-``--progressive-stack S`` trains in S stages of depth ``L / 2^(S-1)``, twice that, ..., ``L``; the
-stages end at ``--stack-at`` (the steps where the depth doubles, default equal shares of the
-run). It acts on any model whose blocks are an ``nn.Stack``: a stage's model is the full model
-with its stack cut to the stage's first blocks (``truncate``, before any other technique), so
-the shallow model starts as the deep one's first blocks. The optimizer continues across a growth: its schedule (the step
-count), and its moments, copied along with the blocks they belong to, so the new blocks
-continue from their originals' statistics. The loader continues from its position, and the
-checkpoint written at the end of a stage holds the shallow state, so a run resumed at any step
-rebuilds the depth of that step's stage (``depth_at``) and grows again where it should.
+``--progressive-stack S`` trains S stages of depth ``L / 2^(S-1)``, twice that, ..., ``L``, growing
+at ``--stack-at`` (default: equal shares of the run). A stage's model is the full model with its
+``nn.Stack`` cut to its first blocks (``truncate``, before other techniques). The optimizer's step
+count and moments (copied with their blocks) and the loader carry over; a stage's last checkpoint
+holds the shallow state, so a resumed run rebuilds its step's depth (``depth_at``).
 """
 
 import dataclasses
@@ -96,11 +92,9 @@ def stage_end(step: int, total_steps: int, ends: list[int]) -> int:
 
 
 def grow(old_state, new_abstract, old_depth: int, stack_path: tuple):
-    """The state of the model twice as deep, from ``old_state``: every leaf of ``new_abstract``
-    (an abstract TrainState of the deeper model) taken from the leaf at the same path, block
-    ``i`` of the stack at ``stack_path`` from old block ``i mod old_depth`` (stacked blocks
-    concatenated with a copy of themselves); the optimizer state goes along with the
-    parameters, scalars are kept."""
+    """The state of the model twice as deep: each leaf of ``new_abstract`` (its abstract
+    TrainState) from ``old_state``'s at the same path, block ``i`` of the stack at ``stack_path``
+    from old block ``i mod old_depth`` (stacked blocks doubled), optimizer state included."""
     prefix = re.escape("".join(f"[{k!r}]" for k in (*stack_path, "layers")))
     indexed = re.compile("(" + prefix + r")\[(\d+)\]")
     old = {jax.tree_util.keystr(path): leaf

@@ -1,24 +1,14 @@
-"""Stochastic depth (Huang et al. 2016, "Deep Networks with Stochastic Depth"): during training
-each residual block is skipped, for a random subset of the batch's rows, with a rate that grows
-linearly over depth (the paper's linear decay rule): block l of L (counting from 1) is skipped
-with rate ``p_l = (l / L) * P``, where ``P = model.stochastic_depth`` is the last block's rate.
+"""Stochastic depth (Huang et al. 2016, "Deep Networks with Stochastic Depth"): in training block
+l of L (from 1) is skipped for a random subset of the rows at ``p_l = (l / L) * P`` (the linear
+decay rule), ``P = model.stochastic_depth``.
 
-Skipping saves compute only if the skipped rows are not computed. With per-row coin flips the
-number of kept rows would change every step and so would every shape; here block l keeps exactly
-``kept_rows(B, p_l)`` rows, drawn uniformly without replacement (each row is kept with
-probability k/B, so every example is still skipped independently of its content). The kept rows
-are gathered, run through the block, and their change ``block(x) - x`` is scattered back scaled
-by B/k, so that the expected output in training equals the block's output (what timm's DropPath
-does with 1/(1-p)), and evaluation simply runs every block: the identity of stochastic depth at
-test time. The shapes are static, so nothing recompiles.
-
-Under a mesh the batch's rows are split over ``data`` x ``fsdp``; the rows are chosen within
-each shard (the same count in each), so the gather and scatter stay on their devices.
-
-It acts on any model whose blocks are an ``nn.Stack``: ``apply`` installs ``StochasticDepth``,
-a block transform whose static choice per layer is its kept rows (a scanned stack runs one
-``lax.scan`` per run of layers with equal counts). Layer l's rows are drawn from the step's key
-folded with l and ``SKIP_KEY``. It needs static layer indices, so pipeline strategies refuse it.
+With static shapes: block l computes exactly ``kept_rows(B, p_l)`` rows, drawn uniformly without
+replacement, and adds their change ``block(x) - x`` scaled by B/k, so the expected output is the
+block's (as timm's DropPath's 1/(1-p)); evaluation runs every block. Under a mesh rows are
+chosen within each ``data`` x ``fsdp`` shard, so gather and scatter stay on device. ``apply``
+installs ``StochasticDepth``, a block transform (a scanned stack runs one ``lax.scan`` per run
+of layers with equal counts); layer l's rows come from the step's key folded with l and
+``SKIP_KEY``. Pipeline strategies refuse it (it needs static layer indices).
 """
 
 import dataclasses
@@ -72,7 +62,8 @@ def check(cfg) -> None:
 
 def apply(model, settings: StochasticDepthSettings) -> None:
     if settings.rate > 0:
-        nn.the_stack(model, "stochastic depth", "stochastic_depth.rate")[1].add(StochasticDepth(settings.rate))
+        _, stack = nn.the_stack(model, "stochastic depth", "stochastic_depth.rate")
+        stack.add(StochasticDepth(settings.rate))
 
 
 def drop_rates(rate: float, n_layers: int) -> list[float]:
@@ -83,9 +74,7 @@ def drop_rates(rate: float, n_layers: int) -> list[float]:
 def row_groups() -> int:
     """How many shards the batch's rows are split into on the mesh in context (1 without one)."""
     mesh = jax.sharding.get_abstract_mesh()
-    if mesh.empty:
-        return 1
-    shape = dict(mesh.shape)
+    shape = {} if mesh.empty else dict(mesh.shape)
     return shape.get("data", 1) * shape.get("fsdp", 1)
 
 
@@ -105,9 +94,8 @@ def kept_fraction(rate: float, n_layers: int, rows: int, groups: int = 1) -> flo
 
 
 def skip_rows(block, x_BTD, row_args: dict, key, kept: int, groups: int):
-    """``block(x_KTD, row_args_K)`` on ``kept`` randomly chosen rows of ``x_BTD`` (chosen in each
-    of ``groups`` shards of the rows), the others passed through; the kept rows' change is scaled
-    by rows / kept. ``row_args`` are per-row arrays [B, ...] or None, by name."""
+    """``block(x_KTD, row_args_K)`` on ``kept`` random rows of ``x_BTD`` (per each of ``groups``
+    shards), its change scaled by B / kept; ``row_args``: per-row arrays [B, ...] or None."""
     B = x_BTD.shape[0]
     if kept >= B:
         return block(x_BTD, row_args)

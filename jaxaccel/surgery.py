@@ -1,22 +1,13 @@
 """Module surgery: how a layer technique finds a model's linear layers and wraps them.
 
-A layer technique (LoRA, adapters, N:M sparsity, FP8, the init schemes' branch gates) replaces
-each ``nnx.Linear`` it targets by a ``Wrapper`` that holds the layer as ``base`` and its own
-state in variables of its own types, as flax's ``nnx.LoRA(base_module=...)`` and Levanter's
-``loraize`` do. The model's code is not touched: it calls the wrapper where it called the layer.
-
-Targets are chosen by ``--<technique>-targets``: comma-separated items, each
-
-- ``blocks``: every linear layer inside the model's ``nn.Stack``;
-- an alias the model defines (its class attribute ``aliases``, e.g. jaxaccel's GPT's ``q`` for
-  ``attn/wq``): the layers whose path ends so;
-- otherwise a regular expression searched in each layer's path (``blocks/layers/0/attn/wq``;
-  a scanned stack's layers have no index).
-
-Wrappers nest: a technique may target a layer another one wrapped. A technique that changes the
-product itself (FP8's float8 operands, sparsity's masked weight) does not recompute the layer:
-around its call it hands the innermost ``nnx.Linear`` another ``dot_general`` (``dot``), so the
-layer's own dtype promotion, bias and sharding stay as they are.
+A layer technique (LoRA, adapters, N:M sparsity, FP8, init gates) replaces each ``nnx.Linear``
+it targets by a ``Wrapper`` holding the layer as ``base`` (as flax's ``nnx.LoRA(base_module=...)``
+and Levanter's ``loraize`` do); the model's code is not touched. Wrappers nest; one that changes
+the product (FP8, sparsity) hands the innermost layer another ``dot_general`` (``dot``), keeping
+its dtype promotion, bias and sharding. ``--<technique>-targets`` is comma-separated: ``blocks``
+(every linear layer in the ``nn.Stack``), an alias of the model's class attribute ``aliases``
+(GPT's ``q``: paths ending ``attn/wq``), else a regular expression searched in a layer's path
+(``blocks/layers/0/attn/wq``; a scanned stack's layers have no index).
 """
 
 import contextlib
@@ -32,8 +23,7 @@ TARGETS_HELP = ("comma-separated: blocks (every linear layer in the model's Stac
 
 
 class Wrapper(nnx.Module):
-    """A layer technique around a linear layer (``base``: an ``nnx.Linear`` or another
-    wrapper). Without more it is the layer itself."""
+    """A layer technique around ``base`` (an ``nnx.Linear`` or another wrapper)."""
 
     def __init__(self, base):
         self.base = base
@@ -59,8 +49,7 @@ def innermost(layer) -> nnx.Linear:
 
 @contextlib.contextmanager
 def dot(linear: nnx.Linear, make):
-    """Within the context ``linear`` multiplies with ``make(inner)``, ``inner`` being the
-    ``dot_general`` it had (call it for the plain product)."""
+    """Within the context ``linear`` multiplies with ``make(its own dot_general)``."""
     inner = linear.dot_general
     linear.dot_general = make(inner)
     try:
@@ -74,21 +63,16 @@ def path_text(path) -> str:
 
 
 def linear_layers(model) -> list[tuple[tuple, nnx.Module]]:
-    """``(path, layer)`` of every linear layer of ``model``: each ``nnx.Linear`` and each
-    wrapper around one, outermost only (a wrapper's ``base`` is not listed apart)."""
+    """``(path, layer)`` of every ``nnx.Linear`` of ``model``, or the outermost wrapper of one."""
     nodes = [(p, n) for p, n in nnx.iter_graph(model) if isinstance(n, (nnx.Linear, Wrapper))]
     wrapped = {p for p, n in nodes if isinstance(n, Wrapper)}
-    return sorted(((p, n) for p, n in nodes if not _inside(p, wrapped)),
-                  key=lambda item: [str(k) for k in item[0]])
-
-
-def _inside(path, wrapped) -> bool:
-    return any(path[:len(w)] == w and len(path) > len(w) for w in wrapped)
+    outer = [(p, n) for p, n in nodes
+             if not any(p[:len(w)] == w and len(p) > len(w) for w in wrapped)]
+    return sorted(outer, key=lambda item: [str(k) for k in item[0]])
 
 
 def select(model, spec: str, *, field: str) -> list[tuple[tuple, nnx.Module]]:
-    """The linear layers ``spec`` names (module docstring); one ConfigError line naming ``field``
-    when an item names none, listing the model's linear layers."""
+    """The linear layers ``spec`` names (module docstring), else a ConfigError naming ``field``."""
     from jaxaccel import nn
     layers = linear_layers(model)
     aliases = getattr(type(model), "aliases", {}) or {}
@@ -133,9 +117,7 @@ def replace(model, path: tuple, new) -> None:
 
 
 def default_targets(model, technique: str, fallback: str | None, field: str) -> str:
-    """The targets a technique takes on ``model`` when none are given: the model's own (its
-    class attribute ``defaults``, by technique), else ``fallback``; one ConfigError line naming
-    ``field`` if neither."""
+    """A technique's targets: the model's ``defaults[technique]``, ``fallback`` or a ConfigError."""
     chosen = (getattr(type(model), "defaults", {}) or {}).get(technique, fallback)
     if chosen is None:
         raise ConfigError(f"{type(model).__name__} declares no default layers for {technique} "
@@ -163,12 +145,9 @@ def kernel_axes(layer) -> tuple:
 
 
 def unwrap(model, fold=None) -> None:
-    """Replace every wrapper by the layer it wraps, outermost first; ``fold(wrapper)`` first
-    folds the wrapper's effect into the layer's kernel (LoRA merged, masks applied)."""
-    while True:
-        found = [(p, n) for p, n in nnx.iter_graph(model) if isinstance(n, Wrapper)]
-        if not found:
-            return
+    """Replace every wrapper by its ``base``, outermost first, after ``fold(wrapper)`` folded its
+    effect into the kernel (LoRA merged, masks applied)."""
+    while found := wrappers(model, Wrapper):
         path, wrapper = min(found, key=lambda item: len(item[0]))
         if fold is not None:
             fold(wrapper)

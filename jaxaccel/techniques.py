@@ -1,21 +1,8 @@
-"""The techniques a run's settings name, applied to its model in one order, and checked
-against each other.
-
-Each technique is a transformation of an NNX model in a module of its own (``jaxaccel.init``,
-``lora``, ``sparsity``, ``fp8``, ``precision``, ``remat``, ``stochastic_depth``, ``token_drop``,
-``stacking``) with its own settings section; this module only orders them:
-
-1. the model's factory (``jaxaccel.model.build``), its embedding tables marked as taking no
-   weight decay, cut to a progressive-stacking stage's depth;
-2. the initialisation scheme (norms removed, gates, re-drawn weights);
-3. a trained run's weights (``--init-from``), when fine-tuning;
-4. the layer techniques, each wrapping the linear layers it targets: LoRA, adapters, N:M
-   sparsity, FP8; then the policy's compute dtype for the flax layers;
-5. the block techniques on the model's stack: scanned layers and remat, stochastic depth,
-   token dropping.
-
-Adding a technique is a module with a settings dataclass and an ``apply(model, settings, ...)``,
-one line in ``build`` and its section in ``jaxaccel.config``; the model does not change.
+"""The techniques a run's settings name, applied to its model in one order and checked against
+each other. Each is a module with a settings dataclass and an ``apply(model, settings, ...)``;
+``build`` orders them: the factory's model, the init scheme, ``--init-from``'s weights, the layer
+techniques (LoRA, adapters, N:M sparsity, FP8, compute dtype), then the block techniques (scan
+and remat, stochastic depth, token dropping). A new one also needs its ``jaxaccel.config`` section.
 """
 
 import jax
@@ -30,10 +17,8 @@ LORA_KEY = 0x10A      # folded into the model's key for the fine-tuning weights'
 
 
 def build(cfg, key, *, depth: int | None = None, base_state=None) -> nnx.Module:
-    """The model of ``cfg`` (a ``TrainConfig``) with every technique it names applied, from the
-    initialisation key ``key``; ``depth`` cuts its stack (a progressive-stacking stage);
-    ``base_state`` (the weights of a trained run, ``--init-from``) replaces its weights before
-    the fine-tuning techniques wrap it."""
+    """The model of ``cfg`` (a ``TrainConfig``) from ``key`` with its techniques; ``depth`` cuts
+    its stack (a stacking stage); ``base_state`` replaces its weights before LoRA or adapters."""
     model = model_lib.build(cfg.model, cfg.gpt, key)
     optim.mark_no_decay(model)
     if depth is not None:
@@ -57,14 +42,12 @@ def build(cfg, key, *, depth: int | None = None, base_state=None) -> nnx.Module:
 
 
 def abstract(cfg, **kwargs) -> nnx.Module:
-    """``build`` without arrays (ShapeDtypeStructs): to inspect the model and check the
-    techniques before any work."""
+    """``build`` with ShapeDtypeStructs for arrays, to check the model before any work."""
     return model_lib.abstract(lambda: build(cfg, jax.random.PRNGKey(0), **kwargs))
 
 
 def variables(cfg, depth: int | None = None):
-    """``make(key, *base) -> nnx.State``: the variables of ``build(cfg, key, depth=depth,
-    base_state=base)``, as the sharded initialisation builds them."""
+    """``make(key, *base) -> nnx.State`` of ``build``, for the sharded initialisation."""
     def make(key, *base):
         return nnx.state(build(cfg, key, depth=depth, base_state=base[0] if base else None))
     return make
@@ -76,8 +59,7 @@ def tuned(cfg) -> bool:
 
 
 def check(cfg) -> None:
-    """Each technique checks its own settings and what it cannot combine with (one ConfigError
-    line); importance sampling, the loader's technique, with them."""
+    """Each technique, and importance sampling, checks its settings and what it cannot join."""
     for technique in (lora, sparsity, fp8, remat, stochastic_depth, token_drop, stacking,
                       sampling):
         technique.check(cfg)
@@ -85,34 +67,21 @@ def check(cfg) -> None:
 
 def describe(cfg) -> list[str]:
     """The techniques the run applies to its model, one short phrase each."""
-    parts = []
-    if cfg.init.scheme != "default":
-        parts.append(f"init {cfg.init.scheme}")
-    if cfg.lora.rank:
-        parts.append(f"LoRA rank {cfg.lora.rank}")
-    if cfg.adapters.dim:
-        parts.append(f"adapters {cfg.adapters.dim}")
-    if cfg.sparsity.pattern != "none":
-        parts.append(f"{cfg.sparsity.pattern} sparse")
-    if cfg.policy().fp8:
-        parts.append("fp8")
-    if cfg.remat.scan_layers:
-        parts.append("scanned")
-    if cfg.remat.policy != "none":
-        parts.append(f"remat {cfg.remat.policy}")
-    if cfg.stochastic_depth.rate:
-        parts.append(f"stochastic depth {cfg.stochastic_depth.rate:g}")
-    if cfg.token_drop.keep < 1:
-        parts.append(f"token keep {cfg.token_drop.keep:g}")
-    if cfg.stacking.stages > 1:
-        parts.append(f"stacked in {cfg.stacking.stages} stages")
-    return parts
+    phrases = [(cfg.init.scheme != "default", f"init {cfg.init.scheme}"),
+               (cfg.lora.rank, f"LoRA rank {cfg.lora.rank}"),
+               (cfg.adapters.dim, f"adapters {cfg.adapters.dim}"),
+               (cfg.sparsity.pattern != "none", f"{cfg.sparsity.pattern} sparse"),
+               (cfg.policy().fp8, "fp8"),
+               (cfg.remat.scan_layers, "scanned"),
+               (cfg.remat.policy != "none", f"remat {cfg.remat.policy}"),
+               (cfg.stochastic_depth.rate, f"stochastic depth {cfg.stochastic_depth.rate:g}"),
+               (cfg.token_drop.keep < 1, f"token keep {cfg.token_drop.keep:g}"),
+               (cfg.stacking.stages > 1, f"stacked in {cfg.stacking.stages} stages")]
+    return [phrase for on, phrase in phrases if on]
 
 
 def report(cfg, params, mesh_shape: dict, run: dict) -> dict:
-    """What each technique the run used did, by technique, for the run's summary. ``run``:
-    what the loop measured (``remat_plan``, ``stages``, ``executables``, ``flops_per_token``,
-    ``fp8_note``)."""
+    """What each technique the run used did, for its summary (``run``: what the loop measured)."""
     from jaxaccel.pipeline import bubble_fraction
     done = {"attention": (cfg.gpt.attention or "xla") if model_lib.is_preset(cfg.model.name)
             else None}

@@ -1,54 +1,24 @@
 """Token dropping (Hou et al. 2022, "Token Dropping for Efficient BERT Pretraining"; the survey's
-"removing masked tokens"), for a causal language model.
+"removing masked tokens"), for a causal language model whose blocks are an ``nn.Stack``.
 
-It acts on any model whose blocks are an ``nn.Stack`` (``apply`` installs ``TokenDrop``, a block
-transform that runs a span of the stack's layers). During training the middle layers
-(``--token-drop-layers``, default the middle half: layers ``L//4 .. L - L//4``, e.g. 3:9 of 12,
-at least the first and the last layer left out; a model of fewer than 3 layers has none and must
-name them; the shallow stages of progressive stacking run whole) process only ``K`` of each
-row's ``T`` tokens; the layers before and after them process all. The kept tokens are gathered
-once before the first middle layer into ``[B, K, D]``, with every per-token argument the model
-passes its stack (jaxaccel's GPT: rotary angles; and the batch's segment ids), run through the
-middle layers, and scattered back after the last; a dropped token's hidden state skips the
-middle layers unchanged (Hou et al.'s "carried past"). Inside the middle layers the kept tokens
-attend causally to the earlier kept tokens of their own document: the positions are sorted
-ascending, so their order is the sequence's, and RoPE takes their original positions. The loss
-is on every token. Evaluation (no key) runs every layer on every token. Only the gathered rows
-move, each within its own batch row, so under a mesh (rows split over ``data`` x ``fsdp``)
-nothing leaves its device.
+``apply`` installs ``TokenDrop``, a block transform: in training the middle layers
+(``--token-drop-layers``, default ``L//4 .. L - L//4``; whole in progressive stacking's shallow
+stages) compute only ``K = kept_tokens(T, token_keep)`` of each row's T tokens (``keep * T``
+rounded to a multiple of ``MULTIPLE``: static, nothing recompiles). The kept tokens and their
+per-token arguments (rotary angles, segment ids) are gathered in sequence order, run through
+the middle layers and scattered back; the others skip them unchanged. The loss is on every
+token; evaluation runs every token through every layer. Rows never leave their device.
 
-Static shapes: ``K = kept_tokens(T, token_keep)`` is ``round(keep * T)`` rounded to a multiple
-of ``MULTIPLE`` (8: whole sublanes and MMA tiles on GPUs), at least 8 and at most T (sequences
-shorter than 8 tokens keep ``round(keep * T)``, at least 1). It depends only on the batch's
-shape, so nothing recompiles; ``K = T`` drops nothing and runs the plain model.
+Padding is dropped first; ``K`` real tokens are drawn without replacement each step
+(``--token-drop-score``): ``random`` uniformly, ``loss`` weighted by ``TokenLoss``, a running
+loss per target id (Hou et al.'s cumulative loss; starts at ``log(vocab_size)``, moved by
+``update`` from ``loss_stats`` with decay ``DECAY``). Hou et al. keep the highest-loss tokens
+outright; here that left easy tokens untrained in the middle layers: validation loss 40 % above
+the plain model's at keep 0.5 (8x128 model, 150 steps on the CPU), against +3 % drawn by weight
+and -0.4 % drawn uniformly.
 
-Which tokens (``--token-drop-score``): padding (segment id 0) is dropped first, always.
-Among the real tokens, ``K`` are drawn without replacement each step, from the step's key folded
-with ``SELECT_KEY`` (each microbatch and step draws its own):
-
-- ``random``: uniformly;
-- ``loss``: with weights Hou et al.'s cumulative loss, the running loss of each vocabulary id
-  as a target, a buffer ``TokenLoss`` (float32 [vocab_size], an ``nn.Buffer`` of the
-  transform): a position is kept with a weight of its target
-  id's running loss (Gumbel top-k), so the hard predictions get the full depth more often. The
-  loss function asks the transform for the batch's per-id loss sums and counts
-  (``TokenDrop.loss_stats``, summed over microbatches) and the step updates the buffer after the
-  optimizer's update (``TokenDrop.update``): an exponential moving average with decay ``DECAY``
-  (0.9) per step, for the ids the batch held as targets. It starts at ``log(vocab_size)`` (a
-  uniform prediction's loss) for every id, so ids not seen yet count as hard.
-
-  Hou et al. keep the highest-loss tokens outright. Here that made the easy tokens skip the
-  middle layers at every step, and evaluation, where every token runs every layer, met states
-  training never produced: validation loss 40 % above the plain model's at keep 0.5 (8x128
-  model, 150 steps on the CPU), against +3 % drawn by weight and -0.4 % drawn uniformly. Drawn by
-  weight, every token still runs the middle layers on some steps.
-
-What it saves: the middle layers' matmuls run on K/T of the tokens and their attention scores
-on (K/T)^2 of the score matrix; the run's FLOP count (``jaxaccel.trace.training_flops``, which counts
-the matmuls the step computes) sees that, so the run summary's FLOPs and MFU are the work done.
-
-With stochastic depth the middle layers' rows are skipped as elsewhere, on the gathered tokens
-(both run together). Pipeline strategies refuse it (``check``).
+The middle layers' matmuls shrink by K/T (attention scores by (K/T)^2), as the run's FLOP count
+and MFU see. Stochastic depth combines with it; pipeline strategies refuse it (``check``).
 """
 
 import dataclasses
@@ -89,10 +59,9 @@ class TokenDropSettings:
 
 
 def layer_range(text: str | None, n_layers: int | None) -> tuple[int, int]:
-    """``(start, end)``: layers start .. end - 1 see only the kept tokens. ``text`` (START:END)
-    parsed and checked (against ``n_layers`` when given), or the middle half, ``max(1, L // 4)
-    .. L - max(1, L // 4)``: empty for fewer than 3 layers (the first and last see every
-    token)."""
+    """``(start, end)`` of the layers that see only the kept tokens: ``text`` (START:END) checked
+    against ``n_layers`` when given, or the middle half, ``max(1, L // 4) .. L - max(1, L // 4)``
+    (empty for fewer than 3 layers)."""
     L = n_layers if n_layers is not None else float("inf")
     if text is None:
         start = max(1, L // 4)
@@ -175,8 +144,7 @@ class TokenDrop(nn.BlockTransform, nn.Updated):
 
 
 def check(cfg) -> None:
-    """The layers' form (their range needs the model's depth: ``apply``), and what token
-    dropping cannot combine with: pipeline stages."""
+    """The layers' form (their range needs the model's depth: ``apply``); no pipeline stages."""
     if cfg.token_drop.layers is not None:
         layer_range(cfg.token_drop.layers, None)
     if cfg.token_drop.keep < 1.0:
@@ -212,10 +180,9 @@ def initial_loss(vocab_size: int):
 
 
 def select(key, segment_ids_BT, kept: int, targets_BT=None, token_loss_V=None):
-    """The kept positions [B, kept], ascending in each row: ``kept`` real tokens drawn without
-    replacement (padding only when a row has fewer), uniformly, or with ``token_loss_V`` with
-    weights the running loss of each token's target id (Gumbel top-k: the largest of
-    ``log weight + Gumbel noise`` from ``key``)."""
+    """The kept positions [B, kept], ascending: ``kept`` real tokens (padding only when a row has
+    fewer) drawn without replacement, uniformly or weighted by ``token_loss_V`` of each token's
+    target id (Gumbel top-k: the largest ``log weight + Gumbel noise``, from ``key``)."""
     score_BT = jax.random.gumbel(key, segment_ids_BT.shape, jnp.float32)
     if token_loss_V is not None:
         loss_BT = take_rows(jax.lax.stop_gradient(token_loss_V).astype(jnp.float32),
@@ -230,14 +197,12 @@ def select(key, segment_ids_BT, kept: int, targets_BT=None, token_loss_V=None):
 
 
 def gather(a_BT, index_BK):
-    """``a_BT[b, index_BK[b, k]]`` for an array [B, T, ...]: the kept tokens' values. Mapped
-    over the rows, so the row is a batch dimension of the gather: partitioned with the rows."""
+    """``a_BT[b, index_BK[b, k]]`` for [B, T, ...], mapped over rows (partitioned with them)."""
     return jax.vmap(lambda a_T, index_K: a_T[index_K])(a_BT, index_BK)
 
 
 def scatter(x_BTD, index_BK, y_BKD):
-    """``x_BTD`` with the kept tokens' rows replaced by ``y_BKD``; the others unchanged (a
-    scatter mapped over the rows, as ``gather``)."""
+    """``x_BTD`` with the kept tokens' rows replaced by ``y_BKD``, mapped over rows."""
     x_BTD = jax.vmap(lambda x_TD, index_K, y_KD: x_TD.at[index_K].set(y_KD))(
         x_BTD, index_BK, y_BKD.astype(x_BTD.dtype))
     return constrain(x_BTD, ACTIVATION_AXES)

@@ -1,21 +1,12 @@
 """Tokenizers: bytes, a local tokenizer file, or a byte-level BPE trained on the training split.
 
-``--tokenizer`` names one (``TOKENIZER_HELP``):
-
-* ``bytes``: every byte is a token, plus three special ids. Ids 0, 1, 2 are PAD, BOS and EOS;
-  byte b has id b + 3, so 259 ids are real, padded to 320 (a multiple of 64).
-* a Hugging Face ``tokenizer.json`` (``tokenizers`` library) or SentencePiece ``.model`` file.
-* ``bpe:N``: a byte-level BPE of N tokens (PAD, BOS, EOS first, as ids 0, 1, 2), trained with
-  ``tokenizers`` on the training split of the corpus (``jaxaccel.corpus.load_tokenizer``) and
-  kept in the cache and in the run directory.
-
-Every tokenizer says which ids are PAD, BOS and EOS. A file's own special tokens are found by
-name (``SPECIAL_NAMES``); one it lacks gets a new id after its vocabulary, so a GPT-2-style
-``tokenizer.json`` (only ``<|endoftext|>``) has BOS = EOS = that id and PAD = the next. The model's
-embedding and output projection use ``padded_vocab_size``: ``vocab_size`` (all ids, new specials
-included) rounded up to a multiple of 128 (64 for bytes), for tensor-core friendly shapes; the
-extra ids are never produced. Decoding drops special and padding ids. A tokenizer's
-``fingerprint`` names its exact vocabulary and rules; the corpus cache and resumed runs check it."""
+``--tokenizer`` names one (``TOKENIZER_HELP``): ``bytes`` (PAD, BOS, EOS are ids 0, 1, 2 and byte
+b is id b + 3), a Hugging Face ``tokenizer.json`` or SentencePiece ``.model`` file, or ``bpe:N``
+(PAD, BOS, EOS first; trained by ``jaxaccel.corpus.load_tokenizer``). A file's special tokens are
+found by name (``SPECIAL_NAMES``); one it lacks gets a new id after its vocabulary (GPT-2: BOS =
+EOS = ``<|endoftext|>``, PAD new). ``padded_vocab_size`` rounds ``vocab_size`` up to a multiple
+of 128 (64 for bytes) for the embedding. Decoding drops special and padding ids; the corpus
+cache and resumes check ``fingerprint``."""
 
 import hashlib
 import math
@@ -37,12 +28,10 @@ ENCODE_CHUNK_BYTES = 4 << 20   # text a subword tokenizer encodes at once (its m
 TOKENIZER_HELP = ("bytes, a tokenizer.json (Hugging Face tokenizers) or SentencePiece .model "
                   "file, or bpe:N (a byte-level BPE of N tokens trained on the training split)")
 # The names a tokenizer file's special tokens go by, most specific first.
-SPECIAL_NAMES = {
-    "pad": ("<|pad|>", "<pad>", "[PAD]", "<|padding|>", "<|finetune_right_pad_id|>"),
-    "bos": ("<|bos|>", "<s>", "<bos>", "<|begin_of_text|>", "<|startoftext|>", "[BOS]",
-            "<|endoftext|>"),
-    "eos": ("<|eos|>", "</s>", "<eos>", "<|end_of_text|>", "[EOS]", "<|endoftext|>"),
-}
+SPECIAL_NAMES = {"pad": ("<|pad|>", "<pad>", "[PAD]", "<|padding|>", "<|finetune_right_pad_id|>"),
+                 "bos": ("<|bos|>", "<s>", "<bos>", "<|begin_of_text|>", "<|startoftext|>",
+                         "[BOS]", "<|endoftext|>"),
+                 "eos": ("<|eos|>", "</s>", "<eos>", "<|end_of_text|>", "[EOS]", "<|endoftext|>")}
 BPE_SPECIALS = ("<|pad|>", "<|bos|>", "<|eos|>")      # ids 0, 1, 2 of a bpe:N tokenizer
 RUN_FILES = {"hf": "tokenizer.json", "sentencepiece": "tokenizer.model"}  # in a run dir, by kind
 
@@ -67,20 +56,13 @@ class ByteTokenizer:
 
     @property
     def padded_vocab_size(self) -> int:
-        """Size of the embedding table: vocab_size rounded up to a multiple of pad_multiple."""
         return _round_up(self.vocab_size, self.pad_multiple)
 
     def encode(self, text: str | bytes, *, bos: bool = True, eos: bool = True) -> np.ndarray:
         """Returns int32 ids of the utf-8 bytes of ``text``, optionally framed by BOS and EOS."""
         data = text.encode("utf-8") if isinstance(text, str) else bytes(text)
-        ids = np.empty(len(data) + bos + eos, dtype=np.int32)
-        ids[bos : bos + len(data)] = np.frombuffer(data, dtype=np.uint8)
-        ids[bos : bos + len(data)] += BYTE_OFFSET
-        if bos:
-            ids[0] = BOS_ID
-        if eos:
-            ids[-1] = EOS_ID
-        return ids
+        ids = np.frombuffer(data, dtype=np.uint8).astype(np.int32) + BYTE_OFFSET
+        return np.concatenate([[BOS_ID] * bos, ids, [EOS_ID] * eos]).astype(np.int32)
 
     def encode_documents(self, docs: list[bytes]) -> tuple[np.ndarray, np.ndarray]:
         """All ``docs`` as BOS + ids + EOS back to back: (int32 tokens, int64 lengths [N])."""
@@ -88,8 +70,7 @@ class ByteTokenizer:
         return _frame(ids, [len(doc) for doc in docs], BOS_ID, EOS_ID)
 
     def decode(self, ids) -> str:
-        """The text of the byte ids in ``ids``; special and out-of-range ids are dropped, and bytes
-        that are not valid utf-8 (e.g. a sample cut mid-character) become U+FFFD."""
+        """The text of the byte ids in ``ids`` (others dropped); invalid utf-8 becomes U+FFFD."""
         ids = np.asarray(ids, dtype=np.int64).reshape(-1)
         byte_values = ids[(ids >= BYTE_OFFSET) & (ids < self.vocab_size)] - BYTE_OFFSET
         return byte_values.astype(np.uint8).tobytes().decode("utf-8", errors="replace")
@@ -103,43 +84,35 @@ class _FileTokenizer:
 
     def _set_specials(self, base_size: int, found: dict[str, int | None]):
         """PAD, BOS and EOS: the file's own where it has them, else new ids after base_size."""
-        self.base_size = base_size
-        next_id = base_size
+        self.base_size = self.vocab_size = base_size
         for role in ("pad", "bos", "eos"):
             if found.get(role) is None:
-                found[role] = next_id
-                next_id += 1
+                found[role] = self.vocab_size
+                self.vocab_size += 1
         self.pad_id, self.bos_id, self.eos_id = found["pad"], found["bos"], found["eos"]
-        self.vocab_size = next_id
         if self.vocab_size > MAX_VOCAB:
             raise ConfigError(f"tokenizer {self.spec} has {self.vocab_size} ids, more than "
                               f"int32 holds; pass a smaller vocabulary", field="data.tokenizer")
         self.padded_vocab_size = _round_up(self.vocab_size, SUBWORD_PAD_MULTIPLE)
 
     def encode(self, text: str | bytes, *, bos: bool = True, eos: bool = True) -> np.ndarray:
-        """int32 ids of ``text``, optionally framed by BOS and EOS."""
         ids = self._encode_texts([_as_text(text)])[0]
-        return np.array(([self.bos_id] if bos else []) + ids + ([self.eos_id] if eos else []),
-                        dtype=np.int32)
+        return np.array([self.bos_id] * bos + ids + [self.eos_id] * eos, dtype=np.int32)
 
     def encode_documents(self, docs: list[bytes]) -> tuple[np.ndarray, np.ndarray]:
-        """All ``docs`` as BOS + ids + EOS back to back: (int32 tokens, int64 lengths [N]),
-        encoded on every core, ``ENCODE_CHUNK_BYTES`` of text at a time: the library's
-        per-token objects for a whole batch would take several times its text in memory."""
-        parts, chunk, size = [], [], 0
+        """As ByteTokenizer's, encoded on every core ``ENCODE_CHUNK_BYTES`` at a time (the
+        library's objects for a whole batch would take several times its text in memory)."""
+        ids, id_counts, chunk, size = [np.zeros(0, np.int32)], [], [], 0
         for n, doc in enumerate(docs):
             chunk.append(_as_text(doc))
             size += len(doc)
             if size >= ENCODE_CHUNK_BYTES or n == len(docs) - 1:
                 encoded = self._encode_texts(chunk)
-                ids = np.fromiter((i for doc_ids in encoded for i in doc_ids), dtype=np.int32,
-                                  count=sum(map(len, encoded)))
-                parts.append(_frame(ids, list(map(len, encoded)), self.bos_id, self.eos_id))
+                id_counts += map(len, encoded)
+                ids.append(np.fromiter((i for doc_ids in encoded for i in doc_ids),
+                                       dtype=np.int32, count=sum(map(len, encoded))))
                 chunk, size = [], 0
-        if not parts:
-            return np.zeros(0, np.int32), np.zeros(0, np.int64)
-        return (np.concatenate([tokens for tokens, _ in parts]),
-                np.concatenate([lengths for _, lengths in parts]))
+        return _frame(np.concatenate(ids), id_counts, self.bos_id, self.eos_id)
 
     def decode(self, ids) -> str:
         """The text of ``ids``; special, new and padding ids are dropped."""
@@ -149,8 +122,7 @@ class _FileTokenizer:
         return self._decode_ids(ids[keep].tolist())
 
     def save(self, run_dir: str) -> None:
-        """Copies the tokenizer into the run directory (``RUN_FILES``), so a run and its
-        checkpoints keep the tokenizer they were trained with."""
+        """Copies the tokenizer into the run directory (``RUN_FILES``) for its checkpoints."""
         target = os.path.join(run_dir, RUN_FILES[self.kind])
         if os.path.abspath(target) != os.path.abspath(self.path):
             shutil.copyfile(self.path, target)
@@ -199,9 +171,8 @@ class SentencePieceTokenizer(_FileTokenizer):
         try:
             self._sp.LoadFromSerializedProto(data)
         except Exception as e:      # RuntimeError or OSError, depending on the failure
-            raise ConfigError(f"cannot read SentencePiece model {path}: "
-                              f"{str(e).splitlines()[0]}; pass a SentencePiece .model file",
-                              field="data.tokenizer") from e
+            raise ConfigError(f"cannot read SentencePiece model {path}: {str(e).splitlines()[0]}; "
+                              "pass a SentencePiece .model file", field="data.tokenizer") from e
         self.fingerprint = hashlib.sha256(data).hexdigest()[:16]
         ids = {"pad": self._sp.pad_id(), "bos": self._sp.bos_id(), "eos": self._sp.eos_id()}
         self._set_specials(self._sp.get_piece_size(),
@@ -216,8 +187,7 @@ class SentencePieceTokenizer(_FileTokenizer):
 
 def _frame(ids: np.ndarray, id_counts: list[int], bos_id: int, eos_id: int
            ) -> tuple[np.ndarray, np.ndarray]:
-    """Documents whose ids lie back to back in ``ids`` (``id_counts`` each), each framed as
-    BOS + ids + EOS: (int32 tokens, int64 lengths [N])."""
+    """Documents lying back to back in ``ids`` (``id_counts`` each) as BOS + ids + EOS."""
     lengths_N = np.asarray(id_counts, dtype=np.int64) + 2
     ends = np.cumsum(lengths_N)
     tokens = np.empty(int(ends[-1]) if len(ends) else 0, dtype=np.int32)
@@ -235,12 +205,10 @@ def _as_text(text: str | bytes) -> str:
 
 
 def parse_spec(spec: str) -> tuple[str, int | str]:
-    """``("bytes", 0)``, ``("bpe", N)`` or ``("file", path)``; one error line for anything else.
-    Reads nothing but the spec (``open_file`` checks that a file exists)."""
+    """``("bytes", 0)``, ``("bpe", N)`` or ``("file", path)`` (not checked); else ConfigError."""
     if spec == "bytes":
         return "bytes", 0
-    match = re.fullmatch(r"bpe:(\d+)", spec)
-    if match:
+    if match := re.fullmatch(r"bpe:(\d+)", spec):
         n = int(match.group(1))
         if not len(BPE_SPECIALS) + NUM_BYTES <= n <= MAX_VOCAB:
             raise ConfigError(f"tokenizer {spec}: a byte-level BPE needs at least "
@@ -258,9 +226,7 @@ def open_file(path: str, spec: str | None = None):
     if not os.path.isfile(path):
         raise ConfigError(f"tokenizer file {path} does not exist; pass {TOKENIZER_HELP}",
                           field="data.tokenizer")
-    if path.endswith(".model"):
-        return SentencePieceTokenizer(path, spec)
-    return HFTokenizer(path, spec)
+    return (SentencePieceTokenizer if path.endswith(".model") else HFTokenizer)(path, spec)
 
 
 def vocab_of(spec: str) -> int:
@@ -275,9 +241,8 @@ def vocab_of(spec: str) -> int:
 
 
 def train_bpe(texts, vocab_size: int, path: str) -> HFTokenizer:
-    """Trains a byte-level BPE of ``vocab_size`` tokens on ``texts`` (an iterable of str) with
-    the ``tokenizers`` library and writes it to ``path`` (atomically). Ids 0, 1, 2 are
-    ``BPE_SPECIALS``. Training is deterministic: the same texts give the same file."""
+    """Trains a byte-level BPE of ``vocab_size`` tokens (``BPE_SPECIALS`` first) on ``texts``
+    (str), deterministically, and writes it to ``path`` atomically."""
     from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
     tok = Tokenizer(models.BPE())
     tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
@@ -295,7 +260,7 @@ def train_bpe(texts, vocab_size: int, path: str) -> HFTokenizer:
 
 def from_run(run_dir: str):
     """The tokenizer a run trained with: its saved file, else bytes."""
-    for kind, name in RUN_FILES.items():
+    for name in RUN_FILES.values():
         path = os.path.join(run_dir, name)
         if os.path.isfile(path):
             return open_file(path)

@@ -1,10 +1,9 @@
 """What a traced function computes, read from its jaxpr: the tags it names, the FLOPs of its
 matmuls, and the matmuls it runs in float32.
 
-These read the program jax traces (``jax.make_jaxpr``) rather than a model's config, so they hold
-for any model: a scanned body counts once per iteration, remat'd and custom-gradient code is
-read through, and shapes are the ones the step computes (token dropping's kept tokens,
-stochastic depth's kept rows).
+Reading the traced program rather than a config holds for any model: a scanned body counts once
+per iteration, remat'd and custom-gradient code is read through, and shapes are those the step
+computes (token dropping's kept tokens, stochastic depth's kept rows).
 """
 
 import contextlib
@@ -17,9 +16,7 @@ from jaxaccel.embedding import SKIP_SCOPE   # lookups that are matmuls only in f
 
 
 def _subjaxprs(value):
-    if isinstance(value, jex_core.ClosedJaxpr):
-        yield value.jaxpr
-    elif isinstance(value, jex_core.Jaxpr):
+    if isinstance(value, (jex_core.ClosedJaxpr, jex_core.Jaxpr)):
         yield value
     elif isinstance(value, (tuple, list)):
         for item in value:
@@ -34,9 +31,8 @@ def equations(jaxpr, times: int = 1):
     for eqn in jaxpr.eqns:
         yield eqn, times
         inner = times * eqn.params.get("length", 1) if eqn.primitive.name == "scan" else times
-        for name, value in eqn.params.items():
-            for sub in _subjaxprs(value):
-                yield from equations(sub, inner)
+        for sub in _subjaxprs(list(eqn.params.values())):
+            yield from equations(sub, inner)
 
 
 def tags(jaxpr) -> set[str]:
@@ -56,8 +52,7 @@ def matmul_flops(jaxpr) -> float:
         if eqn.primitive.name != "dot_general" or _skipped(eqn):
             continue
         (contract, _), _ = eqn.params["dimension_numbers"]
-        lhs = eqn.invars[0].aval.shape
-        out = eqn.outvars[0].aval.shape
+        lhs, out = eqn.invars[0].aval.shape, eqn.outvars[0].aval.shape
         total += 2.0 * math.prod(out) * math.prod(lhs[d] for d in contract) * times
     return total
 
@@ -65,15 +60,12 @@ def matmul_flops(jaxpr) -> float:
 def float32_matmuls(jaxpr) -> list[str]:
     """Where ``jaxpr`` multiplies two float32 operands (``file:line (function)``, each once)."""
     import jax.numpy as jnp
-    seen = []
+    seen = {}                   # ordered, each once
     for eqn, _ in equations(jaxpr):
-        if eqn.primitive.name != "dot_general" or _skipped(eqn):
-            continue
-        if all(v.aval.dtype == jnp.float32 for v in eqn.invars[:2]):
-            where = _location(eqn)
-            if where not in seen:
-                seen.append(where)
-    return seen
+        if eqn.primitive.name == "dot_general" and not _skipped(eqn) and all(
+                v.aval.dtype == jnp.float32 for v in eqn.invars[:2]):
+            seen[_location(eqn)] = None
+    return list(seen)
 
 
 def _location(eqn) -> str:
@@ -86,16 +78,15 @@ def _location(eqn) -> str:
 
 @contextlib.contextmanager
 def counting():
-    """Inside: jaxaccel's attention traces as the XLA einsums (``attention.counting``), whose
-    FLOPs ``matmul_flops`` sees, whatever implementation a run uses."""
+    """Inside: jaxaccel's attention traces as the XLA einsums, whatever a run uses."""
     from jaxaccel import attention
     with attention.as_xla():
         yield
 
 
 def training_flops(fn, *args) -> float:
-    """The training FLOPs of the forward pass ``fn(*args)``: 3 x its matmul FLOPs (the forward
-    pass, and the backward's two products per matmul), as MFU counts them."""
+    """3 x the matmul FLOPs of the forward pass ``fn(*args)`` (forward, and the backward's two
+    products per matmul), as MFU counts them."""
     with counting():
         jaxpr = jax.make_jaxpr(fn)(*args)
     return 3.0 * matmul_flops(jaxpr)

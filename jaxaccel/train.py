@@ -1,19 +1,12 @@
 """The training state and the pure step, composed from transformations.
 
-``make_train_step(grad_fn, optimizer)`` is the whole step: ``train_step(state, batch) ->
-(state, metrics)``, a pure function of pytrees that the caller jits (donating the state) and
-shards. ``grad_fn`` is any gradient function of ``jaxaccel.grads``, built by composing
-transformations of a loss function:
+``make_train_step(grad_fn, optimizer)`` is the whole step, pure, for the caller to jit (donating
+the state) and shard; ``grad_fn`` is any gradient function of ``jaxaccel.grads``. For a language
+model ``lm_train_step`` composes it (the one place where settings become transformations):
 
     loss_fn = lm_loss(precision.cast(model.make_apply(graphdef), policy))  # bf16 model, f32 loss
     grad_fn = grads.accumulate(grads.value_and_grad(loss_fn), 4, weight="real_tokens")
     step = make_train_step(grad_fn, optimizer)
-
-The step adds loss scaling with the loss scale it carries in the state
-(``precision.loss_scaled``); with a loss scale (not ``NoLossScale``) a step whose gradients are
-not all finite is skipped (``precision.skip_nonfinite``). ``lm_train_step`` is that composition
-for a language model's apply function: the one place where a run's settings become
-transformations.
 """
 
 from typing import Any
@@ -49,18 +42,12 @@ def weighted_cross_entropy(logits_BTV, targets_BT, weights_BT):
 def lm_loss(apply_fn, *, sampling: str = "uniform", stats=None):
     """The language-model loss of a Batch: ``loss_fn(params, batch, key) -> (loss, aux)``.
 
-    ``loss`` is the mean cross entropy over the batch's real tokens (``sum(weights * token_loss)
-    / sum(weights)``), in float32 whatever dtype the logits come in; ``aux`` counts the batch's
-    ``real_tokens`` (the weight sum: the weight to accumulate microbatches by) and
-    ``padded_tokens`` (segment id 0).
-
-    With importance sampling (``sampling`` loss or grad-norm, ``jaxaccel.sampling``) the weights
-    carry each row's importance weight: the loss is normalised by the real-token count instead,
-    ``real_tokens`` is that count, and ``aux["rows"]`` holds each row's score sum.
-
-    ``stats(params, logits_BTV, batch)`` (``nn.loss_stats(model)``), when given, puts the
-    statistics the model's buffers are updated from into ``aux["buffer_stats"]`` (token
-    dropping's per-id loss sums and counts).
+    ``loss``: the float32 mean cross entropy over the real tokens (``sum(weights * token_loss) /
+    sum(weights)``); ``aux``: ``real_tokens`` (the weight sum) and ``padded_tokens``. With
+    importance ``sampling`` the weights carry each row's importance weight, the loss is divided
+    by the real-token count (then ``real_tokens``) and ``aux["rows"]`` holds each row's score
+    sum. ``stats(params, logits_BTV, batch)`` (``nn.loss_stats``) goes to ``aux["buffer_stats"]``
+    (what the model's buffers are updated from: token dropping's per-id losses).
     """
 
     def loss_fn(params, batch, key):
@@ -73,16 +60,14 @@ def lm_loss(apply_fn, *, sampling: str = "uniform", stats=None):
             aux[BUFFER_STATS] = stats(params, logits_BTV, batch)
         if sampling != "uniform":
             real_tokens = jnp.sum(batch["weights"] > 0).astype(jnp.float32)
-            aux |= {"real_tokens": real_tokens,
-                    grads.ROWS: row_scores(logits_BTV, batch, sampling)}
+            aux |= {"real_tokens": real_tokens, grads.ROWS: row_scores(logits_BTV, batch, sampling)}
             return loss_sum / jnp.maximum(real_tokens, 1.0), aux
         return loss_sum / jnp.maximum(weight_sum, 1.0), aux
 
     return loss_fn
 
 
-# aux entries that feed the model's buffers rather than the metrics: observations (``grads``)
-# and additive statistics a technique keeps (``buffer_stats``).
+# aux entry of a technique's additive statistics, which feed the model's buffers, not metrics.
 BUFFER_STATS = "buffer_stats"
 
 
@@ -90,23 +75,14 @@ def make_train_step(grad_fn, optimizer: optax.GradientTransformation, schedule=N
                     trainable=None, update_buffers=None):
     """Build the pure ``train_step(state, batch) -> (state, metrics)``.
 
-    Each step gets the key ``fold_in(state.rng, state.step)``. The loss scale in the state
-    scales the backward pass (``precision.loss_scaled``). With a ``NoLossScale`` every step
-    updates (non-finite steps are only counted); with a static or dynamic scale the optimizer
-    is wrapped in ``precision.skip_nonfinite``, so a non-finite step changes nothing but the
-    scale and the skip count. The finiteness test reduces the global gradient, so under a
-    sharded jit every device takes the same decision. ``schedule(step)``, when given, puts the
-    learning rate into the metrics; ``grad_fn``'s aux statistics go into them too.
-
-    With ``trainable`` (an NNX filter, ``nn.trainable``) ``grad_fn`` must return the gradients
-    of that part of the state only (``grads.value_and_grad(..., trainable=...)``); the
-    optimizer's state covers that part (``state.init_state``) and the other variables pass
-    through the step untouched, bit for bit.
-
-    ``update_buffers(params, step, stats) -> params`` (``nn.updater(model)``), when given,
-    updates the model's buffers (``nn.Buffer``: technique state, not weights) after the
-    optimizer's update, from ``stats``: the aux entries ``observed_max`` and ``buffer_stats``,
-    which are taken out of the metrics.
+    Step keys are ``fold_in(state.rng, state.step)``; the state's loss scale scales the backward
+    pass. With ``NoLossScale`` every step updates; with a static or dynamic scale a step whose
+    global gradient is not finite changes only the scale and the skip count
+    (``precision.skip_nonfinite``), alike on every device. Metrics: ``grad_fn``'s aux and, given
+    ``schedule``, the learning rate. With ``trainable`` (an NNX filter) ``grad_fn`` returns that
+    part's gradients and the rest passes through bit for bit. ``update_buffers(params, step,
+    stats)`` (``nn.updater``) updates the buffers after the optimizer from the aux entries
+    ``observed_max`` and ``buffer_stats``, which leave the metrics.
     """
     scaled_grad_fn = precision.loss_scaled(grad_fn)
     always = optax.with_extra_args_support(optimizer)
@@ -125,19 +101,14 @@ def make_train_step(grad_fn, optimizer: optax.GradientTransformation, schedule=N
         params = grads.combine(optax.apply_updates(train, updates), frozen)
         if update_buffers is not None:
             params = update_buffers(params, state.step, stats)
-        metrics = {
-            "loss": loss,
-            **aux,
-            "grad_norm": optax.tree.norm(grads_),
-            "update_norm": optax.tree.norm(updates),
-            "loss_scale": state.loss_scale.loss_scale,
-            "skipped_steps": loss_scale.skipped_steps,
-        }
+        metrics = {"loss": loss, **aux, "grad_norm": optax.tree.norm(grads_),
+                   "update_norm": optax.tree.norm(updates),
+                   "loss_scale": state.loss_scale.loss_scale,
+                   "skipped_steps": loss_scale.skipped_steps}
         if schedule is not None:
             metrics["learning_rate"] = schedule(state.step)
-        new_state = state.replace(params=params, opt_state=opt_state, step=state.step + 1,
-                                  loss_scale=loss_scale)
-        return new_state, metrics
+        return state.replace(params=params, opt_state=opt_state, step=state.step + 1,
+                             loss_scale=loss_scale), metrics
 
     return train_step
 
@@ -157,14 +128,11 @@ def make_eval_step(apply_fn):
 def lm_train_step(apply_fn, optimizer, schedule=None, *, policy=precision.POLICIES["fp32"],
                   accumulate: int = 1, trainable=None, observed=None, update_buffers=None,
                   stats=None, sampling: str = "uniform"):
-    """The train step of a language model (``jaxaccel.model.make_apply``): the model under
-    ``policy``, the token-mean loss, ``accumulate`` microbatches weighted by their real tokens,
-    only the ``trainable`` variables trained when given (an NNX filter, ``nn.trainable``), the
-    model's buffers updated by ``update_buffers`` (``nn.updater``) from the ``observed``
-    variables' observations (``nn.Observation``) and the loss's ``stats`` (``nn.loss_stats``),
-    the loss reweighted for importance ``sampling`` (``jaxaccel.sampling``).
-    Every caller that trains builds its step here, so a setting cannot reach one step and miss
-    another."""
+    """The train step of a language model (``model.make_apply``): the model under ``policy``,
+    the token-mean loss, ``accumulate`` microbatches weighted by their real tokens, the loss
+    reweighted for ``sampling``; ``trainable``, ``observed`` and ``update_buffers`` as in
+    ``make_train_step`` and ``grads.value_and_grad``. Every trainer builds its step here, so a
+    setting cannot reach one step and miss another."""
     loss_fn = lm_loss(precision.cast(apply_fn, policy), sampling=sampling, stats=stats)
     grad_fn = grads.accumulate(
         grads.value_and_grad(loss_fn, trainable=trainable, observed=observed), accumulate,

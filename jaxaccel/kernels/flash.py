@@ -1,24 +1,14 @@
 """Flash attention in Pallas: forward and backward, causal, grouped-query, packed segments.
 
-The same function as ``jaxaccel.attention.xla_attention`` without the [T, T] score matrix: each
-program holds one tile of query rows and walks the key tiles with an online softmax in base 2
-(``exp2``, the scale folded with log2(e)), accumulating in float32. The backward recomputes the
-probabilities from the saved log-sum-exp in two Pallas passes: one program per key tile sums dK
-and dV over every query head of its group and every query tile (no atomics, so the result is
-deterministic), and one program per query tile sums dQ over the key tiles.
+``attention.xla_attention`` without the [T, T] scores: a program per query tile walks the key
+tiles with a base-2 online softmax (scale folded with log2(e)) in float32. The backward
+recomputes probabilities from the saved log-sum-exp: a program per key tile sums dK and dV over
+its group's query heads and query tiles (no atomics: deterministic), one per query tile sums dQ.
 
-Tiles that are wholly masked out are never visited. ``tile_schedule`` decides which (query tile,
-key tile) pairs are visited: above the causal diagonal, beyond the sequence end, or between tiles
-whose segment-id ranges [min, max] do not overlap are skipped. Each program loops over one
-contiguous run of key (or query) tiles, from the first visited to the last, so skipping is exact
-when segment ids never decrease along a row (packed batches) and merely conservative otherwise;
-any layout stays correct because every visited tile applies the full mask. Tiles that need no
-mask (wholly below the diagonal, wholly real, no segments) run a mask-free loop.
-
-Any length: the sequence is padded to whole tiles and the head dim to a power of two inside;
-padded keys are masked, padded queries are dropped. Backend parameters (Triton's warps and
-stages, the block sizes per head dim) live in ``jaxaccel.kernels.tuning``. ``check_shapes`` is
-the layout check of q, k and v that ``jaxaccel.attention`` shares.
+``tile_schedule`` skips wholly masked tiles (causal, disjoint segment-id ranges); each program
+loops over one contiguous run, so skipping is exact for non-decreasing segment ids (packed
+batches), conservative otherwise; tiles needing no mask run a mask-free loop. Any length: the
+sequence is padded to whole tiles, the head dim to a power of two. Parameters: ``tuning``.
 """
 
 import dataclasses
@@ -64,14 +54,11 @@ def flash_attention(q, k, v, *, causal=False, segment_ids=None, sm_scale=None, b
 
     Args:
       causal: a token attends only to itself and earlier tokens.
-      segment_ids: int32 [B, T] or None; a token attends only within its own segment (padding,
-        segment 0, attends to padding, as in ``jaxaccel.attention``).
+      segment_ids: int32 [B, T] or None; a token attends only within its own segment.
       sm_scale: softmax scale, default 1/sqrt(E).
-      block_q, block_k: tile rows (powers of two >= 16) for every pass; default per head dim
-        from ``jaxaccel.kernels.tuning`` (the device's tuned table, else the built-in one).
-      params: a whole ``tuning.FlashParams`` (blocks, warps and stages per pass) instead of the
-        table's; what ``experiments.attention --tune`` sweeps.
-      interpret: run the kernels in the Pallas interpreter; None: on every backend but the GPU.
+      block_q, block_k: tile rows (powers of two >= 16) for every pass; default: ``tuning``'s.
+      params: a whole ``tuning.FlashParams`` instead of the table's (``--tune`` sweeps these).
+      interpret: run in the Pallas interpreter; None: on every backend but the GPU.
     Returns:
       [B, T, H, E] in q's dtype. Differentiable in q, k and v.
     """
@@ -90,9 +77,8 @@ def flash_attention(q, k, v, *, causal=False, segment_ids=None, sm_scale=None, b
             tile = max(tile, flash_mosaic.program_rows(name, stage))
             head_dim_pad = max(head_dim_pad, min(flash_mosaic.HEAD_DIMS))   # 128-byte rows
     plan = _Plan(
-        seq_len=T, seq_pad=-(-T // tile) * tile,
-        head_dim_pad=head_dim_pad, groups=H // k.shape[2],
-        causal=causal, segments=segment_ids is not None,
+        seq_len=T, seq_pad=-(-T // tile) * tile, head_dim_pad=head_dim_pad,
+        groups=H // k.shape[2], causal=causal, segments=segment_ids is not None,
         scale=E ** -0.5 if sm_scale is None else float(sm_scale), params=params,
         interpret=bool(interpret))
     if segment_ids is not None:
@@ -101,23 +87,19 @@ def flash_attention(q, k, v, *, causal=False, segment_ids=None, sm_scale=None, b
 
 
 def check_shapes(q, k, v, *, name="attention", same_length=False):
-    """ConfigError, one line, unless q is [B, T, H, E] and k and v are [B, S, K, E] with K
-    dividing H (and S == T when ``same_length``): the layout of every attention implementation.
-    ``name`` is the function the message names."""
+    """ConfigError unless q is [B, T, H, E] and k, v are [B, S, K, E] with K dividing H (and
+    S == T when ``same_length``); ``name`` is the function the message names."""
     if q.ndim != 4 or k.ndim != 4 or v.ndim != 4:
-        raise ConfigError(
-            f"{name} expects [batch, seq, heads, head_dim] arrays, got q{q.shape} k{k.shape} "
-            f"v{v.shape}; reshape to that layout")
+        raise ConfigError(f"{name} expects [batch, seq, heads, head_dim] arrays, got q{q.shape} "
+                          f"k{k.shape} v{v.shape}; reshape to that layout")
     if (k.shape != v.shape or q.shape[0] != k.shape[0] or q.shape[3] != k.shape[3]
             or (same_length and q.shape[1] != k.shape[1])):
         agree = "batch, sequence length and head_dim" if same_length else "batch and head_dim"
-        raise ConfigError(
-            f"{name} shapes disagree: q{q.shape} k{k.shape} v{v.shape}; k and v must match "
-            f"each other and q in {agree}")
+        raise ConfigError(f"{name} shapes disagree: q{q.shape} k{k.shape} v{v.shape}; k and v "
+                          f"must match each other and q in {agree}")
     if q.shape[2] % k.shape[2]:
-        raise ConfigError(
-            f"{k.shape[2]} key/value heads do not divide {q.shape[2]} query heads; choose "
-            "n_kv_heads dividing n_heads", field="gpt.n_kv_heads")
+        raise ConfigError(f"{k.shape[2]} key/value heads do not divide {q.shape[2]} query heads; "
+                          "choose n_kv_heads dividing n_heads", field="gpt.n_kv_heads")
 
 
 def _check_inputs(q, k, v, segment_ids, block_q, block_k):
@@ -129,9 +111,8 @@ def _check_inputs(q, k, v, segment_ids, block_q, block_k):
             "implementation='xla' or more, narrower heads", field="gpt.attention")
     dtypes = {jnp.dtype(x.dtype) for x in (q, k, v)}
     if len(dtypes) != 1 or jnp.dtype(q.dtype) not in [jnp.dtype(d) for d in DTYPES]:
-        raise ConfigError(
-            f"flash_attention takes q, k and v of one dtype among float32, bfloat16 and "
-            f"float16, got {q.dtype}, {k.dtype}, {v.dtype}; cast them to one")
+        raise ConfigError(f"flash_attention takes q, k and v of one dtype among float32, bfloat16 "
+                          f"and float16, got {q.dtype}, {k.dtype}, {v.dtype}; cast them to one")
     if segment_ids is not None and (
             segment_ids.shape != q.shape[:2] or not jnp.issubdtype(segment_ids.dtype, jnp.integer)):
         raise ConfigError(
@@ -139,9 +120,8 @@ def _check_inputs(q, k, v, segment_ids, block_q, block_k):
             f"{segment_ids.dtype}{tuple(segment_ids.shape)}; pass the Batch's int32 segment_ids")
     for name, block in (("block_q", block_q), ("block_k", block_k)):
         if block is not None and (block < tuning.MIN_BLOCK or block & (block - 1)):
-            raise ConfigError(
-                f"{name}={block} is not a power of two >= {tuning.MIN_BLOCK}; pass one such as "
-                "32, 64 or 128 (or None for the tuned default)")
+            raise ConfigError(f"{name}={block} is not a power of two >= {tuning.MIN_BLOCK}; pass "
+                              "one such as 32, 64 or 128 (or None for the tuned default)")
 
 
 # ---- which tiles to visit ----------------------------------------------------------------------
@@ -156,12 +136,8 @@ def _tile_min_max(segment_ids_BT, T: int, block: int):
 
 def tile_schedule(T: int, block_q: int, block_k: int, *, causal: bool, segment_ids=None):
     """Boolean [B or 1, I, J] over query tiles I = ceil(T/block_q) and key tiles J =
-    ceil(T/block_k): query tile i meets key tile j.
-
-    False only where no (query, key) pair of the two tiles may attend: the key tile starts after
-    the query tile's last query (causal), or the tiles' segment-id ranges do not overlap. The
-    range test is right for any layout and exact for segment ids non-decreasing along each row.
-    """
+    ceil(T/block_k): False only where no pair of the two tiles may attend (the key tile starts
+    after the query tile's last query when causal, or their segment-id ranges are disjoint)."""
     q_last_I = jnp.minimum((jnp.arange(-(-T // block_q)) + 1) * block_q, T) - 1
     k_first_J = jnp.arange(-(-T // block_k)) * block_k
     meets_BIJ = jnp.ones((1, q_last_I.size, k_first_J.size), bool)
@@ -176,8 +152,7 @@ def tile_schedule(T: int, block_q: int, block_k: int, *, causal: bool, segment_i
 
 
 def _mask_free(plan: _Plan, block_q: int, block_k: int, *, tail: bool):
-    """Boolean [1, I, J]: the pair of query tile i and key tile j needs no mask (below the
-    diagonal, all keys real when ``tail``, no segments)."""
+    """Boolean [1, I, J]: query tile i with key tile j needs no mask (``tail``: padded keys do)."""
     n_q, n_k = -(-plan.seq_len // block_q), -(-plan.seq_len // block_k)
     q_first = jnp.arange(n_q)[:, None] * block_q
     k_end = (jnp.arange(n_k)[None, :] + 1) * block_k
@@ -189,37 +164,23 @@ def _mask_free(plan: _Plan, block_q: int, block_k: int, *, tail: bool):
     return free_IJ[None]
 
 
-def _runs(meets, free, *, free_first: bool, n_pad: int, batch: int):
-    """For each row of ``meets`` [B, n, m]: int32 [B, n_pad] first, split and end of the run of
-    tiles to visit, the mask-free tiles forming [first, split) when ``free_first`` else
-    [split, end). Rows past n (padding tiles) visit nothing."""
+def _runs(segment_ids, plan: _Plan, stage: tuning.Stage, batch: int, *, keys: bool):
+    """Per query tile (forward, dQ) or, with ``keys``, key tile (dK/dV): int32 [B, tiles] first,
+    split, end of the run of tiles it visits (none for padding tiles), mask-free ones in
+    [first, split) for queries, in [split, end) for keys (padded keys need no mask there)."""
+    bq, bk = stage.block_q, stage.block_k
+    meets = tile_schedule(plan.seq_len, bq, bk, causal=plan.causal, segment_ids=segment_ids)
+    free = _mask_free(plan, bq, bk, tail=not keys)
+    if keys:
+        meets, free = jnp.swapaxes(meets, 1, 2), jnp.swapaxes(free, 1, 2)
     meets = jnp.broadcast_to(meets, (batch,) + meets.shape[1:])
-    m = meets.shape[-1]
     any_ = meets.any(-1)
     first = jnp.where(any_, jnp.argmax(meets, -1), 0)
-    end = jnp.where(any_, m - jnp.argmax(meets[..., ::-1], -1), 0)
+    end = jnp.where(any_, meets.shape[-1] - jnp.argmax(meets[..., ::-1], -1), 0)
     n_free = (meets & free).sum(-1)
-    split = first + n_free if free_first else end - n_free
-    pad = ((0, 0), (0, n_pad - meets.shape[1]))
+    split = end - n_free if keys else first + n_free
+    pad = ((0, 0), (0, plan.seq_pad // (bk if keys else bq) - meets.shape[1]))
     return tuple(jnp.pad(x.astype(jnp.int32), pad) for x in (first, split, end))
-
-
-def _query_runs(segment_ids, plan: _Plan, stage: tuning.Stage, batch: int):
-    """Per query tile, the key tiles to visit (forward and dQ): mask-free ones first."""
-    bq, bk = stage.block_q, stage.block_k
-    meets_BIJ = tile_schedule(plan.seq_len, bq, bk, causal=plan.causal, segment_ids=segment_ids)
-    return _runs(meets_BIJ, _mask_free(plan, bq, bk, tail=True), free_first=True,
-                 n_pad=plan.seq_pad // bq, batch=batch)
-
-
-def _key_runs(segment_ids, plan: _Plan, stage: tuning.Stage, batch: int):
-    """Per key tile, the query tiles to visit (dK/dV): mask-free ones last. Keys past the end
-    need no mask here: their rows of dK and dV are dropped."""
-    bq, bk = stage.block_q, stage.block_k
-    meets_BIJ = tile_schedule(plan.seq_len, bq, bk, causal=plan.causal, segment_ids=segment_ids)
-    free_BIJ = _mask_free(plan, bq, bk, tail=False)
-    return _runs(jnp.swapaxes(meets_BIJ, 1, 2), jnp.swapaxes(free_BIJ, 1, 2), free_first=False,
-                 n_pad=plan.seq_pad // bk, batch=batch)
 
 
 # ---- the kernels -------------------------------------------------------------------------------
@@ -232,8 +193,7 @@ def _dot(a, b, *, trans_b=False):
 
 
 def _masked(s, q_pos, k_pos, seg_q, seg_k, plan: _Plan, *, tail: bool):
-    """Scores with -inf where a query may not attend to a key; q and k broadcast against each
-    other in either orientation. ``tail``: keys past the sequence end are masked too."""
+    """Scores, -inf where a query may not attend to a key (``tail``: nor to keys past the end)."""
     conditions = []
     if plan.causal:
         conditions.append(q_pos >= k_pos)
@@ -247,8 +207,7 @@ def _masked(s, q_pos, k_pos, seg_q, seg_k, plan: _Plan, *, tail: bool):
 
 
 def _key_tile_scores(q, q_pos, seg_q, k_ref, v_ref, seg_k_ref, j, bk, plan: _Plan, masked):
-    """A query tile's base-2 scores against key tile ``j`` (masked when the tile needs it), and
-    that tile's keys and values: the shared first step of the forward and the dQ pass."""
+    """A query tile's base-2 scores against key tile ``j`` (masked if ``masked``), keys, values."""
     keys = pl.ds(j * bk, bk)
     k, v = k_ref[keys, :], v_ref[keys, :]
     s = _dot(q, k, trans_b=True) * plan.scale_log2
@@ -293,8 +252,7 @@ def _dq_kernel(first_ref, split_ref, end_ref, q_ref, k_ref, v_ref, do_ref, lse_r
     """dQ of one query tile of one head, summed over its run of key tiles."""
     seg_q_ref, seg_k_ref, dq_ref = refs if plan.segments else (None, None, *refs)
     bq, bk = stage.block_q, stage.block_k
-    q, do = q_ref[...], do_ref[...]
-    lse, delta = lse_ref[...], delta_ref[...]
+    q, do, lse, delta = q_ref[...], do_ref[...], lse_ref[...], delta_ref[...]
     q_pos = pl.program_id(2) * bq + jnp.arange(bq)
     seg_q = seg_q_ref[...] if plan.segments else None
 
@@ -313,8 +271,7 @@ def _dq_kernel(first_ref, split_ref, end_ref, q_ref, k_ref, v_ref, do_ref, lse_r
 
 def _dkv_kernel(first_ref, split_ref, end_ref, q_ref, k_ref, v_ref, do_ref, lse_ref, delta_ref,
                 *refs, plan, stage):
-    """dK and dV of one key tile of one key/value head, summed over the query heads of its
-    group and their run of query tiles, in a fixed order."""
+    """dK, dV of one key tile of a key/value head, summed over its group's heads and query run."""
     seg_q_ref, seg_k_ref, dk_ref, dv_ref = refs if plan.segments else (None, None, *refs)
     bq, bk = stage.block_q, stage.block_k
     k, v = k_ref[...], v_ref[...]
@@ -328,8 +285,7 @@ def _dkv_kernel(first_ref, split_ref, end_ref, q_ref, k_ref, v_ref, do_ref, lse_
             rows = pl.ds(i * bq, bq)
             q, do = q_ref[rows, g, :], do_ref[rows, g, :]
             lse, delta = lse_ref[g, rows], delta_ref[g, rows]
-            # st, pt, dst: scores, probabilities and the scores' gradient, transposed (one row
-            # per key, one column per query).
+            # st, pt, dst: scores, probabilities, scores' gradient, transposed (rows are keys).
             st = _dot(k, q, trans_b=True) * plan.scale_log2
             if masked:
                 seg_q = seg_q_ref[rows] if plan.segments else None
@@ -359,9 +315,10 @@ def _pad(x_BTHE, plan: _Plan):
 
 
 def _pad_seq(x, plan: _Plan):
-    """Zeros after the sequence, the last axis of ``x`` ([B, T] or [B, H, T])."""
-    pad = [(0, 0)] * (x.ndim - 1) + [(0, plan.seq_pad - x.shape[-1])]
-    return jnp.pad(x, pad)
+    """Zeros after the sequence, the last axis of ``x`` ([B, T] or [B, H, T]); None stays None."""
+    if x is None:
+        return None
+    return jnp.pad(x, [(0, 0)] * (x.ndim - 1) + [(0, plan.seq_pad - x.shape[-1])])
 
 
 def _call(kernel, plan, stage, grid, in_specs, out_specs, out_shape, name):
@@ -372,8 +329,7 @@ def _call(kernel, plan, stage, grid, in_specs, out_specs, out_shape, name):
 
 
 def _segment_args(segment_ids, plan, block, *, tile_of_queries: bool):
-    """Segment-id operands and BlockSpecs, queries' then keys': the program's own tile of
-    ``block`` positions on one side, the whole row on the other."""
+    """Segment-id operands and specs (queries', keys'): own tile on one side, row on the other."""
     if not plan.segments:
         return [], []
     seg_BT = _pad_seq(segment_ids, plan)
@@ -386,14 +342,14 @@ def _forward(q, k, v, segment_ids, plan: _Plan):
     """Output [B, T, H, E] and the base-2 log-sum-exp [B, H, T_pad] (float32)."""
     B, T, H, E = q.shape
     stage = _on_triton_unless_mosaic(plan.params.forward, plan, q.dtype)
+    runs = _runs(segment_ids, plan, stage, B, keys=False)
+    qp, kp, vp = (_pad(x, plan) for x in (q, k, v))
     if stage.backend == "mosaic_gpu":
-        sched = flash_mosaic.schedule(*_query_runs(segment_ids, plan, stage, B))
         out, lse = flash_mosaic.forward(
-            _pad(q, plan), _pad(k, plan), _pad(v, plan), _padded_segments(segment_ids, plan),
-            sched, plan, stage, empty_lse=_EMPTY_LSE, start_max=_START_MAX)
+            qp, kp, vp, _pad_seq(segment_ids, plan), flash_mosaic.schedule(*runs), plan, stage,
+            empty_lse=_EMPTY_LSE, start_max=_START_MAX)
         return out[:, :T, :, :E], lse
     bq, G, Ep = stage.block_q, plan.groups, plan.head_dim_pad
-    runs = _query_runs(segment_ids, plan, stage, B)
     q_spec = pl.BlockSpec((None, bq, None, Ep), lambda b, h, i: (b, i, h, 0))
     kv_spec = pl.BlockSpec((None, plan.seq_pad, None, Ep), lambda b, h, i: (b, 0, h // G, 0))
     run_spec = pl.BlockSpec((None, None), lambda b, h, i: (b, i))
@@ -403,39 +359,24 @@ def _forward(q, k, v, segment_ids, plan: _Plan):
         [run_spec] * 3 + [q_spec, kv_spec, kv_spec] + seg_specs,
         [q_spec, pl.BlockSpec((None, None, bq), lambda b, h, i: (b, h, i))],
         [jax.ShapeDtypeStruct((B, plan.seq_pad, H, Ep), q.dtype),
-         jax.ShapeDtypeStruct((B, H, plan.seq_pad), jnp.float32)],
-        "flash_attention_forward",
-    )(*runs, _pad(q, plan), _pad(k, plan), _pad(v, plan), *seg_args)
+         jax.ShapeDtypeStruct((B, H, plan.seq_pad), jnp.float32)], "flash_attention_forward",
+    )(*runs, qp, kp, vp, *seg_args)
     return out[:, :T, :, :E], lse
 
 
 def _backward(q, k, v, segment_ids, out, lse, d_out, plan: _Plan):
-    """dq, dk, dv from the saved output and log-sum-exp."""
+    """dq, dk, dv from the saved output and log-sum-exp, each pass on its stage's backend."""
     B, T, H, E = q.shape
     delta_BHT = _pad_seq(jnp.einsum("bthe,bthe->bht", out.astype(jnp.float32),
                                     d_out.astype(jnp.float32)), plan)
     qp, kp, vp, dop = (_pad(x, plan) for x in (q, k, v, d_out))
-    seg_BT = _padded_segments(segment_ids, plan)
-
-    stage = _on_triton_unless_mosaic(plan.params.dq, plan, q.dtype)
-    if stage.backend == "mosaic_gpu":
-        dq = flash_mosaic.dq(qp, kp, vp, dop, lse, delta_BHT, seg_BT, flash_mosaic.schedule(
-            *_query_runs(segment_ids, plan, stage, B)), plan, stage)
-    else:
-        dq = _triton_dq(qp, kp, vp, dop, lse, delta_BHT, segment_ids, plan, stage)
-    stage = _on_triton_unless_mosaic(plan.params.dkv, plan, q.dtype)
-    if stage.backend == "mosaic_gpu":
-        dk, dv = flash_mosaic.dkv(qp, kp, vp, dop, lse, delta_BHT, seg_BT,
-                                  flash_mosaic.schedule(*_key_runs(segment_ids, plan, stage, B)),
-                                  plan, stage)
-    else:
-        dk, dv = _triton_dkv(qp, kp, vp, dop, lse, delta_BHT, segment_ids, plan, stage)
+    dq = _dq(qp, kp, vp, dop, lse, delta_BHT, segment_ids, plan)
+    dk, dv = _dkv(qp, kp, vp, dop, lse, delta_BHT, segment_ids, plan)
     return dq[:, :T, :, :E], dk[:, :T, :, :E], dv[:, :T, :, :E]
 
 
 def _on_triton_unless_mosaic(stage: tuning.Stage, plan: _Plan, dtype) -> tuning.Stage:
-    """The stage as given, or on Triton when the Mosaic GPU kernels cannot run it (a dtype or
-    head dim they do not take, or a GPU before Hopper)."""
+    """The stage, moved to Triton where the Mosaic GPU kernels cannot run it."""
     if stage.backend != "mosaic_gpu" or (
             flash_mosaic.supports(dtype, plan.head_dim_pad)
             and (plan.interpret or tuning.is_hopper(tuning.device_kind()))):
@@ -443,14 +384,14 @@ def _on_triton_unless_mosaic(stage: tuning.Stage, plan: _Plan, dtype) -> tuning.
     return dataclasses.replace(stage, backend="triton", num_warps=None)
 
 
-def _padded_segments(segment_ids, plan: _Plan):
-    return None if segment_ids is None else _pad_seq(segment_ids, plan)
-
-
-def _triton_dq(qp, kp, vp, dop, lse, delta_BHT, segment_ids, plan: _Plan, stage):
+def _dq(qp, kp, vp, dop, lse, delta_BHT, segment_ids, plan: _Plan):
     B, _, H, Ep = qp.shape
-    G = plan.groups
-    bq = stage.block_q
+    stage = _on_triton_unless_mosaic(plan.params.dq, plan, qp.dtype)
+    runs = _runs(segment_ids, plan, stage, B, keys=False)
+    if stage.backend == "mosaic_gpu":
+        return flash_mosaic.dq(qp, kp, vp, dop, lse, delta_BHT, _pad_seq(segment_ids, plan),
+                               flash_mosaic.schedule(*runs), plan, stage)
+    G, bq = plan.groups, stage.block_q
     q_spec = pl.BlockSpec((None, bq, None, Ep), lambda b, h, i: (b, i, h, 0))
     kv_spec = pl.BlockSpec((None, plan.seq_pad, None, Ep), lambda b, h, i: (b, 0, h // G, 0))
     row_spec = pl.BlockSpec((None, None, bq), lambda b, h, i: (b, h, i))
@@ -460,25 +401,27 @@ def _triton_dq(qp, kp, vp, dop, lse, delta_BHT, segment_ids, plan: _Plan, stage)
         _dq_kernel, plan, stage, (B, H, plan.seq_pad // bq),
         [run_spec] * 3 + [q_spec, kv_spec, kv_spec, q_spec, row_spec, row_spec] + seg_specs,
         q_spec, jax.ShapeDtypeStruct(qp.shape, qp.dtype), "flash_attention_dq",
-    )(*_query_runs(segment_ids, plan, stage, B), qp, kp, vp, dop, lse, delta_BHT, *seg_args)
+    )(*runs, qp, kp, vp, dop, lse, delta_BHT, *seg_args)
 
 
-def _triton_dkv(qp, kp, vp, dop, lse, delta_BHT, segment_ids, plan: _Plan, stage):
+def _dkv(qp, kp, vp, dop, lse, delta_BHT, segment_ids, plan: _Plan):
     B, _, K, Ep = kp.shape
-    G = plan.groups
-    bk = stage.block_k
+    stage = _on_triton_unless_mosaic(plan.params.dkv, plan, kp.dtype)
+    runs = _runs(segment_ids, plan, stage, B, keys=True)
+    if stage.backend == "mosaic_gpu":
+        return flash_mosaic.dkv(qp, kp, vp, dop, lse, delta_BHT, _pad_seq(segment_ids, plan),
+                                flash_mosaic.schedule(*runs), plan, stage)
+    G, bk = plan.groups, stage.block_k
     run_spec = pl.BlockSpec((None, None), lambda b, h, i: (b, i))
     group_spec = pl.BlockSpec((None, plan.seq_pad, G, Ep), lambda b, h, j: (b, 0, h, 0))
     kv_spec = pl.BlockSpec((None, bk, None, Ep), lambda b, h, j: (b, j, h, 0))
-    group_row_spec = pl.BlockSpec((None, G, plan.seq_pad), lambda b, h, j: (b, h, 0))
+    row_spec = pl.BlockSpec((None, G, plan.seq_pad), lambda b, h, j: (b, h, 0))
     seg_args, seg_specs = _segment_args(segment_ids, plan, bk, tile_of_queries=False)
     return _call(
         _dkv_kernel, plan, stage, (B, K, plan.seq_pad // bk),
-        [run_spec] * 3 + [group_spec, kv_spec, kv_spec, group_spec, group_row_spec,
-                          group_row_spec] + seg_specs,
-        [kv_spec, kv_spec], [jax.ShapeDtypeStruct(kp.shape, kp.dtype)] * 2,
-        "flash_attention_dkv",
-    )(*_key_runs(segment_ids, plan, stage, B), qp, kp, vp, dop, lse, delta_BHT, *seg_args)
+        [run_spec] * 3 + [group_spec, kv_spec, kv_spec, group_spec, row_spec, row_spec] + seg_specs,
+        [kv_spec, kv_spec], [jax.ShapeDtypeStruct(kp.shape, kp.dtype)] * 2, "flash_attention_dkv",
+    )(*runs, qp, kp, vp, dop, lse, delta_BHT, *seg_args)
 
 
 @functools.partial(jax.custom_vjp, nondiff_argnums=(4,))

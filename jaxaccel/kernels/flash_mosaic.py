@@ -1,30 +1,14 @@
 """Flash attention's three passes on Hopper's Mosaic GPU backend: TMA copies and wgmma.
 
-The same functions as the Triton passes of ``jaxaccel.kernels.flash``, with the same inputs and
-outputs (the base-2 log-sum-exp [B, H, T_pad], empty rows 0 and ``_EMPTY_LSE``), so each pass runs
-on either backend. Every pass has one shape: a program holds ``2 x rows`` rows of its own
-(queries for the forward and dQ, keys and values for dK/dV) and runs three warpgroups:
-
-- two consumers, each owning ``rows`` of them (64 or 128: a warpgroup's wgmma), loaded once;
-- a producer that streams the other side's tiles from global to shared memory by TMA into a ring
-  of ``num_stages`` slots (keys and values for the forward and dQ; queries and output gradients,
-  for every query head of the group in turn, for dK/dV), reusing a slot once both consumers have
-  arrived at its barrier, and waiting for the last tile of each slot before the program ends.
-
-Scores and products are ``wgmma`` from shared memory with float32 accumulators in registers;
-probabilities (and the scores' gradient) enter the second product from registers. The tiles
-visited come from the tile schedule of ``flash`` (``flash._runs``): the producer streams the union
-of the two consumers' runs; a consumer computes only its own run (mask-free tiles without a mask)
-and passes over the other's tiles at their barriers. Segment ids, log-sum-exps and deltas are read
-from global memory per tile in the layout of the scores' rows or columns.
-
-Per pass (rows, streamed): forward (``block_q`` queries, ``block_k`` keys), dQ (``block_q``
-queries, ``block_k`` keys), dK/dV (``block_k`` keys, ``block_q`` queries).
-
-Off the GPU the kernels run in Mosaic GPU's interpreter (``plgpu.InterpretGPUParams``) with plain
-shared-memory layouts, and the register operand of the second product passes through shared
-memory (the interpreter's wgmma reads its left operand only from there); on the GPU the tiles are
-swizzled for wgmma.
+Same inputs and outputs as the Triton passes of ``jaxaccel.kernels.flash``, so each pass runs on
+either backend. A program owns ``2 x rows`` rows (queries, or keys and values for dK/dV): two
+consumer warpgroups each load ``rows`` (64 or 128) once; a producer streams the other side's
+tiles (for dK/dV, of each query head of the group in turn) by TMA into a ring of ``num_stages``
+shared-memory slots, reusing a slot once both consumers arrived at its barrier. It streams the
+union of the consumers' runs (``flash._runs``); each consumer computes its own run and passes
+over the others. Products are ``wgmma`` into float32 registers, the second one's left operand
+from registers; in Mosaic GPU's interpreter (off the GPU) that operand passes through unswizzled
+shared memory, the only place the interpreter's wgmma reads it from.
 """
 
 import dataclasses
@@ -60,8 +44,7 @@ def program_rows(name: str, stage) -> int:
 
 def schedule(first, split, end):
     """int32 [B, programs, 2 + 3 * CONSUMERS] from per-tile runs [B, tiles]: the union [lo, hi)
-    of the program's consumers' runs, then each consumer's (first, split, end), an empty run
-    placed at lo so that every loop bound stays inside the union."""
+    of the consumers' runs, then each one's (first, split, end), an empty run placed at lo."""
     B, n = first.shape
     runs = jnp.stack([first, split, end], -1).reshape(B, n // CONSUMERS, CONSUMERS, 3)
     empty = runs[..., 2] <= runs[..., 0]
@@ -116,8 +99,7 @@ def _product(a, b, shape):
 
 
 def _mask(shape: _Shape, own_first, other_first, b, seg_own, seg_ref, *, keys_own: bool):
-    """Boolean [rows, streamed] in the scores' layout: the query may attend to the key (None:
-    every pair may). With ``keys_own`` the rows are keys (dK/dV) and the columns queries."""
+    """Boolean [rows, streamed] in the scores' layout (rows: keys if ``keys_own``), None: all."""
     plan, tile = shape.plan, (shape.rows, shape.streamed)
     own = plgpu.broadcasted_iota(jnp.int32, tile, 0, layout=plgpu.Layout.WGMMA) + own_first
     other = plgpu.broadcasted_iota(jnp.int32, tile, 1, layout=plgpu.Layout.WGMMA) + other_first
@@ -140,14 +122,9 @@ def _masked(s, ok):
 
 def _run(shape: _Shape, grid_heads: int, n_programs: int, batch: int, out_type, own_index,
          streamed_index, consumer, n_own: int, n_streamed: int, n_extra: int):
-    """The kernel of every pass: the schedule read by all, two consumers and a producer.
-
-    Its operands: the schedule, ``n_own`` arrays whose tiles the consumers own, ``n_streamed``
-    arrays streamed through the ring, ``n_extra`` more read by the consumers, the segment ids
-    (when the plan has segments). ``own_index(h, b, r0)`` and ``streamed_index(h, b, g, i)``
-    index one tile of each own and streamed array (streamed tile i of the program's query head
-    g); ``consumer(...)`` computes and writes one consumer's outputs.
-    """
+    """The kernel of every pass. Operands: the schedule, ``n_own`` arrays the consumers own,
+    ``n_streamed`` streamed, ``n_extra`` more, segment ids if any; ``own_index(h, b, r0)`` and
+    ``streamed_index(h, b, g, i)`` index their tiles; ``consumer(...)`` runs one consumer."""
     plan, G = shape.plan, shape.heads_per_program
 
     def body(sched_ref, *refs):
@@ -245,8 +222,7 @@ def _run(shape: _Shape, grid_heads: int, n_programs: int, batch: int, out_type, 
 
 
 def _loops(lo, hi, runs, visit, pass_over, carry, *, free_first: bool, step0=0):
-    """Visit the own run's tiles (mask-free ones without a mask) and pass over the union's
-    others, in tile order; ``step0`` numbers the first tile's ring step."""
+    """Visit the own run's tiles, pass over the union's others; ``step0``: the first ring step."""
     first, split, end = runs
     masked_first = not free_first
     carry = lax.fori_loop(lo, first, lambda i, c: pass_over(step0 + i - lo, c), carry)
@@ -363,8 +339,7 @@ def dq(q, k, v, d_out, lse, delta, segment_ids, sched, plan, stage):
 
 
 def dkv(q, k, v, d_out, lse, delta, segment_ids, sched, plan, stage):
-    """dK and dV [B, T_pad, K, E_pad] of padded inputs, each key tile summed over the query
-    heads of its group and their query tiles, in a fixed order."""
+    """dK and dV [B, T_pad, K, E_pad] of padded inputs, summed in a fixed order."""
     B, T_pad, K, E = k.shape
     G = plan.groups
     shape = _Shape(plan, stage.block_k, stage.block_q, stage.num_stages or 2, k.dtype, E, G)

@@ -1,26 +1,17 @@
-"""Backend parameters of the flash attention kernel, kept apart from its algorithm.
-
-The algorithm (``jaxaccel.kernels.flash_attention``) needs only block sizes; how a backend runs a
-block (Triton's warps and software-pipelining stages) is chosen here, per pass and per head dim.
-
-Where the parameters come from, first match wins:
+"""Backend parameters of the flash attention kernel: per pass and head dim, block sizes and how a
+backend runs them (Triton's warps and pipelining stages). First match wins:
 
 1. ``block_q``/``block_k`` or a whole ``FlashParams`` passed to the kernel;
-2. the tuned table for the present device (its ``device_kind``, e.g. "NVIDIA H100 80GB HBM3"):
-   ``tuned.json`` beside this file, or the file named by ``$JAXACCEL_FLASH_TUNING``, which
-   ``python -m experiments.attention --tune`` writes after sweeping block sizes, warps and stages
-   per pass on that device and checking every candidate against XLA's attention. Each entry
-   records its date, jax version and command. A head dim above the entry's largest falls to 3.;
-3. the built-in starting points: ``TRITON`` on a GPU (in the spirit of Triton's fused-attention
-   tutorial, not measured by us), ``INTERPRET`` in the Pallas interpreter.
+2. the device kind's rows (e.g. "NVIDIA H100 80GB HBM3") in ``tuned.json`` beside this file or
+   ``$JAXACCEL_FLASH_TUNING``, by ``python -m experiments.attention --tune`` (checked against
+   XLA; with date, jax version, command); a head dim above the largest row falls to 3.;
+3. the built-in ``TRITON`` rows on a GPU (after Triton's fused-attention tutorial, unmeasured by
+   us), ``INTERPRET`` in the Pallas interpreter.
 
-Every stage names its backend: ``"triton"`` (Pallas's Triton backend, any GPU of sm80 or newer),
-or, on Hopper, ``"mosaic_gpu"`` (``jaxaccel.kernels.flash_mosaic``: TMA copies, wgmma, a
-producer warpgroup and two consumers; ``num_stages`` is its ring of streamed slots; a consumer
-owns ``block_q`` query rows, or ``block_k`` key rows in dK/dV). The built-in rows use Triton; a tuned row takes
-Mosaic GPU where ``--tune`` measured it faster on that device. Stages a backend cannot run (Mosaic
-GPU with float32 inputs, head dims above 128, or a GPU older than Hopper) run on Triton with the
-same blocks.
+A stage's backend is ``"triton"`` (sm80+) or, on Hopper, ``"mosaic_gpu"`` (``flash_mosaic``:
+``num_stages`` ring slots, a consumer owns ``block_q`` query rows, ``block_k`` in dK/dV), used
+by tuned rows where faster. Stages Mosaic GPU cannot run (float32, head dims above 128, GPUs
+before Hopper) run on Triton with the same blocks.
 """
 
 import dataclasses
@@ -69,24 +60,19 @@ class FlashParams:
         return dataclasses.replace(self, **passes)
 
 
-# Largest head dim each row serves -> parameters (Triton backend, GPU).
+# Largest head dim each row serves -> forward, dkv and dq stages (Triton backend, GPU).
 TRITON = {
-    64: FlashParams(forward=Stage(128, 64, 4, 3), dkv=Stage(32, 128, 4, 3),
-                    dq=Stage(128, 32, 4, 3)),
-    128: FlashParams(forward=Stage(128, 64, 8, 3), dkv=Stage(64, 128, 8, 2),
-                     dq=Stage(128, 64, 8, 2)),
-    256: FlashParams(forward=Stage(64, 32, 8, 2), dkv=Stage(32, 64, 8, 1),
-                     dq=Stage(64, 32, 8, 1)),
+    64: FlashParams(Stage(128, 64, 4, 3), Stage(32, 128, 4, 3), Stage(128, 32, 4, 3)),
+    128: FlashParams(Stage(128, 64, 8, 3), Stage(64, 128, 8, 2), Stage(128, 64, 8, 2)),
+    256: FlashParams(Stage(64, 32, 8, 2), Stage(32, 64, 8, 1), Stage(64, 32, 8, 1)),
 }
 
-# Interpret mode (CPU): every grid step is a loop iteration of an XLA program, so small tiles
-# only cost time; 32 still gives several tiles at test lengths.
+# Interpret mode (CPU): big tiles only cost time; 32 still gives several tiles at test lengths.
 INTERPRET = FlashParams(forward=Stage(32, 32), dkv=Stage(32, 32), dq=Stage(32, 32))
 
 
 def device_kind() -> str:
-    """The name tuned tables are kept under: the device kind of the abstract mesh in use (a
-    program lowered for another device), else of the first device."""
+    """The device kind tuned tables are kept under (``sharding.target_device``'s)."""
     return target_device().device_kind
 
 
@@ -97,20 +83,15 @@ def table_path() -> Path:
 
 def default_params(head_dim: int, *, interpret: bool) -> FlashParams:
     """The built-in row for this head dim (``INTERPRET`` in the interpreter)."""
-    if interpret:
-        return INTERPRET
-    return next(p for d, p in sorted(TRITON.items()) if head_dim <= d)
+    return INTERPRET if interpret else next(p for d, p in sorted(TRITON.items()) if head_dim <= d)
 
 
 def flash_params(head_dim: int, seq_len: int, *, interpret: bool, block_q: int | None = None,
                  block_k: int | None = None, params: FlashParams | None = None,
                  kind: str | None = None) -> FlashParams:
-    """The parameters a call uses (module docstring for the order); ``block_q``/``block_k``
-    override every pass. ``kind``: the device kind to look up (default: the present one).
-
-    Blocks never exceed the sequence rounded up to a power of two (at least ``MIN_BLOCK``), so a
-    short sequence is not padded to a long tile.
-    """
+    """The parameters a call uses (module docstring); ``block_q``/``block_k`` override every
+    pass, ``kind`` the present device kind. Blocks are capped at the sequence rounded up to a
+    power of two (at least ``MIN_BLOCK``), so a short sequence is not padded to a long tile."""
     if params is None:
         tuned = tuned_rows(kind or device_kind())
         params = next((p for d, p in sorted(tuned.items()) if head_dim <= d), None) \
@@ -154,8 +135,8 @@ def tuned_rows(kind: str, path: Path | None = None) -> dict[int, FlashParams]:
 
 
 def read_table(path: Path) -> dict:
-    """The table file as JSON ({"format": 1, "devices": {kind: entry}}); an empty table when
-    there is no file. ConfigError, one line, when it is not a table."""
+    """The table file's JSON ({"format": 1, "devices": {kind: entry}}), empty if no file;
+    ConfigError when it is not a table."""
     if not path.exists():
         return {"format": TABLE_FORMAT, "devices": {}}
     try:
@@ -187,8 +168,7 @@ def params_from_json(row: dict, *, where: str = "flash params") -> FlashParams:
 
 def check_params(params: FlashParams, *, where: str = "flash params",
                  fix: str = "pass powers of two such as 32, 64 or 128") -> None:
-    """ConfigError, one line, unless every block is a power of two >= MIN_BLOCK and every
-    backend is known and runs its pass."""
+    """ConfigError unless each block is a power of two >= MIN_BLOCK and each backend can run."""
     for name, s in zip(PASSES, params.stages()):
         if s.backend not in BACKENDS:
             raise ConfigError(f"{where}: {name} backend {s.backend!r} is not one of "
@@ -205,10 +185,9 @@ def check_params(params: FlashParams, *, where: str = "flash params",
 
 def write_entry(path: Path, kind: str, head_dims: dict[int, FlashParams], meta: dict,
                 passes: dict[int, list[str]] | None = None) -> None:
-    """Records the tuned rows of one device kind in the table file, keeping other devices' (and
-    this device's other head dims); written atomically. ``meta`` (date, jax version, command)
-    describes the entry's latest write and, under ``tuned_by``, each head dim written now, with
-    the passes tuned (``passes``, default all; the others are built-in rows)."""
+    """Records one device kind's tuned rows in the table file atomically, keeping the rest.
+    ``meta`` (date, jax version, command) describes the entry's latest write and, under
+    ``tuned_by``, each head dim written now, with its ``passes`` tuned (default all)."""
     table = read_table(path)
     entry = table["devices"].get(kind, {})
     rows = {**entry.get("head_dims", {}),
@@ -217,10 +196,11 @@ def write_entry(path: Path, kind: str, head_dims: dict[int, FlashParams], meta: 
     tuned_by = {**entry.get("tuned_by", {}),
                 **{str(d): {**provenance, "passes": list((passes or {}).get(d, PASSES))}
                    for d in head_dims}}
-    table["devices"][kind] = {**meta, "head_dims": dict(sorted(rows.items(), key=lambda r:
-                                                                 int(r[0]))),
-                              "tuned_by": dict(sorted(tuned_by.items(), key=lambda r:
-                                                      int(r[0])))}
+
+    def by_dim(d: dict) -> dict:
+        return dict(sorted(d.items(), key=lambda item: int(item[0])))
+
+    table["devices"][kind] = {**meta, "head_dims": by_dim(rows), "tuned_by": by_dim(tuned_by)}
     tmp = path.with_name(path.name + ".tmp")
     tmp.write_text(json.dumps(table, indent=1) + "\n")
     os.replace(tmp, path)

@@ -1,23 +1,17 @@
 """The training loop: ``train(cfg)`` runs one training run of any model and returns its summary.
 
-It reads top to bottom, one file per phase:
+One file per phase, in the order they run:
 
-0. here, before any work: join the other processes, check the settings, build the model
-   abstractly with every technique and check it (the contract of ``jaxaccel.nn``, the remat
-   policy's tags, the precision's matmuls, the mesh's splits);
+0. here: join the other processes, check the settings, build the model abstractly with every
+   technique and check it (``jaxaccel.nn``'s contract, remat tags, matmuls, the mesh's splits);
 1. ``setup``: run directory, corpus, stream, optimizer, the sharded state, the checkpoint;
 2. ``compile``: the train and eval steps for every batch shape, the OOM pre-flight;
-3. ``run``: the steps, metrics, evaluations, checkpoints, signals; progressive stacking grows
-   the model between stages;
-4. ``finish``: the final evaluation, the plot, the summary (``record.RunSummary``, written to
-   ``summary.json``); ``console`` is what the run shows meanwhile.
+3. ``run``: steps, metrics, evaluations, checkpoints, signals; progressive stacking's growth;
+4. ``finish``: final evaluation, plot, summary (``record.RunSummary``); ``console``: the output.
 
-It is deterministic: a run resumed from a checkpoint continues with the same state, batches and
-keys, so on the CPU it ends bitwise identical to an uninterrupted run. SIGINT and SIGTERM finish
-the step in flight, save a checkpoint and return with ``interrupted`` set. The run happens on a
-device mesh (``jaxaccel.sharding``; one device is a mesh of one): the state is created sharded,
-the steps are jitted with the state's and the batch's shardings, and with several processes each
-loads and places only its own rows of every batch.
+A resumed run continues with the same state, batches and keys (on the CPU, bitwise as if never
+interrupted). SIGINT and SIGTERM save a checkpoint and return with ``interrupted`` set. The
+state is sharded over a device mesh; each process loads only its own rows of every batch.
 """
 
 import dataclasses
@@ -28,8 +22,7 @@ import time
 import jax
 from flax import nnx
 
-from jaxaccel import compile_cache, fp8, hardware, model as model_lib, precision, remat, \
-    techniques, trace
+from jaxaccel import compile_cache, fp8, model as model_lib, precision, remat, techniques, trace
 from jaxaccel.config import TrainConfig
 from jaxaccel.loader import abstract_batch
 from jaxaccel.loop.compile import Steps, compile_steps, memory_budget_bytes, sharded_steps, \
@@ -52,15 +45,9 @@ __all__ = ["train", "RunSummary", "Setup", "Steps", "Progress", "evaluate", "pre
 
 
 def train(cfg: TrainConfig, *, should_stop=None) -> RunSummary:
-    """Run training as configured; return its summary.
-
-    ``should_stop(step)`` is polled after every step; returning True stops the run as a signal
-    would (checkpoint saved, ``interrupted`` set). Tests use it to cut a run short.
-
-    With ``mesh.coordinator`` (or ``mesh.distributed``) this process first joins the others
-    through ``jax.distributed``; then every process runs this same function on its share of the
-    data.
-    """
+    """Run training as configured; return its summary. ``should_stop(step)`` returning True
+    stops the run as a signal would. With ``mesh.coordinator`` (or ``mesh.distributed``) the
+    processes first join through ``jax.distributed``, then each trains on its share."""
     wall_start = time.perf_counter()
     m = cfg.mesh
     if not jax.distributed.is_initialized():
@@ -103,10 +90,8 @@ def train(cfg: TrainConfig, *, should_stop=None) -> RunSummary:
 
 
 def preflight(cfg: TrainConfig, mesh_shape: dict):
-    """The run's model, abstract (every technique applied, no array made), checked before any
-    work: the model contract (``model.check``), its variables' splits over the mesh, the remat
-    policy's tags and, under a 16-bit policy, the matmuls it still computes in float32 (a
-    warning line). One ConfigError line for what does not fit."""
+    """The run's model, abstract, checked before any work (contract, mesh splits, remat tags: a
+    ConfigError line for what does not fit; float32 matmuls under a 16-bit policy: a warning)."""
     model = techniques.abstract(cfg)
     model_lib.check(model, cfg.model.name, vocab_size=cfg.model.vocab_size,
                     packed=cfg.data.batching == "pack")

@@ -1,19 +1,18 @@
-"""Phase 2 of a run, compile: the pure train and eval steps of the run's model, jitted over the
-mesh and compiled for every batch shape the data can produce before the clock starts; the OOM
-pre-flight; the remat policy a memory budget chooses."""
+"""Phase 2 of a run, compile: the train and eval steps, jitted over the mesh and compiled for
+every batch shape before the clock starts; the OOM pre-flight; the memory budget's remat policy."""
 
 import dataclasses
 
 import jax
 from flax import nnx
 
-from jaxaccel import hardware, nn, remat, techniques
+from jaxaccel import hardware, nn, techniques
 from jaxaccel.compiled import CompiledFn, abstract, largest_memory_bytes
 from jaxaccel.config import override
 from jaxaccel.errors import ConfigError
 from jaxaccel.loader import abstract_batch
 from jaxaccel.loop.console import announce
-from jaxaccel.model import make_apply
+from jaxaccel.model import eval_graphdef, make_apply
 from jaxaccel.pipeline import pipeline_eval_fn, pipeline_grad_fn
 from jaxaccel.planner import choose_remat
 from jaxaccel.sharding import batch_sharding, pipelined, replicated
@@ -34,9 +33,8 @@ def observed_filter(model):
 
 
 def train_step_of(cfg, model, optimizer, schedule=None):
-    """The pure train step of ``cfg`` for ``model`` (abstract or not: its graph and variable
-    types are what counts): ``train.lm_train_step``, or with a pp strategy the pipelined
-    gradient function of ``jaxaccel.pipeline`` (``accumulate`` microbatches)."""
+    """The pure train step of ``cfg`` for ``model`` (abstract or not): ``train.lm_train_step``,
+    or with a pp strategy the pipelined gradient function of ``jaxaccel.pipeline``."""
     graphdef, state = nnx.split(model)
     trainable = nn.trainable(state)
     if pipelined(cfg.mesh.strategy):
@@ -54,7 +52,6 @@ def train_step_of(cfg, model, optimizer, schedule=None):
 def eval_step_of(cfg, model):
     """The pure evaluation step (fixed rows: no segment mask) of ``cfg`` for ``model``."""
     graphdef, state = nnx.split(model)
-    from jaxaccel.model import eval_graphdef
     graphdef = eval_graphdef(graphdef, state)
     if pipelined(cfg.mesh.strategy):
         return pipeline_eval_fn(nnx.merge(graphdef, state), eval_microbatches(cfg),
@@ -63,15 +60,13 @@ def eval_step_of(cfg, model):
 
 
 def eval_microbatches(cfg) -> int:
-    """Microbatches of an evaluation batch: the pipeline's (``accumulate``) with a pp strategy,
-    else 1 (the whole batch at once)."""
+    """Microbatches of an evaluation batch: ``accumulate`` with a pp strategy, else 1."""
     return cfg.optimizer.accumulate if pipelined(cfg.mesh.strategy) else 1
 
 
 def sharded_steps(cfg, model, optimizer, schedule, shardings, mesh):
     """The train and eval steps as ``CompiledFn``s jitted over ``mesh``: the state in
-    ``shardings`` (donated to the train step), the batch split over data x fsdp, metrics
-    replicated."""
+    ``shardings`` (donated to the train step), the batch over data x fsdp, metrics replicated."""
     layout, whole = batch_sharding(mesh), replicated(mesh)
     train_step = CompiledFn(train_step_of(cfg, model, optimizer, schedule),
                             in_shardings=(shardings, layout), out_shardings=(shardings, whole),

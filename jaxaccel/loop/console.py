@@ -6,6 +6,7 @@ import sys
 import jax
 import numpy as np
 
+
 def progress_bar(total_steps: int, first_step: int, enabled: bool):
     """A tqdm bar on a terminal; off one (a batch job, a pipe) plain lines (``LineProgress``)."""
     if not enabled:
@@ -18,9 +19,7 @@ def progress_bar(total_steps: int, first_step: int, enabled: bool):
 
 
 class LineProgress:
-    """Progress off a terminal: one plain line per logged step on stderr (step, loss, bits per
-    byte, real tokens/s, elapsed training seconds), no carriage returns; tqdm's interface as
-    the loop uses it."""
+    """Progress off a terminal (tqdm's interface): one plain line per logged step on stderr."""
 
     def __init__(self, total: int, initial: int):
         self.total, self.n = total, initial
@@ -42,9 +41,7 @@ class LineProgress:
 
 
 def announce(cfg, line: str, progress=None):
-    """A phase of the run (set-up, compiling, evaluation) as one line on stdout where progress
-    is shown (``run.progress``; process 0), past a terminal's bar while one is open; stderr
-    keeps the progress lines and errors."""
+    """A phase of the run as one line on stdout, past a bar (process 0, with ``run.progress``)."""
     if not cfg.run.progress or jax.process_index() != 0:
         return
     if progress is not None and not isinstance(progress, LineProgress):
@@ -55,13 +52,10 @@ def announce(cfg, line: str, progress=None):
 
 def log_window(writer, step, window, totals, seconds, progress, bits_per_nat: float
                 ) -> list[tuple[float, float]]:
-    """Write the mean metrics of the last steps; return their (loss, tokens) per step.
-    ``bits_per_nat`` turns a loss per target token into bits per byte of the train text.
-
-    ``totals`` counts the run's real tokens and token positions so far (of the global batches,
-    as the step's metrics count them); ``seconds`` is the training time so far.
-    """
+    """Write the mean metrics of the last steps (``totals``, the run's real tokens and positions,
+    and ``seconds`` so far); return their (loss, tokens) per step."""
     fetched = jax.device_get(window)
+    last = fetched[-1]
     losses = np.array([m["loss"] for m in fetched], dtype=np.float64)
     tokens = np.array([m["real_tokens"] for m in fetched], dtype=np.float64)
     padded = np.array([m["padded_tokens"] for m in fetched], dtype=np.float64)
@@ -70,17 +64,12 @@ def log_window(writer, step, window, totals, seconds, progress, bits_per_nat: fl
     tokens_per_s = totals["real"] / max(seconds, 1e-9)
     loss = float(np.sum(losses * tokens) / max(tokens.sum(), 1.0))
     record = {
-        "loss": loss, "bpb": loss * bits_per_nat,
-        "grad_norm": float(fetched[-1]["grad_norm"]),
-        "update_norm": float(fetched[-1]["update_norm"]),
-        "loss_scale": float(fetched[-1]["loss_scale"]),
-        "skipped_steps": int(fetched[-1]["skipped_steps"]),
-        "learning_rate": float(fetched[-1]["learning_rate"]),
-        "real_tokens": int(tokens.sum()),
+        "loss": loss, "bpb": loss * bits_per_nat, "grad_norm": float(last["grad_norm"]),
+        "update_norm": float(last["update_norm"]), "loss_scale": float(last["loss_scale"]),
+        "skipped_steps": int(last["skipped_steps"]),
+        "learning_rate": float(last["learning_rate"]), "real_tokens": int(tokens.sum()),
         "padding_efficiency": float(tokens.sum() / max(tokens.sum() + padded.sum(), 1.0)),
-        "real_tokens_per_s": tokens_per_s,
-        "train_s": seconds,
-    }
+        "real_tokens_per_s": tokens_per_s, "train_s": seconds}
     writer.write(step, "train", record)
     if progress is not None:
         progress.update(step - progress.n)

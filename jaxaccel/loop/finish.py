@@ -1,5 +1,4 @@
-"""Phase 4 of a run, finish: the final evaluation, the loss plot, the FLOPs of the work done and
-the run's summary."""
+"""Phase 4 of a run, finish: the final evaluation, the loss plot, the FLOPs and the summary."""
 
 import dataclasses
 import math
@@ -10,6 +9,7 @@ import jax
 from flax import nnx
 
 from jaxaccel import hardware, lora, model as model_lib, precision, techniques, trace
+from jaxaccel.compiled import largest_memory_bytes
 from jaxaccel.loader import abstract_batch
 from jaxaccel.loop.console import announce
 from jaxaccel.loop.record import RunSummary
@@ -52,9 +52,8 @@ def finish(run: Setup, compiled: list, progress: Progress, wall_start: float,
     summary = RunSummary(
         steps=final_step, steps_this_run=final_step - progress.first_step,
         interrupted=progress.interrupted, stopped_at=final_step if paused else None,
-        total_steps=run.total_steps, run_dir=run.run_dir,
-        batching=cfg.data.batching, shapes=[list(shape) for shape in run.stream.global_shapes],
-        real_tokens=totals["real"],
+        total_steps=run.total_steps, run_dir=run.run_dir, batching=cfg.data.batching,
+        shapes=[list(shape) for shape in run.stream.global_shapes], real_tokens=totals["real"],
         padding_efficiency=totals["real"] / max(totals["positions"], 1),
         epoch_padding_efficiency=stats["padding_efficiency"],
         split_documents=stats["split_documents"],
@@ -66,16 +65,15 @@ def finish(run: Setup, compiled: list, progress: Progress, wall_start: float,
         data_wait_s=progress.data_wait_s,
         train_bpb=_recent_bpb(run.restored_history + progress.history, final_step,
                               run.corpus.bits_per_byte(1.0, "train")),
-        val_loss=val_loss,
-        val_bpb=run.corpus.bits_per_byte(val_loss), val_tokens=val_tokens, unigram_bpb=unigram_bpb,
-        real_tokens_per_s=tokens_per_s, flops_per_token=flops_token,
+        val_loss=val_loss, val_bpb=run.corpus.bits_per_byte(val_loss), val_tokens=val_tokens,
+        unigram_bpb=unigram_bpb, real_tokens_per_s=tokens_per_s, flops_per_token=flops_token,
         achieved_flops_per_s=tokens_per_s * flops_token,
         mfu=tokens_per_s * flops_token / peak if peak else None,
         compiles=sum(c.train.compiles for c in compiled),
         compiles_after_warmup=sum(c.train.compiles - c.warm_compiles for c in compiled),
         compile_s=sum(c.train.compile_seconds for c in compiled),
         eval_compiles=sum(c.eval.compiles for c in compiled),
-        step_memory_bytes=largest_memory(steps.train),
+        step_memory_bytes=largest_memory_bytes(steps.train),
         peak_memory_bytes=hardware.peak_memory_bytes(),
         param_opt_bytes_per_device=bytes_per_device((state.params, state.opt_state)),
         optimizer_state_bytes=state_bytes(state.opt_state),
@@ -101,11 +99,6 @@ def finish(run: Setup, compiled: list, progress: Progress, wall_start: float,
     return summary
 
 
-def largest_memory(compiled_fn):
-    from jaxaccel.compiled import largest_memory_bytes
-    return largest_memory_bytes(compiled_fn)
-
-
 def flops_per_token(cfg, model) -> float:
     """Training FLOPs per token position of ``model`` under ``cfg``: 3 x the matmul FLOPs of one
     microbatch's forward pass in training (so token dropping's and stochastic depth's skipped
@@ -120,8 +113,7 @@ def flops_per_token(cfg, model) -> float:
 
 
 def run_flops_per_token(run: Setup, final_step: int, first_step: int) -> float:
-    """Training FLOPs per token of this run's steps: a progressive-stacking run's stages each
-    count at their depth, weighted by their steps."""
+    """Training FLOPs per token of this run's steps, each stacking stage's at its depth."""
     starts = [start for start, _ in run.stages] + [final_step]
     weighted, total = 0.0, 0
     for (start, depth), end in zip(run.stages, starts[1:]):
@@ -131,16 +123,13 @@ def run_flops_per_token(run: Setup, final_step: int, first_step: int) -> float:
                      else techniques.abstract(run.cfg, depth=depth))
             weighted += steps * flops_per_token(run.cfg, model)
             total += steps
-    if total == 0:
-        return flops_per_token(run.cfg, run.model)
-    return weighted / total
+    return weighted / total if total else flops_per_token(run.cfg, run.model)
 
 
 def step_alone(steps, state, batches: list, loop_tokens_per_s: float) -> dict:
-    """The compiled train step timed alone on ``batches`` (the run's last ones, already on the
-    device, the step warm): no data loading, logging, evaluation or checkpoints in between, one
-    wait at the end. Its real tokens/s, and the loop's as a share of it (issue 16's target:
-    >= 95 % on a GPU). ``state`` is donated to the steps, so this is the last use of it."""
+    """The warm train step timed alone on ``batches`` (the run's last, on the device): no data
+    loading, logging, evaluation or checkpoints between, one wait at the end. Its real tokens/s
+    and the loop's as a share of it (issue 16's target: >= 95 % on a GPU). Donates ``state``."""
     jax.block_until_ready(state)
     begin = time.perf_counter()
     metrics = []
@@ -157,28 +146,23 @@ def step_alone(steps, state, batches: list, loop_tokens_per_s: float) -> dict:
 
 def diverged_at(history: list[tuple[float, float]], first_step: int, val_loss: float | None,
                 final_step: int) -> int | None:
-    """The step from which this run's training loss stayed NaN or inf to its end (``history``
-    holds one (loss, tokens) per step from ``first_step``), else the final step if the final
-    evaluation's loss (None: none ran) was not finite; None otherwise. A non-finite loss the
-    run recovered from (a float16 overflow that dynamic loss scaling skipped) is no failure."""
+    """The step from which the training loss (``history`` from ``first_step``) stayed NaN or inf
+    to the end, else the final step if ``val_loss`` (None: not run) is not finite, else None. A
+    recovered loss (a float16 overflow that dynamic loss scaling skipped) is no failure."""
     streak = None
     for i, (loss, _) in enumerate(history):
         if math.isfinite(loss):
             streak = None
         elif streak is None:
             streak = first_step + i + 1
-    if streak is not None:
-        return streak
-    if val_loss is not None and not math.isfinite(val_loss):
+    if streak is None and val_loss is not None and not math.isfinite(val_loss):
         return final_step
-    return None
+    return streak
 
 
 def _recent_bpb(history: list[tuple[float, float]], steps: int, bits_per_nat: float) -> float:
-    """Token-weighted training bits per byte over the last tenth of the run's ``steps`` (at
-    least one); ``history`` holds the (loss, real tokens) of the steps before the last, a
-    resumed run's starting with those its checkpoint kept, so a resumed run reports what an
-    uninterrupted one would."""
+    """Token-weighted training bits per byte over the last tenth of the ``steps`` (at least one):
+    a resumed run's ``history`` starts with its checkpoint's, as an uninterrupted run's would."""
     if not history:
         return float("nan")
     recent = history[-recent_steps(steps):]

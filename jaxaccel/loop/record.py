@@ -1,9 +1,8 @@
 """The run record: what every run directory holds about its run, and reading a trained run back.
 
-A run directory gets ``config.yaml`` and ``command.txt`` (set-up), ``environment.json`` (the
-software and hardware), ``metrics.jsonl``, ``checkpoints/``, ``loss.png`` and, at the end,
-``summary.json``: the ``RunSummary``. ``read_trained_run`` rebuilds a run's model and restores
-its latest checkpoint (``--init-from``, ``experiments.sample``, ``experiments.export``).
+A run directory gets ``config.yaml``, ``command.txt``, ``environment.json``, ``metrics.jsonl``,
+``checkpoints/``, ``loss.png`` and, at the end, ``summary.json`` (the ``RunSummary``).
+``read_trained_run`` rebuilds a run's model from its latest checkpoint (``--init-from``).
 """
 
 import dataclasses
@@ -17,7 +16,7 @@ from flax import nnx
 
 from jaxaccel import hardware, lora, nn, surgery, techniques
 from jaxaccel.checkpoint import Checkpointer
-from jaxaccel.config import TrainConfig, build, read_config_file
+from jaxaccel.config import TrainConfig, build, override, read_config_file, write_config
 from jaxaccel.errors import ConfigError
 from jaxaccel.optim import build_optimizer
 from jaxaccel.sharding import format_mesh
@@ -26,8 +25,7 @@ from jaxaccel.state import init_state
 
 @dataclasses.dataclass
 class RunSummary:
-    """What one run did and measured (``experiments.train`` prints it; ``--json`` writes it).
-    What each technique did is in ``techniques``, by technique."""
+    """What one run did and measured (``experiments.train`` prints it; ``--json`` writes it)."""
 
     steps: int
     steps_this_run: int
@@ -115,8 +113,7 @@ def run_environment(mesh_shape: dict) -> dict:
 
 
 def read_config(run_dir: str, field: str = "run.init_from") -> TrainConfig:
-    """A run directory's resolved config (``config.yaml``); one line naming ``field`` if it is
-    not a readable run directory."""
+    """A run directory's ``config.yaml``; a ConfigError line naming ``field`` if unreadable."""
     try:
         return build(TrainConfig, read_config_file(os.path.join(run_dir, "config.yaml")))
     except ConfigError as e:
@@ -125,15 +122,12 @@ def read_config(run_dir: str, field: str = "run.init_from") -> TrainConfig:
 
 
 def read_trained_run(run_dir: str, field: str = "run.init_from"):
-    """``(config, model, step)`` of a run directory: its ``config.yaml`` and the model it trained
-    (every technique applied, at its final depth) holding the variables of its latest
-    checkpoint."""
+    """``(config, model, step)`` of a run directory: its config and its model (every technique
+    applied, at its final depth) with the variables of its latest checkpoint."""
     trained = read_config(run_dir, field)
     optimizer, _, _ = build_optimizer(trained.optimizer, batch_rows=trained.batch_rows(),
                                       total_steps=trained.run.steps)
-    abstract_model = techniques.abstract(trained)
-    graphdef = nnx.graphdef(abstract_model)
-    variables = nnx.state(abstract_model)
+    graphdef, variables = nnx.split(techniques.abstract(trained))
     template = jax.eval_shape(lambda v: init_state(
         v, optimizer, 0, trained.make_loss_scale(), trained.policy(), nn.trainable(v)),
         variables)
@@ -146,26 +140,23 @@ def read_trained_run(run_dir: str, field: str = "run.init_from"):
 
 
 def base_weights(run_dir: str, cfg: TrainConfig):
-    """The weights a fine-tune of ``cfg`` starts from: the trained run's model (``run_dir``)
-    with its LoRA merged into the weights and its other layer techniques folded away, as an
-    ``nnx.State`` shaped like ``cfg``'s model before its layer techniques; one clear line if the
-    shapes differ."""
+    """The weights a fine-tune of ``cfg`` starts from: the model of the run in ``run_dir``, its
+    layer techniques merged or folded away (an ``nnx.State``); one clear line if shapes differ."""
     from jaxaccel import fp8, sparsity
     trained_cfg, trained, _ = read_trained_run(run_dir)
     lora.merge(trained)
-
-    def fold(wrapper):
-        if isinstance(wrapper, sparsity.Sparse):
+    for path, wrapper in surgery.wrappers(trained, (sparsity.Sparse, fp8.Fp8, lora.Adapter)):
+        if isinstance(wrapper, sparsity.Sparse):        # the mask folded into the kernel
             kernel = wrapper.kernel
             kernel[...] = kernel[...] * wrapper.mask[...].astype(kernel[...].dtype)
-
-    for path, wrapper in surgery.wrappers(trained, (sparsity.Sparse, fp8.Fp8, lora.Adapter)):
-        fold(wrapper)
         surgery.replace(trained, path, wrapper.base)
     for _, stack in nn.stacks(trained):
         stack.unscan()
         stack.transforms = nnx.List([])
-    base = techniques.abstract(_untuned(cfg))
+    base = techniques.abstract(override(cfg, {     # the model without layer and block techniques
+        "lora.rank": 0, "adapters.dim": 0, "sparsity.pattern": "none", "precision.policy": "fp32",
+        "remat.policy": "none", "remat.scan_layers": False, "stochastic_depth.rate": 0.0,
+        "token_drop.keep": 1.0}))
     want = jax.tree.map(lambda x: (x.shape, str(x.dtype)), nnx.state(base))
     have = nnx.state(trained)
     got = jax.tree.map(lambda x: (x.shape, str(x.dtype)), have)
@@ -177,21 +168,9 @@ def base_weights(run_dir: str, cfg: TrainConfig):
     return have
 
 
-def _untuned(cfg: TrainConfig) -> TrainConfig:
-    """``cfg`` without the layer and block techniques: the model a fine-tune loads weights into."""
-    from jaxaccel.config import override
-    return override(cfg, {"lora.rank": 0, "adapters.dim": 0, "sparsity.pattern": "none",
-                          "precision.policy": "fp32", "remat.policy": "none",
-                          "remat.scan_layers": False, "stochastic_depth.rate": 0.0,
-                          "token_drop.keep": 1.0})
-
-
 def export_merged(run_dir: str, out_dir: str) -> str:
-    """Write the model of the LoRA run ``run_dir`` (its latest checkpoint) with its LoRA merged
-    into the base weights as a run directory ``out_dir``: ``config.yaml`` (the run's settings
-    without LoRA) and a checkpoint of its TrainState at the same step (with a fresh optimizer
-    state), which ``--init-from``, evaluation and further training read like any run's."""
-    from jaxaccel.config import override, write_config
+    """Write the LoRA run ``run_dir``'s model, its LoRA merged, as a run directory ``out_dir``
+    that reads like any: its config without LoRA, a checkpoint with a fresh optimizer state."""
     trained_cfg, model, step = read_trained_run(run_dir)
     lora.merge(model)
     cfg = override(trained_cfg, {"lora.rank": 0})

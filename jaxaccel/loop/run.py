@@ -15,11 +15,11 @@ from jaxaccel import nn, profiling, stacking, techniques
 from jaxaccel.config import to_dict
 from jaxaccel.data import batches
 from jaxaccel.loader import DevicePrefetcher, place_batch
-from jaxaccel.loop.console import LineProgress, announce, log_window, progress_bar
+from jaxaccel.loop.console import announce, log_window, progress_bar
 from jaxaccel.loop.compile import plan_remat
 from jaxaccel.loop.setup import Setup, open_stream
 from jaxaccel.metrics import MetricsWriter, truncate_metrics
-from jaxaccel.sharding import param_shardings, parse_axis_rules
+from jaxaccel.sharding import parse_axis_rules
 from jaxaccel.state import abstract_sharded_state
 from jaxaccel.trackers import open_trackers, parse as tracker_names
 
@@ -41,12 +41,9 @@ class Progress:
 
 def run_steps(run: Setup, steps, should_stop=None, previous: Progress | None = None,
               wall_start: float | None = None) -> Progress:
-    """Train from the state's step to the end of the run, or of its progressive-stacking
-    stage; ``previous`` is the progress of the stages before, which this one continues. The
-    run's first step is waited for once, to time the start-up (``run.startup``) from
-    ``wall_start`` (when ``train`` began)."""
-    cfg = run.cfg
-    state = run.state
+    """Train to the end of the run or of its stacking stage, continuing ``previous`` (the stages
+    before); the start-up (``run.startup``) is timed to the first step from ``wall_start``."""
+    cfg, state = run.cfg, run.state
     train_bits = run.corpus.bits_per_byte(1.0, "train")    # bits per byte of a nat per token
     start = int(state.step)
     end = min(stacking.stage_end(start, run.total_steps, run.stack_ends), run.stop_step)
@@ -86,10 +83,8 @@ def run_steps(run: Setup, steps, should_stop=None, previous: Progress | None = N
         return {**feed.position, "sampler": sampler.state()}
 
     def log_late():
-        """Write the window of the log step before: fetching it then waits for a step the
-        device finished long ago (or, if the host ran far ahead, for one with later steps
-        queued behind it), so the device's queue never drains at a log step. The seconds are
-        those when its last step's metrics arrived."""
+        """Write the previous log step's window: fetched a log step late, the device is long done
+        with it and its queue never drains; the seconds are those when its metrics arrived."""
         if late:
             step, metrics = late.pop()
             jax.block_until_ready(metrics[-1])
@@ -130,8 +125,7 @@ def run_steps(run: Setup, steps, should_stop=None, previous: Progress | None = N
                 loss, tokens = run_eval(run, steps, state, writer, done, cfg.run.eval_batches)
                 announce(cfg, f"eval at step {done}: loss {loss:.4f}, "
                               f"{run.corpus.bits_per_byte(loss):.3f} bits per byte over "
-                              f"{tokens:,} tokens",
-                         progress)
+                              f"{tokens:,} tokens", progress)
                 watch.start()
             stop = received.get("signum") or (should_stop is not None and should_stop(done)
                                               and STOP_REQUESTED)
@@ -143,8 +137,7 @@ def run_steps(run: Setup, steps, should_stop=None, previous: Progress | None = N
                 save(done)
                 watch.start()
             if stop:
-                interrupted = ("requested" if stop == STOP_REQUESTED
-                               else signal.Signals(stop).name)
+                interrupted = "requested" if stop == STOP_REQUESTED else signal.Signals(stop).name
                 break
         watch.pause(state)
         log_late()
@@ -171,12 +164,9 @@ STOP_REQUESTED = -1      # ``should_stop`` asked for the stop (a signal: its num
 
 
 def agreed_stop(local: int | None) -> int | None:
-    """The stop every process of a multi-process run agrees on, from each one's ``local``
-    reason (a signal number, ``STOP_REQUESTED`` or None): a signal any process received (the
-    highest number), else a requested stop, else None. A collective over the processes, so
-    all call it at the same steps: the log steps, where the loop waits for the device anyway.
-    SIGTERM to one host (a preemption notice) thus stops every host at the same step with a
-    checkpoint, as JAX's preemption sync point would, and SIGINT likewise."""
+    """The stop all processes agree on (a collective, at log steps) from each one's ``local``
+    reason: the highest signal any received, else ``STOP_REQUESTED`` from any, else None; so
+    SIGTERM to one host (a preemption notice) stops all at one step, with a checkpoint."""
     from jax.experimental import multihost_utils
 
     codes = np.asarray(multihost_utils.process_allgather(np.int32(local or 0))).reshape(-1)
@@ -188,16 +178,14 @@ def agreed_stop(local: int | None) -> int | None:
 def grow_run(run: Setup, progress: Progress) -> Setup:
     """The next progressive-stacking stage: the model twice as deep, its state grown from the
     trained one (``stacking.grow``), the loader continuing from its position."""
-    cfg = run.cfg
-    old_depth = run.stages[-1][1]
+    cfg, old_depth = run.cfg, run.stages[-1][1]
     depth = 2 * old_depth
     model = techniques.abstract(cfg, depth=None if depth == run.full_layers else depth)
     state, shardings = abstract_sharded_state(
-        techniques.variables(cfg, depth), run.optimizer, cfg.run.seed, cfg.make_loss_scale(), run.mesh,
-        cfg.policy(), axis_rules=parse_axis_rules(cfg.mesh.axis_rules))
+        techniques.variables(cfg, depth), run.optimizer, cfg.run.seed, cfg.make_loss_scale(),
+        run.mesh, cfg.policy(), axis_rules=parse_axis_rules(cfg.mesh.axis_rules))
     stack_path = nn.the_stack(model, "progressive stacking")[0]
-    state = jax.device_put(stacking.grow(progress.state, state, old_depth, stack_path),
-                           shardings)
+    state = jax.device_put(stacking.grow(progress.state, state, old_depth, stack_path), shardings)
     stream = open_stream(cfg, run.corpus.train, run.stream_args, progress.position)
     plan = run.plan
     if cfg.run.memory_budget is not None:
@@ -221,12 +209,8 @@ def run_eval(run: Setup, steps, state, writer, step: int, max_batches):
 
 def evaluate(eval_step, state, documents, *, seq_len: int, batch_size: int,
              max_batches: int | None = None, sharding=None) -> tuple[float, int]:
-    """Mean loss in nats per target token over the documents (in order), and the token count.
-
-    With ``max_batches`` only that many batches count, spread evenly over the split (the same
-    ones every time), so a partial evaluation samples all of it rather than its first files.
-    Each process makes its own rows of every batch; ``sharding`` lays the global batch out.
-    """
+    """Mean loss in nats per target token over the documents, and the token count; with
+    ``max_batches`` that many batches, spread evenly. Each process makes its own rows."""
     def fixed_batches():
         return batches(documents, strategy="fixed", seq_len=seq_len, batch_size=batch_size,
                        shuffle=False, process_index=jax.process_index(),
@@ -275,8 +259,7 @@ class Stopwatch:
 
     def pause(self, *pending):
         jax.block_until_ready(pending)
-        self.seconds = self.elapsed()
-        self._start = None
+        self.seconds, self._start = self.elapsed(), None
 
     def elapsed(self) -> float:
         running = time.perf_counter() - self._start if self._start is not None else 0.0
@@ -287,11 +270,8 @@ def _time_first_step(run: Setup, metrics, began: float, progress):
     """Wait for the run's first step; record and announce the start-up phases' seconds."""
     before = time.perf_counter()
     jax.block_until_ready(metrics)
-    now = time.perf_counter()
-    startup = run.startup
-    startup["first_step"] = now - before
-    startup["to_first_step"] = now - began
-    age = _process_age()
+    now, age, startup = time.perf_counter(), _process_age(), run.startup
+    startup.update(first_step=now - before, to_first_step=now - began)
     if age is not None:
         startup["command_to_first_step"] = age
     announce(run.cfg, "start-up: " + ", ".join(
@@ -299,9 +279,8 @@ def _time_first_step(run: Setup, metrics, began: float, progress):
         if name in startup), progress)
 
 
-# The start-up phases, in order: set-up before the corpus (mesh, distributed), corpus, the
-# sharded initialisation, compiling the steps, the first step (dispatch to its result), train()
-# to the first step's result, and the process's start (imports included) to it.
+# The start-up phases, in order: first_step runs from its dispatch to its result, to_first_step
+# from train()'s start, command_to_first_step from the process's start (imports included).
 STARTUP_PHASES = ("before_set_up", "corpus", "init", "compile", "first_step", "to_first_step",
                   "command_to_first_step")
 

@@ -11,7 +11,6 @@ import sys
 import time
 
 import jax
-from flax import nnx
 
 from jaxaccel import nn, stacking, techniques
 from jaxaccel.checkpoint import Checkpointer
@@ -66,8 +65,7 @@ class Setup:
     stages: list                # [first step, depth] of each stage this run has trained
     extended_from_steps: int | None = None  # a resumed run given another length: the old one
     startup: dict = dataclasses.field(default_factory=dict)  # seconds of each start-up phase
-    restored_history: list = dataclasses.field(default_factory=list)  # (loss, real tokens) of
-                                # the steps just before the checkpoint resumed from (its meta)
+    restored_history: list = dataclasses.field(default_factory=list)  # the checkpoint's losses
 
 
 def set_up(cfg, mesh, mesh_shape, full_model) -> Setup:
@@ -118,18 +116,17 @@ def set_up(cfg, mesh, mesh_shape, full_model) -> Setup:
         depth = stacking.depth_at(first_step, full_layers, stages, stack_ends)
     model = full_model if depth in (None, full_layers) else techniques.abstract(cfg, depth=depth)
     begin = time.perf_counter()
-    base = ()
+    base, rules = (), parse_axis_rules(cfg.mesh.axis_rules)
     if cfg.run.init_from is not None and not cfg.run.resume:
         weights = base_weights(cfg.run.init_from, cfg)
-        base = (jax.device_put(weights, param_shardings(mesh, weights, _rules(cfg))),)
-    state, shardings = init_sharded_state(techniques.variables(cfg, depth), optimizer, cfg.run.seed,
-                                          cfg.make_loss_scale(), mesh, cfg.policy(),
-                                          axis_rules=_rules(cfg), args=base)
+        base = (jax.device_put(weights, param_shardings(mesh, weights, rules)),)
+    state, shardings = init_sharded_state(techniques.variables(cfg, depth), optimizer,
+                                          cfg.run.seed, cfg.make_loss_scale(), mesh, cfg.policy(),
+                                          axis_rules=rules, args=base)
     jax.block_until_ready(state)
     startup["init"] = time.perf_counter() - begin
     batch_layout = batch_sharding(mesh)
-    plan = None
-    full_cfg = cfg
+    plan, full_cfg = None, cfg
     if cfg.run.memory_budget is not None:
         cfg, model, plan = plan_remat(cfg, model, depth, optimizer, state, stream, batch_layout)
     resume_config = {**resume_settings(full_cfg, stream_args, total_steps, multiple),
@@ -163,10 +160,6 @@ def set_up(cfg, mesh, mesh_shape, full_model) -> Setup:
                  stack_ends, stop, [[int(state.step), depth_now]], extended_from,
                  restored_history=checkpointer.saved_history if cfg.run.resume else [],
                  startup=startup)
-
-
-def _rules(cfg):
-    return parse_axis_rules(cfg.mesh.axis_rules)
 
 
 def resolve_run_dir(cfg) -> str:
@@ -203,9 +196,8 @@ def _saved_steps(run_dir: str) -> list[int]:
 
 
 def remove_unfinished_checkpoints(directory: str, cfg):
-    """Delete the temporary directories of checkpoints a run did not finish writing (killed,
-    or a full disk), with a note: they are not checkpoints, and would keep the run from
-    starting again or resuming."""
+    """Delete, with a note, the temporary directories of checkpoints a run did not finish
+    writing (killed, a full disk): they would keep the run from starting again or resuming."""
     if jax.process_index() != 0:
         return
     for name in _listdir(directory):
@@ -230,8 +222,7 @@ def stream_settings(cfg, multiple: int) -> dict:
 
 
 def open_stream(cfg, documents, stream_args: dict, position: dict | None = None):
-    """The training stream from ``position``: a ``DataStream``, or with ``data.sampling`` an
-    importance-sampled one (``jaxaccel.sampling.SampledStream``)."""
+    """The training stream from ``position``: a ``DataStream``, or a ``SampledStream``."""
     if cfg.data.sampling == "uniform":
         return DataStream(documents, position=position, **stream_args)
     d = cfg.data
