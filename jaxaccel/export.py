@@ -84,11 +84,9 @@ def flatten(state) -> dict[str, np.ndarray]:
 
 
 def plain_gpt(model):
-    """jaxaccel's GPT as plain Llama: N:M masks folded in, the stack unscanned, techniques off."""
-    from jaxaccel import nn, sparsity, surgery
-    for path, wrapper in surgery.wrappers(model, sparsity.Sparse):
-        kernel = wrapper.kernel
-        kernel[...] = jnp.where(wrapper.mask[...], kernel[...], 0).astype(kernel[...].dtype)
+    """jaxaccel's GPT as plain Llama: N:M masks and then LoRA folded in, the stack unscanned,
+    techniques off."""
+    from jaxaccel import nn, surgery
     surgery.unwrap(model)
     for _, stack in nn.stacks(model):
         stack.unscan()
@@ -317,6 +315,7 @@ def export(run_dir: str, out_dir: str, format: str = "auto", *,
     out_dir (without ``overwrite``) or an unwritable one, and llama for a model without it."""
     from flax import nnx
 
+    from jaxaccel import lora, surgery
     from jaxaccel.config import override, to_dict
     from jaxaccel.generate import load_run, read_run_config
 
@@ -338,8 +337,11 @@ def export(run_dir: str, out_dir: str, format: str = "auto", *,
         metadata, forward = {"format": "pt"}, llama_forward
     else:
         tensors = flatten(nnx.state(model))
-        # The exported model's settings: its LoRA is merged into the weights, none left.
-        settings = override(cfg, {"lora.rank": 0, "run.init_from": None})
+        # The exported model's settings: its LoRA merged into the weights, but where FP8 or
+        # N:M masks change the product (``lora.merge``), where the factors stay.
+        merged = not surgery.wrappers(model, lora.LoRA)
+        settings = override(cfg, {"lora.rank": 0 if merged else cfg.lora.rank,
+                                  "run.init_from": None})
         config = {"format": "jaxaccel", "train_config": to_dict(settings), "step": step,
                   "tokenizer": tokenizer_record(tok)}
         metadata = {"format": "jaxaccel"}

@@ -129,6 +129,8 @@ class History(nn.Observation):
 class Fp8(surgery.Wrapper, nn.Updated):
     """The wrapped layer's product through float8 with delayed scaling."""
 
+    changes_product = True
+
     def __init__(self, base):
         super().__init__(base)
         self.history = History(new_history(), out_sharding=(None, None), eager_sharding=False)

@@ -75,6 +75,9 @@ class LoRA(surgery.Wrapper):
         update = matmul(low, self.lora_b[...].astype(x.dtype), self.out_axes[-x.ndim:])
         return y + (self.scale * update).astype(y.dtype)
 
+    def fold(self) -> None:
+        _fold(self.kernel, self, self.scale)
+
 
 class Adapter(surgery.Wrapper):
     """``h + up(gelu(down(h)))`` on the wrapped layer's output ``h``; ``up`` starts at zero."""
@@ -144,10 +147,14 @@ def _fold(kernel, lora, scale=1.0) -> None:
 
 def merge(model) -> int:
     """Fold every LoRA update into its weight, in place: ours (``LoRA``) and flax's
-    ``nnx.LoRA(base_module=...)``; the model is its base architecture again. How many."""
-    ours = [(p, n) for p, n in nnx.iter_graph(model) if isinstance(n, LoRA)]
+    ``nnx.LoRA(base_module=...)``; how many. A LoRA under a wrapper that changes the product
+    (FP8, N:M masks) stays: folded, it would be quantised or masked as it never trained."""
+    under = {id(surgery.innermost(w)) for _, w in surgery.wrappers(model, surgery.Wrapper)
+             if w.changes_product}
+    ours = [(p, n) for p, n in nnx.iter_graph(model)
+            if isinstance(n, LoRA) and id(n.linear()) not in under]
     for path, layer in ours:
-        _fold(layer.kernel, layer, layer.scale)
+        layer.fold()
         surgery.replace(model, path, layer.base)
     flax = [(p, n) for p, n in nnx.iter_graph(model) if isinstance(n, nnx.LoRA)]
     for path, layer in flax:

@@ -51,14 +51,16 @@ def is_preset(name: str) -> bool:
 
 
 def factory_args(cfg: ModelConfig) -> dict:
-    """``--model-args`` as a dict; one ConfigError line if it is not a YAML mapping."""
+    """``--model-args`` as a dict: a YAML mapping, its braces optional on one line; one
+    ConfigError line if it is not one."""
     if not cfg.args:
         return {}
+    text = cfg.args.strip()
     try:
-        args = yaml.safe_load(cfg.args)
+        args = yaml.safe_load(text if "\n" in text or text.startswith("{") else f"{{{text}}}")
     except yaml.YAMLError as e:
         args = str(e).splitlines()[0]
-    if not isinstance(args, dict) or not all(isinstance(k, str) for k in args):
+    if not isinstance(args, dict) or not all(str(k).isidentifier() for k in args):
         raise ConfigError(f"model_args {cfg.args!r} is not a mapping of names to values; write "
                           f"e.g. 'width: 128, depth: 2'", field="model.args")
     return args

@@ -92,6 +92,8 @@ class Mask(nn.Buffer):
 class Sparse(surgery.Wrapper, nn.Updated):
     """The wrapped layer multiplies by its N:M-masked kernel (SR-STE gradients)."""
 
+    changes_product = True
+
     def __init__(self, base, n: int, m: int, decay: float, every: int):
         super().__init__(base)
         k_in = self.kernel.shape[-2]
@@ -113,6 +115,10 @@ class Sparse(surgery.Wrapper, nn.Updated):
 
         with surgery.dot(self.linear(), masked):
             return self.base(x, *args, **kwargs)
+
+    def fold(self) -> None:
+        self.kernel[...] = jnp.where(self.mask[...], self.kernel[...], 0).astype(
+            self.kernel[...].dtype)
 
     def update(self, step, stats, observed):
         """Recompute the mask from the updated kernel after steps ``every - 1``,

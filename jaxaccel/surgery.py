@@ -23,7 +23,11 @@ TARGETS_HELP = ("comma-separated: blocks (every linear layer in the model's Stac
 
 
 class Wrapper(nnx.Module):
-    """A layer technique around ``base`` (an ``nnx.Linear`` or another wrapper)."""
+    """A layer technique around ``base`` (an ``nnx.Linear`` or another wrapper).
+    ``changes_product``: it changes the kernel the layer multiplies by (FP8, N:M masks), so a
+    LoRA update folded into the kernel under it would not be the update that trained."""
+
+    changes_product = False
 
     def __init__(self, base):
         self.base = base
@@ -39,6 +43,10 @@ class Wrapper(nnx.Module):
 
     def __call__(self, x, *args, **kwargs):
         return self.base(x, *args, **kwargs)
+
+    def fold(self) -> None:
+        """Fold this wrapper's effect into the kernel where a plain layer can hold it (LoRA's
+        update, N:M masks); nothing for the others, which ``unwrap`` then drops."""
 
 
 def innermost(layer) -> nnx.Linear:
@@ -144,11 +152,10 @@ def kernel_axes(layer) -> tuple:
     return tuple(innermost(layer).kernel.get_metadata().get("out_sharding") or (None, None))
 
 
-def unwrap(model, fold=None) -> None:
-    """Replace every wrapper by its ``base``, outermost first, after ``fold(wrapper)`` folded its
-    effect into the kernel (LoRA merged, masks applied)."""
-    while found := wrappers(model, Wrapper):
+def unwrap(model, kind=Wrapper) -> None:
+    """Replace every wrapper of type ``kind`` by its ``base``, outermost first, each folded into
+    its kernel first (``Wrapper.fold``): N:M masks before the LoRA update under them."""
+    while found := wrappers(model, kind):
         path, wrapper = min(found, key=lambda item: len(item[0]))
-        if fold is not None:
-            fold(wrapper)
+        wrapper.fold()
         replace(model, path, wrapper.base)

@@ -212,6 +212,18 @@ def test_a_model_that_cannot_load_is_one_line(spec, message):
         techniques.abstract(build(values={"model.name": spec}))
 
 
+@pytest.mark.parametrize("args, expected", [
+    ("width: 64, depth: 4", {"width": 64, "depth": 4}), ("{width: 64}", {"width": 64}),
+    ("width: 64\ndepth: 2", {"width": 64, "depth": 2}), ("3", None), ("a b", None)])
+def test_model_args_are_a_yaml_mapping_braces_optional(args, expected):
+    cfg = build(values={"model.name": FOREIGN, "model.args": args}).model
+    if expected is None:
+        with pytest.raises(ConfigError, match="not a mapping of names to values"):
+            model_lib.factory_args(cfg)
+    else:
+        assert model_lib.factory_args(cfg) == expected
+
+
 def test_a_gpt_field_with_a_factory_is_refused():
     with pytest.raises(ConfigError, match="--model-args") as caught:
         techniques.abstract(build(values={"model.name": FOREIGN, "gpt.d_model": 64}))
@@ -322,3 +334,26 @@ def test_sampling_without_a_cache_gives_the_cached_tokens():
     assert not generate.cached(plain)
     recomputed = generate.generate(plain, prompt, max_new_tokens=6, context=32)
     np.testing.assert_array_equal(np.asarray(cached), np.asarray(recomputed))
+
+
+@pytest.mark.parametrize("name", MODELS)
+def test_lora_under_sparsity_folds_exactly_and_under_fp8_stays(name):
+    """N:M masks fold into the kernel before the LoRA update does (the dense model computes what
+    trained); under FP8 a folded update would be quantised as it never trained, so it stays."""
+    from jaxaccel import lora, surgery
+    cfg = config(name, **{"lora.rank": 2, "lora.targets": "blocks", "sparsity.pattern": "2:4"})
+    model = techniques.build(cfg, jax.random.PRNGKey(0))
+    for _, layer in surgery.wrappers(model, lora.LoRA):      # a non-zero update
+        layer.lora_b[...] = jax.random.normal(jax.random.PRNGKey(1), layer.lora_b.shape) * 0.1
+    graphdef, state = nnx.split(model)
+    before = model_lib.make_apply(graphdef)(state, batch())
+    assert lora.merge(model) == 0                           # every LoRA sits under a mask
+    surgery.unwrap(model)
+    graphdef, state = nnx.split(model)
+    np.testing.assert_allclose(np.asarray(model_lib.make_apply(graphdef)(state, batch())),
+                               np.asarray(before), rtol=2e-5, atol=2e-5)
+    tuned = techniques.build(override(cfg, {"sparsity.pattern": "none",
+                                            "precision.policy": "fp8"}), jax.random.PRNGKey(0))
+    assert lora.merge(tuned) == 0 and surgery.wrappers(tuned, lora.LoRA)
+    plain = techniques.build(override(cfg, {"sparsity.pattern": "none"}), jax.random.PRNGKey(0))
+    assert lora.merge(plain) > 0 and not surgery.wrappers(plain, lora.LoRA)

@@ -144,12 +144,8 @@ def base_weights(run_dir: str, cfg: TrainConfig):
     layer techniques merged or folded away (an ``nnx.State``); one clear line if shapes differ."""
     from jaxaccel import fp8, sparsity
     trained_cfg, trained, _ = read_trained_run(run_dir)
-    lora.merge(trained)
-    for path, wrapper in surgery.wrappers(trained, (sparsity.Sparse, fp8.Fp8, lora.Adapter)):
-        if isinstance(wrapper, sparsity.Sparse):        # the mask folded into the kernel
-            kernel = wrapper.kernel
-            kernel[...] = kernel[...] * wrapper.mask[...].astype(kernel[...].dtype)
-        surgery.replace(trained, path, wrapper.base)
+    lora.merge(trained)                                 # flax's nnx.LoRA; ours below
+    surgery.unwrap(trained, (sparsity.Sparse, fp8.Fp8, lora.Adapter, lora.LoRA))
     for _, stack in nn.stacks(trained):
         stack.unscan()
         stack.transforms = nnx.List([])
@@ -173,6 +169,10 @@ def export_merged(run_dir: str, out_dir: str) -> str:
     that reads like any: its config without LoRA, a checkpoint with a fresh optimizer state."""
     trained_cfg, model, step = read_trained_run(run_dir)
     lora.merge(model)
+    if surgery.wrappers(model, lora.LoRA):
+        raise ConfigError(f"the LoRA of {run_dir} sits under FP8 or N:M sparsity, which change "
+                          f"its layers' product: merged, it would not compute what trained; "
+                          f"use the run itself", field="run_dir")
     cfg = override(trained_cfg, {"lora.rank": 0})
     optimizer, _, _ = build_optimizer(cfg.optimizer, batch_rows=cfg.batch_rows(),
                                       total_steps=cfg.run.steps)
