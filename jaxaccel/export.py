@@ -3,7 +3,7 @@
 ``export(run_dir, out_dir, format)`` writes one of two layouts, with the run's tokenizer file
 beside them unless it was trained on bytes:
 
-- ``native``, for any model: every variable of its state (LoRA merged, float32, buffers such as
+- ``native``, for any model: every variable of its state (LoRA merged where exact, float32,
   FP8 histories and N:M masks included) under its dotted path, and ``config.json``: the run's
   settings (``load_native`` rebuilds the model from them), the step and the tokenizer.
 - ``llama``, for jaxaccel's GPT when its evaluation forward is Llama's (``blocker`` says why not):
