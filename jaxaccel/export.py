@@ -210,13 +210,15 @@ def llama_forward(tensors: dict[str, np.ndarray], config: dict, ids_T: np.ndarra
 
 
 def our_logits(model, ids_T) -> np.ndarray:
-    """The model's float32 logits [T, V] of one sequence, attention as XLA einsums (any device)."""
+    """The model's float32 logits [T, V] of one sequence, attention as XLA einsums, on one device
+    as the files are read (a sharded sum's other order moves FP8's roundings)."""
     from flax import nnx
 
     from jaxaccel.attention import as_xla
     from jaxaccel.model import make_apply, sequence_batch
 
     graphdef, state = nnx.split(model)
+    state = jax.device_put(state, jax.devices()[0])
     batch = sequence_batch(jnp.asarray(ids_T, jnp.int32)[None])
     with as_xla():
         logits = jax.jit(make_apply(graphdef))(state, batch)
