@@ -271,9 +271,8 @@ class Pack(Fixed):
             np.concatenate([self.full_rows.start_Q, self.start_P[piece_Q]]),
             np.concatenate([self.full_rows.length_Q, self.length_P[piece_Q]]),
             np.concatenate([self.full_rows.row_offsets, self.full_rows.num_rows + packed_ends_W]))
-        first_doc_W = np.minimum.reduceat(rows.doc_Q, rows.row_offsets[:-1])
-        order_W = (np.argsort(first_doc_W, kind="stable") if rng is None
-                   else rng.permutation(rows.num_rows))
+        order_W = (np.argsort(np.minimum.reduceat(rows.doc_Q, rows.row_offsets[:-1]),
+                              kind="stable") if rng is None else rng.permutation(rows.num_rows))
         return cut_batches(rows, order_W, self.sizes.batch_size, self.sizes.seq_len)
 
 
