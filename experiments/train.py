@@ -50,6 +50,7 @@ def format_summary(s: RunSummary) -> str:
           [("training", "no steps ran: the run had reached its last step (the evaluation "
                         "below is of its final state)")]),
         ("val bits/byte", f"{s.val_bpb:.3f} over {s.val_tokens:,} tokens"),
+        *([("target", _target(s.target))] if s.target else []),
         ("unigram bits/byte", f"{s.unigram_bpb:.3f} (entropy of the corpus's byte frequencies)"),
         ("compiles", f"{s.compiles} train step ({s.compile_s:.1f} s), "
                      f"{s.eval_compiles} eval step"),
@@ -105,6 +106,14 @@ def _techniques(s: RunSummary) -> str:
         parts.append("stacked " + " -> ".join(f"{depth} layers at step {start}"
                                               for start, depth in t["stacking"]["stages"]))
     return "; " + "; ".join(parts) if parts else ""
+
+
+def _target(t: dict) -> str:
+    """Time to quality (run.target_bpb): where the run reached its target, or that it did not."""
+    if not t["reached"]:
+        return f"{t['bpb']:g} bits/byte not reached"
+    return (f"{t['bpb']:g} bits/byte reached at step {t['step']} ({t['val_bpb']:.3f}), after "
+            f"{t['real_tokens']:,} real tokens and {t['train_s']:.1f} s of training")
 
 
 def _fp8(fp8: dict | None) -> str:

@@ -221,6 +221,11 @@ class RunConfig:
     final_eval_batches: int | None = setting(
         100, "validation batches of the final evaluation, spread over the split (a number at "
         "least the split's batches, or null in a config file, evaluates all of it)", at_least=1)
+    target_bpb: float | None = setting(
+        None, "time to quality: end the run at the first evaluation (every eval_every steps, "
+        "and the final one) whose validation bits per byte are at most this; the summary's "
+        "target says at which step, after how many real tokens and training seconds",
+        above=0)
     log_every: int = setting(10, "write metrics every N steps (0: every step)", at_least=0)
     progress: bool = setting(True, "show a progress bar")
     stop_at: str | None = setting(None, "pause at this step: save a checkpoint and exit 0, "
@@ -340,6 +345,9 @@ class TrainConfig:
             profiling.parse_window(self.run.profile)
         if self.run.stop_at is not None:
             parse_stop_at(self.run.stop_at)
+        if self.run.target_bpb is not None and not self.run.eval_every:
+            raise ConfigError("target_bpb is judged by the periodic evaluations, and eval_every "
+                              "is 0; pass --eval-every N", field="run.eval_every")
         accumulate = self.optimizer.accumulate
         if self.data.batch_size is not None and self.data.batch_size % accumulate:
             raise ConfigError(f"batch_size={self.data.batch_size} does not split into "

@@ -15,7 +15,7 @@ import orbax.checkpoint as ocp
 import pytest
 
 from experiments.train import main
-from jaxaccel.config import build, parse
+from jaxaccel.config import build, override, parse
 from jaxaccel.errors import ConfigError
 from jaxaccel.loop import train
 from jaxaccel.optim import DEFAULTS
@@ -63,6 +63,32 @@ def test_summary_metrics_and_artifacts(corpus_path, tmp_path):
     assert [r["step"] for r in records if r["kind"] == "eval"] == [4, 8]
     assert os.path.getsize(os.path.join(run_dir, "loss.png")) > 1000
     assert sorted(os.listdir(os.path.join(run_dir, "checkpoints"))) == ["6", "8"]
+
+
+def test_a_target_ends_the_run_at_the_first_evaluation_that_reaches_it(corpus_path, tmp_path):
+    """run.target_bpb (time to quality): the run ends at the first periodic evaluation at or
+    below the target, reports where, and evaluates those batches once; an unreachable target
+    trains to the end and says it was not reached."""
+    full = train(small_config(corpus_path, tmp_path, "full", steps=12, eval_every=2))
+    evals = [json.loads(line) for line in open(os.path.join(full.run_dir, "metrics.jsonl"))
+             if '"eval"' in line]
+    # the target: between the 2nd and the 3rd periodic evaluation's bits per byte
+    second, third = evals[1]["bpb"], evals[2]["bpb"]
+    assert third < second
+    target = (second + third) / 2
+    cfg = small_config(corpus_path, tmp_path, "target", steps=12, eval_every=2)
+    summary = train(override(cfg, {"run.target_bpb": target, "run.final_eval_batches": 2}))
+    assert summary.target["reached"] and summary.target["step"] == 6 == summary.steps
+    assert summary.target["val_bpb"] == pytest.approx(third) == summary.val_bpb
+    assert summary.stopped_at is None and summary.interrupted is None
+    assert summary.total_steps == 12 and 0 < summary.target["train_s"] <= summary.train_s
+    records = [json.loads(line) for line in open(os.path.join(summary.run_dir, "metrics.jsonl"))]
+    assert [r["step"] for r in records if r["kind"] == "eval"] == [2, 4, 6]
+    missed = train(override(small_config(corpus_path, tmp_path, "missed", steps=4, eval_every=2),
+                            {"run.target_bpb": 0.01}))
+    assert missed.target == {"bpb": 0.01, "reached": False} and missed.steps == 4
+    with pytest.raises(ConfigError, match="eval_every"):
+        override(cfg, {"run.target_bpb": 1.0, "run.eval_every": 0}).validate()
 
 
 def test_resume_is_bitwise_identical_to_an_uninterrupted_run(corpus_path, tmp_path):

@@ -80,7 +80,8 @@ def train(cfg: TrainConfig, *, should_stop=None) -> RunSummary:
             run.startup.setdefault("compile", time.perf_counter() - begin)
             progress = run_steps(run, compiled[-1], should_stop, previous=progress,
                                  wall_start=wall_start)
-            if progress.interrupted or int(progress.state.step) >= run.stop_step:
+            if (progress.interrupted or progress.target
+                    or int(progress.state.step) >= run.stop_step):
                 break
             run = grow_run(run, progress)
         summary = finish(run, compiled, progress, wall_start, notes)

@@ -13,7 +13,7 @@ from jaxaccel.compiled import largest_memory_bytes
 from jaxaccel.loader import abstract_batch
 from jaxaccel.loop.console import announce
 from jaxaccel.loop.record import RunSummary
-from jaxaccel.loop.run import Progress, recent_steps, run_eval
+from jaxaccel.loop.run import Progress, recent_steps, run_eval, target_record
 from jaxaccel.loop.setup import Setup
 from jaxaccel.metrics import plot_loss_curve, read_metrics
 from jaxaccel.optim import state_bytes
@@ -27,9 +27,13 @@ def finish(run: Setup, compiled: list, progress: Progress, wall_start: float,
     progressive-stacking stage (one without), the last being the model's final depth."""
     cfg, state, steps = run.cfg, progress.state, compiled[-1]
     final_step = int(state.step)
-    paused = not progress.interrupted and final_step < run.total_steps    # run.stop_at
+    paused = (not progress.interrupted and progress.target is None     # run.stop_at
+              and final_step < run.total_steps)
     if progress.interrupted or paused:
         val_loss, val_tokens = float("nan"), 0
+    elif (progress.last_eval and progress.last_eval[0] == final_step
+          and cfg.run.final_eval_batches == cfg.run.eval_batches):
+        _, val_loss, val_tokens = progress.last_eval     # the same batches: evaluated already
     else:
         announce(cfg, f"final evaluation: {cfg.run.final_eval_batches or 'all'} validation "
                       f"batches of {run.eval_batch_size} rows")
@@ -37,6 +41,12 @@ def finish(run: Setup, compiled: list, progress: Progress, wall_start: float,
                                         cfg.run.final_eval_batches)
     progress.writer.close()
     run.checkpointer.close()
+    target = progress.target
+    if cfg.run.target_bpb is not None and target is None and not paused and \
+            not progress.interrupted:
+        bpb = run.corpus.bits_per_byte(val_loss)
+        target = (target_record(cfg, final_step, bpb, progress.totals, progress.train_s)
+                  if bpb <= cfg.run.target_bpb else {"bpb": cfg.run.target_bpb, "reached": False})
     unigram_bpb = run.corpus.unigram_bits_per_byte()
     name = model_lib.describe(cfg.model, cfg.gpt)
     if jax.process_index() == 0:
@@ -52,6 +62,7 @@ def finish(run: Setup, compiled: list, progress: Progress, wall_start: float,
     summary = RunSummary(
         steps=final_step, steps_this_run=final_step - progress.first_step,
         interrupted=progress.interrupted, stopped_at=final_step if paused else None,
+        target=target,
         total_steps=run.total_steps, run_dir=run.run_dir, batching=cfg.data.batching,
         shapes=[list(shape) for shape in run.stream.global_shapes], real_tokens=totals["real"],
         padding_efficiency=totals["real"] / max(totals["positions"], 1),

@@ -89,6 +89,7 @@ class RunSummary:
     step_alone: dict | None = None      # run.time_step: the step timed alone on the last batches
     stopped_at: int | None = None       # run.stop_at paused the run at this step (resumable)
     total_steps: int | None = None      # the run's length in steps (steps: how far it got)
+    target: dict | None = None          # run.target_bpb: reached, and at which step, tokens, s
 
     @classmethod
     def read(cls, path: str) -> "RunSummary":

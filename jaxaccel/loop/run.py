@@ -37,6 +37,8 @@ class Progress:
     position: dict              # the loader's position after the last step
     profile: object = None      # --profile's ProfileReport, once its window has run
     recent_batches: list = dataclasses.field(default_factory=list)  # run.time_step's batches
+    target: dict | None = None  # run.target_bpb reached: the step, real tokens, training seconds
+    last_eval: tuple | None = None      # (step, loss, tokens) of the last periodic evaluation
 
 
 def run_steps(run: Setup, steps, should_stop=None, previous: Progress | None = None,
@@ -65,7 +67,7 @@ def run_steps(run: Setup, steps, should_stop=None, previous: Progress | None = N
     watch = Stopwatch(previous.train_s if previous else 0.0)
     window = []         # the metrics of the steps since the last log step, not yet fetched
     late = []           # the last log step and its window: fetched at the next log step
-    interrupted = None
+    interrupted, reached, last_eval = None, None, None
     feed = DevicePrefetcher(run.stream, sharding=run.batch_layout, depth=cfg.data.prefetch)
     progress = progress_bar(run.total_steps, first_step, cfg.run.progress)
 
@@ -123,9 +125,13 @@ def run_steps(run: Setup, steps, should_stop=None, previous: Progress | None = N
                 watch.pause(state)
                 log_late()
                 loss, tokens = run_eval(run, steps, state, writer, done, cfg.run.eval_batches)
-                announce(cfg, f"eval at step {done}: loss {loss:.4f}, "
-                              f"{run.corpus.bits_per_byte(loss):.3f} bits per byte over "
-                              f"{tokens:,} tokens", progress)
+                bpb, last_eval = run.corpus.bits_per_byte(loss), (done, loss, tokens)
+                announce(cfg, f"eval at step {done}: loss {loss:.4f}, {bpb:.3f} bits per byte "
+                              f"over {tokens:,} tokens", progress)
+                if cfg.run.target_bpb is not None and bpb <= cfg.run.target_bpb:
+                    reached = target_record(cfg, done, bpb, totals, watch.seconds)
+                    announce(cfg, f"target {cfg.run.target_bpb:g} bits per byte reached at "
+                                  f"step {done}: the run ends here", progress)
                 watch.start()
             stop = received.get("signum") or (should_stop is not None and should_stop(done)
                                               and STOP_REQUESTED)
@@ -136,6 +142,8 @@ def run_steps(run: Setup, steps, should_stop=None, previous: Progress | None = N
                 watch.pause(state)
                 save(done)
                 watch.start()
+            if reached:
+                break
             if stop:
                 interrupted = "requested" if stop == STOP_REQUESTED else signal.Signals(stop).name
                 break
@@ -157,7 +165,15 @@ def run_steps(run: Setup, steps, should_stop=None, previous: Progress | None = N
     report = (profiler.report if profiler is not None else None) or (
         previous.profile if previous is not None else None)
     return Progress(state, first_step, totals, history, watch.seconds, waited, interrupted,
-                    writer, final_position, report, list(recent))
+                    writer, final_position, report, list(recent), reached, last_eval)
+
+
+def target_record(cfg, step: int, bpb: float, totals: dict, train_s: float) -> dict:
+    """What the summary's ``target`` holds once ``run.target_bpb`` is reached: at which step
+    and evaluation, after how many real tokens and seconds of training (this invocation's:
+    a resumed run adds its earlier ones)."""
+    return {"bpb": cfg.run.target_bpb, "reached": True, "step": step, "val_bpb": bpb,
+            "real_tokens": totals["real"], "train_s": train_s}
 
 
 STOP_REQUESTED = -1      # ``should_stop`` asked for the stop (a signal: its number)
