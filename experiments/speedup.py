@@ -393,9 +393,11 @@ def choose_best(rows: dict[str, dict], margin: float, tolerance: float,
 
 
 def _speed(row: dict) -> str:
-    """``1.42x`` with one round, ``1.42x +- 0.03`` (median, half-range) with several."""
+    """``1.42x`` with one round, ``1.42x +- 0.03`` (median, half-range) with several, and the
+    verdict (``faster``, ``slower``, ``cannot tell``) when it has one."""
     rounds = len(row.get("round_speedups") or ())
-    return f"{row['speedup']:.2f}x" + (f" +- {row['spread']:.2f}" if rounds > 1 else "")
+    return (f"{row['speedup']:.2f}x" + (f" +- {row['spread']:.2f}" if rounds > 1 else "")
+            + (f" ({row['verdict']})" if row.get("verdict") else ""))
 
 
 def best_groups(names: list[str]) -> dict[str, str]:
@@ -553,13 +555,26 @@ def compare(row: dict, baseline: dict):
         row.setdefault("speedup", None)
         row.setdefault("spread", None)
         row.setdefault("quality_diff", None)
+        row.setdefault("verdict", None)
         return
     ratios = [mine["real_tokens_per_s"] / base["real_tokens_per_s"]
               for mine, base in zip(row["rounds"], baseline["rounds"])]
     row["round_speedups"] = ratios
     row["speedup"] = statistics.median(ratios)
     row["spread"] = _half_range(ratios)
+    row["verdict"] = verdict(ratios) if row is not baseline else None
     row["quality_diff"] = row["val_bpb"] / baseline["val_bpb"] - 1
+
+
+def verdict(ratios: list[float]) -> str:
+    """``faster`` or ``slower`` only when every round says so (the spread of the rounds' ratios
+    excludes 1.0), else ``cannot tell``: a busy machine may then blur a verdict, never flip it.
+    One round measures no spread, and decides nothing."""
+    if len(ratios) > 1 and min(ratios) > 1:
+        return "faster"
+    if len(ratios) > 1 and max(ratios) < 1:
+        return "slower"
+    return "cannot tell"
 
 
 def load_variation(row: dict) -> float | None:
@@ -630,6 +645,7 @@ COLUMNS = [
     ("real_tokens_per_s", "real tok/s", ",.0f"),
     ("speedup", "speedup", ".2f"),
     ("spread", "+-", ".2f"),
+    ("verdict", "verdict", ""),
     ("padding_efficiency", "padding eff.", ".1%"),
     ("shapes", "shapes", "d"),
     ("compiles", "compiles", "d"),
@@ -682,11 +698,13 @@ def rounds_line(meta: dict) -> str:
     """How the speedups were measured: rounds, and how much the baseline itself varied."""
     if meta["rounds"] == 1:
         return ("Each row trained in one go, one after the other; a speedup compares moments "
-                "of the machine that may differ in load (--rounds N measures the spread).")
+                "of the machine that may differ in load, and decides nothing (verdict: cannot "
+                "tell; --rounds N measures the spread).")
     variation = meta["baseline_load_variation"]
     return (f"Each row trained in {meta['rounds']} rounds, the rows taking turns; a speedup is "
             f"the median of its rounds' (the row's real tokens/s over the baseline's in the same "
-            f"round), +- half their range; a row joins the best combination only when its gain "
+            f"round), +- half their range; a row is faster or slower only when every round says "
+            f"so (else: cannot tell), and joins the best combination only when its gain "
             f"exceeds that spread"
             + (". The best row took turns with the baseline trained again"
                if meta["best_rounds"] else "")
@@ -803,6 +821,10 @@ def main(argv=None) -> int:
         raise ConfigError(f"row_accumulate={exp.row_accumulate} must be >= 1 and divide "
                           f"batch_size={cfg.data.batch_size}", field="experiment.row_accumulate")
     best_names = parse_list(exp.best, "experiment.best", valid=BY_NAME) if exp.best else None
+    if best_names and "best" not in names:
+        raise ConfigError(f"--best {exp.best} names what the best row combines, and --rows "
+                          f"{exp.rows} has no best row; add best to --rows or leave --best out",
+                          field="experiment.best")
     if best_names:
         best_groups(best_names)         # before any row runs, not when the best row comes
     techniques = [t for t in TECHNIQUES if t.name == "baseline" or t.name in names]

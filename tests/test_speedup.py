@@ -80,6 +80,36 @@ def test_bad_rows_and_best_are_one_line_errors(tmp_path, capsys):
     assert speedup.main(["--batch-size", "6", "--row-accumulate", "4",
                          "--run-dir", str(tmp_path)]) == 2
     assert "row_accumulate=4" in capsys.readouterr().err
+    # --best without a best row would be dropped: refused, naming both flags
+    assert speedup.main(["--rows", "baseline,pack", "--best", "pack",
+                         "--run-dir", str(tmp_path)]) == 2
+    err = capsys.readouterr().err.strip().splitlines()
+    assert len(err) == 1 and "no best row" in err[0] and "--best" in err[0], err
+
+
+def test_a_verdict_needs_every_round_on_one_side_of_one():
+    """A row is faster or slower only when each round's ratio says so; a busy machine that
+    shifts one round's ratio across 1.0 turns the verdict into "cannot tell", never into the
+    opposite one; one round decides nothing."""
+    assert speedup.verdict([1.30, 1.12]) == "faster"
+    assert speedup.verdict([0.80, 0.95]) == "slower"
+    assert speedup.verdict([1.30, 0.97]) == "cannot tell"
+    assert speedup.verdict([1.5]) == "cannot tell"
+    # a competing process slows whichever row trains in its window: the quiet verdict either
+    # holds or blurs, and is never reversed
+    quiet = [1.25, 1.20, 1.22]
+    for slowed in range(3):
+        for factor in (0.5, 0.8, 1.25, 2.0):
+            loaded = [r * factor if i == slowed else r for i, r in enumerate(quiet)]
+            assert speedup.verdict(loaded) in ("faster", "cannot tell")
+    base, row = {"status": "ran", "rounds": [{"real_tokens_per_s": 100.0}] * 2,
+                 "val_bpb": 3.0}, {"status": "ran", "val_bpb": 3.0,
+                                   "rounds": [{"real_tokens_per_s": 130.0},
+                                              {"real_tokens_per_s": 90.0}]}
+    speedup.compare(row, base)
+    assert row["verdict"] == "cannot tell" and row["speedup"] == pytest.approx(1.1)
+    speedup.compare(base, base)
+    assert base["verdict"] is None
 
 
 def test_every_row_runs_with_its_technique_on(corpus_path, tmp_path, capsys):
@@ -315,6 +345,7 @@ def test_rows_take_turns_in_rounds_and_the_best_row_with_the_baseline_again(
     assert best["speedup"] == pytest.approx(sum(ratios) / 2)
     assert best["spread"] == pytest.approx(abs(ratios[0] - ratios[1]) / 2)
     assert best["settings"]["data.batching"] == "pack"
+    assert best["verdict"] == speedup.verdict(ratios)
     printed = capsys.readouterr().out
     assert "round 2/2  best" in printed and "trained in 2 rounds" in printed
 
