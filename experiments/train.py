@@ -111,7 +111,9 @@ def _techniques(s: RunSummary) -> str:
 def _target(t: dict) -> str:
     """Time to quality (run.target_bpb): where the run reached its target, or that it did not."""
     if not t["reached"]:
-        return f"{t['bpb']:g} bits/byte not reached"
+        why = (f"given up after {t['gave_up_after_s']:.1f} s of training"
+               if "gave_up_after_s" in t else "by the run's end")
+        return f"{t['bpb']:g} bits/byte not reached {why}"
     return (f"{t['bpb']:g} bits/byte reached at step {t['step']} ({t['val_bpb']:.3f}), after "
             f"{t['real_tokens']:,} real tokens and {t['train_s']:.1f} s of training")
 

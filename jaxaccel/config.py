@@ -226,6 +226,9 @@ class RunConfig:
         "and the final one) whose validation bits per byte are at most this; the summary's "
         "target says at which step, after how many real tokens and training seconds",
         above=0)
+    target_seconds: float | None = setting(
+        None, "with target_bpb: give up at the first evaluation after this many seconds of "
+        "training without reaching it (the summary's target says so)", above=0)
     log_every: int = setting(10, "write metrics every N steps (0: every step)", at_least=0)
     progress: bool = setting(True, "show a progress bar")
     stop_at: str | None = setting(None, "pause at this step: save a checkpoint and exit 0, "
@@ -345,6 +348,9 @@ class TrainConfig:
             profiling.parse_window(self.run.profile)
         if self.run.stop_at is not None:
             parse_stop_at(self.run.stop_at)
+        if self.run.target_seconds is not None and self.run.target_bpb is None:
+            raise ConfigError("target_seconds is a limit on reaching target_bpb, which is not "
+                              "set; pass --target-bpb X", field="run.target_bpb")
         if self.run.target_bpb is not None and not self.run.eval_every:
             raise ConfigError("target_bpb is judged by the periodic evaluations, and eval_every "
                               "is 0; pass --eval-every N", field="run.eval_every")

@@ -86,7 +86,12 @@ def test_a_target_ends_the_run_at_the_first_evaluation_that_reaches_it(corpus_pa
     assert [r["step"] for r in records if r["kind"] == "eval"] == [2, 4, 6]
     missed = train(override(small_config(corpus_path, tmp_path, "missed", steps=4, eval_every=2),
                             {"run.target_bpb": 0.01}))
-    assert missed.target == {"bpb": 0.01, "reached": False} and missed.steps == 4
+    assert not missed.target["reached"] and missed.steps == missed.target["step"] == 4
+    gave_up = train(override(small_config(corpus_path, tmp_path, "gave-up", steps=8,
+                                          eval_every=2),
+                             {"run.target_bpb": 0.01, "run.target_seconds": 1e-9}))
+    assert gave_up.target["step"] == 2 == gave_up.steps and not gave_up.target["reached"]
+    assert gave_up.target["gave_up_after_s"] > 0 and gave_up.stopped_at is None
     with pytest.raises(ConfigError, match="eval_every"):
         override(cfg, {"run.target_bpb": 1.0, "run.eval_every": 0}).validate()
 

@@ -1,4 +1,5 @@
-"""experiments.speedup: the choice of the best combination, and a minute-scale run of every row."""
+"""experiments.speedup: time to quality, the verdicts, the choice of the best combination, and
+a minute-scale run of every row."""
 
 import json
 import os
@@ -9,33 +10,37 @@ from experiments import speedup
 from jaxaccel.config import build, flatten, parse, to_dict
 from jaxaccel.errors import ConfigError
 
+# Rows reach this target at their first evaluations: the tests check the wiring, not learning.
+EASY = ["--target-bpb", "7.9", "--eval-every", "2"]
 
-def _row(name, speedup_, quality, val_bpb=None):
+
+def _row(name, speedup_, verdict="faster"):
     return {"name": name, "group": speedup.BY_NAME[name].group, "status": "ran",
-            "speedup": speedup_, "quality_diff": quality, "val_bpb": val_bpb or 3 * (1 + quality),
+            "speedup": speedup_, "spread": 0.01, "verdict": verdict,
             "settings": dict(speedup.BY_NAME[name].settings)}
 
 
-def test_best_takes_the_fastest_row_per_group_within_tolerance():
+def test_best_takes_the_soonest_row_per_group_that_every_round_found_faster():
     rows = {r["name"]: r for r in [
-        _row("baseline", 1.0, 0.0),
-        _row("dynamic", 1.10, 0.0), _row("bucket", 1.40, 0.05), _row("pack", 1.30, 0.01),
-        _row("bf16", 1.02, 0.0), _row("fp16", 0.90, -0.01),
-        _row("remat-full", 0.80, 0.0), _row("remat-dots", 1.05, 0.0),
-        _row("lion", 1.02, 0.05), _row("lamb", 0.95, -0.03), _row("accumulate", 1.2, 0.0),
-        _row("fsdp", 1.2, 0.0), _row("dp", 1.3, 0.0),
+        _row("baseline", 1.0, None),
+        _row("dynamic", 1.10), _row("bucket", 1.40, "cannot tell"), _row("pack", 1.30),
+        _row("bf16", 1.02), _row("fp16", 0.90, "slower"),
+        _row("remat-full", 0.80, "slower"), _row("remat-dots", 1.05),
+        _row("lion", 1.2), _row("lamb", 1.3), _row("accumulate", 1.2),
+        _row("fsdp", 1.2), _row("dp", 1.3), _row("sparse-2:4", 3.0),
+        _row("token-drop", None, "not reached"),
     ]}
     rows["dp"]["status"] = "failed: out of memory"
-    picks = speedup.choose_best(rows, margin=0.03, tolerance=0.02, slowdown=0.10)
-    # bucket is fastest but 5 % worse; bf16 is under the margin; dp failed; lamb buys quality.
+    picks = speedup.choose_best(rows, margin=0.03)
+    # bucket's gain is not in every round; bf16 is under the margin; dp failed; sparsity is
+    # never combined; token dropping never got there.
     assert [name for name, _ in picks] == ["pack", "remat-dots", "accumulate", "fsdp", "lamb"]
-    assert speedup.choose_best(rows, 0.03, 0.02, slowdown=0.01)[-1][0] == "fsdp"
-    # importance sampling buys quality too, but draws fixed batches: not with a padding row
-    rows["importance"] = _row("importance", 1.0, -0.02)
-    assert "importance" not in [n for n, _ in speedup.choose_best(rows, 0.03, 0.02, 0.10)]
+    assert [n for n, _ in speedup.choose_best(rows, margin=0.25)] == ["pack", "lamb"]
+    # importance sampling draws fixed batches: not with a padding row
+    rows["importance"] = _row("importance", 1.5)
+    assert "importance" not in [n for n, _ in speedup.choose_best(rows, 0.03)]
     del rows["pack"], rows["bucket"], rows["dynamic"]
-    assert [n for n, _ in speedup.choose_best(rows, 0.03, 0.02, 0.10)][-2:] == \
-        ["lamb", "importance"]
+    assert [n for n, _ in speedup.choose_best(rows, 0.03)][-2:] == ["lamb", "importance"]
 
 
 def test_combine_merges_settings_and_rounds_the_batch_for_sharding():
@@ -102,14 +107,17 @@ def test_a_verdict_needs_every_round_on_one_side_of_one():
         for factor in (0.5, 0.8, 1.25, 2.0):
             loaded = [r * factor if i == slowed else r for i, r in enumerate(quiet)]
             assert speedup.verdict(loaded) in ("faster", "cannot tell")
-    base, row = {"status": "ran", "rounds": [{"real_tokens_per_s": 100.0}] * 2,
-                 "val_bpb": 3.0}, {"status": "ran", "val_bpb": 3.0,
-                                   "rounds": [{"real_tokens_per_s": 130.0},
-                                              {"real_tokens_per_s": 90.0}]}
-    speedup.compare(row, base)
-    assert row["verdict"] == "cannot tell" and row["speedup"] == pytest.approx(1.1)
+    base = {"status": "ran", "rounds": [{"train_s": 20.0, "reached": True}] * 2}
+    row = {"status": "ran", "rounds": [{"train_s": 10.0, "reached": True},
+                                       {"train_s": 25.0, "reached": True}]}
+    speedup.compare(row, base)      # 2x sooner in one round, 0.8x in the other
+    assert row["verdict"] == "cannot tell" and row["speedup"] == pytest.approx(1.4)
+    assert row["round_speedups"] == pytest.approx([2.0, 0.8])
+    never = {"status": "ran", "rounds": [{"train_s": 40.0, "reached": False}] * 2}
+    speedup.compare(never, base)
+    assert never["speedup"] is None and never["verdict"] == "not reached"
     speedup.compare(base, base)
-    assert base["verdict"] is None
+    assert base["verdict"] is None and base["speedup"] == 1
 
 
 def test_every_row_runs_with_its_technique_on(corpus_path, tmp_path, capsys):
@@ -120,22 +128,29 @@ def test_every_row_runs_with_its_technique_on(corpus_path, tmp_path, capsys):
         "--n-layers", "1", "--n-heads", "2", "--max-seq-len", "128", "--seq-len", "128",
         "--batch-size", "4", "--pad-multiple", "32", "--buckets", "3", "--train-tokens", "1500",
         "--warmup-steps", "2", "--log-every", "2", "--final-eval-batches", "2", "--rounds", "1",
-        "--cache-dir", str(tmp_path / "cache"), "--run-dir", str(run_dir), "--json", str(out)])
+        "--rows", "all", *EASY, "--cache-dir", str(tmp_path / "cache"), "--run-dir",
+        str(run_dir), "--json", str(out)])
     assert code == 0
     result = json.loads(out.read_text())
     rows = {r["name"]: r for r in result["rows"]}
     assert list(rows) == [t.name for t in speedup.TECHNIQUES]
+    assert result["meta"]["target_bpb"] == 7.9 and result["meta"]["rounds"] == 1
     assert rows["flash"]["status"] == "skipped: needs a GPU"
     assert rows["fp8"]["status"].startswith("skipped: needs a GPU with FP8 tensor cores")
     ran = {name: r for name, r in rows.items() if name not in ("flash", "fp8")}
     for name, r in ran.items():
         assert r["status"] == "ran", (name, r["status"])
-        for key in ("name", "real_tokens_per_s", "speedup", "padding_efficiency", "memory_bytes",
-                    "compiles", "compile_s", "val_bpb", "quality_diff"):
+        for key in ("name", "real_tokens_per_s", "padding_efficiency", "memory_bytes",
+                    "compiles", "compile_s", "val_bpb", "target"):
             assert r[key] is not None, (name, key)
-        assert "mfu" in r and r["real_tokens"] > 1000
+        assert "mfu" in r and r["target"]["step"] >= 2
+        if r["reached"]:        # the time limit is 2x the baseline's, a fraction of a second
+            assert r["with_compile_s"] > r["time_to_target_s"] > 0 and r["steps_to_target"]
+            assert r["verdict"] in (None, "cannot tell")      # one round decides nothing
+        else:
+            assert r["verdict"] == "not reached" and r["time_to_target_s"] is None
     base = rows["baseline"]
-    assert base["speedup"] == 1 and base["quality_diff"] == 0 and base["batching"] == "fixed"
+    assert base["speedup"] == 1 and base["batching"] == "fixed" and base["reached"]
     assert base["mesh"] == {"stage": 1, "data": 1, "fsdp": 1, "tensor": 1} and base["precision"] == "fp32"
     # Padding: each strategy's shapes and efficiency.
     assert rows["dynamic"]["batching"] == "dynamic" and rows["dynamic"]["shapes"] > 1
@@ -185,7 +200,7 @@ def test_every_row_runs_with_its_technique_on(corpus_path, tmp_path, capsys):
     assert result["meta"]["targets"][0].startswith("CPU target")
     report = (run_dir / "report.md").read_text()
     assert "| row" in report and report.count("\n- **") == len(rows)
-    for plot in ("tokens_per_s.png", "memory.png", "loss_curves.png"):
+    for plot in ("time_to_target.png", "tokens_per_s.png", "memory.png", "loss_curves.png"):
         assert (run_dir / plot).stat().st_size > 1000, plot
     assert rows["pack"]["command"] == (f"python -m experiments.train --config "
                                        f"{rows['pack']['run_dir']}/config.yaml")
@@ -253,8 +268,8 @@ def test_a_model_of_ones_own_trains_its_rows(corpus_path, tmp_path, capsys):
         "baseline,flash,token-drop", "--scale", "cpu", "--cpu-devices", "1", "--data",
         corpus_path, "--max-seq-len", "128", "--seq-len", "128", "--batch-size", "4",
         "--train-tokens", "1000", "--warmup-steps", "2", "--log-every", "2",
-        "--final-eval-batches", "2", "--rounds", "1", "--cache-dir", str(tmp_path / "cache"),
-        "--run-dir", str(run_dir), "--json", str(out)])
+        "--final-eval-batches", "2", "--rounds", "1", *EASY, "--cache-dir",
+        str(tmp_path / "cache"), "--run-dir", str(run_dir), "--json", str(out)])
     assert code == 0
     result = json.loads(out.read_text())
     rows = {r["name"]: r for r in result["rows"]}
@@ -265,7 +280,7 @@ def test_a_model_of_ones_own_trains_its_rows(corpus_path, tmp_path, capsys):
     assert rows["token-drop"]["settings"]["token_drop.layers"] == "1:2"
     assert rows["token-drop"]["token_keep"] == 0.5
     assert rows["token-drop"]["flops_per_token"] < rows["baseline"]["flops_per_token"]
-    written = read_config_file(str(run_dir / "baseline" / "config.yaml"))
+    written = read_config_file(str(run_dir / "baseline" / "round-1" / "config.yaml"))
     assert written["model.name"] == f"{tiny_lm}:make" and written["model.args"] == "width: 32"
     assert all(v is None for k, v in written.items() if k.startswith("gpt."))
     # A factory that does not load: one line before any row.
@@ -303,57 +318,70 @@ def test_a_bucket_budget_matched_under_a_batch_multiple_stays_valid(corpus_path)
                                              for b in range(128, 4 * 4 * 128, 16))
 
 
-def test_rows_take_turns_in_rounds_and_the_best_row_with_the_baseline_again(
+def test_rows_train_afresh_each_round_and_the_best_row_with_the_baseline_again(
         corpus_path, tmp_path, capsys):
-    """--rounds 2: every row trains half its steps per round, resumed; a speedup is the median
-    of the rounds' ratios to the reference's real tokens/s in the same round, its spread their
-    half-range; the best row's reference is the baseline trained again beside it, which ends
-    where the baseline did."""
+    """--rounds 2: every row trains to the target twice, afresh, the rows taking turns; a
+    speedup is the median over the rounds of the reference's training seconds to the target
+    over the row's in the same round, its spread their half-range; the best row's reference
+    is the baseline trained again beside it, which learns as the baseline did."""
     out, run_dir = tmp_path / "speedup.json", tmp_path / "runs"
     code = speedup.main([
         "--scale", "cpu", "--cpu-devices", "1", "--rows", "baseline,best", "--best", "pack",
         "--rounds", "2", "--data", corpus_path, "--d-model", "32", "--n-layers", "1",
         "--n-heads", "2", "--max-seq-len", "128", "--seq-len", "128", "--batch-size", "4",
-        "--pad-multiple", "32", "--train-tokens", "1500", "--warmup-steps", "2",
-        "--log-every", "2", "--final-eval-batches", "2", "--cache-dir", str(tmp_path / "cache"),
+        "--pad-multiple", "32", "--train-tokens", "3000", "--warmup-steps", "2",
+        "--log-every", "2", "--time-cap", "1000", *EASY, "--cache-dir", str(tmp_path / "cache"),
         "--profile", "1:2", "--run-dir", str(run_dir), "--json", str(out)])
     assert code == 0
     result = json.loads(out.read_text())
     rows = {r["name"]: r for r in result["rows"]}
     assert list(rows) == ["baseline", "best"] and result["meta"]["rounds"] == 2
     for name in ("baseline", "best"):       # --profile traced step 1, in the first round
-        assert (run_dir / name / "profile").is_dir(), name
-    for name in ("baseline", "best", "baseline-again"):
-        log = (run_dir / name / "log.txt").read_text()
-        assert "--stop-at 1/2" in log and "paused at step" in log and "--resume" in log, name
+        assert (run_dir / name / "round-1" / "profile").is_dir(), name
+        assert not (run_dir / name / "round-2" / "profile").exists(), name
     base, best = rows["baseline"], rows["best"]
     again = best["baseline_again"]
     for row in (base, best, again):
         assert row["status"] == "ran" and len(row["rounds"]) == 2
         first, second = row["rounds"]
-        assert first["steps"] > 0 and second["steps"] > 0
-        assert row["real_tokens_per_s"] == pytest.approx(
-            (first["real_tokens"] + second["real_tokens"])
-            / (first["train_s"] + second["train_s"]))
-    assert best["steps"] == sum(r["steps"] for r in best["rounds"])   # halves of one run
-    assert best["padding_efficiency"] == pytest.approx(best["real_tokens"] / sum(
-        r["real_tokens"] / r["padding_efficiency"] for r in best["rounds"]))
-    assert again["val_bpb"] == base["val_bpb"]       # trained again, resumed: the same run
-    ratios = [b["real_tokens_per_s"] / a["real_tokens_per_s"]
-              for b, a in zip(best["rounds"], again["rounds"])]
+        assert first["reached"] and second["reached"]
+        assert first["steps"] == second["steps"] and first["steps"] < 30  # ended at the target
+        assert first["run_dir"].endswith("round-1") and second["run_dir"].endswith("round-2")
+        assert row["time_to_target_s"] == pytest.approx(
+            (first["train_s"] + second["train_s"]) / 2)
+    assert again["rounds"][0]["steps"] == base["rounds"][0]["steps"]   # the same run again
+    assert again["rounds"][0]["val_bpb"] == base["rounds"][0]["val_bpb"]
+    ratios = [a["train_s"] / b["train_s"] for b, a in zip(best["rounds"], again["rounds"])]
     assert best["round_speedups"] == pytest.approx(ratios)
     assert best["speedup"] == pytest.approx(sum(ratios) / 2)
     assert best["spread"] == pytest.approx(abs(ratios[0] - ratios[1]) / 2)
     assert best["settings"]["data.batching"] == "pack"
     assert best["verdict"] == speedup.verdict(ratios)
+    summary = json.loads((run_dir / "best" / "round-2" / "summary.json").read_text())
+    assert summary["target"]["reached"] and summary["target"]["bpb"] == 7.9
     printed = capsys.readouterr().out
-    assert "round 2/2  best" in printed and "trained in 2 rounds" in printed
+    assert "round 2/2  best" in printed and "to the target 2 times" in printed
+    report = (run_dir / "report.md").read_text()
+    assert "time to quality" in report and "the experiment took" in report
 
 
-def test_a_gain_within_its_spread_does_not_join_the_best_row():
-    rows = {r["name"]: r for r in [_row("baseline", 1.0, 0.0), _row("pack", 1.30, 0.0),
-                                   _row("bf16", 1.10, 0.0), _row("remat-dots", 1.06, 0.0)]}
-    rows["pack"]["spread"], rows["bf16"]["spread"] = 0.05, 0.12
-    rows["remat-dots"]["spread"] = 0.02
-    picks = [name for name, _ in speedup.choose_best(rows, 0.03, 0.02, 0.10)]
-    assert picks == ["pack", "remat-dots"]      # bf16's 10 % is inside its +-12 %
+def test_the_target_is_the_unigram_entropy_less_the_gap_and_a_missed_one_is_one_line(
+        corpus_path, tmp_path, capsys):
+    from jaxaccel.corpus import load_corpus
+    cfg = build(speedup.SpeedupConfig, {"data.path": corpus_path})
+    corpus = load_corpus(corpus_path)
+    resolved = speedup.resolve_target(cfg, corpus)
+    assert resolved.run.target_bpb == pytest.approx(corpus.unigram_bits_per_byte() - 1.0,
+                                                     abs=1e-4)
+    with pytest.raises(ConfigError, match="target_gap"):
+        speedup.resolve_target(build(speedup.SpeedupConfig, {"experiment.target_gap": 99.0}),
+                               corpus)
+    code = speedup.main([
+        "--scale", "cpu", "--cpu-devices", "1", "--rows", "pack", "--rounds", "1", "--data",
+        corpus_path, "--d-model", "32", "--n-layers", "1", "--n-heads", "2", "--max-seq-len",
+        "128", "--seq-len", "128", "--batch-size", "4", "--train-tokens", "800",
+        "--target-bpb", "0.5", "--eval-every", "2", "--cache-dir", str(tmp_path / "cache"),
+        "--run-dir", str(tmp_path / "runs")])
+    err = capsys.readouterr().err.strip().splitlines()
+    assert code == 1 and len(err) == 1 and "did not reach the target 0.5" in err[0], err
+    assert "--target-gap" in err[0] and not (tmp_path / "runs" / "pack").exists()

@@ -53,7 +53,7 @@ def test_sigterm_reaches_the_row_process_of_speedup_and_leaves_none_behind(
         corpus_path, tmp_path, capsys):
     from experiments import speedup
     runs = tmp_path / "runs"
-    metrics_path = runs / "baseline" / "metrics.jsonl"
+    metrics_path = runs / "baseline" / "round-1" / "metrics.jsonl"
 
     def terminate_when_training():
         deadline = time.monotonic() + 120
@@ -74,9 +74,9 @@ def test_sigterm_reaches_the_row_process_of_speedup_and_leaves_none_behind(
     watcher.join()
     err = capsys.readouterr().err.strip().splitlines()
     assert code == 143 and err[-1].startswith("stopped by SIGTERM"), err
-    log = (runs / "baseline" / "log.txt").read_text()
+    log = (runs / "baseline" / "round-1" / "log.txt").read_text()
     assert "stopped by SIGTERM at step" in log                 # the row's process stopped itself
-    assert os.listdir(runs / "baseline" / "checkpoints")       # ... after saving a checkpoint
+    assert os.listdir(runs / "baseline" / "round-1" / "checkpoints")   # ... after a checkpoint
     assert not (runs / "pack").exists()
 
 

@@ -118,7 +118,7 @@ CALLS = {
         Step("speedup", ["-m", "experiments.speedup", "--scale", "gpu", "--run-dir",
                          "{work}/speedup"], BUDGET_S - 30,
              smoke=["--scale", "cpu", "--rows", "pack", "--rounds", "1",
-                    "gpt.d_model=64", "run.train_tokens=20000"]),
+                    "gpt.d_model=64", "run.train_tokens=20000", "run.target_bpb=7.9"]),
     ],
     "attention": [
         attention("attention_builtin", "--impls", "cudnn,jax_reference,pallas", limit_s=240),
@@ -232,8 +232,9 @@ def highlights(record: dict) -> str:
     if isinstance(rows, list) and "best" in r.get("meta", {}):     # experiments.speedup
         best = next((x for x in rows if x.get("name") == "best"), None)
         return (f"{len(rows)} rows; best = {' + '.join(r['meta']['best']) or 'baseline'}" +
-                (f": {best['speedup']:.2f}x +- {best.get('spread') or 0:.2f}, validation "
-                 f"{best.get('quality_diff') or 0:+.1%}" if best and best.get("speedup") else ""))
+                (f": {best['speedup']:.2f}x +- {best.get('spread') or 0:.2f} sooner to "
+                 f"{r['meta'].get('target_bpb')} bits/byte ({best.get('verdict')})"
+                 if best and best.get("speedup") else ""))
     if isinstance(rows, list):
         bad = [x for x in rows if str(x.get("status", "ok")).startswith("error")]
         return f"{len(rows)} rows, {len(bad)} errors"

@@ -46,7 +46,9 @@ def finish(run: Setup, compiled: list, progress: Progress, wall_start: float,
             not progress.interrupted:
         bpb = run.corpus.bits_per_byte(val_loss)
         target = (target_record(cfg, final_step, bpb, progress.totals, progress.train_s)
-                  if bpb <= cfg.run.target_bpb else {"bpb": cfg.run.target_bpb, "reached": False})
+                  if bpb <= cfg.run.target_bpb
+                  else {"bpb": cfg.run.target_bpb, "reached": False, "step": final_step,
+                        "val_bpb": bpb})
     unigram_bpb = run.corpus.unigram_bits_per_byte()
     name = model_lib.describe(cfg.model, cfg.gpt)
     if jax.process_index() == 0:

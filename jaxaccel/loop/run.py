@@ -132,6 +132,13 @@ def run_steps(run: Setup, steps, should_stop=None, previous: Progress | None = N
                     reached = target_record(cfg, done, bpb, totals, watch.seconds)
                     announce(cfg, f"target {cfg.run.target_bpb:g} bits per byte reached at "
                                   f"step {done}: the run ends here", progress)
+                elif cfg.run.target_seconds is not None and \
+                        watch.seconds >= cfg.run.target_seconds:
+                    reached = {"bpb": cfg.run.target_bpb, "reached": False, "step": done,
+                               "val_bpb": bpb, "gave_up_after_s": watch.seconds}
+                    announce(cfg, f"target {cfg.run.target_bpb:g} bits per byte not reached "
+                                  f"in {cfg.run.target_seconds:g} s of training: the run ends "
+                                  f"at step {done}", progress)
                 watch.start()
             stop = received.get("signum") or (should_stop is not None and should_stop(done)
                                               and STOP_REQUESTED)
