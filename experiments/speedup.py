@@ -91,7 +91,7 @@ SCALES = ("auto", "cpu", "gpu")
 DEFAULTS = {"run.checkpoint_every": 0, "run.progress": False, "run.eval_batches": 4,
             "run.final_eval_batches": 4}
 # CPU: a 2 x 128 model at seq_len 128 reaches 1 bit/byte below the stdlib corpus's unigram
-# entropy (4.70) after about 90 steps, 180k real tokens, some 17 s of training on 2 cores
+# entropy (4.70) after 95 steps, 190k real tokens, 15-17 s of training on 2 cores
 # (2026-11-26); a row may train twice that. GPU: set from the CPU's proportions and issue 16's
 # H100 step times, not yet from a GPU run (the issue's budget for the whole experiment: 9
 # minutes).
