@@ -49,10 +49,11 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from experiments.common import (Interrupted, command, environment, median_seconds, parse_list,
-                                write_json)
+from experiments.common import (Experiment, Interrupted, Row, RowRun, config_of, environment,
+                                first, main_of, median_seconds, out_of_memory, parse_list,
+                                relative, write_json)
 from jaxaccel.attention import attention_mask, dot_product_attention, xla_attention
-from jaxaccel.config import parse, setting
+from jaxaccel.config import setting
 from jaxaccel.errors import ConfigError
 from jaxaccel.kernels import flash, flash_attention, tuning
 from jaxaccel.report import format_table
@@ -72,14 +73,15 @@ class AttentionSettings:
     impls: str = setting(",".join(IMPLS), "comma-separated implementations")
     causal: str = setting("both", "causal rows, full (non-causal) rows or both",
                           choices=("both", "causal", "full"))
-    heads: int = setting(16, "query heads")
+    heads: int = setting(16, "query heads", at_least=1)
     kv_heads: int | None = setting(None, "key/value heads (default: --heads); JAX's reference "
                                          "kernel takes only equal counts")
-    batch: int | None = setting(None, "rows per batch (default: --batch-tokens / T, at least 1)")
+    batch: int | None = setting(None, "rows per batch (default: --batch-tokens / T, at least 1)",
+                                at_least=1)
     batch_tokens: int = setting(16384, "tokens per batch when --batch is not given")
     dtype: str = setting("bfloat16", "input dtype", choices=tuple(DTYPES))
     warmup: int = setting(2, "untimed runs per measurement")
-    iters: int = setting(10, "timed runs per measurement (median)")
+    iters: int = setting(10, "timed runs per measurement (median)", at_least=1)
     max_t_limit: int | None = setting(None, "longest T the memory search tries; 0: no search "
                                             "(default: 131072 on a GPU, no search elsewhere, "
                                             "where running out of host memory is no clean error)")
@@ -91,9 +93,9 @@ class AttentionSettings:
     packed_docs: float = setting(3.0, "the packed batch: the first with at least this many "
                                       "documents per row on average", above=0)
     json: str | None = setting(None, "also write the rows as JSON to this path")
-    tune: bool = setting(False, "sweep our kernel's block sizes, warps and stages per pass "
-                                "instead, check each against XLA, and write the tuned table "
-                                "jaxaccel.kernels.tuning reads for this device")
+    tune: bool = setting(
+        False, "sweep our kernel's block sizes, warps and stages per pass instead, check each "
+        "against XLA, and write the tuned table jaxaccel.kernels.tuning reads for this device")
     tune_seq_lens: str = setting("4096", "--tune: the lengths a candidate is timed at (summed "
                                          "over these and --causal)")
     tune_blocks: str = setting("64,128", "--tune: block sizes tried for query and key tiles "
@@ -101,35 +103,24 @@ class AttentionSettings:
     tune_warps: str = setting("4,8", "--tune: Triton warps tried")
     tune_stages: str = setting("2,3", "--tune: Triton pipeline stages (and Mosaic GPU ring "
                                       "slots) tried")
-    tune_backends: str = setting("triton,mosaic_gpu", "--tune: backends tried (mosaic_gpu on "
-                                                      "Hopper GPUs only)")
+    tune_backends: str = setting(
+        "triton,mosaic_gpu", "--tune: backends tried (mosaic_gpu on Hopper GPUs only)")
     tuning_file: str | None = setting(None, "--tune: the table to write (default: "
                                             "$JAXACCEL_FLASH_TUNING or jaxaccel/kernels/"
                                             "tuned.json; required off the GPU)")
 
 
-@dataclasses.dataclass
-class AttentionConfig:
-    """The rows to time and how: this experiment trains nothing, so it has only its own section."""
-
-    experiment: AttentionSettings = dataclasses.field(default_factory=AttentionSettings)
+# The rows to time and how: this experiment trains nothing, so it has only its own section.
+AttentionConfig = config_of(AttentionSettings, base=None)
+CAUSAL = {"both": (True, False), "causal": (True,), "full": (False,)}
 
 
 COLUMNS = [
-    ("impl", "impl", ""),
-    ("layout", "layout", ""),
-    ("T", "T", "d"),
-    ("D", "D", "d"),
-    ("causal", "causal", ""),
-    ("batch", "batch", "d"),
-    ("fwd_ms", "fwd ms", ".3f"),
-    ("fwdbwd_ms", "fwd+bwd ms", ".3f"),
-    ("fwd_tflops", "fwd TFLOP/s", ".3g"),
-    ("fwdbwd_tflops", "fwd+bwd TFLOP/s", ".3g"),
-    ("docs_per_row", "docs/row", ".2f"),
-    ("packed_vs_dense", "packed/dense", ".2f"),
-    ("max_T", "max T", "d"),
-    ("status", "status", ""),
+    ("impl", "impl", ""), ("layout", "layout", ""), ("T", "T", "d"), ("D", "D", "d"),
+    ("causal", "causal", ""), ("batch", "batch", "d"), ("fwd_ms", "fwd ms", ".3f"),
+    ("fwdbwd_ms", "fwd+bwd ms", ".3f"), ("fwd_tflops", "fwd TFLOP/s", ".3g"),
+    ("fwdbwd_tflops", "fwd+bwd TFLOP/s", ".3g"), ("docs_per_row", "docs/row", ".2f"),
+    ("packed_vs_dense", "packed/dense", ".2f"), ("max_T", "max T", "d"), ("status", "status", ""),
 ]
 TOKAMAX_IMPLS = {"tokamax_mosaic": "mosaic", "tokamax_triton": "triton",
                  "tokamax_cudnn": "cudnn"}
@@ -203,11 +194,6 @@ def batch_rows(exp, T: int) -> int:
     return exp.batch or max(1, exp.batch_tokens // T)
 
 
-def is_out_of_memory(error: Exception) -> bool:
-    text = str(error)
-    return "RESOURCE_EXHAUSTED" in text or "out of memory" in text.lower()
-
-
 def fwd_and_fwdbwd(attn):
     """The jitted forward, and the jitted forward+backward (a vjp with a given cotangent)."""
     fwd = jax.jit(attn)
@@ -236,7 +222,7 @@ def packed_segment_ids(exp: AttentionSettings, T: int, batch: int) -> tuple[np.n
                       field="experiment.packed_docs")
 
 
-def measure(exp: AttentionSettings, impl: str, T: int, D: int, causal: bool, interpret: bool,
+def time_row(exp: AttentionSettings, impl: str, T: int, D: int, causal: bool, interpret: bool,
             key, packed: tuple[np.ndarray, float] | None = None) -> dict:
     """One row: median times and TFLOP/s, or the reason it has none; ``packed``: the packed
     batch's segment ids and documents per row."""
@@ -244,7 +230,7 @@ def measure(exp: AttentionSettings, impl: str, T: int, D: int, causal: bool, int
     batch = batch_rows(exp, T)
     row = {"impl": impl, "layout": "packed" if packed else "dense", "T": T, "D": D,
            "causal": causal, "batch": batch, "fwd_ms": None, "fwdbwd_ms": None,
-           "fwd_tflops": None, "fwdbwd_tflops": None, "max_T": None,
+           "fwd_tflops": None, "fwdbwd_tflops": None, "max_T": None, "max_T_stopped": None,
            "docs_per_row": packed[1] if packed else None,
            "status": skip_reason(impl, T, heads, kv_heads)}
     if row["status"]:
@@ -262,7 +248,7 @@ def measure(exp: AttentionSettings, impl: str, T: int, D: int, causal: bool, int
     except Interrupted:
         raise                   # a signal stops the experiment; it is no row's failure
     except Exception as e:   # noqa: BLE001 - every failure becomes the row's status
-        row["status"] = "OOM" if is_out_of_memory(e) else f"error: {str(e).splitlines()[0]}"
+        row["status"] = "OOM" if out_of_memory(e) else f"error: {str(e).splitlines()[0]}"
         return row
     row.update(fwd_ms=fwd_s * 1e3, fwdbwd_ms=fwdbwd_s * 1e3, fwd_tflops=flops / fwd_s / 1e12,
                fwdbwd_tflops=3.5 * flops / fwdbwd_s / 1e12, status="ok")
@@ -293,36 +279,143 @@ def longest_fitting(exp: AttentionSettings, impl: str, D: int, causal: bool, sta
             jax.block_until_ready(fwd_and_fwdbwd(attention_fn(impl, causal, interpret))[1](
                 q, k, v, d_out))
         except Exception as e:   # noqa: BLE001 - the search reports why it stopped
-            return fits, "OOM" if is_out_of_memory(e) else f"error: {str(e).splitlines()[0]}"
+            return fits, "OOM" if out_of_memory(e) else f"error: {str(e).splitlines()[0]}"
         finally:
             del q, k, v, d_out
         fits, T = T, 2 * T
     return fits, "limit"
 
 
-def compare(rows: list[dict]):
+def interpreted() -> bool:
+    """Off the GPU the Pallas kernels run in the interpreter: no kernel speed."""
+    return jax.default_backend() != "gpu"
+
+
+def max_t_limit(exp: AttentionSettings) -> int:
+    """The longest T the memory search tries (0: none; by default 131072 on a GPU)."""
+    return exp.max_t_limit if exp.max_t_limit is not None else 0 if interpreted() else 131072
+
+
+def check(cfg: AttentionConfig) -> AttentionConfig:
+    """The settings both modes read, checked before any work."""
+    exp = cfg.experiment
+    parse_list(exp.impls, "experiment.impls", valid=IMPLS)
+    parse_list(exp.seq_lens, "experiment.seq_lens", kind=int)
+    parse_list(exp.head_dims, "experiment.head_dims", kind=int)
+    kv_heads = exp.kv_heads or exp.heads
+    if kv_heads < 1 or exp.heads % kv_heads:
+        raise ConfigError(f"kv_heads={kv_heads} does not divide heads={exp.heads}; choose "
+                          f"kv_heads dividing heads", field="experiment.kv_heads")
+    return cfg
+
+
+def rows(cfg: AttentionConfig) -> list[Row]:
+    """A row per implementation, head dim and causality: its lengths, dense then packed."""
+    exp = cfg.experiment
+    parse_list(exp.layouts, "experiment.layouts", valid=LAYOUTS)
+    return [Row(f"{impl} D={D} causal={causal}", fields={"impl": impl, "D": D, "causal": causal})
+            for impl in parse_list(exp.impls, "experiment.impls", valid=IMPLS)
+            for D in parse_list(exp.head_dims, "experiment.head_dims", kind=int)
+            for causal in CAUSAL[exp.causal]]
+
+
+def shared(cfg: AttentionConfig) -> dict:
+    """The dense rows' lengths, and the packed batch's segment ids per length."""
+    exp = cfg.experiment
+    seq_lens = parse_list(exp.seq_lens, "experiment.seq_lens", kind=int)
+    layouts = parse_list(exp.layouts, "experiment.layouts", valid=LAYOUTS)
+    return {"dense": seq_lens if "dense" in layouts else [],
+            "packed": {T: packed_segment_ids(exp, T, batch_rows(exp, T)) for T in seq_lens}
+            if "packed" in layouts else {}}
+
+
+def measure(run: RowRun) -> list[dict]:
+    """The dense rows of every length, the longest length that fits (doubling from the longest
+    timed one), then the packed rows."""
+    exp, fields = run.cfg.experiment, run.row.fields
+    impl, D, causal = fields["impl"], fields["D"], fields["causal"]
+    interpret, key, limit = interpreted(), jax.random.PRNGKey(exp.seed), max_t_limit(exp)
+    dense, packed = [], []
+    for T in run.shared["dense"]:
+        dense.append(time_row(exp, impl, T, D, causal, interpret, key))
+        print(progress(dense[-1]), flush=True)
+    timed = [r["T"] for r in dense if r["status"] == "ok"]
+    if limit and timed:
+        max_T, stopped = longest_fitting(exp, impl, D, causal, max(timed), limit, interpret, key)
+        for r in dense:
+            r.update(max_T=max_T, max_T_stopped=stopped)
+    for T, segments in run.shared["packed"].items():
+        packed.append(time_row(exp, impl, T, D, causal, interpret, key, segments))
+        print(progress(packed[-1]), flush=True)
+    return dense + packed
+
+
+RIVALS = (("cudnn", ("fwd_tflops", "fwdbwd_tflops")), ("jax_reference", ("fwdbwd_tflops",)),
+          *((t, ("fwd_tflops", "fwdbwd_tflops")) for t in TOKAMAX_IMPLS))
+
+
+def compare(cfg: AttentionConfig, rows: list[dict], partial) -> dict:
     """On our rows: forward and forward+backward throughput over cuDNN's, the reference's and
-    tokamax's at the same layout; on packed rows: the dense row's time over theirs."""
-    by_key = {(r["impl"], r["layout"], r["T"], r["D"], r["causal"]): r for r in rows}
+    tokamax's at the same layout; on packed rows: the dense row's time over theirs. Where each
+    memory search stopped, for the meta."""
     for row in rows:
-        shape = (row["T"], row["D"], row["causal"])
-        dense = by_key.get((row["impl"], "dense", *shape))
+        shape = {"T": row["T"], "D": row["D"], "causal": row["causal"]}
         if row["layout"] == "packed":
-            row["packed_vs_dense"] = (dense["fwdbwd_ms"] / row["fwdbwd_ms"]
-                                      if dense and dense["fwdbwd_ms"] and row["fwdbwd_ms"]
-                                      else None)
-        if row["impl"] != "pallas":
-            continue
-        for other, fields in (("cudnn", ("fwd_tflops", "fwdbwd_tflops")),
-                              ("jax_reference", ("fwdbwd_tflops",)),
-                              *((t, ("fwd_tflops", "fwdbwd_tflops")) for t in TOKAMAX_IMPLS)):
-            them = by_key.get((other, row["layout"], *shape))
-            for field in fields:
-                mine, theirs = row[field], them and them[field]
-                row[f"{field}_vs_{other}"] = mine / theirs if mine and theirs else None
+            relative([row], first(rows, impl=row["impl"], layout="dense", **shape),
+                     packed_vs_dense=("fwdbwd_ms", "inverse"))
+        for other, keys in RIVALS if row["impl"] == "pallas" else ():
+            relative([row], first(rows, impl=other, layout=row["layout"], **shape),
+                     **{f"{key}_vs_{other}": (key, "ratio") for key in keys})
+    return {"max_t_search": {r["label"]: {"max_T": r["max_T"], "stopped": r["max_T_stopped"]}
+                             for r in rows if r["max_T_stopped"]}}
 
 
-# ---------------------------------------------------------------------------------------------
+def meta(cfg: AttentionConfig, rows: list[dict]) -> dict:
+    exp = cfg.experiment
+    return {**{k: getattr(exp, k) for k in ("dtype", "heads", "batch", "batch_tokens", "warmup",
+                                            "iters")},
+            "kv_heads": exp.kv_heads or exp.heads, "interpret": interpreted(),
+            "max_t_limit": max_t_limit(exp), "max_t_search": {},
+            "layouts": parse_list(exp.layouts, "experiment.layouts", valid=LAYOUTS),
+            "packed_batch": {"data": exp.data, "tokenizer": exp.tokenizer, "seed": exp.seed,
+                             "min_docs_per_row": exp.packed_docs,
+                             "docs_per_row": {r["T"]: r["docs_per_row"] for r in rows
+                                              if r["layout"] == "packed"}},
+            "flops": "forward 4*B*H*T*T*D (halved when causal); forward+backward 3.5x that; "
+                     "packed rows count their dense shape's"}
+
+
+def notes(cfg: AttentionConfig, rows: list[dict], meta: dict) -> list[str]:
+    """Our kernel's throughput over the others' (on a GPU), and where the memory searches
+    stopped."""
+    lines = []
+    for r in rows if not meta["interpret"] else []:
+        ratios = ", ".join(f"{k.replace('_tflops', '')} {r[k]:.2f}x" for k in r
+                           if "_tflops_vs_" in k and r[k])
+        if r["impl"] == "pallas" and ratios:
+            lines.append(f"pallas {r['layout']} T={r['T']} D={r['D']} causal={r['causal']}: "
+                         f"{ratios}")
+    if meta["max_t_limit"]:
+        lines.append(f"max T: the longest T whose forward+backward ran at batch 1, doubling up "
+                     f"to {meta['max_t_limit']}; the search stopped at: "
+                     + "; ".join(f"{k}: {v['stopped']}" for k, v in meta["max_t_search"].items()))
+    return lines
+
+
+EXPERIMENT = Experiment(
+    name="attention", doc=__doc__, config=AttentionConfig, rows=rows, columns=COLUMNS,
+    trains=False, prepare=check, shared=shared, measure=measure, compare=compare, meta=meta,
+    notes=notes,
+    setup=lambda cfg: (f"{cfg.experiment.dtype}, {cfg.experiment.heads} heads "
+                       f"({cfg.experiment.kv_heads or cfg.experiment.heads} key/value)"
+                       + ("; Pallas interpreted, not a speed" if interpreted() else "")),
+    # a row or a memory search that ended in an error (not a skip or OOM): exit code 1
+    failed=lambda rows: any(why.startswith("error") for r in rows
+                            for why in (r["status"], r["max_T_stopped"] or "")),
+    # --tune: the tuning sweep, a loop of its own (below)
+    mode=lambda cfg: (lambda cfg: tune(cfg.experiment)) if cfg.experiment.tune else None)
+
+
 # The tuning sweep of ``--tune``: our flash kernel's block sizes, Triton warps and stages, per pass
 # and head dim, on the present device.
 #
@@ -344,17 +437,10 @@ def compare(rows: list[dict]):
 TOLERANCE = {"bfloat16": 2e-2, "float16": 1e-2, "float32": 1e-4}
 
 TUNE_COLUMNS = [
-    ("D", "D", "d"),
-    ("pass", "pass", ""),
-    ("backend", "backend", ""),
-    ("block_q", "block_q", "d"),
-    ("block_k", "block_k", "d"),
-    ("num_warps", "warps", ""),
-    ("num_stages", "stages", ""),
-    ("ms", "ms (sum)", ".3f"),
-    ("rel_err", "rel err", ".2e"),
-    ("best", "best", ""),
-    ("status", "status", ""),
+    ("D", "D", "d"), ("pass", "pass", ""), ("backend", "backend", ""),
+    ("block_q", "block_q", "d"), ("block_k", "block_k", "d"), ("num_warps", "warps", ""),
+    ("num_stages", "stages", ""), ("ms", "ms (sum)", ".3f"), ("rel_err", "rel err", ".2e"),
+    ("best", "best", ""), ("status", "status", ""),
 ]
 
 
@@ -467,7 +553,7 @@ def tune_head_dim(exp, D: int, shapes: list[Shape], interpret: bool, timing,
             except Interrupted:
                 raise               # a signal stops the sweep; it rejects no candidate
             except Exception as e:   # noqa: BLE001 - a candidate that fails is rejected
-                row["status"] = ("rejected: out of memory" if is_out_of_memory(e)
+                row["status"] = ("rejected: out of memory" if out_of_memory(e)
                                  else f"rejected: {str(e).splitlines()[0][:120]}")
             else:
                 row.update(ms=seconds * 1e3, rel_err=err)
@@ -490,10 +576,11 @@ def tune_head_dim(exp, D: int, shapes: list[Shape], interpret: bool, timing,
     return rows, best, builtin
 
 
-def tune(exp, head_dims: list[int], causal_modes: tuple[bool, ...], interpret: bool) -> int:
+def tune(exp: AttentionSettings) -> int:
     """``--tune``: the sweep, the table entry, the printed tables; the experiment's exit
     code."""
-
+    head_dims = parse_list(exp.head_dims, "experiment.head_dims", kind=int)
+    causal_modes, interpret = CAUSAL[exp.causal], interpreted()
     seq_lens = parse_list(exp.tune_seq_lens, "experiment.tune_seq_lens", kind=int)
     if exp.tuning_file is None and interpret:
         raise ConfigError("tuning off the GPU times the Pallas interpreter; pass --tuning-file "
@@ -553,81 +640,7 @@ def tune(exp, head_dims: list[int], causal_modes: tuple[bool, ...], interpret: b
     return 0
 
 
-@command(AttentionConfig)
-def main(argv=None) -> int:
-    cfg = parse(argv, AttentionConfig, description=__doc__.split("\n\n")[0])
-    exp = cfg.experiment
-    impls = parse_list(exp.impls, "experiment.impls", valid=IMPLS)
-    seq_lens = parse_list(exp.seq_lens, "experiment.seq_lens", kind=int)
-    head_dims = parse_list(exp.head_dims, "experiment.head_dims", kind=int)
-    for field in ("heads", "iters", "batch"):
-        value = getattr(exp, field)
-        if value is not None and value < 1:
-            raise ConfigError(f"{field} must be at least 1, got {value}",
-                              field=f"experiment.{field}")
-    kv_heads = exp.kv_heads or exp.heads
-    if kv_heads < 1 or exp.heads % kv_heads:
-        raise ConfigError(f"kv_heads={kv_heads} does not divide heads={exp.heads}; choose "
-                          f"kv_heads dividing heads", field="experiment.kv_heads")
-    if exp.warmup < 0:
-        raise ConfigError(f"warmup must be >= 0, got {exp.warmup}", field="experiment.warmup")
-    gpu = jax.default_backend() == "gpu"
-    interpret = not gpu
-    causal_modes = {"both": (True, False), "causal": (True,), "full": (False,)}[exp.causal]
-    if exp.tune:
-        return tune(exp, head_dims, causal_modes, interpret)
-    layouts = parse_list(exp.layouts, "experiment.layouts", valid=LAYOUTS)
-    packed = {T: packed_segment_ids(exp, T, batch_rows(exp, T)) for T in seq_lens} \
-        if "packed" in layouts else {}
-
-    limit = exp.max_t_limit if exp.max_t_limit is not None else (131072 if gpu else 0)
-    key = jax.random.PRNGKey(exp.seed)
-    rows, search = [], {}
-    for impl in impls:
-        for D in head_dims:
-            for causal in causal_modes:
-                impl_rows = [measure(exp, impl, T, D, causal, interpret, key)
-                             for T in seq_lens] if "dense" in layouts else []
-                for r in impl_rows:
-                    print(progress(r), flush=True)
-                timed = [r["T"] for r in impl_rows if r["status"] == "ok"]
-                if limit and timed:
-                    max_T, stop = longest_fitting(exp, impl, D, causal, max(timed), limit,
-                                                  interpret, key)
-                    search[f"{impl} D={D} causal={causal}"] = {"max_T": max_T, "stopped": stop}
-                    for r in impl_rows:
-                        r["max_T"] = max_T
-                for T in seq_lens if packed else []:
-                    impl_rows.append(measure(exp, impl, T, D, causal, interpret, key, packed[T]))
-                    print(progress(impl_rows[-1]), flush=True)
-                rows += impl_rows
-    compare(rows)
-    meta = {"dtype": exp.dtype, "heads": exp.heads, "kv_heads": kv_heads,
-            "batch": exp.batch, "batch_tokens": exp.batch_tokens, "warmup": exp.warmup,
-            "iters": exp.iters, "interpret": interpret, "max_t_limit": limit,
-            "max_t_search": search, "layouts": layouts,
-            "packed_batch": {"data": exp.data, "tokenizer": exp.tokenizer, "seed": exp.seed,
-                             "min_docs_per_row": exp.packed_docs,
-                             "docs_per_row": {T: p[1] for T, p in packed.items()}},
-            "flops": "forward 4*B*H*T*T*D (halved when causal); forward+backward 3.5x that; "
-                     "packed rows count their dense shape's",
-            **environment()}
-    print(f"\n{exp.dtype}, {exp.heads} heads ({kv_heads} key/value); {meta['device']}, "
-          f"jax {meta['jax_version']}" + ("; Pallas interpreted, not a speed" if interpret
-                                          else ""))
-    print(format_table(rows, COLUMNS))
-    for r in rows if not interpret else []:
-        ratios = ", ".join(f"{k.replace('_tflops', '')} {r[k]:.2f}x" for k in r
-                           if "_tflops_vs_" in k and r[k])
-        if r["impl"] == "pallas" and ratios:
-            print(f"pallas {r['layout']} T={r['T']} D={r['D']} causal={r['causal']}: {ratios}")
-    if limit:
-        print(f"max T: the longest T whose forward+backward ran at batch 1, doubling up to "
-              f"{limit}; the search stopped at: "
-              + "; ".join(f"{k}: {v['stopped']}" for k, v in search.items()))
-    write_json(exp.json, rows, meta)
-    errors = [r["status"] for r in rows] + [v["stopped"] for v in search.values()]
-    return 1 if any(e.startswith("error") for e in errors) else 0
+main = main_of(EXPERIMENT)
 
 
 if __name__ == "__main__":

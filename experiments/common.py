@@ -6,16 +6,19 @@ import contextlib
 import dataclasses
 import functools
 import os
+import re
+import shlex
 import signal
 import statistics
 import sys
 import threading
 import time
+from typing import Callable
 
 import jax
 import numpy as np
 
-from jaxaccel.config import TrainConfig, describe_error, parse
+from jaxaccel.config import TrainConfig, describe_error, override, parse
 from jaxaccel.data import DataStream
 from jaxaccel.errors import ConfigError
 from jaxaccel.metrics import plot_curves, read_metrics, token_curve
@@ -64,11 +67,13 @@ def command(config_cls=TrainConfig):
 
 
 def out_of_memory(error: BaseException) -> bool:
-    """An allocation failure: Python's MemoryError, or XLA's RESOURCE_EXHAUSTED (a
-    ``JaxRuntimeError`` / ``XlaRuntimeError`` whose message starts with it)."""
+    """An allocation failure: Python's MemoryError, or a ``JaxRuntimeError`` /
+    ``XlaRuntimeError`` that says RESOURCE_EXHAUSTED or "out of memory" (a GPU allocation
+    failing inside a kernel's call is reported in another status)."""
+    text = str(error)
     return isinstance(error, MemoryError) or (
         type(error).__name__ in ("JaxRuntimeError", "XlaRuntimeError")
-        and "RESOURCE_EXHAUSTED" in str(error).split("\n", 1)[0])
+        and ("RESOURCE_EXHAUSTED" in text or "out of memory" in text.lower()))
 
 
 @contextlib.contextmanager
@@ -233,32 +238,34 @@ def exit_code(interrupted: str | None) -> int:
     return 128 + signum if signum else 1
 
 
-def print_table(rows: list[dict], columns, targets: list[str]):
-    """The experiment's table, then its targets' verdicts (if any) as a list."""
-    print(format_table(rows, columns))
-    if targets:
-        print("\nTargets:")
-        print("\n".join(f"- {line}" for line in targets))
-
-
-def parse_list(text: str, field: str, *, valid=None, kind=str) -> list:
-    """The comma-separated items of the setting ``field``: names from ``valid``, or (``kind=int``)
-    positive integers; ConfigError naming the field otherwise."""
+def parse_list(text: str, field: str, *, valid=None, kind=str, within=None,
+               example: str = "1024,2048") -> list:
+    """The comma-separated items of the setting ``field``: names from ``valid``; or (``kind=int``)
+    positive integers; or (``kind=float``) finite numbers, each ``within(value)`` if given (a
+    predicate with a ``__doc__`` saying what it wants, e.g. "in [0, 1)"). ConfigError naming
+    the field otherwise, with ``example`` as the fix."""
     items = [item.strip() for item in (text or "").split(",") if item.strip()]
     name = field.rpartition(".")[2]
-    if kind is int:
+    if kind in (int, float):
         try:
-            values = [int(item) for item in items]
+            values = [kind(item) for item in items]
         except ValueError:
             values = []
-        if not values or min(values) < 1:
-            raise ConfigError(f"{name}={text!r} is not a comma-separated list of positive "
-                              f"integers; write e.g. 1024,2048", field=field)
+        words = "positive integers" if kind is int else "numbers"
+        if not values or (kind is int and min(values) < 1) or not all(
+                abs(v) < float("inf") for v in values):
+            raise ConfigError(f"{name}={text!r} is not a comma-separated list of {words}; "
+                              f"write e.g. {example}", field=field)
+        bad = [v for v in values if within is not None and not within(v)]
+        if bad:
+            raise ConfigError(f"{name}: {bad[0]:g} is not {within.__doc__}; write e.g. "
+                              f"{example}", field=field)
         return values
     unknown = [item for item in items if valid is not None and item not in valid]
     if unknown or not items:
-        raise ConfigError(f"unknown {name} {unknown}; choose from {', '.join(valid)}",
-                          field=field)
+        raise ConfigError((f"unknown {name} {unknown}" if unknown else f"no {name} given")
+                          + (f"; choose from {', '.join(valid)}" if valid is not None else
+                             f"; write e.g. {example}"), field=field)
     return items
 
 
@@ -409,3 +416,352 @@ def technique(summary, name: str, field: str | None = None, default=None):
     if field is None:
         return record
     return record.get(field, default) if isinstance(record, dict) else default
+
+
+# ---------------------------------------------------------------------------------------------
+# The harness: an experiment declares its rows, columns and conclusions; ``main_of`` does the
+# rest (parse, check every row before any work, run the rows until a signal, compare, print,
+# plot, JSON, exit code).
+
+def config_of(settings: type, base: type | None = TrainConfig) -> type:
+    """An experiment's config class: ``base`` (TrainConfig, the config every row shares; None
+    for an experiment that trains nothing) with one more section, ``experiment``: ``settings``,
+    the experiment's own (a dataclass of ``setting(...)`` fields). Named after the settings
+    (``SparsitySettings`` -> ``SparsityConfig``), in their module."""
+    name = settings.__name__.removesuffix("Settings") + "Config"
+    return dataclasses.make_dataclass(
+        name, [("experiment", settings, dataclasses.field(default_factory=settings))],
+        bases=(base,) if base else (), module=settings.__module__)
+
+
+@dataclasses.dataclass(frozen=True)
+class Row:
+    """One row of an experiment: its ``label`` (the table's and the plot's name for it), the
+    config ``settings`` that make it (overrides of the shared config), the ``fields`` its
+    result carries as they are (what the row varies), and its run directory under the run
+    root (``directory``; default: the label with every run of other characters as one ``-``)."""
+
+    label: str
+    settings: dict = dataclasses.field(default_factory=dict)
+    fields: dict = dataclasses.field(default_factory=dict)
+    directory: str | None = None
+
+    @property
+    def dirname(self) -> str:
+        return self.directory or re.sub(r"[^A-Za-z0-9._+]+", "-", self.label).strip("-")
+
+
+@dataclasses.dataclass
+class RowRun:
+    """What ``Experiment.measure`` gets for one row: the shared config, the row, its run
+    directory (None for an experiment that trains nothing), the results of the rows before it,
+    and what ``Experiment.shared`` built once for every row."""
+
+    cfg: object
+    row: Row
+    run_dir: str | None
+    previous: list
+    shared: object = None
+
+    def config(self, **more):
+        """The row's training config: the shared one with the row's settings, its run directory
+        and no JSON of its own, and ``more`` (dotted names with ``__`` for ``.``)."""
+        extra = {k.replace("__", "."): v for k, v in more.items()}
+        return override(self.cfg, {**self.row.settings, "run.run_dir": self.run_dir,
+                                   "run.json": None, **extra})
+
+
+@dataclasses.dataclass
+class Experiment:
+    """An experiment, declared. Required: ``name`` (the run root's prefix ``runs/<name>-<time>``
+    and the plot's file name), ``doc`` (the module's docstring; its first paragraph is
+    ``--help``'s), ``config`` (the config class, with an ``experiment`` section), ``rows``
+    (cfg -> [Row]: parse the row flags, raise ConfigError before any work), ``columns`` (the
+    table: ``(key, header, format)``) and ``setup`` (cfg -> the headline's words on what every
+    row shares). The rest is optional:
+
+    - ``defaults``, ``fixed``, ``unused``: as ``config.parse`` takes them;
+    - ``prepare``: cfg -> cfg, after parsing and before validation; ``mode``: cfg -> another
+      Experiment to run instead on the same parsed config (a flag that switches mode), or a
+      function cfg -> exit code (a mode with a loop of its own), or None;
+    - ``row_flags``: a row setting -> the flag that sets it, so a row's ConfigError names that;
+    - ``check_models``: build every row's model abstractly before any work (training rows);
+    - ``shared``: cfg -> what every row's measurement needs, built once after the checks;
+      ``finish``: (cfg, shared) -> run after the rows however they ended (clean up); a dict
+      it returns joins the JSON's meta;
+    - ``measure``: RowRun -> the row's result, or a list of results (several table rows);
+      default: train it (``trained``);
+    - ``result``: (summary, RowRun) -> more fields of a trained row;
+    - ``compare``: (cfg, rows, partial) -> the columns derived across rows, in place; what it
+      returns (a dict) joins the JSON's meta;
+    - ``conclude``: (cfg, rows) -> lines on the targets, printed under "Targets:";
+    - ``tables``: (cfg, rows, meta) -> [(title, rows, columns)], instead of one table;
+    - ``notes``: (cfg, rows, meta) -> lines printed after the tables;
+    - ``meta``: (cfg, rows) -> the JSON meta's own keys (the shared config's are there);
+    - ``plot``: "loss" (training bits per byte against real tokens, a line per row), None, or
+      (path, cfg, rows) -> None; ``plot_title``: the title before ``, <model> model``;
+    - ``trains``: False for an experiment whose config has no ``run`` section;
+    - ``failed``: rows -> True when a measurement failed (exit code 1, after the report)."""
+
+    name: str
+    doc: str
+    config: type
+    rows: Callable
+    columns: list
+    setup: Callable
+    defaults: dict = dataclasses.field(default_factory=dict)
+    fixed: tuple = ()
+    unused: dict = dataclasses.field(default_factory=dict)
+    prepare: Callable | None = None
+    row_flags: dict = dataclasses.field(default_factory=dict)
+    check_models: bool = True
+    shared: Callable | None = None
+    measure: Callable | None = None
+    result: Callable | None = None
+    compare: Callable | None = None
+    conclude: Callable | None = None
+    tables: Callable | None = None
+    notes: Callable | None = None
+    meta: Callable | None = None
+    plot: Callable | str | None = "loss"
+    plot_title: str = ""
+    trains: bool = True
+    finish: Callable | None = None
+    failed: Callable | None = None
+    mode: Callable | None = None
+
+
+def main_of(exp: Experiment):
+    """The experiment's ``main(argv) -> exit code`` (``command``: one line on bad input, the
+    signal's exit code)."""
+
+    @command(exp.config)
+    def main(argv=None) -> int:
+        return run_experiment(exp, argv)
+
+    main.__doc__ = exp.doc
+    return main
+
+
+def run_experiment(exp: Experiment, argv) -> int:
+    """Parse, plan and check every row, run them until a signal, then report (``Experiment``)."""
+    argv = sys.argv[1:] if argv is None else list(argv)
+    module = exp.config.__module__
+    if module == "__main__":        # python -m experiments.<name>
+        module = getattr(sys.modules["__main__"].__spec__, "name", module)
+    command_line = f"python -m {module} {shlex.join(argv)}".strip()
+    cfg = parse_experiment(argv, exp.config, defaults=exp.defaults, fixed=exp.fixed,
+                           unused=exp.unused, description=exp.doc.split("\n\n")[0])
+    if exp.trains and not cfg.run.run_dir:       # the run root, known to every hook
+        cfg = override(cfg, {"run.run_dir": os.path.join(
+            "runs", time.strftime(f"{exp.name}-%Y%m%d-%H%M%S"))})
+    if exp.prepare:
+        cfg = exp.prepare(cfg)
+    if hasattr(cfg, "validate"):
+        cfg.validate()
+    chosen = exp.mode(cfg) if exp.mode else None
+    if chosen is not None and not isinstance(chosen, Experiment):
+        return chosen(cfg)              # a mode with a loop of its own
+    exp = chosen or exp
+    try:
+        plan = exp.rows(cfg)
+    except ConfigError as e:            # named as the experiment flag that sets the field
+        raise ConfigError(str(e), field=exp.row_flags.get(e.field, e.field)) from None
+    root = None
+    if exp.trains:
+        if exp.check_models:
+            check_rows(cfg, plan, exp.row_flags)
+        root = cfg.run.run_dir
+        check_run_root(root, plan)
+    shared = exp.shared(cfg) if exp.shared else None
+    rows, partial, finished = [], None, None
+    try:
+        for row in plan:
+            check_stop()
+            run = RowRun(cfg, row, root and os.path.join(root, row.dirname), rows, shared)
+            result = exp.measure(run) if exp.measure else trained(run, exp.result)
+            for one in result if isinstance(result, list) else [result]:
+                rows.append({"label": row.label, **row.fields, **one})
+    except Interrupted as stop:         # the cut row is not a result; later rows do not run
+        partial = stop.signal
+    finally:
+        if exp.finish:
+            finished = exp.finish(cfg, shared)
+    meta = (exp.compare(cfg, rows, partial) if exp.compare and rows else None) or {}
+    lines = exp.conclude(cfg, rows) if exp.conclude and rows else []
+    meta = {**shared_meta(cfg, exp.unused), **(exp.meta(cfg, rows) if exp.meta else {}), **meta,
+            **(finished or {}),
+            **({"targets": lines} if exp.conclude else {}), "command": command_line,
+            **environment(),
+            "run_dir": root, "interrupted": partial}
+    print(f"\n{exp.setup(cfg)}; {meta['device']}, jax {meta['jax_version']}"
+          + (f" (PARTIAL: stopped by {partial}; {len(rows)} of {len(plan)} rows ran)"
+             if partial else ""))
+    tables = exp.tables(cfg, rows, meta) if exp.tables else [(None, rows, exp.columns)]
+    for title, table_rows, columns in tables:
+        if title:
+            print(f"\n{title}")
+        print(format_table(table_rows, columns))
+    if lines:
+        print("\nTargets:")
+        print("\n".join(f"- {line}" for line in lines))
+    for line in exp.notes(cfg, rows, meta) if exp.notes else []:
+        print(line)
+    if root and exp.plot and rows:
+        path = os.path.join(root, f"{exp.name}.png")
+        if exp.plot == "loss":
+            plot_loss_curves(path, {r["label"]: r["run_dir"] for r in rows},
+                             title=f"{exp.plot_title or exp.name}, {meta['model']} model")
+        else:
+            exp.plot(path, cfg, rows)
+        if os.path.exists(path):
+            print(f"\nplot: {path}")
+    write_json(json_path(cfg), rows, meta)
+    if partial:
+        return exit_code(partial)
+    return 1 if exp.failed and exp.failed(rows) else 0
+
+
+def json_path(cfg) -> str | None:
+    """Where the rows go as JSON: ``--json`` (the run's, or the experiment's own)."""
+    return cfg.run.json if hasattr(cfg, "run") else getattr(cfg.experiment, "json", None)
+
+
+def shared_meta(cfg, unused: dict = ()) -> dict:
+    """The JSON meta of what every row of a training experiment shares (less the fields the
+    experiment does not use)."""
+    if not isinstance(cfg, TrainConfig):
+        return {}
+    from jaxaccel.model import describe
+    meta = {"model": describe(cfg.model, cfg.gpt), "data": cfg.data.path,
+            "batching": cfg.data.batching, "seq_len": cfg.seq_len,
+            "batch_size": cfg.data.batch_size, "steps": cfg.run.steps,
+            "train_tokens": cfg.run.train_tokens, "seed": cfg.run.seed}
+    paths = {"data": "data.path", "batching": "data.batching"}
+    return {k: v for k, v in meta.items() if paths.get(k) not in unused}
+
+
+def check_rows(cfg, plan: list[Row], flags: dict):
+    """Every row's config validated and its model built abstractly (every technique applied),
+    before any work; an error in a setting a row flag sets names that flag."""
+    from jaxaccel import techniques
+    for row in plan:
+        try:
+            row_cfg = override(cfg, row.settings)
+            row_cfg.validate()
+            techniques.abstract(row_cfg)
+        except ConfigError as e:
+            raise ConfigError(str(e), field=flags.get(e.field, e.field)) from None
+
+
+def check_run_root(run_root: str, plan: list[Row]):
+    """No row may land on an earlier run's checkpoints (found only after the rows before it
+    trained)."""
+    for row in plan:
+        checkpoints = os.path.join(run_root, row.dirname, "checkpoints")
+        if os.path.isdir(checkpoints) and os.listdir(checkpoints):
+            raise ConfigError(f"run dir {run_root} already holds this experiment's row "
+                              f"{row.label!r}; choose another run_dir", field="run.run_dir")
+
+
+def trained(run: RowRun, more=None) -> dict:
+    """Train the row (``train_row``: a signal cuts it) and reduce its summary to a result: the
+    figures every training experiment reports, and ``more(summary, run)``."""
+    summary = train_row(run.config())
+    return {**summary_fields(summary), **(more(summary, run) if more else {})}
+
+
+def summary_fields(summary) -> dict:
+    """A trained row's common figures, from its ``RunSummary``."""
+    steps = summary.steps_this_run
+    return {"steps": summary.steps, "real_tokens": summary.real_tokens,
+            "train_s": summary.train_s, "wall_s": summary.wall_s,
+            "compile_s": summary.compile_s, "step_ms": 1e3 * summary.train_s / steps
+            if steps else None, "real_tokens_per_s": summary.real_tokens_per_s,
+            "flops_per_token": summary.flops_per_token, "params": summary.params,
+            "train_bpb": summary.train_bpb, "val_loss": summary.val_loss,
+            "val_bpb": summary.val_bpb, "val_tokens": summary.val_tokens,
+            "unigram_bpb": summary.unigram_bpb, "diverged_at_step": summary.diverged_at_step,
+            "run_dir": summary.run_dir}
+
+
+def relative(rows: list[dict], base: dict | None, **columns):
+    """Columns against a ``base`` row, in place: ``name=(key, how)`` sets ``row[name]`` to
+    ``row[key] / base[key]`` (how ``"ratio"``), ``base[key] / row[key]`` (``"inverse"``),
+    ``row[key] / base[key] - 1`` (``"change"``), ``1 - row[key] / base[key]`` (``"saving"``)
+    or ``row[key] - base[key]`` (``"difference"``); None where the base or a value is missing
+    (or a divisor 0)."""
+    for row in rows:
+        for name, (key, how) in columns.items():
+            a, b = row.get(key), base and base.get(key)
+            if a is None or b is None or (how != "difference" and not (a if how == "inverse"
+                                                                       else b)):
+                row[name] = None
+            else:
+                row[name] = {"ratio": lambda: a / b, "inverse": lambda: b / a,
+                             "change": lambda: a / b - 1, "saving": lambda: 1 - a / b,
+                             "difference": lambda: a - b}[how]()
+
+
+def first(rows: list[dict], **match) -> dict | None:
+    """The first row whose fields equal ``match``."""
+    return next((r for r in rows if all(r.get(k) == v for k, v in match.items())), None)
+
+
+def eval_curve(run_dir: str) -> list[dict]:
+    """Every evaluation of a run in step order: its step, loss, the training seconds up to it
+    (those of the train record logged at its step; the first one after it if none was) and the
+    real tokens seen by then (the train records logged at or before its step)."""
+    records = read_metrics(os.path.join(run_dir, "metrics.jsonl"))
+    trained_at = sorted((r["step"], r["train_s"], r["real_tokens"]) for r in records
+                        if r["kind"] == "train")
+    curve = []
+    for r in sorted((r for r in records if r["kind"] == "eval"), key=lambda r: r["step"]):
+        seconds = next((s for step, s, _ in trained_at if step >= r["step"]), None)
+        tokens = sum(t for step, _, t in trained_at if step <= r["step"])
+        curve.append({"step": r["step"], "loss": r["loss"], "train_s": seconds,
+                      "tokens": tokens})
+    return curve
+
+
+def first_reaching(curve: list[dict], target: float | None) -> dict | None:
+    """The first evaluation of ``curve`` at or below ``target``; None if none is."""
+    if target is None:
+        return None
+    return next((point for point in curve if point["loss"] <= target), None)
+
+
+def plot_eval_curves(path: str, rows: list[dict], x: str, xlabel: str, ylabel: str,
+                     title: str, scale: float = 1.0, flat: str | None = None):
+    """Validation loss (times ``scale``) against ``x`` of the rows' ``eval_curve``, a line per
+    row, and the first row's final value as a flat line labelled ``flat``."""
+    curves = {row["label"]: ([p[x] for p in row["eval_curve"]],
+                             [p["loss"] * scale for p in row["eval_curve"]])
+              for row in rows if row.get("eval_curve")}
+    base = rows[0]
+    if flat and base.get("val_loss") is not None and curves:
+        right = max(max(xs) for xs, _ in curves.values())
+        curves[flat] = ([0, right], [base["val_loss"] * scale] * 2)
+    plot_curves(path, curves, xlabel=xlabel, ylabel=ylabel, title=title)
+
+
+def same_eval_batches(cfg):
+    """``cfg`` whose final evaluation takes the periodic ones' batches (unless it is given),
+    so that every evaluation of every row compares with the baseline's final one."""
+    if cfg.run.final_eval_batches is not None or not cfg.run.eval_batches:
+        return cfg
+    return override(cfg, {"run.final_eval_batches": cfg.run.eval_batches})
+
+
+def shared_run(cfg) -> str:
+    """What every row of a training experiment shares, in words (the header's start)."""
+    from jaxaccel.model import describe
+    return (f"{describe(cfg.model, cfg.gpt)} model, {length(cfg)} per row on the same batches "
+            f"(batch {cfg.batch_rows()} x seq_len {cfg.seq_len}, {cfg.data.batching} batching)")
+
+
+def length(cfg) -> str:
+    """How long every row trains: real tokens, or steps when run.train_tokens is unset."""
+    if cfg.run.train_tokens is None:
+        return f"{cfg.run.steps:,} steps"
+    return f"{cfg.run.train_tokens:,} real tokens"

@@ -49,7 +49,6 @@ import json
 import keyword
 import os
 import re
-import shlex
 import shutil
 import subprocess
 import sys
@@ -57,9 +56,9 @@ import time
 
 import numpy as np
 
-from experiments.common import (check_stop, command, environment, parse_list,
-                                passing_signals_to, print_table, write_json)
-from jaxaccel.config import check_writable, parse, setting
+from experiments.common import (Experiment, Row, RowRun, check_stop, config_of, main_of,
+                                parse_list, passing_signals_to)
+from jaxaccel.config import check_writable, setting
 from jaxaccel.corpus import Documents, cache_root, load_corpus, stdlib_root
 from jaxaccel.corpus import stdlib_files as corpus_stdlib_files
 from jaxaccel.data import DataStream
@@ -100,39 +99,23 @@ class CorpusScaleSettings:
     json: str | None = setting(None, "also write the rows as JSON to this path")
 
 
-@dataclasses.dataclass
-class CorpusScaleConfig:
-    """What to generate and measure: this experiment trains nothing, so it has only its own
-    section."""
-
-    experiment: CorpusScaleSettings = dataclasses.field(default_factory=CorpusScaleSettings)
+CorpusScaleConfig = config_of(CorpusScaleSettings, base=None)
 
 
 TOKENIZE_COLUMNS = [
-    ("tokenizer", "tokenizer", ""),
-    ("text_mb", "text MB", ",.1f"),
-    ("documents", "documents", ",d"),
-    ("tokens", "tokens", ",d"),
-    ("bytes_per_token", "bytes/token", ".2f"),
-    ("seconds", "seconds", ".1f"),
-    ("mb_per_s", "MB/s", ".1f"),
-    ("speed_target", ">= 20 MB/s", ""),
-    ("cores_used", "cores busy", ".2f"),
-    ("peak_rss_mb", "peak RSS MB", ",.0f"),
-    ("memory_target", "<= 1.5 GB", ""),
-    ("cache_mb", "cache MB", ",.1f"),
-    ("train_s", "bpe train s", ".1f"),       # training and tokenizing --bpe-data; n/a: cached
+    ("tokenizer", "tokenizer", ""), ("text_mb", "text MB", ",.1f"),
+    ("documents", "documents", ",d"), ("tokens", "tokens", ",d"),
+    ("bytes_per_token", "bytes/token", ".2f"), ("seconds", "seconds", ".1f"),
+    ("mb_per_s", "MB/s", ".1f"), ("speed_target", ">= 20 MB/s", ""),
+    ("cores_used", "cores busy", ".2f"), ("peak_rss_mb", "peak RSS MB", ",.0f"),
+    ("memory_target", "<= 1.5 GB", ""), ("cache_mb", "cache MB", ",.1f"),
+    ("train_s", "bpe train s", ".1f"),      # training and tokenizing --bpe-data; n/a: cached
 ]
 LOADER_COLUMNS = [
-    ("tokenizer", "tokenizer", ""),
-    ("source", "tokens from", ""),
-    ("plan_s", "plan s", ".2f"),
-    ("batches", "batches", ",d"),
-    ("real_tokens", "real tokens", ",d"),
-    ("seconds", "seconds", ".2f"),
-    ("tokens_per_s", "real tok/s", ",.0f"),
-    ("tokens_per_cpu_s", "per CPU s", ",.0f"),
-    ("vs_memory", "vs memory", ".2f"),
+    ("tokenizer", "tokenizer", ""), ("source", "tokens from", ""), ("plan_s", "plan s", ".2f"),
+    ("batches", "batches", ",d"), ("real_tokens", "real tokens", ",d"),
+    ("seconds", "seconds", ".2f"), ("tokens_per_s", "real tok/s", ",.0f"),
+    ("tokens_per_cpu_s", "per CPU s", ",.0f"), ("vs_memory", "vs memory", ".2f"),
     ("loader_target", ">= 5 M/s/core", ""),
 ]
 
@@ -516,10 +499,9 @@ def remove(path: str) -> float:
     return 0.0
 
 
-@command(CorpusScaleConfig)
-def main(argv=None) -> int:
-    argv = sys.argv[1:] if argv is None else list(argv)
-    cfg = parse(argv, CorpusScaleConfig, description=__doc__.split("\n\n")[0])
+def rows(cfg: CorpusScaleConfig) -> list[Row]:
+    """A row per tokenizer (its tokenize row and its three loader passes); every setting
+    checked before any work."""
     exp = cfg.experiment
     specs = parse_list(exp.tokenizers, "experiment.tokenizers")
     for spec in specs:
@@ -534,77 +516,119 @@ def main(argv=None) -> int:
             not os.path.exists(os.path.expanduser(exp.bpe_data)):
         raise ConfigError(f"bpe_data {exp.bpe_data} does not exist; pass stdlib or a corpus "
                           f"path", field="experiment.bpe_data")
+    return [Row(spec, fields={"cache": f"cache-{i}-{slug(spec)}"})
+            for i, spec in enumerate(specs)]
+
+
+def workspace(cfg: CorpusScaleConfig) -> dict:
+    """The work folder (made here) and where the corpus goes; the corpus itself is generated
+    (or found) by the first row."""
+    exp = cfg.experiment
     work_dir = exp.work_dir or os.path.join("runs", time.strftime("corpus-scale-%Y%m%d"))
     check_writable("experiment.work_dir", work_dir, may_create=True)
     created = not os.path.exists(work_dir)
     os.makedirs(work_dir, exist_ok=True)
-    corpus_path = os.path.join(work_dir, "corpus.jsonl")
-    meta_path = os.path.join(work_dir, "corpus.meta.json")
-    target_bytes = max(1, round(exp.corpus_mb * MB))
-    wanted = corpus_meta(target_bytes, exp.seed)
-    caches = [os.path.join(work_dir, f"cache-{i}-{slug(s)}") for i, s in enumerate(specs)]
+    return {"work_dir": work_dir, "created": created, "caches": [], "generated": False,
+            "corpus": None, "corpus_path": os.path.join(work_dir, "corpus.jsonl"),
+            "meta_path": os.path.join(work_dir, "corpus.meta.json")}
 
-    generated = False
-    tokenize, loader = [], []
-    try:
-        corpus = existing_corpus(corpus_path, meta_path, wanted)
+
+def the_corpus(exp: CorpusScaleSettings, ws: dict) -> dict:
+    """The corpus of ``--corpus-mb`` and ``--seed``: a kept one reused, else generated."""
+    if ws["corpus"] is None:
+        target_bytes = max(1, round(exp.corpus_mb * MB))
+        wanted = corpus_meta(target_bytes, exp.seed)
+        corpus = existing_corpus(ws["corpus_path"], ws["meta_path"], wanted)
         if corpus is None:
-            remove(meta_path)
+            remove(ws["meta_path"])
             print(f"generating {exp.corpus_mb:g} MB of perturbed stdlib copies into "
-                  f"{corpus_path} ...", flush=True)
-            generated = True
-            corpus = {**wanted, **generate_corpus(corpus_path, target_bytes, exp.seed)}
-            with open(meta_path, "w") as f:
+                  f"{ws['corpus_path']} ...", flush=True)
+            ws["generated"] = True
+            corpus = {**wanted, **generate_corpus(ws["corpus_path"], target_bytes,
+                                                  exp.seed)}
+            with open(ws["meta_path"], "w") as f:
                 json.dump(corpus, f, indent=2)
-        print(f"corpus {corpus_path}: {corpus['bytes'] / MB:,.1f} MB, "
+        print(f"corpus {ws['corpus_path']}: {corpus['bytes'] / MB:,.1f} MB, "
               f"{corpus['documents']:,} documents from {corpus['copies']} perturbed "
               f"cop{'y' if corpus['copies'] == 1 else 'ies'} (the last one partial) of "
               f"{corpus['stdlib_files']:,} stdlib files"
-              + (f", generated in {corpus['generate_s']:.1f} s" if generated else
+              + (f", generated in {corpus['generate_s']:.1f} s" if ws["generated"] else
                  " (reused)"), flush=True)
-        for spec, cache_dir in zip(specs, caches):
-            row = tokenize_row(exp, spec, corpus_path, cache_dir)
-            tokenize.append(row)
-            loader += loader_rows(exp, spec, corpus_path, cache_dir,
-                                  row["tokenizer_file"] or spec)
+        ws["corpus"] = corpus
+    return ws["corpus"]
+
+
+def measure(run: RowRun) -> list[dict]:
+    """Tokenize the corpus with the row's tokenizer, then time the loader on it; a failed
+    tokenizing process is the row's status (exit code 1 after the report)."""
+    exp, ws, spec = run.cfg.experiment, run.shared, run.row.label
+    the_corpus(exp, ws)
+    cache_dir = os.path.join(ws["work_dir"], run.row.fields["cache"])
+    ws["caches"].append(cache_dir)
+    try:
+        row = tokenize_row(exp, spec, ws["corpus_path"], cache_dir)
     except ChildFailed as e:
         print(f"error: {e}", file=sys.stderr)
-        return 1
-    finally:
-        if not exp.keep:
-            removed = sum(remove(c) for c in caches)
-            if generated:
-                removed += remove(corpus_path) + remove(meta_path)
-            what = "the generated corpus and " if generated else ""
-            print(f"removed {what}the tokenized caches ({removed:,.0f} MB); --keep keeps them",
-                  flush=True)
-            if created:
-                try:
-                    os.rmdir(work_dir)          # only if empty
-                except OSError:
-                    pass
+        return [{"part": "tokenize", "tokenizer": spec, "status": f"failed: {e}"}]
+    return [row, *loader_rows(exp, spec, ws["corpus_path"], cache_dir,
+                              row["tokenizer_file"] or spec)]
 
+
+def clean_up(cfg: CorpusScaleConfig, ws: dict) -> dict:
+    """Without --keep: delete the tokenized caches, and the corpus if this run generated it.
+    The corpus's description and where it is, for the meta."""
+    if not cfg.experiment.keep:
+        removed = sum(remove(c) for c in ws["caches"])
+        if ws["generated"]:
+            removed += remove(ws["corpus_path"]) + remove(ws["meta_path"])
+        what = "the generated corpus and " if ws["generated"] else ""
+        print(f"removed {what}the tokenized caches ({removed:,.0f} MB); --keep keeps them",
+              flush=True)
+        if ws["created"]:
+            try:
+                os.rmdir(ws["work_dir"])          # only if empty
+            except OSError:
+                pass
+    return {"corpus": ws["corpus"], "corpus_path": ws["corpus_path"],
+            "corpus_generated": ws["generated"], "kept": cfg.experiment.keep}
+
+
+def tables(cfg: CorpusScaleConfig, rows: list[dict], meta: dict) -> list:
+    exp, corpus = cfg.experiment, meta["corpus"] or {"bytes": 0}
+    return [(f"Tokenizing {corpus['bytes'] / MB:,.1f} MB of JSONL, each tokenizer in a fresh "
+             f"process with a fresh cache, {exp.tokenize_batch_mb:g} MB of text at a time, "
+             f"{meta['cpus']} cores", [r for r in rows if r["part"] == "tokenize"],
+             TOKENIZE_COLUMNS),
+            (f"Loader: pack, {exp.batch_size} x {exp.seq_len}, up to {exp.loader_batches:,} "
+             f"batches on one thread; mmap cold after dropping the token file's cached pages, "
+             f"warm after the cold pass read them", [r for r in rows if r["part"] == "loader"],
+             LOADER_COLUMNS)]
+
+
+def conclude(cfg: CorpusScaleConfig, rows: list[dict]) -> list[str]:
+    ran = [r for r in rows if "status" not in r]
+    return (tokenize_targets([r for r in ran if r["part"] == "tokenize"],
+                             cfg.experiment.corpus_mb)
+            + loader_targets([r for r in ran if r["part"] == "loader"]))
+
+
+def meta(cfg: CorpusScaleConfig, rows: list[dict]) -> dict:
     cpus = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count()
-    print(f"\nTokenizing {corpus['bytes'] / MB:,.1f} MB of JSONL, each tokenizer in a fresh "
-          f"process with a fresh cache, {exp.tokenize_batch_mb:g} MB of text at a time, "
-          f"{cpus} cores")
-    print_table(tokenize, TOKENIZE_COLUMNS, tokenize_targets(tokenize, exp.corpus_mb))
-    print(f"\nLoader: pack, {exp.batch_size} x {exp.seq_len}, up to {exp.loader_batches:,} "
-          f"batches on one thread; mmap cold after dropping the token file's cached pages, warm "
-          f"after the cold pass read them")
-    print_table(loader, LOADER_COLUMNS, loader_targets(loader))
-    meta = {"command": "python -m experiments.corpus_scale " + shlex.join(argv),
-            "settings": dataclasses.asdict(exp), "corpus": corpus, "corpus_path": corpus_path,
-            "corpus_generated": generated, "kept": exp.keep, "cpus": cpus,
+    return {"settings": dataclasses.asdict(cfg.experiment), "cpus": cpus,
             "memory_bytes": os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES"),
             "tokenizers_parallelism": os.environ.get("TOKENIZERS_PARALLELISM"),
             "targets": {"tokenize_mb_per_s": TOKENIZE_MB_PER_S,
                         "tokenize_peak_bytes": TOKENIZE_PEAK_BYTES,
                         "target_corpus_mb": TARGET_CORPUS_MB,
-                        "loader_tokens_per_s_per_core": LOADER_TOKENS_PER_S},
-            **environment()}
-    write_json(exp.json, tokenize + loader, meta)
-    return 0
+                        "loader_tokens_per_s_per_core": LOADER_TOKENS_PER_S}}
+
+
+EXPERIMENT = Experiment(
+    name="corpus_scale", doc=__doc__, config=CorpusScaleConfig, rows=rows, columns=[],
+    setup=lambda cfg: f"Corpus scale: {cfg.experiment.corpus_mb:g} MB of text",
+    trains=False, shared=workspace, measure=measure, finish=clean_up, tables=tables,
+    conclude=conclude, meta=meta, failed=lambda rows: any("status" in r for r in rows))
+main = main_of(EXPERIMENT)
 
 
 if __name__ == "__main__":

@@ -31,11 +31,11 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from experiments.common import command, environment, median_seconds, parse_list, write_json
+from experiments.common import (Experiment, Row, RowRun, config_of, first, main_of,
+                                median_seconds, out_of_memory, parse_list, relative)
 from jaxaccel import embedding
-from jaxaccel.config import parse, setting
+from jaxaccel.config import setting
 from jaxaccel.gpt import ACTIVATION_AXES
-from jaxaccel.report import format_table
 
 METHODS = tuple(m for m in embedding.METHODS if m != "auto")
 ID_KINDS = ("uniform", "zipf", "bytes")
@@ -61,39 +61,40 @@ class EmbeddingSettings:
     json: str | None = setting(None, "also write the rows as JSON to this path")
 
 
-@dataclasses.dataclass
-class EmbeddingConfig:
-    """The rows to time and how: this experiment trains nothing, so it has only its own section."""
-
-    experiment: EmbeddingSettings = dataclasses.field(default_factory=EmbeddingSettings)
+# The rows to time and how: this experiment trains nothing, so it has only its own section.
+EmbeddingConfig = config_of(EmbeddingSettings, base=None)
 
 
-COLUMNS = [
-    ("V", "V", "d"),
-    ("ids", "ids", ""),
-    ("distinct", "distinct ids", "d"),
-    ("top_share", "top id share", ".3f"),
-    ("method", "method", ""),
-    ("auto", "auto", ""),
-    ("ms", "fwd+bwd ms", ".3f"),
-    ("vs_gather", "vs gather", ".2f"),
-    ("grad_error", "grad error", ".1e"),
-    ("status", "status", ""),
-]
+def rows(cfg: EmbeddingConfig) -> list[Row]:
+    """A row per vocabulary size and id distribution; its measurement gives one per method."""
+    exp = cfg.experiment
+    vocabs = parse_list(exp.vocabs, "experiment.vocabs", kind=int)
+    parse_list(exp.methods, "experiment.methods", valid=METHODS)
+    return [Row(f"V={V} {kind}", fields={"V": V, "ids": kind}) for V in vocabs
+            for kind in parse_list(exp.ids, "experiment.ids", valid=ID_KINDS)]
 
 
-def token_ids(kind: str, V: int, n: int, rng: np.random.Generator, exp) -> np.ndarray | str:
-    """``n`` int32 ids of distribution ``kind`` (module docstring), or the reason it has none
-    for a vocabulary of ``V``."""
+def shared(cfg: EmbeddingConfig) -> dict:
+    """The random stream every row's inputs are drawn from, in row order, and the corpus of the
+    bytes ids (loaded, or failing, before any row runs)."""
+    from jaxaccel import corpus
+
+    exp = cfg.experiment
+    return {"rng": np.random.default_rng(exp.seed),
+            "corpus": corpus.load_corpus(exp.data, tokenizer="bytes")
+            if "bytes" in parse_list(exp.ids, "experiment.ids", valid=ID_KINDS) else None}
+
+
+def token_ids(kind: str, V: int, n: int, rng: np.random.Generator, exp,
+              data) -> np.ndarray | str:
+    """``n`` int32 ids of distribution ``kind`` (module docstring; ``data``: the bytes ids'
+    corpus), or the reason it has none for a vocabulary of ``V``."""
     if kind == "uniform":
         return rng.integers(0, V, n, dtype=np.int32)
     if kind == "zipf":
         p = np.arange(1, V + 1, dtype=np.float64) ** -exp.zipf_power
         ranks = rng.choice(V, size=n, p=p / p.sum())
         return rng.permutation(V).astype(np.int32)[ranks]
-    from jaxaccel import corpus
-
-    data = corpus.load_corpus(exp.data, tokenizer="bytes")
     if V < data.tokenizer.padded_vocab_size:
         return f"skipped: bytes ids need V >= {data.tokenizer.padded_vocab_size}"
     taken, total = [], 0
@@ -116,15 +117,17 @@ def lookup_and_grad(how: str):
     return jax.jit(fn)
 
 
-def measure_vocab(exp, V: int, kind: str, methods: list[str], rng) -> list[dict]:
-    """The rows of one vocabulary size and id distribution, one per method."""
+def measure(run: RowRun) -> list[dict]:
+    """One vocabulary size and id distribution: a result per method on the same inputs, or the
+    reason it has none (skipped, out of memory)."""
+    exp, rng, V, kind = run.cfg.experiment, run.shared["rng"], *run.row.fields.values()
+    methods = parse_list(exp.methods, "experiment.methods", valid=METHODS)
     B, T, D = exp.batch, exp.seq_len, exp.d_model
-    base = {"V": V, "ids": kind, "auto": ""}
-    ids = token_ids(kind, V, B * T, rng, exp)
+    ids = token_ids(kind, V, B * T, rng, exp, run.shared["corpus"])
     if isinstance(ids, str):
-        return [{**base, "method": m, "status": ids} for m in methods]
+        return [{"method": m, "auto": "", "status": ids} for m in methods]
     counts = np.bincount(ids, minlength=V)
-    base.update(distinct=int((counts > 0).sum()), top_share=float(counts.max() / ids.size))
+    base = {"distinct": int((counts > 0).sum()), "top_share": float(counts.max() / ids.size)}
     dtype = DTYPES[exp.dtype]
     table_VD = jnp.asarray(rng.standard_normal((V, D), np.float32) * 0.02, dtype)
     g_BTD = jnp.asarray(rng.standard_normal((B, T, D), np.float32), dtype)
@@ -141,19 +144,16 @@ def measure_vocab(exp, V: int, kind: str, methods: list[str], rng) -> list[dict]
             out_BTD, grad_VD = jax.block_until_ready(fn(table_VD, ids_BT, g_BTD))
             seconds = median_seconds(fn, (table_VD, ids_BT, g_BTD), exp.warmup, exp.iters)
         except Exception as e:      # noqa: BLE001 - a method that cannot run is a row's status
-            if "RESOURCE_EXHAUSTED" not in str(e) and "out of memory" not in str(e).lower():
+            if not out_of_memory(e):
                 raise
             rows.append({**row, "status": "out of memory"})
             continue
         diff = np.asarray(grad_VD, np.float64) - exact_VD
-        row.update(ms=seconds * 1e3,
-                   grad_error=float(np.linalg.norm(diff) / np.linalg.norm(exact_VD)),
-                   status="ok" if np.array_equal(np.asarray(out_BTD), expected_BTD)
-                   else "error: output differs from the gather's")
-        rows.append(row)
-    gather = next((r for r in rows if r["method"] == "gather" and "ms" in r), None)
-    for r in rows:
-        r["vs_gather"] = gather["ms"] / r["ms"] if gather and "ms" in r else None
+        rows.append({**row, "ms": seconds * 1e3,
+                     "grad_error": float(np.linalg.norm(diff) / np.linalg.norm(exact_VD)),
+                     "status": "ok" if np.array_equal(np.asarray(out_BTD), expected_BTD)
+                     else "error: output differs from the gather's"})
+    relative(rows, first(rows, method="gather"), vs_gather=("ms", "inverse"))
     return rows
 
 
@@ -175,31 +175,23 @@ def fastest(rows: list[dict], dtype) -> list[str]:
     return lines
 
 
-@command(EmbeddingConfig)
-def main(argv=None) -> int:
-    cfg = parse(argv, EmbeddingConfig, description=__doc__.split("\n\n")[0])
-    exp = cfg.experiment
-    vocabs = parse_list(exp.vocabs, "experiment.vocabs", kind=int)
-    methods = parse_list(exp.methods, "experiment.methods", valid=METHODS)
-    kinds = parse_list(exp.ids, "experiment.ids", valid=ID_KINDS)
-    if "bytes" in kinds:        # load (or fail on) the corpus before any row runs
-        from jaxaccel import corpus
-
-        corpus.load_corpus(exp.data, tokenizer="bytes")
-    rng = np.random.default_rng(exp.seed)
-    rows = [r for V in vocabs for kind in kinds for r in measure_vocab(exp, V, kind, methods, rng)]
-    meta = {"batch": exp.batch, "seq_len": exp.seq_len, "d_model": exp.d_model,
-            "dtype": exp.dtype, "zipf_power": exp.zipf_power, "data": exp.data,
-            "warmup": exp.warmup, "iters": exp.iters, "one_hot_max_vocab":
-            embedding.ONE_HOT_MAX_VOCAB, "timed": "jit(lookup output, table gradient) for a "
-            "fixed cotangent", **environment()}
-    print(f"\n{exp.batch} x {exp.seq_len} ids, D={exp.d_model}, {exp.dtype}; {meta['device']}, "
-          f"jax {meta['jax_version']}")
-    print(format_table(rows, COLUMNS))
-    for line in fastest(rows, DTYPES[exp.dtype]):
-        print(line)
-    write_json(exp.json, rows, meta)
-    return 1 if any(r["status"].startswith("error") for r in rows) else 0
+EXPERIMENT = Experiment(
+    name="embedding", doc=__doc__, config=EmbeddingConfig, rows=rows, trains=False,
+    shared=shared, measure=measure,
+    setup=lambda cfg: (f"{cfg.experiment.batch} x {cfg.experiment.seq_len} ids, "
+                       f"D={cfg.experiment.d_model}, {cfg.experiment.dtype}"),
+    columns=[("V", "V", "d"), ("ids", "ids", ""), ("distinct", "distinct ids", "d"),
+             ("top_share", "top id share", ".3f"), ("method", "method", ""),
+             ("auto", "auto", ""), ("ms", "fwd+bwd ms", ".3f"), ("vs_gather", "vs gather", ".2f"),
+             ("grad_error", "grad error", ".1e"), ("status", "status", "")],
+    meta=lambda cfg, rows: {
+        **{k: getattr(cfg.experiment, k) for k in ("batch", "seq_len", "d_model", "dtype",
+                                                   "zipf_power", "data", "warmup", "iters")},
+        "one_hot_max_vocab": embedding.ONE_HOT_MAX_VOCAB,
+        "timed": "jit(lookup output, table gradient) for a fixed cotangent"},
+    notes=lambda cfg, rows, meta: fastest(rows, DTYPES[cfg.experiment.dtype]),
+    failed=lambda rows: any(r["status"].startswith("error") for r in rows))
+main = main_of(EXPERIMENT)
 
 
 if __name__ == "__main__":

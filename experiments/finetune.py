@@ -31,30 +31,35 @@ table.
 import dataclasses
 import json
 import os
-import signal
 import sys
 import sysconfig
-import time
 
 import jax
 import optax
 from flax import nnx
 
-from experiments.common import (command, environment, parse_list, plot_loss_curves,
-                                train_until_stopped, write_json)
-from jaxaccel import model as model_lib, surgery, techniques
-from jaxaccel.config import TrainConfig, build, override, parse, read_config_file, setting
+from experiments.common import (Experiment, Row, config_of, first, main_of, parse_list,
+                                plot_loss_curves, relative, summary_fields, train_row)
+from jaxaccel import model as model_lib, surgery
+from jaxaccel.config import (TrainConfig, build, check_ranges, override, read_config_file,
+                             setting)
 from jaxaccel.corpus import corpus_of
 from jaxaccel.errors import ConfigError
 from jaxaccel.loop import evaluate, read_trained_run
 from jaxaccel.loop.compile import eval_step_of
 from jaxaccel.loop.record import export_merged
 from jaxaccel.model import describe
-from jaxaccel.report import format_table
 from jaxaccel.state import init_state
 
 ROWS = ("full", "lora", "adapters")
 STDLIB_TEXT = "stdlib-text"
+
+# What a fine-tune takes from its base run: the model (the factory or preset and its shape),
+# the initialisation scheme (its gates and removed norms are part of the weights) and how the
+# base's blocks ran; the run-time choices (dropout, attention) are this config's.
+BASE_SECTIONS = ("model", "gpt", "init", "sparsity", "token_drop")
+BASE_FIELDS = ("remat.scan_layers",)
+RUN_TIME = ("gpt.dropout", "gpt.attention")
 
 
 @dataclasses.dataclass
@@ -63,58 +68,30 @@ class FinetuneSettings:
                                          "train a base model on the stdlib first)", flag="from")
     rows: str = setting(",".join(ROWS), "comma-separated rows: full, lora, adapters")
     lora_learning_rate: float = setting(1e-2, "peak learning rate of the lora and adapters rows "
-                                              "(the full row uses --learning-rate)")
-    base_steps: int = setting(400, "steps of the base model trained when --from is not given")
+                                              "(the full row uses --learning-rate)", above=0)
+    base_steps: int = setting(400, "steps of the base model trained when --from is not given",
+                              at_least=1)
 
 
-@dataclasses.dataclass
-class FinetuneConfig(TrainConfig):
+class FinetuneConfig(config_of(FinetuneSettings)):
     """The fine-tuning config (the model's shape comes from the base run) plus what to compare."""
 
-    experiment: FinetuneSettings = dataclasses.field(default_factory=FinetuneSettings)
+    def validate(self):
+        """Before the base exists (no --from), LoRA and adapters are checked as far as they can
+        be without the weights they start from: every field in range, the rest without them."""
+        if self.run.init_from is not None:
+            return TrainConfig.validate(self)
+        check_ranges(self)
+        TrainConfig.validate(override(self, {"lora.rank": 0, "adapters.dim": 0}))
 
 
-# The fine-tuning runs' defaults; the base run (without --from) trains on the stdlib with the
-# same batches for --base-steps.
-DEFAULTS = {"data.path": STDLIB_TEXT, "data.batching": "pack", "data.seq_len": 256,
-            "data.batch_size": 8, "run.steps": 150, "optimizer.learning_rate": 1e-3,
-            "optimizer.warmup_steps": 10, "run.eval_every": 0, "run.checkpoint_every": 0,
-            "lora.rank": 8, "adapters.dim": 16, "run.final_eval_batches": 40}
-FIXED = ("run.init_from", "stacking.stages")
-# What a fine-tune takes from its base run: the model (the factory or preset and its shape),
-# the initialisation scheme (its gates and removed norms are part of the weights) and how the
-# base's blocks ran; the run-time choices (dropout, attention) are this config's.
-BASE_SECTIONS = ("model", "gpt", "init", "sparsity", "token_drop")
-BASE_FIELDS = ("remat.scan_layers",)
-RUN_TIME = ("gpt.dropout", "gpt.attention")
-
-COLUMNS = [
-    ("label", "row", ""),
-    ("trainable_params", "trainable", ",d"),
-    ("trainable_share", "of model", ".2%"),
-    ("state_bytes", "opt state B", ",d"),
-    ("state_share", "of full's", ".2%"),
-    ("step_ms", "step ms", ".1f"),
-    ("step_bytes", "step device B", ",d"),
-    ("peak_bytes", "peak B", ",d"),
-    ("val_loss", "val loss", ".4f"),
-    ("merged_val_loss", "merged val", ".4f"),
-    ("vs_full", "vs full", "+.2%"),
-]
-
-
-class Interrupted(Exception):
-    """A row (or the base) was stopped by a signal; the experiment stops as a whole."""
-
-
-def stdlib_text(directory: str) -> str:
-    """A JSONL corpus of the standard library's ``.txt`` files in ``directory``: one document
+def stdlib_text(path: str):
+    """A JSONL corpus of the standard library's ``.txt`` files at ``path``: one document
     per paragraph (blank-line separated, so the validation split, by line, samples every file),
     from the files that are at least 99 % ASCII (a few test files hold CJK text, bytes a model
     trained on code has never seen, which would make the comparison about byte frequencies)."""
     root = sysconfig.get_paths()["stdlib"]
-    os.makedirs(directory, exist_ok=True)
-    path = os.path.join(directory, "stdlib-text.jsonl")
+    os.makedirs(os.path.dirname(path), exist_ok=True)
     with open(path, "w") as out:
         for dirpath, dirnames, filenames in sorted(os.walk(root)):
             dirnames[:] = sorted(d for d in dirnames if d not in ("site-packages", "__pycache__"))
@@ -128,7 +105,10 @@ def stdlib_text(directory: str) -> str:
                 for paragraph in text.split("\n\n"):
                     if paragraph.strip():
                         out.write(json.dumps({"text": paragraph + "\n"}) + "\n")
-    return path
+
+
+def stdlib_text_path(run_root: str) -> str:
+    return os.path.join(run_root, STDLIB_TEXT, "stdlib-text.jsonl")
 
 
 def base_model_fields(run_dir: str) -> dict:
@@ -143,16 +123,19 @@ def base_model_fields(run_dir: str) -> dict:
     return {k: v for k, v in fields.items() if k not in RUN_TIME}
 
 
-def row_config(cfg: FinetuneConfig, row: str, base_fields: dict, base_dir: str | None):
-    """The training config of one row: the base's model with the row's LoRA or adapters."""
-    exp = cfg.experiment
-    settings = {"full": {"lora.rank": 0, "adapters.dim": 0},
-                "lora": {"adapters.dim": 0,
-                         "optimizer.learning_rate": exp.lora_learning_rate},
-                "adapters": {"lora.rank": 0,
-                             "optimizer.learning_rate": exp.lora_learning_rate}}[row]
-    return override(cfg, {**base_fields, **settings, "run.init_from": base_dir,
-                          "run.run_dir": None, "run.json": None})
+def prepare(cfg: FinetuneConfig) -> FinetuneConfig:
+    """The stdlib-text corpus's path in the run root (``shared`` writes it), and with --from
+    the base's model and weights."""
+    exp, more = cfg.experiment, {}
+    if cfg.data.path == STDLIB_TEXT:
+        more["data.path"] = stdlib_text_path(cfg.run.run_dir)
+    if exp.from_run is not None:
+        if not os.path.isfile(os.path.join(exp.from_run, "config.yaml")):
+            raise ConfigError(f"--from {exp.from_run!r} is not a run directory (no config.yaml "
+                              f"in it); pass the run_dir of a trained run",
+                              field="experiment.from_run")
+        more.update({**base_model_fields(exp.from_run), "run.init_from": exp.from_run})
+    return override(cfg, more)
 
 
 def lora_targets(cfg) -> str:
@@ -165,45 +148,32 @@ def lora_targets(cfg) -> str:
     return surgery.default_targets(model, "lora", "blocks", "lora.targets")
 
 
-def train_base(cfg: FinetuneConfig, run_root: str) -> str:
-    """Train the base model on the stdlib corpus; its run directory."""
-    run_dir = os.path.join(run_root, "base")
-    summary = train_until_stopped(override(cfg, {
-        "data.path": "stdlib", "run.steps": cfg.experiment.base_steps,
-        "optimizer.learning_rate": None, "optimizer.warmup_steps": 50, "lora.rank": 0,
-        "adapters.dim": 0, "run.run_dir": run_dir, "run.json": None}))
-    if summary.interrupted:
-        raise Interrupted(summary.interrupted)
-    return run_dir
+def rows(cfg: FinetuneConfig) -> list[Row]:
+    """The base, not tuned, then the chosen rows from it."""
+    chosen = sorted(parse_list(cfg.experiment.rows, "experiment.rows", valid=ROWS),
+                    key=ROWS.index)
+    if "lora" in chosen and cfg.lora.rank < 1:
+        raise ConfigError(f"lora_rank must be at least 1 for the lora row, got "
+                          f"{cfg.lora.rank}", field="lora.rank")
+    if "adapters" in chosen and cfg.adapters.dim < 1:
+        raise ConfigError(f"adapter_dim must be at least 1 for the adapters row, got "
+                          f"{cfg.adapters.dim}", field="adapters.dim")
+    return [row(cfg, name) for name in ["base", *chosen]]
 
 
-def run_row(row_cfg, row: str, label: str, run_dir: str, full: dict | None) -> dict:
-    """Fine-tune one row from the base and reduce its summary to a table row."""
-    summary = train_until_stopped(override(row_cfg, {"run.run_dir": run_dir}))
-    if summary.interrupted:
-        raise Interrupted(summary.interrupted)
-    result = {
-        "row": row, "label": label, "params": summary.params,
-        "trainable_params": summary.trainable_params,
-        "trainable_share": summary.trainable_params / summary.params,
-        "state_bytes": summary.optimizer_state_bytes,
-        "state_share": summary.optimizer_state_bytes / (full or {}).get(
-            "state_bytes", summary.optimizer_state_bytes),
-        "step_ms": 1e3 * summary.train_s / max(summary.steps_this_run, 1),
-        "step_bytes": (summary.step_memory_bytes or {}).get("total"),
-        "peak_bytes": summary.peak_memory_bytes, "val_loss": summary.val_loss,
-        "val_bpb": summary.val_bpb, "val_tokens": summary.val_tokens,
-        "diverged_at_step": summary.diverged_at_step,
-        "real_tokens": summary.real_tokens, "steps": summary.steps,
-        "learning_rate": summary.learning_rate, "run_dir": run_dir,
-        "merged_val_loss": None, "merged_dir": None,
-        "vs_full": summary.val_loss / full["val_loss"] - 1 if full else None,
-    }
-    if row == "lora":        # merge, export, read the export back and evaluate it
-        merged_dir = export_merged(run_dir, os.path.join(run_dir, "merged"))
-        result["merged_dir"] = merged_dir
-        result["merged_val_loss"] = evaluate_model(row_cfg, read_trained_run(merged_dir)[1])
-    return result
+def row(cfg: FinetuneConfig, name: str) -> Row:
+    """The base (not tuned) and full fine-tuning without LoRA and adapters; LoRA or adapters,
+    the other off, at --lora-learning-rate."""
+    tuned = {"optimizer.learning_rate": cfg.experiment.lora_learning_rate}
+    if name == "lora":
+        label = f"LoRA r{cfg.lora.rank} {lora_targets(cfg)}"
+        settings = {"adapters.dim": 0, **tuned}
+    elif name == "adapters":
+        label, settings = f"adapters {cfg.adapters.dim}", {"lora.rank": 0, **tuned}
+    else:
+        label = "base, not tuned" if name == "base" else "full fine-tuning"
+        settings = {"lora.rank": 0, "adapters.dim": 0}
+    return Row(label, settings, {"row": name}, directory=name)
 
 
 def evaluate_model(cfg, model) -> float:
@@ -218,83 +188,69 @@ def evaluate_model(cfg, model) -> float:
     return loss
 
 
-def check_settings(cfg: FinetuneConfig, rows: list[str]):
-    """Every setting the rows use, before any work (one ConfigError line otherwise)."""
-    exp = cfg.experiment
-    if "lora" in rows and cfg.lora.rank < 1:
-        raise ConfigError(f"lora_rank must be at least 1 for the lora row, got "
-                          f"{cfg.lora.rank}", field="lora.rank")
-    if "adapters" in rows and cfg.adapters.dim < 1:
-        raise ConfigError(f"adapter_dim must be at least 1 for the adapters row, got "
-                          f"{cfg.adapters.dim}", field="adapters.dim")
-    if not 0 < exp.lora_learning_rate < float("inf"):
-        raise ConfigError(f"lora_learning_rate must be a positive finite number, got "
-                          f"{exp.lora_learning_rate}", field="experiment.lora_learning_rate")
-    if exp.base_steps < 1:
-        raise ConfigError(f"base_steps must be at least 1, got {exp.base_steps}",
-                          field="experiment.base_steps")
-    if exp.from_run is not None and not os.path.isfile(os.path.join(exp.from_run,
-                                                                    "config.yaml")):
-        raise ConfigError(f"--from {exp.from_run!r} is not a run directory (no config.yaml in "
-                          f"it); pass the run_dir of a trained run", field="experiment.from_run")
-    base_fields = base_model_fields(exp.from_run) if exp.from_run else {}
-    for row in rows:
-        row_cfg = row_config(cfg, row, base_fields, exp.from_run)
-        if exp.from_run is not None:
-            row_cfg.validate()
-        else:
-            override(row_cfg, {"lora.rank": 0, "adapters.dim": 0}).validate()
-        techniques.abstract(row_cfg)    # the row's model: LoRA's rank and targets, adapters
+def base(run) -> dict:
+    """The base, not tuned: trained on the stdlib first without --from, then evaluated on the
+    tuning corpus."""
+    base_dir = run.cfg.experiment.from_run
+    if base_dir is None:
+        train_row(run.config(data__path="stdlib", run__steps=run.cfg.experiment.base_steps,
+                             optimizer__learning_rate=None, optimizer__warmup_steps=50))
+        base_dir = run.run_dir
+    return {"run_dir": base_dir,
+            "val_loss": evaluate_model(run.config(), read_trained_run(base_dir)[1])}
 
 
-@command(FinetuneConfig)
-def main(argv=None) -> int:
-    cfg = parse(argv, FinetuneConfig, defaults=DEFAULTS, fixed=FIXED,
-                description=__doc__.split("\n\n")[0])
-    exp = cfg.experiment
-    rows = sorted(parse_list(exp.rows, "experiment.rows", valid=ROWS), key=ROWS.index)
-    check_settings(cfg, rows)
-    run_root = cfg.run.run_dir or os.path.join("runs", time.strftime("finetune-%Y%m%d-%H%M%S"))
-    if cfg.data.path == STDLIB_TEXT:
-        cfg = override(cfg, {"data.path": stdlib_text(os.path.join(run_root, "stdlib-text"))})
+def tune(run) -> dict:
+    """A row fine-tuned from the base; LoRA's then merged into the base weights, exported, read
+    back and evaluated again."""
+    cfg = run.config(run__init_from=run.previous[0]["run_dir"])
+    summary = train_row(cfg)
+    result = {**summary_fields(summary), "trainable_params": summary.trainable_params,
+              "trainable_share": summary.trainable_params / summary.params,
+              "state_bytes": summary.optimizer_state_bytes,
+              "step_bytes": (summary.step_memory_bytes or {}).get("total"),
+              "peak_bytes": summary.peak_memory_bytes, "learning_rate": summary.learning_rate,
+              "merged_val_loss": None, "merged_dir": None}
+    if run.row.fields["row"] == "lora":
+        result["merged_dir"] = export_merged(run.run_dir, os.path.join(run.run_dir, "merged"))
+        result["merged_val_loss"] = evaluate_model(cfg, read_trained_run(result["merged_dir"])[1])
+    return result
 
-    results, partial, base_dir = [], None, exp.from_run
-    try:
-        base_dir = base_dir or train_base(cfg, run_root)
-        base_fields = base_model_fields(base_dir)
-        base_cfg = override(cfg, {**base_fields, "lora.rank": 0, "adapters.dim": 0})
-        results.append({"row": "base", "label": "base, not tuned", "run_dir": base_dir,
-                        "val_loss": evaluate_model(base_cfg, read_trained_run(base_dir)[1])})
-        full = None
-        for row in rows:
-            label = {"full": "full fine-tuning",
-                     "lora": f"LoRA r{cfg.lora.rank} {lora_targets(base_cfg)}",
-                     "adapters": f"adapters {cfg.adapters.dim}"}[row]
-            result = run_row(row_config(cfg, row, base_fields, base_dir), row, label,
-                             os.path.join(run_root, row), full)
-            full = result if row == "full" else full
-            results.append(result)
-    except Interrupted as stop:
-        partial = str(stop)
 
-    model = describe(base_cfg.model, base_cfg.gpt) if results else describe(cfg.model, cfg.gpt)
-    meta = {"model": model, "base": base_dir, "data": cfg.data.path, "steps": cfg.run.steps,
-            "seq_len": cfg.seq_len, "batch_size": cfg.data.batch_size, **environment(),
-            "run_dir": run_root, "interrupted": partial}
-    print(f"\n{model} model from {base_dir}, fine-tuned {cfg.run.steps} steps on "
-          f"{cfg.data.path}, seq_len {cfg.seq_len}, {meta['device']}, jax {meta['jax_version']}"
-          + (f" (PARTIAL: stopped by {partial})" if partial else ""))
-    if results:
-        print(format_table(results, COLUMNS))
-    tuned = [r for r in results if r["row"] != "base"]
-    if tuned:
-        plot_loss_curves(os.path.join(run_root, "finetune.png"),
-                         {r["label"]: r["run_dir"] for r in tuned},
-                         title=f"fine-tuning {model} on {os.path.basename(cfg.data.path)}")
-    write_json(cfg.run.json, results, meta)
-    if partial:
-        return 128 + getattr(signal.Signals, partial, signal.SIGINT)
-    return 0
+def setup(cfg: FinetuneConfig) -> str:
+    base = cfg.experiment.from_run or os.path.join(cfg.run.run_dir, "base")
+    return (f"{describe(cfg.model, cfg.gpt)} model from {base}, fine-tuned {cfg.run.steps} "
+            f"steps on {cfg.data.path}, seq_len {cfg.seq_len}")
+
+
+EXPERIMENT = Experiment(
+    name="finetune", doc=__doc__, config=FinetuneConfig, rows=rows, setup=setup,
+    prepare=prepare,
+    measure=lambda run: base(run) if run.row.fields["row"] == "base" else tune(run),
+    shared=lambda cfg: (stdlib_text(cfg.data.path)
+                        if cfg.data.path == stdlib_text_path(cfg.run.run_dir) else None),
+    # The fine-tuning runs' defaults; the base run (without --from) trains on the stdlib with
+    # the same batches for --base-steps.
+    defaults={"data.path": STDLIB_TEXT, "data.batching": "pack", "data.seq_len": 256,
+              "data.batch_size": 8, "run.steps": 150, "optimizer.learning_rate": 1e-3,
+              "optimizer.warmup_steps": 10, "run.eval_every": 0, "run.checkpoint_every": 0,
+              "lora.rank": 8, "adapters.dim": 16, "run.final_eval_batches": 40},
+    fixed=("run.init_from", "stacking.stages"),
+    columns=[("label", "row", ""), ("trainable_params", "trainable", ",d"),
+             ("trainable_share", "of model", ".2%"), ("state_bytes", "opt state B", ",d"),
+             ("state_share", "of full's", ".2%"), ("step_ms", "step ms", ".1f"),
+             ("step_bytes", "step device B", ",d"), ("peak_bytes", "peak B", ",d"),
+             ("val_loss", "val loss", ".4f"), ("merged_val_loss", "merged val", ".4f"),
+             ("vs_full", "vs full", "+.2%")],
+    compare=lambda cfg, rows, partial: relative(
+        rows[1:], first(rows, row="full"), state_share=("state_bytes", "ratio"),
+        vs_full=("val_loss", "change")),
+    meta=lambda cfg, rows: {"base": rows[0]["run_dir"] if rows else cfg.experiment.from_run},
+    plot=lambda path, cfg, rows: plot_loss_curves(
+        path, {r["label"]: r["run_dir"] for r in rows[1:]},
+        title=f"fine-tuning {describe(cfg.model, cfg.gpt)} on "
+              f"{os.path.basename(cfg.data.path)}"))
+main = main_of(EXPERIMENT)
 
 
 if __name__ == "__main__":

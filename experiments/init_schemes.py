@@ -23,19 +23,14 @@ default initialisation without warmup and T-Fixup are side by side where it matt
 
 import dataclasses
 import math
-import os
-import signal
 import sys
-import time
 
-from experiments.common import (command, environment, parse_experiment, parse_list,
-                                plot_loss_curves, train_until_stopped, write_json)
-from jaxaccel import techniques
-from jaxaccel.config import TrainConfig, override, setting
+from experiments.common import (Experiment, Row, config_of, main_of, parse_list,
+                                plot_loss_curves)
+from jaxaccel.config import setting
 from jaxaccel.errors import ConfigError
 from jaxaccel.init import SCHEMES
 from jaxaccel.model import describe
-from jaxaccel.report import format_table
 
 
 @dataclasses.dataclass
@@ -47,67 +42,46 @@ class InitSettings:
                                         "with warmup; 0: no reference rows)")
 
 
-@dataclasses.dataclass
-class InitConfig(TrainConfig):
-    """The training config every row shares plus the schemes and learning rates to sweep."""
-
-    experiment: InitSettings = dataclasses.field(default_factory=InitSettings)
-
-
-# This experiment's defaults: the tiny preset, packed batches, a fixed number of steps, one
-# evaluation at the end on a fixed share of the validation split, no periodic checkpoints.
-DEFAULTS = {"data.batching": "pack", "data.seq_len": 128, "data.batch_size": 8,
-            "run.steps": 150, "run.eval_every": 0, "run.checkpoint_every": 0,
-            "run.final_eval_batches": 20, "run.log_every": 5}
-FIXED = ("init.scheme", "optimizer.learning_rate", "optimizer.warmup_steps", "run.train_tokens")
-
-COLUMNS = [
-    ("label", "row", ""),
-    ("learning_rate", "peak lr", ".0e"),
-    ("warmup_steps", "warmup", "d"),
-    ("steps", "steps", "d"),
-    ("train_bpb", "train bpb", ".3f"),
-    ("val_loss", "val loss", ".4f"),
-    ("val_bpb", "val bpb", ".3f"),
-    ("verdict", "", ""),
-    ("wall_s", "wall s", ".1f"),
-]
+InitConfig = config_of(InitSettings)
 TRAINED = 0.9     # a row trained if its val bpb is at most this share of the unigram entropy
-STABLE_COLUMNS = [
-    ("label", "scheme", ""),
-    ("largest_stable_lr", "largest stable lr", ".0e"),
-    ("val_loss", "val loss there", ".4f"),
-    ("val_bpb", "val bpb there", ".3f"),
-]
 
 
-def learning_rates(text: str) -> list[float]:
-    """The swept learning rates: positive finite numbers (ConfigError otherwise)."""
-    try:
-        values = [float(item) for item in text.split(",") if item.strip()]
-    except ValueError:
-        values = []
-    if not values or not all(0 < v < math.inf for v in values):
-        raise ConfigError(f"learning_rates={text!r} is not a comma-separated list of positive "
-                          f"finite numbers; write e.g. 1e-3,1e-2", field="experiment.learning_rates")
-    return sorted(set(values))
+def positive(value: float) -> bool:
+    "positive"
+    return value > 0
 
 
-def run_one(cfg: InitConfig, run_root: str, scheme: str, lr: float, warmup: int) -> dict:
-    """Train one row and reduce its summary to a table row."""
-    label = scheme if warmup == 0 else f"{scheme} + {warmup} warmup"
-    run_dir = os.path.join(run_root, f"{scheme}-w{warmup}-lr{lr:g}")
-    summary = train_until_stopped(override(cfg, {
-        "init.scheme": scheme, "optimizer.learning_rate": lr, "optimizer.warmup_steps": warmup,
-        "run.run_dir": run_dir, "run.json": None}))
-    trained = math.isfinite(summary.val_bpb) and summary.val_bpb <= TRAINED * summary.unigram_bpb
-    verdict = "" if trained else ("diverged" if not math.isfinite(summary.val_bpb) else "stalled")
-    return {"label": label, "scheme": scheme, "warmup_steps": warmup, "learning_rate": lr,
-            "steps": summary.steps, "train_bpb": summary.train_bpb, "val_loss": summary.val_loss,
-            "val_bpb": summary.val_bpb, "unigram_bpb": summary.unigram_bpb,
-            "diverged_at_step": summary.diverged_at_step,
-            "trained": trained, "verdict": verdict,
-            "wall_s": summary.wall_s, "run_dir": run_dir, "interrupted": summary.interrupted}
+def swept(cfg: InitConfig) -> tuple[list[str], list[float]]:
+    """The schemes, and the learning rates in increasing order without repeats."""
+    exp = cfg.experiment
+    return (parse_list(exp.schemes, "experiment.schemes", valid=SCHEMES),
+            sorted(set(parse_list(exp.learning_rates, "experiment.learning_rates", kind=float,
+                                  within=positive, example="1e-3,1e-2"))))
+
+
+def rows(cfg: InitConfig) -> list[Row]:
+    """Every scheme at every learning rate without warmup, then the default init with the
+    reference warmup at every learning rate."""
+    schemes, rates = swept(cfg)
+    warmup = cfg.experiment.reference_warmup
+    if warmup < 0 or warmup >= cfg.run.steps:
+        raise ConfigError(f"reference_warmup must be in [0, steps={cfg.run.steps}), got "
+                          f"{warmup}", field="experiment.reference_warmup")
+    plan = [(scheme, lr, 0) for scheme in schemes for lr in rates]
+    plan += [("default", lr, warmup) for lr in rates] if warmup else []
+    return [Row(scheme if w == 0 else f"{scheme} + {w} warmup",
+                {"init.scheme": scheme, "optimizer.learning_rate": lr,
+                 "optimizer.warmup_steps": w},
+                {"scheme": scheme, "warmup_steps": w, "learning_rate": lr},
+                directory=f"{scheme}-w{w}-lr{lr:g}") for scheme, lr, w in plan]
+
+
+def result(summary, run) -> dict:
+    """Trained, or how it failed: diverged (not finite) or stalled (near the unigram's)."""
+    finite = math.isfinite(summary.val_bpb)
+    trained = finite and summary.val_bpb <= TRAINED * summary.unigram_bpb
+    return {"trained": trained, "verdict": "" if trained else
+            ("stalled" if finite else "diverged"), "interrupted": None}
 
 
 def largest_stable(rows: list[dict]) -> list[dict]:
@@ -121,61 +95,52 @@ def largest_stable(rows: list[dict]) -> list[dict]:
     return table
 
 
-@command(InitConfig)
-def main(argv=None) -> int:
-    cfg = parse_experiment(argv, InitConfig, defaults=DEFAULTS, fixed=FIXED,
-                           description=__doc__.split("\n\n")[0])
-    cfg.validate()
-    exp = cfg.experiment
-    schemes = parse_list(exp.schemes, "experiment.schemes", valid=SCHEMES)
-    rates = learning_rates(exp.learning_rates)
-    if exp.reference_warmup < 0 or exp.reference_warmup >= cfg.run.steps:
-        raise ConfigError(f"reference_warmup must be in [0, steps={cfg.run.steps}), got "
-                          f"{exp.reference_warmup}", field="experiment.reference_warmup")
-    for scheme in schemes:                       # every row's model, before any training
-        row_cfg = override(cfg, {"init.scheme": scheme})
-        row_cfg.validate()
-        techniques.abstract(row_cfg)             # the scheme's surgery on this model
-    run_root = cfg.run.run_dir or os.path.join("runs",
-                                               time.strftime("init_schemes-%Y%m%d-%H%M%S"))
-    plan = [(scheme, lr, 0) for scheme in schemes for lr in rates]
-    if exp.reference_warmup:
-        plan += [("default", lr, exp.reference_warmup) for lr in rates]
+def meta(cfg: InitConfig, rows: list[dict]) -> dict:
+    schemes, rates = swept(cfg)
+    return {"optimizer": cfg.optimizer.name, "schemes": schemes, "learning_rates": rates,
+            "reference_warmup": cfg.experiment.reference_warmup,
+            "largest_stable": largest_stable(rows)}
 
-    rows, partial = [], None
-    for scheme, lr, warmup in plan:
-        row = run_one(cfg, run_root, scheme, lr, warmup)
-        if row["interrupted"]:
-            partial = row["interrupted"]
-            break
-        rows.append(row)
 
-    model = describe(cfg.model, cfg.gpt)
-    stable = largest_stable(rows)
-    meta = {"model": model, "data": cfg.data.path, "batching": cfg.data.batching,
-            "seq_len": cfg.seq_len, "batch_size": cfg.data.batch_size, "steps": cfg.run.steps,
-            "optimizer": cfg.optimizer.name, "schemes": schemes, "learning_rates": rates,
-            "reference_warmup": exp.reference_warmup, "largest_stable": stable,
-            **environment(), "run_dir": run_root, "interrupted": partial}
-    print(f"\n{model} model, {cfg.run.steps} steps per row, {cfg.optimizer.name}, seq_len "
-          f"{cfg.seq_len}, batch {cfg.data.batch_size}, {cfg.data.batching} batching, "
-          f"{meta['device']}, jax {meta['jax_version']}"
-          + (f" (PARTIAL: stopped by {partial})" if partial else ""))
-    print(f"\nTable 1: every row without warmup, then the default init with warmup; trained = "
-          f"final validation bits/byte finite and at most {TRAINED:.0%} of the unigram "
-          f"entropy's")
-    print(format_table(rows, COLUMNS))
-    print("\nTable 2: the largest swept learning rate each scheme trains at")
-    print(format_table(stable, STABLE_COLUMNS))
-    top = max((r["learning_rate"] for r in rows), default=None)
-    if top is not None:
-        plot_loss_curves(os.path.join(run_root, "init_schemes.png"),
-                         {r["label"]: r["run_dir"] for r in rows if r["learning_rate"] == top},
-                         title=f"initialisation schemes at lr {top:g}, {model} model")
-    write_json(cfg.run.json, rows, meta)
-    if partial:
-        return 128 + getattr(signal.Signals, partial, signal.SIGINT)
-    return 0
+def tables(cfg: InitConfig, rows: list[dict], meta: dict) -> list:
+    return [(f"Table 1: every row without warmup, then the default init with warmup; trained = "
+             f"final validation bits/byte finite and at most {TRAINED:.0%} of the unigram "
+             f"entropy's", rows, COLUMNS),
+            ("Table 2: the largest swept learning rate each scheme trains at",
+             meta["largest_stable"], STABLE_COLUMNS)]
+
+
+def plot(path: str, cfg: InitConfig, rows: list[dict]):
+    """Training loss of every row at the largest learning rate."""
+    top = max(r["learning_rate"] for r in rows)
+    plot_loss_curves(path, {r["label"]: r["run_dir"] for r in rows if r["learning_rate"] == top},
+                     title=f"initialisation schemes at lr {top:g}, "
+                           f"{describe(cfg.model, cfg.gpt)} model")
+
+
+COLUMNS = [("label", "row", ""), ("learning_rate", "peak lr", ".0e"),
+           ("warmup_steps", "warmup", "d"), ("steps", "steps", "d"),
+           ("train_bpb", "train bpb", ".3f"), ("val_loss", "val loss", ".4f"),
+           ("val_bpb", "val bpb", ".3f"), ("verdict", "", ""), ("wall_s", "wall s", ".1f")]
+STABLE_COLUMNS = [("label", "scheme", ""), ("largest_stable_lr", "largest stable lr", ".0e"),
+                  ("val_loss", "val loss there", ".4f"), ("val_bpb", "val bpb there", ".3f")]
+
+EXPERIMENT = Experiment(
+    name="init_schemes", doc=__doc__, config=InitConfig, rows=rows, columns=COLUMNS,
+    result=result, meta=meta, tables=tables, plot=plot,
+    setup=lambda cfg: (f"{describe(cfg.model, cfg.gpt)} model, {cfg.run.steps} steps per row, "
+                       f"{cfg.optimizer.name}, seq_len {cfg.seq_len}, batch "
+                       f"{cfg.data.batch_size}, {cfg.data.batching} batching"),
+    # The tiny preset, packed batches, a fixed number of steps, one evaluation at the end on a
+    # fixed share of the validation split, no periodic checkpoints.
+    defaults={"data.batching": "pack", "data.seq_len": 128, "data.batch_size": 8,
+              "run.steps": 150, "run.eval_every": 0, "run.checkpoint_every": 0,
+              "run.final_eval_batches": 20, "run.log_every": 5},
+    fixed=("init.scheme", "optimizer.learning_rate", "optimizer.warmup_steps",
+           "run.train_tokens"),
+    row_flags={"init.scheme": "experiment.schemes",
+               "optimizer.learning_rate": "experiment.learning_rates"})
+main = main_of(EXPERIMENT)
 
 
 if __name__ == "__main__":

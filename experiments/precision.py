@@ -23,19 +23,17 @@ batch's rows; bigger batches mean smaller per-token gradients and more underflow
 """
 
 import dataclasses
-import os
 import sys
-import time
 
 import jax
 import jax.numpy as jnp
 import numpy as np
 from flax import nnx
 
-from experiments.common import (Interrupted, command, environment, exit_code, parse_list,
-                                plot_loss_curves, technique, train_row, write_json)
+from experiments.common import (Experiment, Row, config_of, first, length, main_of, parse_list,
+                                relative, technique)
 from jaxaccel import nn, techniques
-from jaxaccel.config import TrainConfig, override, parse, setting
+from jaxaccel.config import override, setting
 from jaxaccel.corpus import corpus_of
 from jaxaccel.data import DataStream
 from jaxaccel.errors import ConfigError
@@ -43,10 +41,9 @@ from jaxaccel.grads import value_and_grad
 from jaxaccel.loop import read_trained_run
 from jaxaccel.model import describe, make_apply
 from jaxaccel.precision import DynamicLossScale, NoLossScale, cast, get_policy, loss_scaled
-from jaxaccel.report import format_table
 from jaxaccel.train import weighted_cross_entropy
 
-# Row name -> (precision policy, loss scale, float32 matmul precision).
+# Row name -> (precision policy, loss scale, float32 matmul precision): its FIXED settings.
 ROWS = {
     "fp32": ("fp32", "none", "highest"),
     "tf32": ("fp32", "none", "default"),
@@ -65,13 +62,7 @@ class PrecisionSettings:
                                                  "microbatches of a global batch")
 
 
-@dataclasses.dataclass
-class PrecisionConfig(TrainConfig):
-    """The training config (with this experiment's defaults) plus the rows to compare."""
-
-    experiment: PrecisionSettings = dataclasses.field(default_factory=PrecisionSettings)
-
-
+PrecisionConfig = config_of(PrecisionSettings)
 # This experiment's defaults (0 evaluates and checkpoints only at the end); each row sets its own
 # precision policy, loss scaling and float32 matmul precision (see --precisions and ROWS).
 DEFAULTS = {"data.batching": "pack", "data.seq_len": 256, "data.batch_size": 16,
@@ -80,58 +71,43 @@ DEFAULTS = {"data.batching": "pack", "data.seq_len": 256, "data.batch_size": 16,
 FIXED = ("precision.policy", "precision.loss_scale", "precision.matmul")
 
 
-COLUMNS = [
-    ("precision", "precision", ""),
-    ("step_s", "step s (mean)", ".4f"),
-    ("real_tokens_per_s", "real tok/s", ",.0f"),
-    ("temp_bytes", "temp bytes", ",d"),
-    ("memory_bytes", "total bytes", ",d"),
-    ("val_loss", "val loss", ".4f"),
-    ("val_loss_vs_fp32", "vs fp32", "+.2%"),
-    ("skipped_steps", "skipped", "d"),
-    ("loss_scale", "final scale", "g"),
-    ("speedup_vs_fp32", "speedup", ".2f"),
-    ("speedup_vs_bf16", "vs bf16", ".2f"),
-    ("val_loss_vs_bf16", "val vs bf16", "+.2%"),
-]
-
-PROBE_COLUMNS = [
-    ("params", "parameters", ""),
-    ("accumulate", "K", "d"),
-    ("median_abs_fp32", "median |g| fp32", ".1e"),
-    ("case", "fp16 gradient", ""),
-    ("scale", "scale", "g"),
-    ("flushed_to_zero", "flushed to zero", ".2%"),
-    ("relative_error", "rel. error vs fp32", ".3f"),
-]
+def rows(cfg: PrecisionConfig) -> list[Row]:
+    """One row per name of --precisions; the probe's settings checked too."""
+    exp = cfg.experiment
+    names = parse_list(exp.precisions, "experiment.precisions", valid=ROWS)
+    if exp.probe_batch_size < 1:
+        raise ConfigError(f"probe_batch_size must be at least 1, got {exp.probe_batch_size}",
+                          field="experiment.probe_batch_size")
+    parse_list(exp.probe_accumulate, "experiment.probe_accumulate", kind=int)
+    return [Row(name, dict(zip(FIXED, ROWS[name])),
+                {"precision": name, "matmul_precision": ROWS[name][2]}, directory=name)
+            for name in names]
 
 
-def run_row(cfg: PrecisionConfig, name: str, run_root: str) -> dict:
-    policy, loss_scale, matmul = ROWS[name]
-    summary = train_row(override(cfg, {
-        "precision.policy": policy, "precision.loss_scale": loss_scale,
-        "precision.matmul": matmul, "run.run_dir": os.path.join(run_root, name),
-        "run.json": None}))
-    memory = summary.step_memory_bytes
-    return {
-        "precision": name,
-        "policy": summary.precision,
-        "matmul_precision": matmul,
-        "steps": summary.steps,
-        "step_s": summary.train_s / max(summary.steps_this_run, 1),
-        "real_tokens_per_s": summary.real_tokens_per_s,
-        "memory_bytes": memory["total"] if memory else None,
-        "temp_bytes": memory["temp"] if memory else None,
-        "val_loss": summary.val_loss,
-        "val_bpb": summary.val_bpb,
-        "diverged_at_step": summary.diverged_at_step,
-        "skipped_steps": summary.skipped_steps,
-        "loss_scale": summary.loss_scale,
-        "compile_s": summary.compile_s,
-        "run_dir": summary.run_dir,
-        "fp8": technique(summary, "fp8", "note"),
-        "fp8_gemms": technique(summary, "fp8", "gemms"),
-    }
+def result(summary, run) -> dict:
+    memory = summary.step_memory_bytes or {}
+    return {"policy": summary.precision,
+            "step_s": summary.train_s / max(summary.steps_this_run, 1),
+            "memory_bytes": memory.get("total"), "temp_bytes": memory.get("temp"),
+            "skipped_steps": summary.skipped_steps, "loss_scale": summary.loss_scale,
+            "fp8": technique(summary, "fp8", "note"),
+            "fp8_gemms": technique(summary, "fp8", "gemms")}
+
+
+def compare(cfg: PrecisionConfig, rows: list[dict], partial) -> dict:
+    """Every row against fp32, the fp8 row against bf16; then, unless a signal stopped the
+    rows, the underflow probe (at the fp32 run's final checkpoint too, if it ran)."""
+    fp32, bf16 = first(rows, precision="fp32"), first(rows, precision="bf16")
+    relative(rows, fp32, speedup_vs_fp32=("real_tokens_per_s", "ratio"),
+             val_loss_vs_fp32=("val_loss", "change"))
+    for row in rows:
+        relative([row], bf16 if row["precision"] == "fp8" else None,
+                 speedup_vs_bf16=("real_tokens_per_s", "ratio"),
+                 val_loss_vs_bf16=("val_loss", "change"))
+    if partial:
+        return {}
+    trained = fp32 and nnx.state(read_trained_run(fp32["run_dir"])[1])
+    return {"underflow_probe": underflow_probe(cfg, trained)}
 
 
 def probe_grad_fn(model, policy_name: str):
@@ -221,69 +197,43 @@ def underflow_probe(cfg: PrecisionConfig, trained_params) -> list[dict]:
     return rows
 
 
-def _length(cfg: TrainConfig) -> str:
-    """How long every row trains: real tokens, or steps when run.train_tokens is unset."""
-    if cfg.run.train_tokens is None:
-        return f"{cfg.run.steps:,} steps"
-    return f"{cfg.run.train_tokens:,} real tokens"
+def tables(cfg: PrecisionConfig, rows: list[dict], meta: dict) -> list:
+    """The rows, then the underflow probe's if it ran."""
+    out = [(None, rows, COLUMNS)]
+    if meta["underflow_probe"]:
+        out.append((f"Underflow probe: one batch of {cfg.experiment.probe_batch_size} rows as "
+                    f"one of K microbatches; float16 gradients against float32 at the start "
+                    f"and end of the fp32 run", meta["underflow_probe"], PROBE_COLUMNS))
+    return out
 
 
-@command(PrecisionConfig)
-def main(argv=None) -> int:
-    cfg = parse(argv, PrecisionConfig, defaults=DEFAULTS, fixed=FIXED,
-                description=__doc__.split("\n\n")[0])
-    cfg.validate()
-    exp = cfg.experiment
-    names = parse_list(exp.precisions, "experiment.precisions", valid=ROWS)
-    if exp.probe_batch_size < 1:
-        raise ConfigError(f"probe_batch_size must be at least 1, got {exp.probe_batch_size}",
-                          field="experiment.probe_batch_size")
-    parse_list(exp.probe_accumulate, "experiment.probe_accumulate", kind=int)
-    run_root = cfg.run.run_dir or os.path.join("runs", time.strftime("precision-%Y%m%d-%H%M%S"))
-    rows, partial = [], None
-    try:
-        for name in names:
-            rows.append(run_row(cfg, name, run_root))
-    except Interrupted as stop:         # the cut row is not a result; later rows do not run
-        partial = stop.signal
+COLUMNS = [
+    ("precision", "precision", ""), ("step_s", "step s (mean)", ".4f"),
+    ("real_tokens_per_s", "real tok/s", ",.0f"), ("temp_bytes", "temp bytes", ",d"),
+    ("memory_bytes", "total bytes", ",d"), ("val_loss", "val loss", ".4f"),
+    ("val_loss_vs_fp32", "vs fp32", "+.2%"), ("skipped_steps", "skipped", "d"),
+    ("loss_scale", "final scale", "g"), ("speedup_vs_fp32", "speedup", ".2f"),
+    ("speedup_vs_bf16", "vs bf16", ".2f"), ("val_loss_vs_bf16", "val vs bf16", "+.2%"),
+]
+PROBE_COLUMNS = [
+    ("params", "parameters", ""), ("accumulate", "K", "d"),
+    ("median_abs_fp32", "median |g| fp32", ".1e"), ("case", "fp16 gradient", ""),
+    ("scale", "scale", "g"), ("flushed_to_zero", "flushed to zero", ".2%"),
+    ("relative_error", "rel. error vs fp32", ".3f"),
+]
 
-    fp32 = next((r for r in rows if r["precision"] == "fp32"), None)
-    for row in rows:
-        row["speedup_vs_fp32"] = (row["real_tokens_per_s"] / fp32["real_tokens_per_s"]
-                                  if fp32 else None)
-        row["val_loss_vs_fp32"] = (row["val_loss"] / fp32["val_loss"] - 1 if fp32 else None)
-    bf16 = next((r for r in rows if r["precision"] == "bf16"), None)
-    for row in rows:
-        fp8_row = row["precision"] == "fp8" and bf16 is not None
-        row["speedup_vs_bf16"] = (row["real_tokens_per_s"] / bf16["real_tokens_per_s"]
-                                  if fp8_row else None)
-        row["val_loss_vs_bf16"] = row["val_loss"] / bf16["val_loss"] - 1 if fp8_row else None
-    trained = None
-    if fp32 is not None:            # the fp32 run's final checkpoint
-        trained = nnx.state(read_trained_run(fp32["run_dir"])[1])
-    probe = [] if partial else underflow_probe(cfg, trained)
-
-    model = describe(cfg.model, cfg.gpt)
-    meta = {"model": model, "data": cfg.data.path, "batching": cfg.data.batching,
-            "seq_len": cfg.seq_len, "batch_size": cfg.data.batch_size,
-            "train_tokens": cfg.run.train_tokens, "probe_batch_size": exp.probe_batch_size,
-            "underflow_probe": probe, **environment(), "run_dir": run_root,
-            "interrupted": partial}
-    print(f"\n{model} model, {_length(cfg)} per row, seq_len {cfg.seq_len}, "
-          f"{cfg.data.batching} batching, {meta['device']}, jax {meta['jax_version']}"
-          + (f" (PARTIAL: stopped by {partial}; {len(rows)} of {len(names)} rows ran, no "
-             f"underflow probe)" if partial else ""))
-    print(format_table(rows, COLUMNS))
-    if probe:
-        print(f"\nUnderflow probe: one batch of {exp.probe_batch_size} rows as one of K "
-              f"microbatches; float16 gradients against float32 at the start and end of the "
-              f"fp32 run")
-        print(format_table(probe, PROBE_COLUMNS))
-    plot_loss_curves(os.path.join(run_root, "precision.png"),
-                     {r["precision"]: r["run_dir"] for r in rows},
-                     title=f"precision policies, {model} model, seq_len {cfg.seq_len}")
-    write_json(cfg.run.json, rows, meta)
-    return exit_code(partial)
+EXPERIMENT = Experiment(
+    name="precision", doc=__doc__, config=PrecisionConfig, rows=rows, columns=COLUMNS,
+    defaults=DEFAULTS, fixed=FIXED, row_flags=dict.fromkeys(FIXED, "experiment.precisions"),
+    result=result, compare=compare, tables=tables,
+    setup=lambda cfg: (f"{describe(cfg.model, cfg.gpt)} model, {length(cfg)} per row, seq_len "
+                       f"{cfg.seq_len}, {cfg.data.batching} batching"),
+    meta=lambda cfg, rows: {"probe_batch_size": cfg.experiment.probe_batch_size,
+                            "underflow_probe": []},
+    notes=lambda cfg, rows, meta: (["\nno underflow probe: a signal stopped the rows"]
+                                   if meta["interrupted"] else []),
+    plot_title="precision policies")
+main = main_of(EXPERIMENT)
 
 
 if __name__ == "__main__":

@@ -24,6 +24,7 @@ a device holds: the stages split the blocks, while the embedding and the head st
 every stage (``jaxaccel.pipeline``).
 """
 
+import contextlib
 import dataclasses
 import statistics
 import sys
@@ -34,11 +35,11 @@ import jax.numpy as jnp
 from flax import nnx
 from jax.sharding import NamedSharding
 
-from experiments.common import (check_stop, command, environment, gpt_shape, parse_experiment,
-                                parse_list, stack_depth, write_json)
+from experiments.common import (Experiment, Row, RowRun, check_stop, config_of, gpt_shape,
+                                main_of, parse_list, relative, stack_depth)
 from jaxaccel import gpt, model as model_lib, nn, techniques
 from jaxaccel.compiled import abstract, memory_bytes
-from jaxaccel.config import TrainConfig, override, setting
+from jaxaccel.config import override, setting
 from jaxaccel.corpus import corpus_of
 from jaxaccel.data import batches
 from jaxaccel.errors import ConfigError
@@ -46,7 +47,6 @@ from jaxaccel.loader import abstract_batch, place_batch
 from jaxaccel.loop import sharded_steps
 from jaxaccel.model import describe
 from jaxaccel.optim import build_optimizer
-from jaxaccel.report import format_table
 from jaxaccel.pipeline import (SCHEDULES, bubble_fraction, check as check_pipeline,
                                check_layers, make_schedule)
 from jaxaccel.sharding import (COMPUTE_RULES, MESH_AXES, STRATEGIES, batch_shards,
@@ -64,38 +64,73 @@ class ShardingSettings:
     pipeline_schedules: str = setting("gpipe,1f1b", "comma-separated schedules each pipelined "
                                                     "strategy runs with")
     pipeline_microbatches: int = setting(8, "microbatches per step of the pipelined rows (their "
-                                            "accumulate)")
+                                            "accumulate)", at_least=1)
 
 
-@dataclasses.dataclass
-class ShardingConfig(TrainConfig):
-    """The training config every strategy shares, and the rows."""
-
-    experiment: ShardingSettings = dataclasses.field(default_factory=ShardingSettings)
+ShardingConfig = config_of(ShardingSettings)
 
 
-# This experiment's defaults (tp splits the 8 heads, pp the 8 layers over all devices); each row
-# sets its own strategy and mesh, and the pipelined rows their schedule and microbatches.
-DEFAULTS = {"gpt.n_heads": 8, "gpt.n_layers": 8, "run.steps": 5, "data.seq_len": 128,
-            "data.batch_size": 16, "optimizer.warmup_steps": 0}
-FIXED = ("mesh.strategy", "mesh.shape", "mesh.num_devices", "mesh.pipeline_schedule")
+def prepare(cfg: ShardingConfig) -> ShardingConfig:
+    """Ask for ``--cpu-devices`` CPU devices, before JAX starts (``cpu_devices_note`` if it had)."""
+    with contextlib.suppress(RuntimeError):
+        jax.config.update("jax_num_cpu_devices", cfg.experiment.cpu_devices)
+    return cfg
 
 
-COLUMNS = [
-    ("strategy", "strategy", ""),
-    ("mesh", "mesh (stage,data,fsdp,tensor)", ""),
-    ("param_opt_bytes_per_device", "params+opt B/device", ",d"),
-    ("param_opt_fraction", "of one device's", ".3f"),
-    ("blocks_fraction", "blocks of one device's", ".3f"),
-    ("temp_bytes_per_device", "step temp B/device", ",d"),
-    ("mlp_temp_bytes_per_device", "MLP temp B/device", ",d"),
-    ("mlp_temp_fraction", "of one device's", ".3f"),
-    ("step_s", "step s (median)", ".3f"),
-    ("bubble", "bubble", ".3f"),
-    ("stage_inputs", "inputs kept", ""),
-    ("loss", "loss", ".6f"),
-    ("loss_diff_vs_single", "rel. diff vs 1 device", ".1e"),
-]
+def cpu_devices_note(cfg: ShardingConfig) -> str | None:
+    if jax.config.jax_num_cpu_devices == cfg.experiment.cpu_devices:
+        return None
+    return (f"JAX had started before --cpu-devices took effect; the rows use the "
+            f"{jax.device_count()} devices it has")
+
+
+def rows(cfg: ShardingConfig) -> list[Row]:
+    """One device, then every strategy on all devices (a pipelined one once per schedule),
+    each row's model, mesh and batch checked."""
+    exp = cfg.experiment
+    strategies = parse_list(exp.strategies, "experiment.strategies", valid=STRATEGIES)
+    if cfg.data.batch_size is None or cfg.data.tokens_per_batch is not None:
+        raise ConfigError("this experiment takes batch_size, not tokens_per_batch",
+                          field="data.batch_size")
+    schedules = parse_list(exp.pipeline_schedules, "experiment.pipeline_schedules",
+                           valid=SCHEDULES)
+    plan = [Row("single", {"mesh.strategy": "dp"}, {"strategy": "single"})]
+    for name in strategies:
+        variants = {name: {"mesh.strategy": name}}
+        if pipelined(name):
+            variants = {f"{name} ({schedule})": {
+                "mesh.strategy": name, "mesh.pipeline_schedule": schedule,
+                "optimizer.accumulate": exp.pipeline_microbatches, "remat.scan_layers": True}
+                for schedule in schedules}
+        for label, settings in variants.items():
+            check(override(cfg, settings))
+            plan.append(Row(label, settings, {"strategy": label}))
+    return plan
+
+
+def check(cfg: ShardingConfig):
+    """The row's config, its model's split over its mesh (and stages) and its batch's."""
+    cfg.validate()
+    name, model = cfg.mesh.strategy, techniques.abstract(cfg)
+    shape = mesh_shape(name, jax.device_count())
+    check_split(shape, nnx.state(model), parse_axis_rules(cfg.mesh.axis_rules), name)
+    if pipelined(name):
+        check_layers(model, shape["stage"])
+        check_pipeline(cfg.mesh.pipeline_schedule, shape["stage"], cfg.optimizer.accumulate)
+    multiple = batch_shards(shape) * cfg.optimizer.accumulate
+    if cfg.data.batch_size % multiple:
+        raise ConfigError(
+            f"batch_size={cfg.data.batch_size} does not split over {name}'s mesh "
+            f"{format_mesh(shape)} (data x fsdp) times its microbatches "
+            f"({cfg.optimizer.accumulate}); pass a multiple of {multiple}",
+            field="data.batch_size")
+
+
+def shared(cfg: ShardingConfig):
+    """The optimizer, and the batches every row trains and evaluates on."""
+    optimizer, _, _ = build_optimizer(cfg.optimizer, batch_rows=cfg.data.batch_size,
+                                      total_steps=cfg.run.steps)
+    return optimizer, *corpus_batches(cfg, cfg.seq_len)
 
 
 def corpus_batches(cfg: ShardingConfig, seq_len: int):
@@ -134,10 +169,14 @@ def mlp_temp_bytes(mesh, cfg, batch_shape) -> int | None:
     return memory_bytes(executable)["temp"]
 
 
-def run_strategy(name: str, shape: dict, cfg: ShardingConfig, optimizer, train, val,
-                 devices) -> dict:
+def measure(run: RowRun) -> dict:
     """One row: the strategy's mesh, its memory per device, its step time and its loss (and
     with a pipeline, its bubble and the stage inputs kept)."""
+    (optimizer, train, val), cfg, devices = run.shared, run.config(), jax.devices()
+    if run.row.label == "single":
+        shape, devices = {a: 1 for a in MESH_AXES}, devices[:1]
+    else:
+        shape = mesh_shape(cfg.mesh.strategy, len(devices))
     model = techniques.abstract(cfg)
     stacks = nn.stacks(model)
     mesh = make_mesh(shape, cfg.mesh.axis_types, devices)
@@ -160,19 +199,18 @@ def run_strategy(name: str, shape: dict, cfg: ShardingConfig, optimizer, train, 
             jax.block_until_ready((state, metrics))
             seconds.append(time.perf_counter() - start)
         sums = jax.device_get(evaluate(state, place_batch(val, layout)))
-    piped = pipelined(cfg.mesh.strategy)
-    schedule = (make_schedule(cfg.mesh.pipeline_schedule, shape["stage"],
-                              cfg.optimizer.accumulate) if piped else None)
+    piped, microbatches = pipelined(cfg.mesh.strategy), cfg.optimizer.accumulate
+    schedule = (make_schedule(cfg.mesh.pipeline_schedule, shape["stage"], microbatches)
+                if piped else None)
     return {
-        "strategy": name,
         "mesh": ",".join(str(shape[a]) for a in MESH_AXES),
         "mesh_axes": format_mesh(shape),
         "devices": len(mesh.devices.flat),
         "param_opt_bytes_per_device": param_opt,
         "blocks_bytes_per_device": blocks,
         "pipeline_schedule": schedule.name if piped else None,
-        "microbatches": cfg.optimizer.accumulate,
-        "bubble": bubble_fraction(shape["stage"], cfg.optimizer.accumulate) if piped else None,
+        "microbatches": microbatches,
+        "bubble": bubble_fraction(shape["stage"], microbatches) if piped else None,
         "stage_inputs": schedule.slots if piped else None,
         "temp_bytes_per_device": memory.get("temp"),
         "mlp_temp_bytes_per_device": mlp_temp_bytes(mesh, cfg, train[0]["inputs"].shape),
@@ -182,104 +220,61 @@ def run_strategy(name: str, shape: dict, cfg: ShardingConfig, optimizer, train, 
     }
 
 
-def compare_with_single(rows: list[dict]):
+def compare(cfg: ShardingConfig, rows: list[dict], partial):
+    """Every row against the one on one device."""
     single = rows[0]
-
-    def share(row, key):
-        return None if row[key] is None or not single[key] else row[key] / single[key]
-
+    relative(rows, single, param_opt_fraction=("param_opt_bytes_per_device", "ratio"),
+             blocks_fraction=("blocks_bytes_per_device", "ratio"),
+             mlp_temp_fraction=("mlp_temp_bytes_per_device", "ratio"))
     for row in rows:
         row["loss_diff_vs_single"] = abs(row["loss"] - single["loss"]) / abs(single["loss"])
-        row["param_opt_fraction"] = share(row, "param_opt_bytes_per_device")
-        row["blocks_fraction"] = share(row, "blocks_bytes_per_device")
-        row["mlp_temp_fraction"] = share(row, "mlp_temp_bytes_per_device")
 
 
-def simulate_cpu_devices(count: int) -> str | None:
-    """Ask for ``count`` CPU devices; a note if JAX had already started with other settings."""
-    try:
-        jax.config.update("jax_num_cpu_devices", count)
-    except RuntimeError:
-        return (f"JAX had started before --cpu-devices took effect; the rows use the "
-                f"{jax.device_count()} devices it has")
-    return None
-
-
-@command(ShardingConfig)
-def main(argv=None) -> int:
-    cfg = parse_experiment(argv, ShardingConfig, defaults=DEFAULTS, fixed=FIXED,
-                           description=__doc__.split("\n\n")[0])
-    note = simulate_cpu_devices(cfg.experiment.cpu_devices)
-    cfg.validate()
-    rows_per_batch, seq_len = cfg.data.batch_size, cfg.seq_len
-    strategies = parse_list(cfg.experiment.strategies, "experiment.strategies",
-                            valid=STRATEGIES)
-    if rows_per_batch is None or cfg.data.tokens_per_batch is not None:
-        raise ConfigError("this experiment takes batch_size, not tokens_per_batch",
-                          field="data.batch_size")
-    schedules = parse_list(cfg.experiment.pipeline_schedules, "experiment.pipeline_schedules",
-                           valid=SCHEDULES)
-    microbatches = cfg.experiment.pipeline_microbatches
-    if microbatches < 1:
-        raise ConfigError(f"pipeline_microbatches must be at least 1, got {microbatches}",
-                          field="experiment.pipeline_microbatches")
-    devices = jax.devices()
-    rows_cfg = {"single": (override(cfg, {"mesh.strategy": "dp"}),
-                           {a: 1 for a in MESH_AXES})}
-    for name in strategies:
-        shape = mesh_shape(name, len(devices))
-        variants = {name: {"mesh.strategy": name}}
-        if pipelined(name):
-            variants = {f"{name} ({schedule})": {
-                "mesh.strategy": name, "mesh.pipeline_schedule": schedule,
-                "optimizer.accumulate": microbatches, "remat.scan_layers": True}
-                for schedule in schedules}
-        for row, fields in variants.items():
-            row_cfg = override(cfg, fields)
-            row_cfg.validate()
-            model = techniques.abstract(row_cfg)
-            check_split(shape, nnx.state(model), parse_axis_rules(row_cfg.mesh.axis_rules),
-                        name)
-            if pipelined(name):
-                check_layers(model, shape["stage"])
-                check_pipeline(row_cfg.mesh.pipeline_schedule, shape["stage"], microbatches)
-            multiple = batch_shards(shape) * row_cfg.optimizer.accumulate
-            if rows_per_batch % multiple:
-                raise ConfigError(
-                    f"batch_size={rows_per_batch} does not split over {name}'s mesh "
-                    f"{format_mesh(shape)} (data x fsdp) times its microbatches "
-                    f"({row_cfg.optimizer.accumulate}); pass a multiple of {multiple}",
-                    field="data.batch_size")
-            rows_cfg[row] = (row_cfg, shape)
-    optimizer, _, _ = build_optimizer(cfg.optimizer, batch_rows=rows_per_batch,
-                                      total_steps=cfg.run.steps)
-    train, val = corpus_batches(cfg, seq_len)
-    rows = [run_strategy(name, shape, row_cfg, optimizer, train, val,
-                         devices[:1] if name == "single" else devices)
-            for name, (row_cfg, shape) in rows_cfg.items()]
-    compare_with_single(rows)
-    arch, n_layers = gpt_shape(cfg), stack_depth(cfg)
-    meta = {"model": describe(cfg.model, cfg.gpt), "d_model": arch and arch.d_model,
-            "n_layers": n_layers, "n_heads": arch and arch.n_heads,
-            "n_kv_heads": arch and arch.n_kv_heads, "seq_len": seq_len,
-            "batch_size": rows_per_batch,
-            "steps": cfg.run.steps, "optimizer": cfg.optimizer.name,
-            "precision": cfg.policy().name, "mesh_axis_types": cfg.mesh.axis_types,
-            "device_count": len(devices), "backend": jax.default_backend(), "note": note,
-            **environment()}
+def setup(cfg: ShardingConfig) -> str:
+    arch = gpt_shape(cfg)
     width = f"{arch.d_model} wide, " if arch else ""
-    print(f"\n{meta['model']} ({width}{n_layers} layers), seq_len "
-          f"{seq_len}, batch {rows_per_batch}, {cfg.run.steps} steps of {meta['optimizer']}, "
-          f"{meta['precision']}, {cfg.mesh.axis_types} axes; {len(devices)} x {meta['device']} "
-          f"({meta['backend']}), jax {meta['jax_version']}")
-    print(format_table(rows, COLUMNS))
-    if note:
-        print(note)
-    if jax.default_backend() == "cpu":
-        print("simulated CPU devices share the machine's cores: step times show the cost of the "
-              "collectives, not a speedup")
-    write_json(cfg.run.json, rows, meta)
-    return 0
+    return (f"{describe(cfg.model, cfg.gpt)} ({width}{stack_depth(cfg)} layers), seq_len "
+            f"{cfg.seq_len}, batch {cfg.data.batch_size}, {cfg.run.steps} steps of "
+            f"{cfg.optimizer.name}, {cfg.policy().name}, {cfg.mesh.axis_types} axes, "
+            f"{jax.device_count()} {jax.default_backend()} devices")
+
+
+def meta(cfg: ShardingConfig, rows: list[dict]) -> dict:
+    arch = gpt_shape(cfg)
+    return {"model": describe(cfg.model, cfg.gpt), "d_model": arch and arch.d_model,
+            "n_layers": stack_depth(cfg), "n_heads": arch and arch.n_heads,
+            "n_kv_heads": arch and arch.n_kv_heads, "optimizer": cfg.optimizer.name,
+            "precision": cfg.policy().name, "mesh_axis_types": cfg.mesh.axis_types,
+            "device_count": jax.device_count(), "backend": jax.default_backend(),
+            "note": cpu_devices_note(cfg)}
+
+
+def notes(cfg: ShardingConfig, rows: list[dict], meta: dict) -> list[str]:
+    return [*([meta["note"]] if meta["note"] else []),
+            *(["simulated CPU devices share the machine's cores: step times show the cost of "
+               "the collectives, not a speedup"] if meta["backend"] == "cpu" else [])]
+
+
+EXPERIMENT = Experiment(
+    name="sharding", doc=__doc__, config=ShardingConfig, rows=rows, setup=setup, trains=False,
+    columns=[("strategy", "strategy", ""), ("mesh", "mesh (stage,data,fsdp,tensor)", ""),
+             ("param_opt_bytes_per_device", "params+opt B/device", ",d"),
+             ("param_opt_fraction", "of one device's", ".3f"),
+             ("blocks_fraction", "blocks of one device's", ".3f"),
+             ("temp_bytes_per_device", "step temp B/device", ",d"),
+             ("mlp_temp_bytes_per_device", "MLP temp B/device", ",d"),
+             ("mlp_temp_fraction", "of one device's", ".3f"),
+             ("step_s", "step s (median)", ".3f"), ("bubble", "bubble", ".3f"),
+             ("stage_inputs", "inputs kept", ""), ("loss", "loss", ".6f"),
+             ("loss_diff_vs_single", "rel. diff vs 1 device", ".1e")],
+    # This experiment's defaults (tp splits the 8 heads, pp the 8 layers over all devices);
+    # each row sets its own strategy and mesh, and the pipelined rows their schedule and
+    # microbatches.
+    defaults={"gpt.n_heads": 8, "gpt.n_layers": 8, "run.steps": 5, "data.seq_len": 128,
+              "data.batch_size": 16, "optimizer.warmup_steps": 0},
+    fixed=("mesh.strategy", "mesh.shape", "mesh.num_devices", "mesh.pipeline_schedule"),
+    prepare=prepare, shared=shared, measure=measure, compare=compare, meta=meta, notes=notes)
+main = main_of(EXPERIMENT)
 
 
 if __name__ == "__main__":

@@ -19,18 +19,11 @@ overhead, not a speed-up.
 """
 
 import dataclasses
-import os
-import signal
 import sys
-import time
 
-from experiments.common import (command, environment, parse_list, plot_loss_curves, technique,
-                                train_until_stopped, write_json)
-from jaxaccel import techniques
-from jaxaccel.config import TrainConfig, override, parse, setting
-from jaxaccel.model import describe
-from jaxaccel.report import format_table
-from jaxaccel.sparsity import parse_pattern
+from experiments.common import (Experiment, Row, config_of, main_of, parse_list, relative,
+                                shared_run, technique)
+from jaxaccel.config import setting
 
 
 @dataclasses.dataclass
@@ -39,97 +32,51 @@ class SparsitySettings:
                                        "dense one")
 
 
-@dataclasses.dataclass
-class SparsityConfig(TrainConfig):
-    """The training config every row shares plus the patterns to compare."""
-
-    experiment: SparsitySettings = dataclasses.field(default_factory=SparsitySettings)
+SparsityConfig = config_of(SparsitySettings)
 
 
-# This experiment's defaults: the tiny preset, packed batches, a fixed number of steps, one
-# evaluation at the end on a fixed share of the validation split, no periodic checkpoints.
-DEFAULTS = {"data.batching": "pack", "data.seq_len": 128, "data.batch_size": 8,
-            "run.steps": 300, "run.eval_every": 0, "run.checkpoint_every": 0,
-            "run.final_eval_batches": 20, "run.log_every": 10, "sparsity.every": 10}
-FIXED = ("sparsity.pattern", "run.train_tokens")
-
-COLUMNS = [
-    ("pattern", "row", ""),
-    ("steps", "steps", "d"),
-    ("step_ms", "step ms", ".1f"),
-    ("train_bpb", "train bpb", ".3f"),
-    ("val_bpb", "val bpb", ".4f"),
-    ("val_vs_dense", "val vs dense", "+.2%"),
-    ("density", "kept", ".1%"),
-    ("flops_share", "FLOPs saved", ".1%"),
-    ("flops_share_fwd_dgrad", "(fwd+dgrad)", ".1%"),
-    ("weight_bytes_share", "weight bytes saved", ".1%"),
-]
-
-
-def run_one(cfg: SparsityConfig, run_root: str, pattern: str) -> dict:
-    """Train one row and reduce its summary to a table row."""
-    run_dir = os.path.join(run_root, pattern.replace(":", "-"))
-    row_cfg = override(cfg, {"sparsity.pattern": pattern, "run.run_dir": run_dir,
-                             "run.json": None})
-    summary = train_until_stopped(row_cfg)
-    saved = technique(summary, "sparsity", default={})   # the masks' density and savings
-    return {"pattern": "dense" if pattern == "none" else pattern, "steps": summary.steps,
-            "step_ms": 1000 * summary.train_s / max(summary.steps_this_run, 1),
-            "train_bpb": summary.train_bpb, "val_loss": summary.val_loss,
-            "val_bpb": summary.val_bpb, "density": saved.get("density"),
-            "diverged_at_step": summary.diverged_at_step,
-            "flops_share": saved.get("flops_share"),
-            "flops_share_fwd_dgrad": saved.get("flops_share_fwd_dgrad"),
-            "weight_bytes_share": saved.get("weight_bytes_share"),
-            "real_tokens_per_s": summary.real_tokens_per_s, "wall_s": summary.wall_s,
-            "run_dir": run_dir, "interrupted": summary.interrupted}
-
-
-@command(SparsityConfig)
-def main(argv=None) -> int:
-    cfg = parse(argv, SparsityConfig, defaults=DEFAULTS, fixed=FIXED,
-                description=__doc__.split("\n\n")[0])
-    cfg.validate()
+def rows(cfg: SparsityConfig) -> list[Row]:
+    """A dense row, then one per pattern."""
     patterns = parse_list(cfg.experiment.patterns, "experiment.patterns")
-    for pattern in patterns:                     # every row's model, before any training
-        parse_pattern(pattern)
-        row_cfg = override(cfg, {"sparsity.pattern": pattern})
-        row_cfg.validate()
-        techniques.abstract(row_cfg)             # the masks fit the targeted layers
-    run_root = cfg.run.run_dir or os.path.join("runs", time.strftime("sparsity-%Y%m%d-%H%M%S"))
+    return [Row("dense" if p == "none" else p, {"sparsity.pattern": p},
+                {"pattern": "dense" if p == "none" else p}, directory=p.replace(":", "-"))
+            for p in ["none", *patterns]]
 
-    rows, partial = [], None
-    for pattern in ["none", *patterns]:
-        row = run_one(cfg, run_root, pattern)
-        if row["interrupted"]:
-            partial = row["interrupted"]
-            break
-        rows.append(row)
-    dense = rows[0] if rows else None
-    for row in rows:
-        row["val_vs_dense"] = row["val_bpb"] / dense["val_bpb"] - 1
 
-    model = describe(cfg.model, cfg.gpt)
-    meta = {"model": model, "data": cfg.data.path, "batching": cfg.data.batching,
-            "seq_len": cfg.seq_len, "batch_size": cfg.data.batch_size, "steps": cfg.run.steps,
-            "sparsity_every": cfg.sparsity.every,
-            "sparsity_decay": cfg.sparsity.decay, **environment(), "run_dir": run_root,
-            "interrupted": partial}
-    print(f"\n{model} model, {cfg.run.steps} steps per row, seq_len {cfg.seq_len}, batch "
-          f"{cfg.data.batch_size}, {cfg.data.batching} batching, masks every "
-          f"{cfg.sparsity.every} steps, {meta['device']}, jax {meta['jax_version']}"
-          + (f" (PARTIAL: stopped by {partial})" if partial else ""))
-    print(format_table(rows, COLUMNS))
-    print("\nSavings are what an N:M sparse matmul would do; none runs here (jax has no N:M "
-          "sparse kernel), so the sparse rows multiply masked dense weights.")
-    plot_loss_curves(os.path.join(run_root, "sparsity.png"),
-                     {r["pattern"]: r["run_dir"] for r in rows},
-                     title=f"N:M sparse training, {model} model")
-    write_json(cfg.run.json, rows, meta)
-    if partial:
-        return 128 + getattr(signal.Signals, partial, signal.SIGINT)
-    return 0
+def result(summary, run) -> dict:
+    """The masks' density and what an N:M sparse matmul would save."""
+    saved = technique(summary, "sparsity", default={})
+    return {key: saved.get(key) for key in ("density", "flops_share", "flops_share_fwd_dgrad",
+                                            "weight_bytes_share")}
+
+
+def setup(cfg: SparsityConfig) -> str:
+    return f"{shared_run(cfg)}, masks every {cfg.sparsity.every} steps"
+
+
+EXPERIMENT = Experiment(
+    name="sparsity", doc=__doc__, config=SparsityConfig, rows=rows, setup=setup, result=result,
+    # The tiny preset, packed batches, a fixed number of steps, one evaluation at the end on a
+    # fixed share of the validation split, no periodic checkpoints.
+    defaults={"data.batching": "pack", "data.seq_len": 128, "data.batch_size": 8,
+              "run.steps": 300, "run.eval_every": 0, "run.checkpoint_every": 0,
+              "run.final_eval_batches": 20, "run.log_every": 10, "sparsity.every": 10},
+    fixed=("sparsity.pattern", "run.train_tokens"),
+    row_flags={"sparsity.pattern": "experiment.patterns"},
+    columns=[("pattern", "row", ""), ("steps", "steps", "d"), ("step_ms", "step ms", ".1f"),
+             ("train_bpb", "train bpb", ".3f"), ("val_bpb", "val bpb", ".4f"),
+             ("val_vs_dense", "val vs dense", "+.2%"), ("density", "kept", ".1%"),
+             ("flops_share", "FLOPs saved", ".1%"), ("flops_share_fwd_dgrad", "(fwd+dgrad)", ".1%"),
+             ("weight_bytes_share", "weight bytes saved", ".1%")],
+    compare=lambda cfg, rows, partial: relative(rows, rows[0],
+                                                val_vs_dense=("val_bpb", "change")),
+    meta=lambda cfg, rows: {"sparsity_every": cfg.sparsity.every,
+                            "sparsity_decay": cfg.sparsity.decay},
+    notes=lambda cfg, rows, meta: [
+        "\nSavings are what an N:M sparse matmul would do; none runs here (jax has no N:M "
+        "sparse kernel), so the sparse rows multiply masked dense weights."],
+    plot_title="N:M sparse training")
+main = main_of(EXPERIMENT)
 
 
 if __name__ == "__main__":

@@ -643,21 +643,13 @@ def explain(row: dict, base: dict) -> str:
 
 
 COLUMNS = [
-    ("name", "row", ""),
-    ("time_to_target_s", "to target s", ".1f"),
-    ("with_compile_s", "+ compile s", ".1f"),
-    ("steps_to_target", "steps", "d"),
-    ("tokens_to_target", "real tokens", ",d"),
-    ("speedup", "sooner", ".2f"),
-    ("spread", "+-", ".2f"),
-    ("verdict", "verdict", ""),
-    ("real_tokens_per_s", "real tok/s", ",.0f"),
-    ("padding_efficiency", "padding eff.", ".1%"),
-    ("memory_mb", "step MB", ",.0f"),
-    ("peak_mb", "peak MB", ",.0f"),
-    ("mfu", "MFU", ".1%"),
-    ("val_bpb", "val bpb", ".3f"),
-    ("note", "note", ""),
+    ("name", "row", ""), ("time_to_target_s", "to target s", ".1f"),
+    ("with_compile_s", "+ compile s", ".1f"), ("steps_to_target", "steps", "d"),
+    ("tokens_to_target", "real tokens", ",d"), ("speedup", "sooner", ".2f"),
+    ("spread", "+-", ".2f"), ("verdict", "verdict", ""),
+    ("real_tokens_per_s", "real tok/s", ",.0f"), ("padding_efficiency", "padding eff.", ".1%"),
+    ("memory_mb", "step MB", ",.0f"), ("peak_mb", "peak MB", ",.0f"), ("mfu", "MFU", ".1%"),
+    ("val_bpb", "val bpb", ".3f"), ("note", "note", ""),
 ]
 
 

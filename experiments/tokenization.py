@@ -20,14 +20,13 @@ import os
 import sys
 import time
 
-from experiments.common import (Interrupted, command, environment, exit_code, gpt_shape,
-                                parse_list, train_row, write_json)
-from jaxaccel.config import TrainConfig, override, parse, setting
+from experiments.common import (Experiment, Row, config_of, gpt_shape, main_of, parse_list,
+                                summary_fields, train_row)
+from jaxaccel.config import setting
 from jaxaccel.corpus import corpus_of
 from jaxaccel.errors import ConfigError
 from jaxaccel.metrics import plot_curves, read_metrics, token_curve
 from jaxaccel.model import describe
-from jaxaccel.report import format_table
 from jaxaccel.tokenizer import parse_spec
 
 
@@ -37,104 +36,69 @@ class TokenizationSettings:
                               "comma-separated tokenizers to compare (each as --tokenizer takes)")
 
 
-@dataclasses.dataclass
-class TokenizationConfig(TrainConfig):
-    """The training config (with this experiment's defaults) plus the tokenizers to compare."""
-
-    experiment: TokenizationSettings = dataclasses.field(default_factory=TokenizationSettings)
+TokenizationConfig = config_of(TokenizationSettings)
 
 
-# Every row trains the same steps of the same batch shape: the same compute, whatever the text.
-DEFAULTS = {"data.batching": "pack", "data.seq_len": 256, "data.batch_size": 8,
-            "run.steps": 300, "optimizer.warmup_steps": 30, "run.eval_every": 0,
-            "run.checkpoint_every": 0}
-FIXED = ("data.tokenizer", "run.train_tokens")
-
-COLUMNS = [
-    ("tokenizer", "tokenizer", ""),
-    ("vocab_size", "vocab", ",d"),
-    ("params", "params", ",d"),
-    ("bytes_per_token", "bytes/token", ".2f"),
-    ("tokens_per_s", "real tok/s", ",.0f"),
-    ("text_bytes_per_s", "text bytes/s", ",.0f"),
-    ("text_mb", "text MB trained", ".2f"),
-    ("val_bpb", "val bits/byte", ".3f"),
-    ("unigram_bpb", "unigram bits/byte", ".3f"),
-    ("tokenize_s", "tokenize s", ".1f"),
-    ("wall_s", "wall s", ".1f"),
-]
-
-
-def run_one(cfg: TokenizationConfig, run_root: str, spec: str) -> dict:
-    """Train the model on ``spec``'s tokens and reduce its summary to a table row."""
-    row_cfg = override(cfg, {"data.tokenizer": spec, "run.json": None,
-                             "run.run_dir": os.path.join(run_root, spec.replace(":", "-"))})
-    began = time.perf_counter()
-    corpus = corpus_of(row_cfg.data)          # trains a bpe:N once; the run reads the cache
-    tokenize_s = time.perf_counter() - began
-    bytes_per_token = corpus.stats["train_text_bytes"] / corpus.stats["train_targets"]
-    summary = train_row(row_cfg)
-    return {
-        "tokenizer": spec,
-        "vocab_size": row_cfg.model.vocab_size,
-        "params": summary.params,
-        "bytes_per_token": bytes_per_token,
-        "steps": summary.steps,
-        "real_tokens": summary.real_tokens,
-        "tokens_per_s": summary.real_tokens_per_s,
-        "text_bytes_per_s": summary.real_tokens_per_s * bytes_per_token,
-        "text_mb": summary.real_tokens * bytes_per_token / 1e6,
-        "val_loss": summary.val_loss,
-        "val_bpb": summary.val_bpb,
-        "unigram_bpb": summary.unigram_bpb,
-        "tokenize_s": tokenize_s,
-        "wall_s": summary.wall_s,
-        "run_dir": row_cfg.run.run_dir,
-    }
-
-
-@command(TokenizationConfig)
-def main(argv=None) -> int:
-    cfg = parse(argv, TokenizationConfig, defaults=DEFAULTS, fixed=FIXED,
-                description=__doc__.split("\n\n")[0])
-    cfg.validate()
-    specs = parse_list(cfg.experiment.tokenizers, "experiment.tokenizers")
-    for spec in specs:
-        parse_spec(spec)            # one error line for a bad spec, before any row trains
-    if not specs:
+def rows(cfg: TokenizationConfig) -> list[Row]:
+    """One row per tokenizer, every spec checked before any row."""
+    if not cfg.experiment.tokenizers.replace(",", "").strip():
         raise ConfigError("no tokenizers to compare; pass e.g. --tokenizers bytes,bpe:1024",
                           field="experiment.tokenizers")
-    run_root = cfg.run.run_dir or os.path.join("runs",
-                                               time.strftime("tokenization-%Y%m%d-%H%M%S"))
-    rows, partial = [], None
-    try:
-        for spec in specs:
-            rows.append(run_one(cfg, run_root, spec))
-    except Interrupted as stop:         # the cut row is not a result; later rows do not run
-        partial = stop.signal
+    specs = parse_list(cfg.experiment.tokenizers, "experiment.tokenizers")
+    for spec in specs:
+        parse_spec(spec)
+    return [Row(spec, {"data.tokenizer": spec}, {"tokenizer": spec},
+                directory=spec.replace(":", "-")) for spec in specs]
 
-    model = describe(cfg.model, cfg.gpt)
-    meta = {"model": model, "data": cfg.data.path, "batching": cfg.data.batching,
-            "seq_len": cfg.seq_len, "batch_size": cfg.data.batch_size, "steps": cfg.run.steps,
-            **environment(), "run_dir": run_root, "interrupted": partial}
-    shape = gpt_shape(cfg)
-    print(f"\n{f'{shape.n_layers}x{shape.d_model} model ({model})' if shape else f'{model} model'}"
-          f", {cfg.run.steps:,} steps "
-          f"of {cfg.data.batch_size} x {cfg.seq_len} per row, {cfg.data.batching} batching, "
-          f"{cfg.data.path}, {meta['device']}, jax {meta['jax_version']}"
-          + (f" (PARTIAL: stopped by {partial}; {len(rows)} of {len(specs)} rows ran)"
-             if partial else ""))
-    print(format_table(rows, COLUMNS))
+
+def measure(run) -> dict:
+    """Tokenize (a bpe:N is trained once; the run reads the cache), then train the row."""
+    cfg = run.config()
+    began = time.perf_counter()
+    corpus = corpus_of(cfg.data)
+    tokenize_s = time.perf_counter() - began
+    bytes_per_token = corpus.stats["train_text_bytes"] / corpus.stats["train_targets"]
+    summary = train_row(cfg)
+    return {**summary_fields(summary), "vocab_size": cfg.model.vocab_size,
+            "bytes_per_token": bytes_per_token, "tokens_per_s": summary.real_tokens_per_s,
+            "text_bytes_per_s": summary.real_tokens_per_s * bytes_per_token,
+            "text_mb": summary.real_tokens * bytes_per_token / 1e6, "tokenize_s": tokenize_s}
+
+
+def plot(path: str, cfg: TokenizationConfig, rows: list[dict]):
+    """Bits per byte against the bytes of text trained on: comparable across tokenizers."""
     curves = {}
-    for r in rows:        # bits per byte against the bytes of text trained on: comparable
+    for r in rows:
         tokens, bpb = token_curve(read_metrics(os.path.join(r["run_dir"], "metrics.jsonl")))
         curves[r["tokenizer"]] = ([t * r["bytes_per_token"] for t in tokens], bpb)
-    if curves:
-        plot_curves(os.path.join(run_root, "tokenization.png"), curves,
-                    xlabel="bytes of text trained on",
-                    title=f"tokenizers, {model} model, seq_len {cfg.seq_len}")
-    write_json(cfg.run.json, rows, meta)
-    return exit_code(partial)
+    plot_curves(path, curves, xlabel="bytes of text trained on",
+                title=f"tokenizers, {describe(cfg.model, cfg.gpt)} model, seq_len {cfg.seq_len}")
+
+
+def setup(cfg: TokenizationConfig) -> str:
+    model, shape = describe(cfg.model, cfg.gpt), gpt_shape(cfg)
+    return (f"{f'{shape.n_layers}x{shape.d_model} model ({model})' if shape else f'{model} model'}"
+            f", {cfg.run.steps:,} steps of {cfg.data.batch_size} x {cfg.seq_len} per row, "
+            f"{cfg.data.batching} batching, {cfg.data.path}")
+
+
+EXPERIMENT = Experiment(
+    name="tokenization", doc=__doc__, config=TokenizationConfig, rows=rows, measure=measure,
+    setup=setup, plot=plot,
+    # Every row trains the same steps of the same batch shape: the same compute, whatever the
+    # text.
+    defaults={"data.batching": "pack", "data.seq_len": 256, "data.batch_size": 8,
+              "run.steps": 300, "optimizer.warmup_steps": 30, "run.eval_every": 0,
+              "run.checkpoint_every": 0},
+    fixed=("data.tokenizer", "run.train_tokens"),
+    row_flags={"data.tokenizer": "experiment.tokenizers"},
+    columns=[("tokenizer", "tokenizer", ""), ("vocab_size", "vocab", ",d"),
+             ("params", "params", ",d"), ("bytes_per_token", "bytes/token", ".2f"),
+             ("tokens_per_s", "real tok/s", ",.0f"), ("text_bytes_per_s", "text bytes/s", ",.0f"),
+             ("text_mb", "text MB trained", ".2f"), ("val_bpb", "val bits/byte", ".3f"),
+             ("unigram_bpb", "unigram bits/byte", ".3f"), ("tokenize_s", "tokenize s", ".1f"),
+             ("wall_s", "wall s", ".1f")])
+main = main_of(EXPERIMENT)
 
 
 if __name__ == "__main__":

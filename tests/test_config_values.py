@@ -38,8 +38,10 @@ def experiment_configs():
                     {f.name for f in dataclasses.fields(value)} & {"experiment", "run"} and \
                     value.__module__ == module.__name__:
                 classes.add(value)
-                PARSE_ARGS[value] = {"defaults": getattr(module, "DEFAULTS", None),
-                                     "fixed": getattr(module, "FIXED", ())}
+                declared = getattr(module, "EXPERIMENT", module)    # the harness's, or constants
+                PARSE_ARGS[value] = {
+                    "defaults": getattr(declared, "defaults", getattr(module, "DEFAULTS", None)),
+                    "fixed": getattr(declared, "fixed", getattr(module, "FIXED", ()))}
     return sorted(classes, key=lambda c: c.__name__)
 
 

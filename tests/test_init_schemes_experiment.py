@@ -35,8 +35,8 @@ def test_every_scheme_and_rate_with_the_reference(corpus_path, tmp_path, capsys)
 
 @pytest.mark.parametrize("args,message", [
     (["--schemes", "default,fixup"], "unknown schemes ['fixup']"),
-    (["--learning-rates", "1e-3,nan"], "positive finite numbers"),
-    (["--learning-rates", "-1"], "positive finite numbers"),
+    (["--learning-rates", "1e-3,nan"], "not a comma-separated list of numbers"),
+    (["--learning-rates", "-1"], "learning_rates: -1 is not positive"),
     (["--reference-warmup", "4"], "reference_warmup must be in [0, steps=4)"),
 ])
 def test_bad_input_is_one_line_before_any_work(args, message, corpus_path, tmp_path, capsys):
