@@ -485,7 +485,6 @@ class Experiment:
       Experiment to run instead on the same parsed config (a flag that switches mode), or a
       function cfg -> exit code (a mode with a loop of its own), or None;
     - ``row_flags``: a row setting -> the flag that sets it, so a row's ConfigError names that;
-    - ``check_models``: build every row's model abstractly before any work (training rows);
     - ``shared``: cfg -> what every row's measurement needs, built once after the checks;
       ``finish``: (cfg, shared) -> run after the rows however they ended (clean up); a dict
       it returns joins the JSON's meta;
@@ -514,7 +513,6 @@ class Experiment:
     unused: dict = dataclasses.field(default_factory=dict)
     prepare: Callable | None = None
     row_flags: dict = dataclasses.field(default_factory=dict)
-    check_models: bool = True
     shared: Callable | None = None
     measure: Callable | None = None
     result: Callable | None = None
@@ -569,8 +567,7 @@ def run_experiment(exp: Experiment, argv) -> int:
         raise ConfigError(str(e), field=exp.row_flags.get(e.field, e.field)) from None
     root = None
     if exp.trains:
-        if exp.check_models:
-            check_rows(cfg, plan, exp.row_flags)
+        check_rows(cfg, plan, exp.row_flags)
         root = cfg.run.run_dir
         check_run_root(root, plan)
     shared = exp.shared(cfg) if exp.shared else None
