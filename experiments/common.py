@@ -21,6 +21,7 @@ import numpy as np
 from jaxaccel.config import TrainConfig, describe_error, override, parse
 from jaxaccel.data import DataStream
 from jaxaccel.errors import ConfigError
+from jaxaccel.hardware import out_of_memory
 from jaxaccel.metrics import plot_curves, read_metrics, token_curve
 from jaxaccel.model import is_preset
 from jaxaccel.report import dump_json, format_table
@@ -47,6 +48,9 @@ def command(config_cls=TrainConfig):
                     print(f"stopped by {e.signal} before the experiment finished; its table "
                           f"is incomplete and was not written", file=sys.stderr)
                     return exit_code(e.signal)
+                except Unmeasurable as e:
+                    print(f"error: {e}", file=sys.stderr)
+                    return 1
                 except Exception as e:      # noqa: BLE001 - only allocation failures are ours
                     if peer_lost(e):
                         print(describe_peer_lost(e), file=sys.stderr, flush=True)
@@ -64,16 +68,6 @@ def command(config_cls=TrainConfig):
         return run
 
     return wrap
-
-
-def out_of_memory(error: BaseException) -> bool:
-    """An allocation failure: Python's MemoryError, or a ``JaxRuntimeError`` /
-    ``XlaRuntimeError`` that says RESOURCE_EXHAUSTED or "out of memory" (a GPU allocation
-    failing inside a kernel's call is reported in another status)."""
-    text = str(error)
-    return isinstance(error, MemoryError) or (
-        type(error).__name__ in ("JaxRuntimeError", "XlaRuntimeError")
-        and ("RESOURCE_EXHAUSTED" in text or "out of memory" in text.lower()))
 
 
 @contextlib.contextmanager
@@ -120,6 +114,11 @@ def describe_out_of_memory(error: BaseException) -> str:
 
 # ---------------------------------------------------------------------------------------------
 # Stopping a whole experiment on a signal.
+
+class Unmeasurable(Exception):
+    """A measurement that leaves nothing to compare against (the baseline failed, or missed
+    its target): one line ``error: <message>`` and exit code 1, no table."""
+
 
 class Interrupted(Exception):
     """A signal stopped the experiment; ``signal`` is its name (``"SIGTERM"``)."""
@@ -454,14 +453,17 @@ class Row:
 @dataclasses.dataclass
 class RowRun:
     """What ``Experiment.measure`` gets for one row: the shared config, the row, its run
-    directory (None for an experiment that trains nothing), the results of the rows before it,
-    and what ``Experiment.shared`` built once for every row."""
+    directory (None for an experiment that trains nothing), the results of the rows before it
+    (in this round), what ``Experiment.shared`` built once for every row, the round (from 0)
+    and the row's own results of the rounds before."""
 
     cfg: object
     row: Row
     run_dir: str | None
     previous: list
     shared: object = None
+    round: int = 0
+    earlier: list = dataclasses.field(default_factory=list)
 
     def config(self, **more):
         """The row's training config: the shared one with the row's settings, its run directory
@@ -480,25 +482,39 @@ class Experiment:
     table: ``(key, header, format)``) and ``setup`` (cfg -> the headline's words on what every
     row shares). The rest is optional:
 
-    - ``defaults``, ``fixed``, ``unused``: as ``config.parse`` takes them;
+    - ``defaults`` (a dict, or argv -> a dict: defaults that depend on a flag), ``fixed``,
+      ``unused``: as ``config.parse`` takes them;
     - ``prepare``: cfg -> cfg, after parsing and before validation; ``mode``: cfg -> another
       Experiment to run instead on the same parsed config (a flag that switches mode), or a
       function cfg -> exit code (a mode with a loop of its own), or None;
     - ``row_flags``: a row setting -> the flag that sets it, so a row's ConfigError names that;
+    - ``check``: (cfg, plan) -> None, the rows' check before any work instead of the default
+      (each row's config validated and its model built here, the run root free of their
+      checkpoints);
     - ``shared``: cfg -> what every row's measurement needs, built once after the checks;
       ``finish``: (cfg, shared) -> run after the rows however they ended (clean up); a dict
       it returns joins the JSON's meta;
     - ``measure``: RowRun -> the row's result, or a list of results (several table rows);
-      default: train it (``trained``);
+      default: train it (``trained``); a result whose ``status`` is not ``"ran"`` ends the
+      row's rounds;
+    - ``rounds``: cfg -> N, the times every row is measured, the rows taking turns (round 1 of
+      every row, then round 2, ...), so that a change of the machine's load meets every row;
+      ``combine``: (cfg, results) -> one row's result from its rounds' (required with rounds);
+    - ``followup``: (cfg, rows) -> [Row], a second plan run the same way after the first
+      (e.g. a combination chosen from the first's results);
     - ``result``: (summary, RowRun) -> more fields of a trained row;
     - ``compare``: (cfg, rows, partial) -> the columns derived across rows, in place; what it
       returns (a dict) joins the JSON's meta;
     - ``conclude``: (cfg, rows) -> lines on the targets, printed under "Targets:";
     - ``tables``: (cfg, rows, meta) -> [(title, rows, columns)], instead of one table;
     - ``notes``: (cfg, rows, meta) -> lines printed after the tables;
-    - ``meta``: (cfg, rows) -> the JSON meta's own keys (the shared config's are there);
+    - ``meta``: (cfg, rows) -> the JSON meta's own keys (the shared config's are there; an
+      experiment whose meta names the ``device`` keeps this process off it);
     - ``plot``: "loss" (training bits per byte against real tokens, a line per row), None, or
-      (path, cfg, rows) -> None; ``plot_title``: the title before ``, <model> model``;
+      (path, cfg, rows) -> None, or the paths it wrote; ``plot_title``: the title before
+      ``, <model> model``;
+    - ``report``: (cfg, rows, meta) -> more markdown lines: the run root gets ``report.md``,
+      what was printed and these lines;
     - ``trains``: False for an experiment whose config has no ``run`` section;
     - ``failed``: rows -> True when a measurement failed (exit code 1, after the report)."""
 
@@ -508,13 +524,17 @@ class Experiment:
     rows: Callable
     columns: list
     setup: Callable
-    defaults: dict = dataclasses.field(default_factory=dict)
+    defaults: dict | Callable = dataclasses.field(default_factory=dict)
     fixed: tuple = ()
     unused: dict = dataclasses.field(default_factory=dict)
     prepare: Callable | None = None
     row_flags: dict = dataclasses.field(default_factory=dict)
+    check: Callable | None = None
     shared: Callable | None = None
     measure: Callable | None = None
+    rounds: Callable | None = None
+    combine: Callable | None = None
+    followup: Callable | None = None
     result: Callable | None = None
     compare: Callable | None = None
     conclude: Callable | None = None
@@ -523,6 +543,7 @@ class Experiment:
     meta: Callable | None = None
     plot: Callable | str | None = "loss"
     plot_title: str = ""
+    report: Callable | None = None
     trains: bool = True
     finish: Callable | None = None
     failed: Callable | None = None
@@ -541,14 +562,11 @@ def main_of(exp: Experiment):
     return main
 
 
-def run_experiment(exp: Experiment, argv) -> int:
-    """Parse, plan and check every row, run them until a signal, then report (``Experiment``)."""
-    argv = sys.argv[1:] if argv is None else list(argv)
-    module = exp.config.__module__
-    if module == "__main__":        # python -m experiments.<name>
-        module = getattr(sys.modules["__main__"].__spec__, "name", module)
-    command_line = f"python -m {module} {shlex.join(argv)}".strip()
-    cfg = parse_experiment(argv, exp.config, defaults=exp.defaults, fixed=exp.fixed,
+def parse_config(exp: Experiment, argv: list[str]):
+    """The experiment's config from ``argv``: parsed over its defaults, the run root resolved
+    (``runs/<name>-<time>``), prepared and validated. No work is done."""
+    defaults = exp.defaults(argv) if callable(exp.defaults) else exp.defaults
+    cfg = parse_experiment(argv, exp.config, defaults=defaults, fixed=exp.fixed,
                            unused=exp.unused, description=exp.doc.split("\n\n")[0])
     if exp.trains and not cfg.run.run_dir:       # the run root, known to every hook
         cfg = override(cfg, {"run.run_dir": os.path.join(
@@ -557,6 +575,18 @@ def run_experiment(exp: Experiment, argv) -> int:
         cfg = exp.prepare(cfg)
     if hasattr(cfg, "validate"):
         cfg.validate()
+    return cfg
+
+
+def run_experiment(exp: Experiment, argv) -> int:
+    """Parse, plan and check every row, run them until a signal, then report (``Experiment``)."""
+    began = time.perf_counter()
+    argv = sys.argv[1:] if argv is None else list(argv)
+    module = exp.config.__module__
+    if module == "__main__":        # python -m experiments.<name>
+        module = getattr(sys.modules["__main__"].__spec__, "name", module)
+    command_line = f"python -m {module} {shlex.join(argv)}".strip()
+    cfg = parse_config(exp, argv)
     chosen = exp.mode(cfg) if exp.mode else None
     if chosen is not None and not isinstance(chosen, Experiment):
         return chosen(cfg)              # a mode with a loop of its own
@@ -565,20 +595,19 @@ def run_experiment(exp: Experiment, argv) -> int:
         plan = exp.rows(cfg)
     except ConfigError as e:            # named as the experiment flag that sets the field
         raise ConfigError(str(e), field=exp.row_flags.get(e.field, e.field)) from None
-    root = None
-    if exp.trains:
+    root = cfg.run.run_dir if exp.trains else None
+    if exp.check:
+        exp.check(cfg, plan)
+    elif exp.trains:
         check_rows(cfg, plan, exp.row_flags)
-        root = cfg.run.run_dir
         check_run_root(root, plan)
     shared = exp.shared(cfg) if exp.shared else None
-    rows, partial, finished = [], None, None
+    rows, partial, finished, planned = [], None, None, len(plan)
     try:
-        for row in plan:
-            check_stop()
-            run = RowRun(cfg, row, root and os.path.join(root, row.dirname), rows, shared)
-            result = exp.measure(run) if exp.measure else trained(run, exp.result)
-            for one in result if isinstance(result, list) else [result]:
-                rows.append({"label": row.label, **row.fields, **one})
+        run_plan(exp, cfg, plan, root, shared, rows)
+        more = exp.followup(cfg, rows) if exp.followup else []
+        planned += len(more)
+        run_plan(exp, cfg, more, root, shared, rows)
     except Interrupted as stop:         # the cut row is not a result; later rows do not run
         partial = stop.signal
     finally:
@@ -587,36 +616,70 @@ def run_experiment(exp: Experiment, argv) -> int:
     meta = (exp.compare(cfg, rows, partial) if exp.compare and rows else None) or {}
     lines = exp.conclude(cfg, rows) if exp.conclude and rows else []
     meta = {**shared_meta(cfg, exp.unused), **(exp.meta(cfg, rows) if exp.meta else {}), **meta,
-            **(finished or {}),
-            **({"targets": lines} if exp.conclude else {}), "command": command_line,
-            **environment(),
-            "run_dir": root, "interrupted": partial}
-    print(f"\n{exp.setup(cfg)}; {meta['device']}, jax {meta['jax_version']}"
-          + (f" (PARTIAL: stopped by {partial}; {len(rows)} of {len(plan)} rows ran)"
-             if partial else ""))
+            **(finished or {}), **({"targets": lines} if exp.conclude else {}),
+            "command": command_line, "run_dir": root, "interrupted": partial,
+            "wall_s": time.perf_counter() - began}
+    if "device" not in meta:
+        meta.update(environment())
+    text = [f"{exp.setup(cfg)}; {meta['device']}, jax {meta['jax_version']}"
+            + (f" (PARTIAL: stopped by {partial}; {len(rows)} of {planned} rows ran)"
+               if partial else "")]
     tables = exp.tables(cfg, rows, meta) if exp.tables else [(None, rows, exp.columns)]
     for title, table_rows, columns in tables:
-        if title:
-            print(f"\n{title}")
-        print(format_table(table_rows, columns))
+        text += [""] + ([title] if title else []) + [format_table(table_rows, columns)]
     if lines:
-        print("\nTargets:")
-        print("\n".join(f"- {line}" for line in lines))
-    for line in exp.notes(cfg, rows, meta) if exp.notes else []:
-        print(line)
+        text += ["", "Targets:", *[f"- {line}" for line in lines]]
+    text += exp.notes(cfg, rows, meta) if exp.notes else []
+    print("\n" + "\n".join(text))
     if root and exp.plot and rows:
         path = os.path.join(root, f"{exp.name}.png")
         if exp.plot == "loss":
             plot_loss_curves(path, {r["label"]: r["run_dir"] for r in rows},
                              title=f"{exp.plot_title or exp.name}, {meta['model']} model")
-        else:
-            exp.plot(path, cfg, rows)
-        if os.path.exists(path):
-            print(f"\nplot: {path}")
+        written = [path] if exp.plot == "loss" else exp.plot(path, cfg, rows) or [path]
+        for path in written:
+            if os.path.exists(path):
+                print(f"plot: {path}")
+    if root and exp.report:
+        os.makedirs(root, exist_ok=True)
+        with open(os.path.join(root, "report.md"), "w") as f:
+            f.write("\n".join([f"# {module}", "", f"Command: `{command_line}`  ",
+                               f"{meta['date']}, {meta['wall_s'] / 60:.1f} minutes", "", *text,
+                               "", *exp.report(cfg, rows, meta)]) + "\n")
     write_json(json_path(cfg), rows, meta)
     if partial:
         return exit_code(partial)
     return 1 if exp.failed and exp.failed(rows) else 0
+
+
+def run_plan(exp: Experiment, cfg, plan: list[Row], root: str | None, shared, rows: list):
+    """Measure every row of ``plan`` (``exp.rounds`` times, the rows taking turns), appending
+    the results to ``rows``; a signal raises ``Interrupted`` after the rounds that finished
+    were kept (the cut one is none)."""
+    rounds = exp.rounds(cfg) if exp.rounds else 1
+    if rounds > 1 and not exp.combine:
+        raise TypeError(f"experiment {exp.name} measures rounds and combines none")
+    results = [[] for _ in plan]        # each row's results, a list per round
+    try:
+        for index in range(rounds):
+            this_round = []
+            for row, earlier in zip(plan, results):
+                if earlier and any(r.get("status", "ran") != "ran" for r in earlier[-1]):
+                    continue            # failed or skipped in an earlier round
+                check_stop()
+                run = RowRun(cfg, row, root and os.path.join(root, row.dirname), this_round,
+                             shared, index, [r for found in earlier for r in found])
+                result = exp.measure(run) if exp.measure else trained(run, exp.result)
+                found = [{"label": row.label, **row.fields, **one}
+                         for one in (result if isinstance(result, list) else [result])]
+                earlier.append(found)
+                this_round += found
+                if not exp.combine:
+                    rows += found
+    finally:
+        if exp.combine:
+            rows += [exp.combine(cfg, [r for found in earlier for r in found])
+                     for earlier in results if earlier]
 
 
 def json_path(cfg) -> str | None:

@@ -51,17 +51,23 @@ round.
 The model is any model: a GPT preset (the presets' own: ``tiny`` at 2 x 128 on the CPU,
 ``small`` on a GPU) or a factory of one's own, ``--model FILE.py:FUNCTION`` (``--model-args``
 for its arguments; the presets' GPT fields, ``gpt.*``, are then left out, and so are the rows
-that set them: ``flash`` is jaxaccel's GPT's attention). Before any row trains, each row's model
-is built abstractly in a CPU process of its own and checked as a run checks it
-(``loop.preflight``); a row whose model cannot train so is skipped with that reason.
+that set them: ``flash`` is jaxaccel's GPT's attention). Before any row trains, every row's
+config is validated and, for a factory, each row's model is built abstractly in a CPU process
+of its own and checked as a run checks it (``loop.preflight``); a row whose model cannot train
+so is skipped with that reason.
 
 The run directory gets ``report.md`` (the table, one line per technique on its measured effect,
 the combination, the targets and the experiment's wall-clock), ``time_to_target.png``,
 ``tokens_per_s.png``, ``memory.png``, ``loss_curves.png`` and one directory per row.
+
+It is declared on the experiments' harness (``experiments.common.Experiment``) as the others
+are: the rounds are its ``rounds`` and ``combine``, the best row and the baseline trained again
+its ``followup`` plan, the report its ``report``.
 """
 
 import argparse
 import dataclasses
+import functools
 import json
 import math
 import os
@@ -71,17 +77,18 @@ import subprocess
 import sys
 import time
 
-from experiments.common import (PARENT_PID, Interrupted, check_stop, command, exit_code,
-                                gpt_shape, matched_batch, parse_experiment, parse_list,
+from experiments.common import (PARENT_PID, Experiment, Row, RowRun, Unmeasurable, check_stop,
+                                config_of,
+                                first, gpt_shape, main_of, matched_batch, parse_list,
                                 passing_signals_to, plot_loss_curves, stack_depth,
-                                stop_requested, technique as done, write_json)
+                                stop_requested, technique as done)
 from jaxaccel.config import TrainConfig, build, describe_error, flatten, override, setting, \
     to_dict, write_config
 from jaxaccel.corpus import corpus_of
 from jaxaccel.errors import ConfigError
 from jaxaccel.loop import RunSummary
-from jaxaccel.model import is_preset
-from jaxaccel.report import bar_chart, format_table
+from jaxaccel.model import describe, is_preset
+from jaxaccel.report import bar_chart
 
 SCALES = ("auto", "cpu", "gpu")
 
@@ -195,14 +202,10 @@ class SpeedupSettings:
                                             "them all")
 
 
-@dataclasses.dataclass
-class SpeedupConfig(TrainConfig):
-    """The training config of the baseline (defaults from the --scale preset), the rows and the
-    combination. The settings in ``BASELINE`` are each row's own: they are no flags here."""
-
-    experiment: SpeedupSettings = dataclasses.field(default_factory=SpeedupSettings)
+SpeedupConfig = config_of(SpeedupSettings)
 
 
+@functools.cache
 def probe_devices(cpu_devices: int) -> dict:
     """The platform, kind and count of the devices a row's process sees, asked in a process of
     its own so that this one never holds a device (a GPU's memory stays the rows')."""
@@ -225,24 +228,68 @@ def row_environment(cpu_devices: int) -> dict:
             PARENT_PID: str(os.getpid())}
 
 
-def parse_config(argv=None) -> tuple[SpeedupConfig, dict]:
-    """The flags over the preset of ``--scale`` (auto: gpu when the probe sees a GPU)."""
+def devices_of(cfg: SpeedupConfig) -> dict:
+    """The devices a row's process sees (probed once per count of CPU devices)."""
+    return probe_devices(cfg.experiment.cpu_devices or os.cpu_count() or 1)
+
+
+def preset(argv: list[str]) -> dict:
+    """The defaults: the experiment's, then the preset of ``--scale`` (auto: gpu when the
+    probe sees a GPU)."""
     early = argparse.ArgumentParser(add_help=False)
     early.add_argument("--scale", choices=SCALES, default="auto")
     early.add_argument("--cpu-devices", type=int, default=None)
     known, _ = early.parse_known_args(argv)
-    cpu_devices = known.cpu_devices or os.cpu_count() or 1
-    if cpu_devices < 1:
-        raise ConfigError(f"cpu_devices must be at least 1, got {cpu_devices}",
+    if known.cpu_devices is not None and known.cpu_devices < 1:
+        raise ConfigError(f"cpu_devices must be at least 1, got {known.cpu_devices}",
                           field="experiment.cpu_devices")
-    devices = probe_devices(cpu_devices)
-    scale = known.scale
-    if scale == "auto":
-        scale = "gpu" if devices["platform"] == "gpu" else "cpu"
-    cfg = parse_experiment(argv, SpeedupConfig, defaults={**DEFAULTS, **PRESETS[scale]},
-                           fixed=FIXED, description=__doc__.split("\n\n")[0])
-    return override(cfg, {"experiment.scale": scale, "experiment.cpu_devices": cpu_devices}), \
-        devices
+    return {**DEFAULTS, **PRESETS[scale_of(known.scale, known.cpu_devices)]}
+
+
+def scale_of(scale: str, cpu_devices: int | None) -> str:
+    """``--scale``, auto resolved: gpu when the rows' processes see a GPU."""
+    if scale != "auto":
+        return scale
+    return "gpu" if probe_devices(cpu_devices or os.cpu_count() or 1)["platform"] == "gpu" \
+        else "cpu"
+
+
+def prepare(cfg: SpeedupConfig) -> SpeedupConfig:
+    """The scale and the CPU devices resolved, the flags checked (before the corpus is read),
+    then the target set from the corpus."""
+    exp = cfg.experiment
+    cfg = override(cfg, {"experiment.scale": scale_of(exp.scale, exp.cpu_devices),
+                         "experiment.cpu_devices": exp.cpu_devices or os.cpu_count() or 1})
+    exp = cfg.experiment
+    names = parse_rows(exp.rows)
+    if cfg.data.tokens_per_batch is not None:
+        raise ConfigError("the baseline's batch is batch_size rows; leave tokens_per_batch unset",
+                          field="data.tokens_per_batch")
+    if exp.row_accumulate < 1 or (cfg.data.batch_size or 0) % exp.row_accumulate:
+        raise ConfigError(f"row_accumulate={exp.row_accumulate} must be >= 1 and divide "
+                          f"batch_size={cfg.data.batch_size}", field="experiment.row_accumulate")
+    if not cfg.run.eval_every:
+        raise ConfigError("the target is judged by the periodic evaluations; pass --eval-every "
+                          "N (N >= 1)", field="run.eval_every")
+    if best_names(cfg) and "best" not in names:
+        raise ConfigError(f"--best {exp.best} names what the best row combines, and --rows "
+                          f"{exp.rows} has no best row; add best to --rows or leave --best out",
+                          field="experiment.best")
+    best_groups(best_names(cfg))        # before any row runs, not when the best row comes
+    return resolve_target(cfg, corpus_of(cfg.data))
+
+
+def parse_rows(text: str) -> list[str]:
+    """``experiment.rows``: comma-separated row names, or ``all``."""
+    if text.strip() == "all":
+        return [t.name for t in TECHNIQUES]
+    return parse_list(text, "experiment.rows", valid=BY_NAME)
+
+
+def best_names(cfg: SpeedupConfig) -> list[str]:
+    """The rows ``--best`` names (none: chosen from the measurements)."""
+    best = cfg.experiment.best
+    return parse_list(best, "experiment.best", valid=BY_NAME) if best else []
 
 
 def train_config(cfg: SpeedupConfig, settings: dict, run_dir: str | None) -> TrainConfig:
@@ -307,8 +354,8 @@ CHECK_MODELS = ("import json, sys; from experiments.speedup import check_models;
                 "print(json.dumps(check_models(json.load(sys.stdin))))")
 
 
-def check_rows(cfg: SpeedupConfig, settings_of: dict[str, dict],
-               devices: dict) -> tuple[int | None, dict[str, dict], dict[str, str]]:
+def check_factory_rows(cfg: SpeedupConfig, settings_of: dict[str, dict],
+                       devices: dict) -> tuple[int | None, dict[str, dict], dict[str, str]]:
     """``(depth, settings, reasons)`` for a factory's rows: the depth of its stack, each row's
     settings completed (``with_depth``), and why each row that cannot train its model so is
     skipped (``check_models``, run in a CPU process of its own). A baseline that cannot train,
@@ -334,7 +381,7 @@ def check_rows(cfg: SpeedupConfig, settings_of: dict[str, dict],
 
 
 def check_models(request: dict) -> dict:
-    """In the CPU process of ``check_rows``: the depth of the model's stack (None without one)
+    """In the CPU process of ``check_factory_rows``: the depth of the model's stack (None without one)
     and, for each row (``request["rows"]``: name -> settings over the baseline's config,
     ``request["config"]``), its settings completed and why its model cannot train (None when
     it can): the run's own checks before any work (``TrainConfig.validate``,
@@ -442,31 +489,123 @@ def batch_multiple(settings: dict, groups, device_count: int) -> int:
     return (device_count if "sharding" in groups else 1) * settings.get("optimizer.accumulate", 1)
 
 
-def start_row(technique: Technique, settings: dict, run_root: str, name: str | None = None) -> dict:
-    """A row's record, before its first round."""
-    name = name or technique.name
-    return {"name": name, "group": technique.group, "description": technique.description,
-            "settings": settings, "run_dir": os.path.join(run_root, name, "round-1"),
-            "command": f"python -m experiments.train --config "
-                       f"{os.path.join(run_root, name, 'round-1', 'config.yaml')}",
-            "rounds": [], "status": "running"}
+# ---------------------------------------------------------------------------------------------
+# The rows: every row's settings and why a row cannot run here, before any row trains.
+
+def settings_and_reasons(cfg: SpeedupConfig, names: list[str]) -> tuple[dict, dict]:
+    """The settings of each named row over the baseline and, for a row that cannot run here,
+    why (the device, or its model: a factory's rows are checked in a CPU process)."""
+    devices = devices_of(cfg)
+    documents = corpus_of(cfg.data).train
+    depth = model_depth(cfg)
+    settings_of = {n: row_settings(cfg, BY_NAME[n], documents, depth) for n in names}
+    reasons = {n: skip_reason(BY_NAME[n], devices, cfg.model.name) for n in names}
+    reasons = {name: why for name, why in reasons.items() if why}
+    if not is_preset(cfg.model.name):
+        depth, checked, unfit = check_factory_rows(
+            cfg, {n: v for n, v in settings_of.items() if n not in reasons}, devices)
+        settings_of.update(checked)
+        reasons.update(unfit)
+    return settings_of, reasons
 
 
-def run_round(cfg: SpeedupConfig, row: dict, index: int, run_root: str,
-              time_limit: float | None):
-    """Round ``index`` (from 0) of a row: a fresh run to the target in a process of its own,
-    in ``<row>/round-<index + 1>``, giving up after ``time_limit`` seconds of training (None:
-    the baseline's own rounds). Appends the round's record to ``row["rounds"]``; after a round
-    the row holds that round's summary."""
-    run_dir = os.path.join(run_root, row["name"], f"round-{index + 1}")
-    train_cfg = train_config(cfg, row["settings"], run_dir)
+def plan_row(cfg: SpeedupConfig, technique: Technique, settings: dict,
+             reason: str | None = None, **more) -> Row:
+    """A technique's row: its record's fields, and ``status`` when it cannot run (``reason``)."""
+    fields = {"name": technique.name, "group": technique.group,
+              "description": technique.description, "settings": settings, **more}
+    if reason:
+        fields["status"] = f"skipped: {reason}"
+    else:
+        fields["command"] = (f"python -m experiments.train --config "
+                             f"{os.path.join(cfg.run.run_dir, technique.name, 'round-1')}"
+                             f"/config.yaml")
+    return Row(technique.name, settings, fields, directory=technique.name)
+
+
+def rows(cfg: SpeedupConfig) -> list[Row]:
+    """The baseline and the technique rows of ``--rows`` (the best row comes after them:
+    ``followup``); a row that cannot run here is skipped with its reason."""
+    names = parse_rows(cfg.experiment.rows)
+    techniques = [t for t in TECHNIQUES if t.name == "baseline"
+                  or (t.name in names and t.name != "best")]
+    named = [t.name for t in techniques] + [n for n in best_names(cfg)
+                                            if n not in [t.name for t in techniques]]
+    settings_of, reasons = settings_and_reasons(cfg, named)
+    for name in best_names(cfg):
+        if name in reasons:
+            raise ConfigError(f"--best names {name}, which cannot run here: {reasons[name]}",
+                              field="experiment.best")
+    devices = devices_of(cfg)
+    print(f"experiments.speedup: {cfg.experiment.scale} preset on {devices['device_count']} x "
+          f"{devices['device_kind']}; {len(techniques) + ('best' in names)} rows into "
+          f"{cfg.run.run_dir}; target {cfg.run.target_bpb:g} validation bits per byte",
+          flush=True)
+    return [plan_row(cfg, t, settings_of[t.name], reasons.get(t.name)) for t in techniques]
+
+
+def check(cfg: SpeedupConfig, plan: list[Row]):
+    """Every row's training config valid (pure Python: this process holds no device; a
+    factory's models were checked in ``rows``), and the run root no earlier report's."""
+    if os.path.exists(os.path.join(cfg.run.run_dir, "report.md")):
+        raise ConfigError(f"{cfg.run.run_dir} already holds a speedup report; choose another "
+                          f"run_dir", field="run.run_dir")
+    for row in plan:
+        if "status" not in row.fields:
+            train_config(cfg, row.settings, None).validate()
+
+
+def followup(cfg: SpeedupConfig, done: list[dict]) -> list[Row]:
+    """The best row, and the baseline trained again to take turns with it: the rows ``--best``
+    names, or those the measurements recommend (``choose_best``)."""
+    if "best" not in parse_rows(cfg.experiment.rows):
+        return []
+    by_name = {r["name"]: r for r in done}
+    for row in done:
+        compare(row, by_name["baseline"])
+    devices = devices_of(cfg)
+    if best_names(cfg):
+        picks = [(n, "named by --best") for n in best_names(cfg)]
+    else:
+        picks = choose_best(by_name, cfg.experiment.speed_margin)
+    chosen = [n for n, _ in picks]
+    unrun = [n for n in chosen if n not in by_name]
+    settings_of = {n: by_name[n]["settings"] for n in chosen if n in by_name}
+    settings_of.update(settings_and_reasons(cfg, unrun)[0] if unrun else {})
+    settings = combine(settings_of, chosen, devices["device_count"])
+    multiple = batch_multiple(settings, {BY_NAME[n].group for n in chosen},
+                              devices["device_count"])
+    if multiple > 1 and settings.get("data.batching", "fixed") != "fixed":
+        # re-match the padding row's batch to the baseline's real tokens per step under the
+        # rounding
+        settings.update(matched_batch(corpus_of(cfg.data).train, cfg, settings["data.batching"],
+                                      multiple=multiple))
+    best = dataclasses.replace(BY_NAME["best"], description="the best combination: "
+                               + (" + ".join(chosen) or "nothing beat the baseline"))
+    again = dataclasses.replace(BY_NAME["baseline"], name="baseline-again")
+    return [plan_row(cfg, again, {}), plan_row(cfg, best, settings, picks=picks)]
+
+
+# ---------------------------------------------------------------------------------------------
+# A row's round: a fresh run to the target in a process of its own.
+
+def measure(run: RowRun) -> dict:
+    """Round ``run.round`` of a row in ``<row>/round-<k>``: trained until the target, or for at
+    most ``--time-cap`` times the plan's first row's (the baseline's) training seconds in this
+    round. The result is the run's summary, with this round's record under ``round``."""
+    if "status" in run.row.fields:          # skipped
+        return {}
+    cfg, name, index = run.cfg, run.row.label, run.round
+    rounds = cfg.experiment.rounds
+    reference = run.previous[0] if run.previous else None
+    run_dir = os.path.join(run.run_dir, f"round-{index + 1}")
     changes = {"run.json": os.path.join(run_dir, "summary.json")}
-    if time_limit is not None:
-        changes["run.target_seconds"] = round(time_limit, 3)
+    if reference is not None:
+        changes["run.target_seconds"] = round(
+            cfg.experiment.time_cap * reference["round"]["train_s"], 3)
     if index and cfg.run.profile is not None:    # --profile traces its window in round 1
         changes["run.profile"] = None
-    train_cfg = override(train_cfg, changes)
-    train_cfg.validate()
+    train_cfg = override(train_config(cfg, run.row.settings, run_dir), changes)
     os.makedirs(run_dir, exist_ok=True)
     write_config(train_cfg, run_dir)
     argv = ["--config", os.path.join(run_dir, "config.yaml")]
@@ -478,27 +617,52 @@ def run_round(cfg: SpeedupConfig, row: dict, index: int, run_root: str,
                                        row_environment(cfg.experiment.cpu_devices), log)
         log.write(stderr)
     seconds = time.perf_counter() - start
-    rounds = cfg.experiment.rounds
-    if stop_requested():        # the row's process got the signal too and saved a checkpoint
-        row["status"] = f"stopped by {stop_requested()} in round {index + 1} of {rounds}"
-        raise Interrupted(stop_requested())
+    label = f"round {index + 1}/{rounds}  " if rounds > 1 else ""
+    check_stop()        # the row's process got the signal too and saved a checkpoint
     if returncode:
-        row["status"] = f"failed: {_last_line(stderr)}" + (
+        failure = f"failed: {_last_line(stderr)}" + (
             f" (round {index + 1} of {rounds})" if rounds > 1 else "")
-        return
+        if reference is None:
+            raise Unmeasurable(f"the {name} {failure}; nothing can be measured against it "
+                               f"(see {run_dir}/log.txt)")
+        print(f"  {label}{name:<16} {failure}", flush=True)
+        return {"status": failure}
     summary = RunSummary.read(os.path.join(run_dir, "summary.json"))
-    target = summary.target or {}
-    row["rounds"].append({"reached": bool(target.get("reached")), "train_s": summary.train_s,
-                          "compile_s": summary.compile_s, "steps": summary.steps,
-                          "real_tokens": summary.real_tokens,
-                          "real_tokens_per_s": summary.real_tokens_per_s,
-                          "val_bpb": summary.val_bpb, "process_s": seconds,
-                          "run_dir": run_dir})
+    record = {"reached": bool((summary.target or {}).get("reached")),
+              "train_s": summary.train_s, "compile_s": summary.compile_s,
+              "steps": summary.steps, "real_tokens": summary.real_tokens,
+              "real_tokens_per_s": summary.real_tokens_per_s, "val_bpb": summary.val_bpb,
+              "process_s": seconds, "run_dir": run_dir}
+    if reference is None and not record["reached"]:
+        raise Unmeasurable(
+            f"the {name} did not reach the target {cfg.run.target_bpb:g} bits per byte (it got "
+            f"to {summary.val_bpb:.3f} in {summary.steps} steps, {summary.real_tokens:,} real "
+            f"tokens); nothing can be measured against it: pass a smaller --target-gap, a "
+            f"larger --target-bpb or more --train-tokens (see {run_dir}/log.txt)")
+    ratio = "" if reference is None else \
+        f"{reference['round']['train_s'] / record['train_s']:.2f}x sooner"
+    where = (f"target at step {record['steps']} in {record['train_s']:.1f} s" if record["reached"]
+             else f"gave up at step {record['steps']} after {record['train_s']:.1f} s "
+                  f"(val {record['val_bpb']:.3f})")
+    print(f"  {label}{name:<16} {where:<44} {ratio:>13}  ({seconds:.0f} s)", flush=True)
     memory = summary.step_memory_bytes or {}
-    row.update(dataclasses.asdict(summary), **technique_fields(summary), status="ran",
-               run_dir=row["run_dir"], shapes=len(summary.shapes),
-               memory_bytes=memory.get("total"), temp_bytes=memory.get("temp"))
-    summarize_rounds(row)
+    return {**dataclasses.asdict(summary), **technique_fields(summary), "status": "ran",
+            "run_dir": os.path.join(run.run_dir, "round-1"), "shapes": len(summary.shapes),
+            "memory_bytes": memory.get("total"), "temp_bytes": memory.get("temp"),
+            "round": record}
+
+
+def combine_rounds(cfg: SpeedupConfig, results: list[dict]) -> dict:
+    """A row from its rounds' results: the last round's summary, every round's record under
+    ``rounds``, and their medians (``summarize_rounds``); a failure's status stays."""
+    row = {}
+    for result in results:
+        row.update(result)
+    row["rounds"] = [r["round"] for r in results if "round" in r]
+    row.pop("round", None)
+    if row["rounds"]:
+        summarize_rounds(row)
+    return row
 
 
 def summarize_rounds(row: dict):
@@ -653,14 +817,16 @@ COLUMNS = [
 ]
 
 
-def table(rows: list[dict]) -> str:
+def table_rows(rows: list[dict]) -> list[dict]:
+    """The rows as the table shows them: memory in MB, and a note on what did not run or
+    reach the target."""
     shown = []
     for r in rows:
         note = r["status"] if r["status"] != "ran" else (
             "" if r.get("reached") else "target not reached in every round")
         shown.append({**r, "memory_mb": _scaled(r.get("memory_bytes")),
                       "peak_mb": _scaled(r.get("peak_memory_bytes")), "note": note})
-    return format_table(shown, COLUMNS)
+    return shown
 
 
 def _scaled(value):
@@ -696,304 +862,126 @@ def rounds_line(meta: dict) -> str:
             + f". The baseline's own time to target varied by +-{variation:.1%} between rounds.")
 
 
-def write_report(path: str, rows: list[dict], meta: dict, picks: list[tuple[str, str]],
-                 target_lines: list[str]):
-    lines = [
-        f"# experiments.speedup, {meta['scale']} preset: time to quality",
-        "",
-        f"Command: `{meta['command']}`  ",
-        f"Device: {meta['device_count']} x {meta['device']}, jax {meta['jax_version']}, "
-        f"{meta['date']}; the experiment took {meta['wall_s'] / 60:.1f} minutes  ",
-        f"Model: {meta['model']} ({meta['params']:,} parameters), seq_len {meta['seq_len']}, "
-        f"baseline batch {meta['batch_size']} rows; target {meta['target_bpb']:g} validation "
-        f"bits per byte ({meta['unigram_bpb']:.3f} unigram entropy), judged every "
-        f"{meta['eval_every']} steps on {meta['val_tokens']:,} tokens; a row gives up after "
-        f"{meta['time_cap']:g}x the baseline's seconds or {meta['train_tokens']:,} real tokens",
-        "",
-        table(rows),
-        "",
-        rounds_line(meta),
-        "",
-        "## What each technique did",
-        "",
-        *[f"- {explain(r, rows[0])}" for r in rows],
-        "",
-        "## The combination",
-        "",
-        f"Rows combined ({meta['best_source']}): "
-        + ("; ".join(f"{n} ({why})" for n, why in picks) if picks else "none"),
-        "",
-        *[f"- {line}" for line in target_lines],
-        "",
-        f"- {meta['all_rows_estimate']}",
-        "",
-        "Each row's command is in the JSON (`--json`) and in its rounds' log.txt.",
-    ]
-    with open(path, "w") as f:
-        f.write("\n".join(lines) + "\n")
+# ---------------------------------------------------------------------------------------------
+# Across the rows: speedups against the baseline in the same round, the report.
+
+def compare_rows(cfg: SpeedupConfig, rows: list[dict], partial) -> dict:
+    """Each row's speedup against the baseline, the best row's against the baseline trained
+    beside it (kept in the best row as ``baseline_again``, not as a row of its own)."""
+    by_name = {r["name"]: r for r in rows}
+    base, again, best = (by_name.get(n) for n in ("baseline", "baseline-again", "best"))
+    for row in rows:
+        if base and row is not best:
+            compare(row, base)
+    if best and base:
+        compare(best, again if again and again["status"] == "ran" else base)
+        if again:
+            best["baseline_again"] = {k: again.get(k) for k in
+                                      ("status", "rounds", "time_to_target_s", "run_dir")}
+    rows[:] = [r for r in rows if r is not again]
+    return {}
 
 
-def plot(run_root: str, rows: list[dict], title: str):
+def conclude(cfg: SpeedupConfig, rows: list[dict]) -> list[str]:
+    return targets(first(rows, name="best"), cfg.experiment.scale, devices_of(cfg))
+
+
+def meta(cfg: SpeedupConfig, rows: list[dict]) -> dict:
+    devices, exp = devices_of(cfg), cfg.experiment
+    base, best = first(rows, name="baseline") or {}, first(rows, name="best")
+    return {"scale": exp.scale, "device": devices["device_kind"],
+            "platform": devices["platform"], "device_count": devices["device_count"],
+            "jax_version": devices["jax_version"], "date": time.strftime("%Y-%m-%d"),
+            "params": base.get("params"), "val_tokens": base.get("val_tokens"),
+            "target_bpb": cfg.run.target_bpb, "unigram_bpb": base.get("unigram_bpb"),
+            "eval_every": cfg.run.eval_every, "time_cap": exp.time_cap,
+            "best": [n for n, _ in best["picks"]] if best else [],
+            "best_source": "--best" if exp.best else "chosen from the measurements",
+            "rounds": exp.rounds, "best_rounds": bool(best and best.get("baseline_again")),
+            "baseline_load_variation": load_variation(base) if base else None,
+            "all_rows_estimate": all_rows_estimate(rows)}
+
+
+def setup(cfg: SpeedupConfig) -> str:
+    return (f"time to quality, {cfg.experiment.scale} preset: {describe(cfg.model, cfg.gpt)} "
+            f"model, seq_len {cfg.seq_len}, baseline batch {cfg.data.batch_size} rows, target "
+            f"{cfg.run.target_bpb:g} validation bits/byte, {devices_of(cfg)['device_count']} "
+            f"devices")
+
+
+def notes(cfg: SpeedupConfig, rows: list[dict], meta: dict) -> list[str]:
+    if not rows:
+        return []
+    return ["", rounds_line(meta), "",
+            f"best = {' + '.join(meta['best']) or 'the baseline (nothing qualified)'} "
+            f"({meta['best_source']})",
+            f"the experiment took {meta['wall_s'] / 60:.1f} minutes; "
+            f"{meta['all_rows_estimate']}",
+            f"report, plots and one directory per row: {cfg.run.run_dir}"]
+
+
+def report(cfg: SpeedupConfig, rows: list[dict], meta: dict) -> list[str]:
+    """The report's own sections: the settings, what each technique measurably did, and the
+    combination."""
+    best = first(rows, name="best")
+    picks = best["picks"] if best else []
+    settings = (f"Model: {meta['model']} ({meta['params'] or 0:,} parameters); target "
+                f"{meta['target_bpb']:g} validation bits per byte"
+                + (f" ({meta['unigram_bpb']:.3f} unigram entropy)" if meta["unigram_bpb"]
+                   else "")
+                + f", judged every {meta['eval_every']} steps on {meta['val_tokens'] or 0:,} "
+                f"tokens; a row gives up after {meta['time_cap']:g}x the baseline's seconds or "
+                f"{meta['train_tokens']:,} real tokens.")
+    base = first(rows, name="baseline") or {}
+    return [settings, "", "## What each technique did", "",
+            *[f"- {explain(r, base)}" for r in rows], "", "## The combination", "",
+            f"Rows combined ({meta['best_source']}): "
+            + ("; ".join(f"{n} ({why})" for n, why in picks) if picks else "none"), "",
+            "Each row's command is in the JSON (`--json`) and in its rounds' log.txt."]
+
+
+def plot(path: str, cfg: SpeedupConfig, rows: list[dict]) -> list[str]:
+    """Time to target, real tokens/s, memory and the loss curves, beside ``path``."""
     ran = [r for r in rows if r["status"] == "ran"]
     if not ran:
-        return
-    labels = [r["name"] for r in ran]
-    bar_chart(os.path.join(run_root, "time_to_target.png"), labels,
-              [("training seconds to the target (0: not reached)",
-                [r["time_to_target_s"] or 0 for r in ran])], title=title)
-    bar_chart(os.path.join(run_root, "tokens_per_s.png"), labels,
-              [("real tokens/s", [r["real_tokens_per_s"] for r in ran])], title=title)
+        return []
+    root, labels = os.path.dirname(path), [r["name"] for r in ran]
+    title = f"{describe(cfg.model, cfg.gpt)} model, seq_len {cfg.seq_len}, " \
+            f"{devices_of(cfg)['device_kind']}"
+    paths = [os.path.join(root, f"{name}.png") for name in
+             ("time_to_target", "tokens_per_s", "memory", "loss_curves")]
+    bar_chart(paths[0], labels, [("training seconds to the target (0: not reached)",
+                                  [r["time_to_target_s"] or 0 for r in ran])], title=title)
+    bar_chart(paths[1], labels, [("real tokens/s", [r["real_tokens_per_s"] for r in ran])],
+              title=title)
     panels = [("compiled step memory (MB)", [(r["memory_bytes"] or 0) / 2**20 for r in ran])]
     if any(r["peak_memory_bytes"] for r in ran):
         panels.append(("peak device memory (MB)",
                        [(r["peak_memory_bytes"] or 0) / 2**20 for r in ran]))
-    bar_chart(os.path.join(run_root, "memory.png"), labels, panels, title=title)
-    plot_loss_curves(os.path.join(run_root, "loss_curves.png"),
-                     {r["name"]: r["run_dir"] for r in ran}, title=title)
+    bar_chart(paths[2], labels, panels, title=title)
+    plot_loss_curves(paths[3], {r["name"]: r["run_dir"] for r in ran}, title=title)
+    return paths
 
 
-def train_in_rounds(cfg: SpeedupConfig, plan: list, rows: dict, run_root: str,
-                    reference: str):
-    """Train the rows of ``plan`` (technique, settings, name) ``experiment.rounds`` times,
-    afresh, taking turns; ``reference`` (the plan's first row) trains first in every round and
-    sets the others' time limit in it. A reference that does not reach the target in a round
-    stops the experiment with one line: the target is out of the preset's reach."""
-    for index in range(cfg.experiment.rounds):
-        for technique, settings, name in plan:
-            check_stop()
-            if index == 0:
-                rows[name] = start_row(technique, settings, run_root, name)
-            row = rows[name]
-            if row["status"] not in ("running", "ran"):      # failed in an earlier round
-                continue
-            ref = rows[reference]
-            limit = None if name == reference else \
-                cfg.experiment.time_cap * ref["rounds"][index]["train_s"]
-            run_round(cfg, row, index, run_root, limit)
-            if name == reference and row["status"] == "ran" and not row["rounds"][-1]["reached"]:
-                raise TargetOutOfReach(row)
-            _progress_line(row, index, cfg.experiment.rounds, ref)
-
-
-class TargetOutOfReach(Exception):
-    """The baseline did not reach the target: nothing can be measured against it."""
-
-    def __init__(self, row: dict):
-        super().__init__(row["name"])
-        self.row = row
-
-
-def best_row(cfg: SpeedupConfig, rows: dict, best_names, documents, devices: dict,
-             depth: int | None = None):
-    """The best combination's technique, settings and picks ((row, why) for each row it
-    combines): the rows named by ``--best``, or those the measurements recommend."""
-    if best_names:
-        picks = [(n, "named by --best") for n in best_names]
-    else:
-        picks = choose_best(rows, cfg.experiment.speed_margin)
-    chosen = [n for n, _ in picks]
-    settings = combine({n: rows[n]["settings"] if n in rows else
-                        row_settings(cfg, BY_NAME[n], documents, depth) for n in chosen},
-                       chosen, devices["device_count"])
-    multiple = batch_multiple(settings, {BY_NAME[n].group for n in chosen},
-                              devices["device_count"])
-    if multiple > 1 and settings.get("data.batching", "fixed") != "fixed":
-        # re-match the padding row's batch to the baseline's real tokens per step under the
-        # rounding
-        settings.update(matched_batch(documents, cfg, settings["data.batching"],
-                                      multiple=multiple))
-    technique = dataclasses.replace(
-        BY_NAME["best"], description="the best combination: "
-        + (" + ".join(chosen) or "nothing beat the baseline"))
-    return technique, settings, picks
-
-
-def parse_rows(text: str) -> list[str]:
-    """``experiment.rows``: comma-separated row names, or ``all``."""
-    if text.strip() == "all":
-        return [t.name for t in TECHNIQUES]
-    return parse_list(text, "experiment.rows", valid=BY_NAME)
-
-
-@command(SpeedupConfig)
-def main(argv=None) -> int:
-    began = time.perf_counter()
-    argv = sys.argv[1:] if argv is None else list(argv)
-    cfg, devices = parse_config(argv)
-    exp = cfg.experiment
-    names = parse_rows(exp.rows)
-    if cfg.data.tokens_per_batch is not None:
-        raise ConfigError("the baseline's batch is batch_size rows; leave tokens_per_batch unset",
-                          field="data.tokens_per_batch")
-    if exp.row_accumulate < 1 or (cfg.data.batch_size or 0) % exp.row_accumulate:
-        raise ConfigError(f"row_accumulate={exp.row_accumulate} must be >= 1 and divide "
-                          f"batch_size={cfg.data.batch_size}", field="experiment.row_accumulate")
-    if not cfg.run.eval_every:
-        raise ConfigError("the target is judged by the periodic evaluations; pass --eval-every "
-                          "N (N >= 1)", field="run.eval_every")
-    best_names = parse_list(exp.best, "experiment.best", valid=BY_NAME) if exp.best else None
-    if best_names and "best" not in names:
-        raise ConfigError(f"--best {exp.best} names what the best row combines, and --rows "
-                          f"{exp.rows} has no best row; add best to --rows or leave --best out",
-                          field="experiment.best")
-    if best_names:
-        best_groups(best_names)         # before any row runs, not when the best row comes
-    techniques = [t for t in TECHNIQUES if t.name == "baseline" or t.name in names]
-    run_root = cfg.run.run_dir or os.path.join("runs", time.strftime("speedup-%Y%m%d-%H%M%S"))
-    if os.path.exists(os.path.join(run_root, "report.md")):
-        raise ConfigError(f"{run_root} already holds a speedup report; choose another run_dir",
-                          field="run.run_dir")
-    corpus = corpus_of(cfg.data)
-    cfg = resolve_target(cfg, corpus)
-    documents = corpus.train
-    print(f"experiments.speedup: {exp.scale} preset on {devices['device_count']} x "
-          f"{devices['device_kind']}; {len(techniques)} rows into {run_root}; target "
-          f"{cfg.run.target_bpb:g} validation bits per byte", flush=True)
-
-    # Every row's settings and why a row cannot run here, before any row trains.
-    named = [t for t in TECHNIQUES if t.name != "best"
-             and (t in techniques or t.name in (best_names or ()))]
-    depth = model_depth(cfg)
-    settings_of = {t.name: row_settings(cfg, t, documents, depth) for t in named}
-    reasons = {t.name: skip_reason(t, devices, cfg.model.name) for t in named}
-    reasons = {name: why for name, why in reasons.items() if why}
-    if not is_preset(cfg.model.name):
-        depth, checked, unfit = check_rows(
-            cfg, {n: v for n, v in settings_of.items() if n not in reasons}, devices)
-        settings_of.update(checked)
-        reasons.update(unfit)
-    for name in best_names or ():
-        if name in reasons:
-            raise ConfigError(f"--best names {name}, which cannot run here: {reasons[name]}",
-                              field="experiment.best")
-
-    rows, picks, partial = {}, [], None
-    try:
-        plan = []
-        for technique in techniques:
-            if technique.name == "best":
-                continue
-            settings = settings_of[technique.name]
-            reason = reasons.get(technique.name)
-            if reason:
-                rows[technique.name] = {"name": technique.name, "group": technique.group,
-                                        "description": technique.description,
-                                        "settings": settings, "status": f"skipped: {reason}"}
-            else:
-                plan.append((technique, settings, technique.name))
-        train_in_rounds(cfg, plan, rows, run_root, "baseline")
-        for row in rows.values():
-            compare(row, rows["baseline"])
-        if "best" in names and rows["baseline"]["status"] == "ran":
-            check_stop()
-            technique, settings, picks = best_row(cfg, rows, best_names, documents, devices,
-                                                  depth)
-            # the baseline again, taking turns with the best row
-            train_in_rounds(cfg, [(BY_NAME["baseline"], {}, "baseline-again"),
-                                  (technique, settings, "best")], rows, run_root,
-                            "baseline-again")
-            again = rows.pop("baseline-again")
-            compare(rows["best"], again if again["status"] == "ran" else rows["baseline"])
-            rows["best"]["baseline_again"] = {
-                k: again.get(k) for k in ("status", "rounds", "time_to_target_s", "run_dir")}
-    except TargetOutOfReach as missed:
-        row = missed.row
-        print(f"error: the {row['name']} did not reach the target {cfg.run.target_bpb:g} bits "
-              f"per byte (it got to {row['val_bpb']:.3f} in {row['steps']} steps, "
-              f"{row['real_tokens']:,} real tokens); nothing can be measured against it: pass "
-              f"a smaller --target-gap, a larger --target-bpb or more --train-tokens "
-              f"(see {row['run_dir']}/log.txt)", file=sys.stderr)
-        return 1
-    except Interrupted as stop:     # a cut row is not a result; later rows do not run
-        if rows.get("baseline", {}).get("status") != "ran":
-            raise
-        partial = stop.signal
-        for row in rows.values():
-            if row["status"] == "running":
-                row["status"] = (f"stopped by {partial} after {len(row['rounds'])} of "
-                                 f"{exp.rounds} rounds")
-            base = rows["baseline"]
-            if len(row.get("rounds") or ()) > len(base["rounds"]):
-                row["rounds"] = row["rounds"][:len(base["rounds"])]
-            compare(row, base)
-        rows.pop("baseline-again", None)
-        print(f"  stopped by {partial}: the rows that finished every round are the results",
-              flush=True)
-
-    ordered = [rows[t.name] for t in techniques if t.name in rows]
-    base = rows["baseline"]
-    if base["status"] != "ran":
-        print(f"error: the baseline did not run ({base['status']}); see "
-              f"{base['run_dir']}/log.txt", file=sys.stderr)
-        return 1
-    best = rows.get("best")
-    target_lines = targets(best, exp.scale, devices)
-    wall_s = time.perf_counter() - began
-    meta = {"scale": exp.scale, "command": "python -m experiments.speedup " + " ".join(argv),
-            "device": devices["device_kind"], "platform": devices["platform"],
-            "device_count": devices["device_count"], "jax_version": devices["jax_version"],
-            "date": time.strftime("%Y-%m-%d"), "model": base["model"], "params": base["params"],
-            "seq_len": cfg.seq_len, "batch_size": cfg.data.batch_size,
-            "train_tokens": cfg.run.train_tokens, "val_tokens": base["val_tokens"],
-            "target_bpb": cfg.run.target_bpb, "unigram_bpb": base["unigram_bpb"],
-            "eval_every": cfg.run.eval_every, "time_cap": exp.time_cap,
-            "best": [n for n, _ in picks], "best_source": "--best" if best_names else
-            "chosen from the measurements", "targets": target_lines, "run_dir": run_root,
-            "interrupted": partial, "rounds": exp.rounds,
-            "best_rounds": bool(best and best.get("baseline_again")),
-            "baseline_load_variation": load_variation(base), "wall_s": wall_s,
-            "all_rows_estimate": all_rows_estimate(ordered, wall_s)}
-    report = os.path.join(run_root, "report.md")
-    write_report(report, ordered, meta, picks, target_lines)
-    title = f"{meta['model']} model, seq_len {cfg.seq_len}, {devices['device_kind']}"
-    plot(run_root, ordered, title)
-    write_json(cfg.run.json, ordered, meta)
-    ran = sum(r["status"] == "ran" for r in ordered)
-    print(f"\n{meta['model']} model ({meta['params']:,} parameters), seq_len {cfg.seq_len}, "
-          f"target {cfg.run.target_bpb:g} bits/byte, {devices['device_count']} x "
-          f"{devices['device_kind']}, jax {devices['jax_version']}"
-          + (f" (PARTIAL: stopped by {partial}; {ran} of {len(techniques)} rows)"
-             if partial else ""))
-    print(table(ordered))
-    print(rounds_line(meta))
-    print(f"\nbest = {' + '.join(meta['best']) or 'the baseline (nothing qualified)'} "
-          f"({meta['best_source']})")
-    for line in target_lines:
-        print(line)
-    print(f"the experiment took {wall_s / 60:.1f} minutes; {meta['all_rows_estimate']}")
-    print(f"report, plots and one directory per row: {run_root}")
-    return exit_code(partial)
-
-
-def all_rows_estimate(rows: list[dict], wall_s: float) -> str:
-    """What ``--rows all`` would take, from this run's mean seconds per row (an estimate:
-    rows differ)."""
+def all_rows_estimate(rows: list[dict]) -> str:
+    """What ``--rows all`` would take, from this run's mean seconds of a row's processes (an
+    estimate: rows differ)."""
     ran = [r for r in rows if r["status"] == "ran"]
     if len(ran) == len(TECHNIQUES) or not ran:
         return "every row ran"
-    per_row = wall_s / (len(ran) + (1 if any(r["name"] == "best" for r in ran) else 0))
+    per_row = statistics.mean(r["process_s"] for r in ran)
     return (f"--rows all ({len(TECHNIQUES)} rows) would take about "
             f"{per_row * (len(TECHNIQUES) + 1) / 60:.0f} minutes at this run's "
             f"{per_row:.0f} s per row (an estimate)")
 
 
-def _progress_line(row: dict, index: int, rounds: int, reference: dict):
-    """One line per round of a row: its time to target and the ratio to the reference row's
-    in the same round."""
-    label = f"round {index + 1}/{rounds}  " if rounds > 1 else ""
-    if row["status"] not in ("running", "ran") or len(row["rounds"]) <= index:
-        print(f"  {label}{row['name']:<16} {row['status']}", flush=True)
-        return
-    mine = row["rounds"][index]
-    ratio = ""
-    if row is not reference and len(reference.get("rounds", ())) > index:
-        ratio = f"{reference['rounds'][index]['train_s'] / mine['train_s']:.2f}x sooner"
-    where = (f"target at step {mine['steps']} in {mine['train_s']:.1f} s" if mine["reached"]
-             else f"gave up at step {mine['steps']} after {mine['train_s']:.1f} s "
-                  f"(val {mine['val_bpb']:.3f})")
-    print(f"  {label}{row['name']:<16} {where:<44} {ratio:>13}  "
-          f"({mine['process_s']:.0f} s)", flush=True)
-
+EXPERIMENT = Experiment(
+    name="speedup", doc=__doc__, config=SpeedupConfig, rows=rows, columns=COLUMNS, setup=setup,
+    defaults=preset, fixed=FIXED, prepare=prepare, check=check, measure=measure,
+    rounds=lambda cfg: cfg.experiment.rounds, combine=combine_rounds, followup=followup,
+    compare=compare_rows, conclude=conclude, tables=lambda cfg, rows, meta: [
+        (None, table_rows(rows), COLUMNS)], notes=notes, meta=meta, plot=plot, report=report)
+main = main_of(EXPERIMENT)
 
 if __name__ == "__main__":
     sys.exit(main())

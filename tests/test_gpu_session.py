@@ -28,7 +28,8 @@ def parse_step(argv: list[str]):
         return parse(args, precision.PrecisionConfig, defaults=precision.DEFAULTS,
                      fixed=precision.FIXED)
     if module == "experiments.speedup":
-        return speedup.parse_config(args)
+        return parse(args, speedup.SpeedupConfig, defaults=speedup.preset(args),
+                     fixed=speedup.FIXED)
     raise AssertionError(f"no parser for {module}")
 
 
