@@ -1,4 +1,5 @@
-"""What the device can do: peak FLOP/s for model FLOPs utilisation, and its memory use."""
+"""What the device can do: peak FLOP/s for model FLOPs utilisation, and its memory use (and
+whether an error is its running out)."""
 
 import jax
 
@@ -32,3 +33,13 @@ def memory_limit_bytes(device=None) -> int | None:
     device = device or jax.local_devices()[0]
     stats = device.memory_stats() if hasattr(device, "memory_stats") else None
     return int(stats["bytes_limit"]) if stats and stats.get("bytes_limit") else None
+
+
+def out_of_memory(error: BaseException) -> bool:
+    """An allocation failure: Python's MemoryError, or a ``JaxRuntimeError`` /
+    ``XlaRuntimeError`` that says RESOURCE_EXHAUSTED or "out of memory" (a GPU allocation
+    failing inside a kernel's call is reported in another status)."""
+    text = str(error)
+    return isinstance(error, MemoryError) or (
+        type(error).__name__ in ("JaxRuntimeError", "XlaRuntimeError")
+        and ("RESOURCE_EXHAUSTED" in text or "out of memory" in text.lower()))

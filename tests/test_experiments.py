@@ -182,13 +182,14 @@ def test_attention_tune_checks_candidates_and_writes_the_table_the_kernel_reads(
     table = tmp_path / "tuned.json"
     other = "NVIDIA H100 80GB HBM3"
     tuning.write_entry(table, other, {64: tuning.TRITON[64]}, {"date": "2026-11-22"})
-    real_score = attention.score
+    from jaxaccel.kernels import autotune
+    real_score = autotune.score
 
     def score(shapes, params, **kwargs):     # a dQ candidate with 16-row tiles computes wrong
         seconds, err = real_score(shapes, params, **kwargs)
         return seconds, 1.0 if params.dq.block_q == 16 and kwargs["checked"] else err
 
-    monkeypatch.setattr(attention, "score", score)
+    monkeypatch.setattr(autotune, "score", score)
     rows_path = tmp_path / "rows.json"
     code = attention.main([
         "--tune", "--tune-seq-lens", "24", "--head-dims", "16", "--heads", "2", "--kv-heads",
@@ -224,7 +225,7 @@ def test_attention_tune_checks_candidates_and_writes_the_table_the_kernel_reads(
             raise Interrupted("SIGTERM")
         return real_score(shapes, params, **kwargs)
 
-    monkeypatch.setattr(attention, "score", stop_in_dkv)
+    monkeypatch.setattr(autotune, "score", stop_in_dkv)
     cut = tmp_path / "cut.json"
     assert attention.main([
         "--tune", "--tune-seq-lens", "24", "--head-dims", "16", "--heads", "2", "--batch", "1",
@@ -237,13 +238,14 @@ def test_attention_tune_checks_candidates_and_writes_the_table_the_kernel_reads(
     exp = attention.AttentionSettings(tune_blocks="32,64,128", tune_warps="4", tune_stages="2")
     for name in tuning.PASSES:
         base = getattr(tuning.TRITON[64], name)
-        mosaic = [s for s in attention.candidates(exp, name, base, False, other)
+        grid = attention.tune_grid(exp)
+        mosaic = [s for s in grid.candidates(name, base, interpret=False, kind=other)
                   if s.backend == "mosaic_gpu"]
         assert len(mosaic) == 4, name
         for s in mosaic:
             tuning.check_params(tuning.TRITON[64].replace(**{name: s}))
-        assert all(s.backend == "triton" for s in attention.candidates(
-            exp, name, base, False, "NVIDIA A100-SXM4-80GB"))
+        assert all(s.backend == "triton" for s in grid.candidates(
+            name, base, interpret=False, kind="NVIDIA A100-SXM4-80GB"))
     # Off the GPU the interpreter's table never goes where GPUs read theirs: one line, no work.
     if jax.default_backend() != "gpu":
         assert attention.main(["--tune"]) == 2

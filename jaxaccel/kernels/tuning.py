@@ -3,8 +3,9 @@ backend runs them (Triton's warps and pipelining stages). First match wins:
 
 1. ``block_q``/``block_k`` or a whole ``FlashParams`` passed to the kernel;
 2. the device kind's rows (e.g. "NVIDIA H100 80GB HBM3") in ``tuned.json`` beside this file or
-   ``$JAXACCEL_FLASH_TUNING``, by ``python -m experiments.attention --tune`` (checked against
-   XLA; with date, jax version, command); a head dim above the largest row falls to 3.;
+   ``$JAXACCEL_FLASH_TUNING``, by ``autotune.sweep`` (``python -m experiments.attention
+   --tune``; checked against XLA; with date, jax version, command); a head dim above the largest
+   row falls to 3.;
 3. the built-in ``TRITON`` rows on a GPU (after Triton's fused-attention tutorial, unmeasured by
    us), ``INTERPRET`` in the Pallas interpreter.
 
