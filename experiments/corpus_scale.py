@@ -504,15 +504,16 @@ def rows(cfg: CorpusScaleConfig) -> list[Row]:
     checked before any work."""
     exp = cfg.experiment
     specs = parse_list(exp.tokenizers, "experiment.tokenizers")
-    for spec in specs:
-        try:
-            parse_spec(spec)            # one error line for a bad spec, before any work
-        except ConfigError as e:
-            raise ConfigError(str(e), field="experiment.tokenizers") from None
+    kinds = [parse_spec(spec)[0] for spec in specs]   # a bad spec: one error line, before work
+    missing = [spec for spec, kind in zip(specs, kinds) if kind == "file"
+               and not os.path.isfile(os.path.expanduser(spec))]
+    if missing:
+        raise ConfigError(f"tokenizer file {missing[0]} does not exist; pass bytes, bpe:N or "
+                          f"the path of a tokenizer.json or .model", field="experiment.tokenizers")
     if exp.work_dir is not None and not exp.work_dir.strip():
         raise ConfigError("work_dir is empty; pass a folder, or leave it out for the default",
                           field="experiment.work_dir")
-    if any(parse_spec(s)[0] == "bpe" for s in specs) and exp.bpe_data != "stdlib" and \
+    if "bpe" in kinds and exp.bpe_data != "stdlib" and \
             not os.path.exists(os.path.expanduser(exp.bpe_data)):
         raise ConfigError(f"bpe_data {exp.bpe_data} does not exist; pass stdlib or a corpus "
                           f"path", field="experiment.bpe_data")
@@ -626,7 +627,8 @@ def meta(cfg: CorpusScaleConfig, rows: list[dict]) -> dict:
 EXPERIMENT = Experiment(
     name="corpus_scale", doc=__doc__, config=CorpusScaleConfig, rows=rows, columns=[],
     setup=lambda cfg: f"Corpus scale: {cfg.experiment.corpus_mb:g} MB of text",
-    trains=False, shared=workspace, measure=measure, finish=clean_up, tables=tables,
+    trains=False, row_flags={"data.tokenizer": "experiment.tokenizers"},   # a bad spec's flag
+    shared=workspace, measure=measure, finish=clean_up, tables=tables,
     conclude=conclude, meta=meta, failed=lambda rows: any("status" in r for r in rows))
 main = main_of(EXPERIMENT)
 

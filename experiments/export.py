@@ -4,17 +4,20 @@
 
 Reads the run's latest checkpoint and rebuilds its model, whatever it is (a GPT preset or the
 run's own factory; LoRA merged into the weights), and writes ``model.safetensors`` and
-``config.json`` into ``--out`` (new or empty; ``--overwrite`` replaces those files), with the
-run's tokenizer file beside them when it did not train on bytes: ``LlamaForCausalLM``'s tensor
-names and config when the model is jaxaccel's GPT in Llama's shape (SwiGLU, untied head,
-RMSNorms; N:M masks folded into the weights; no branch gates, adapters or FP8) and ``--format``
-is auto or llama, else (native, any model) every variable of the model's state under its dotted
-path, buffers included, with the run's settings as the config (``jaxaccel.export``). The export
-is then read back: every tensor must equal what was written, and a forward pass from the files
-alone (for Llama, an independent NumPy Llama; native, the model rebuilt from the config) must
-give the model's logits. It prints one line: the layout, tensors, size, the largest logit
-difference and the folder. A failed check is one line and exit code 1, the files left for
-inspection.
+``config.json`` into ``--out`` (new or empty; ``--overwrite`` replaces those files):
+``LlamaForCausalLM``'s tensor names and config when the model is jaxaccel's GPT in Llama's shape
+(SwiGLU, untied head, RMSNorms; N:M masks folded into the weights; no branch gates, adapters or
+FP8) and ``--format`` is auto or llama, else (native, any model) every variable of the model's
+state under its dotted path, buffers included, with the run's settings as the config
+(``jaxaccel.export``). The run's tokenizer goes beside them as Hugging Face files
+(``tokenizer.json``, ``tokenizer_config.json``, for Llama ``generation_config.json``;
+``jaxaccel.hf_tokenizer``): transformers' ``AutoTokenizer`` gets its BOS, EOS and PAD at the
+run's ids, prepends BOS as training did, and encodes and decodes as the run's tokenizer. The
+export is then read back: every tensor must equal what was written, a forward pass from the
+files alone (for Llama, an independent NumPy Llama; native, the model rebuilt from the config)
+must give the model's logits, and the tokenizer.json must encode and decode a probe text as
+ours. It prints one line: the layout, tensors, size, the largest logit difference and the
+folder. A failed check is one line and exit code 1, the files left for inspection.
 """
 
 import dataclasses
@@ -36,7 +39,7 @@ class ExportSettings:
                                   "fits it)",
                           choices=FORMATS)
     overwrite: bool = setting(False, "replace model.safetensors, config.json and the tokenizer "
-                                     "file in a non-empty --out")
+                                     "files in a non-empty --out")
     json: str | None = setting(None, "also write the result as JSON to this path")
 
 

@@ -12,13 +12,14 @@ learning-rate warmup (``optimizer.warmup_steps=0``): one row per scheme of ``--s
 ``--reference-warmup`` warmup steps at each learning rate: what the warmup buys.
 
 A row **trained** when its final validation loss is finite and at least 10 % below the corpus's
-unigram entropy (``unigram_bpb``, what the byte frequencies alone give); otherwise it
-**diverged** (a NaN) or **stalled** (a model stuck near the byte frequencies, which is how the
-pre-norm default fails at high learning rates: the gradient clip keeps it finite). Table 1
-lists every row; table 2 the largest swept learning rate at which each scheme (and the
-reference) trained, and its validation loss there. Training loss against tokens of every
-scheme at the largest learning rate goes to ``init_schemes.png`` in the run directory, so the
-default initialisation without warmup and T-Fixup are side by side where it matters.
+unigram entropy (``unigram_bpb``, what the token frequencies alone give, per byte of text);
+otherwise it **diverged** (a NaN) or **stalled** (a model stuck near the token frequencies,
+which is how the pre-norm default fails at high learning rates: the gradient clip keeps it
+finite). Table 1 lists every row; table 2 the largest swept learning rate at which each
+scheme (and the reference) trained, and its validation loss there. Training loss against
+tokens of every scheme at the largest learning rate goes to ``init_schemes.png`` in the run
+directory, so the default initialisation without warmup and T-Fixup are side by side where it
+matters.
 """
 
 import dataclasses

@@ -26,6 +26,7 @@ every stage (``jaxaccel.pipeline``).
 
 import contextlib
 import dataclasses
+import itertools
 import statistics
 import sys
 import time
@@ -60,7 +61,7 @@ from jaxaccel.state import init_sharded_state
 class ShardingSettings:
     strategies: str = setting(",".join(STRATEGIES), "comma-separated strategies, each on its "
                                                     "default mesh over all devices")
-    cpu_devices: int = setting(8, "on a CPU, simulate this many devices")
+    cpu_devices: int = setting(8, "on a CPU, simulate this many devices", at_least=1)
     pipeline_schedules: str = setting("gpipe,1f1b", "comma-separated schedules each pipelined "
                                                     "strategy runs with")
     pipeline_microbatches: int = setting(8, "microbatches per step of the pipelined rows (their "
@@ -139,7 +140,12 @@ def corpus_batches(cfg: ShardingConfig, seq_len: int):
     rows = cfg.data.batch_size
     stream = batches(corpus.train, strategy="fixed", seq_len=seq_len, batch_size=rows,
                      seed=cfg.run.seed)
-    train = [next(stream) for _ in range(cfg.run.steps)]
+    train = list(itertools.islice(stream, cfg.run.steps))
+    if len(train) < cfg.run.steps:
+        raise ConfigError(f"steps={cfg.run.steps}: every row trains on the same first batches "
+                          f"of one epoch, and this corpus has {len(train)} of batch_size "
+                          f"{rows} at seq_len {seq_len}; pass --steps {len(train)} or fewer",
+                          field="run.steps")
     val = next(batches(corpus.val, strategy="fixed", seq_len=seq_len, batch_size=rows,
                        shuffle=False))
     return train, val

@@ -51,7 +51,8 @@ def format_summary(s: RunSummary) -> str:
                         "below is of its final state)")]),
         ("val bits/byte", f"{s.val_bpb:.3f} over {s.val_tokens:,} tokens"),
         *([("target", _target(s.target))] if s.target else []),
-        ("unigram bits/byte", f"{s.unigram_bpb:.3f} (entropy of the corpus's byte frequencies)"),
+        ("unigram bits/byte", f"{s.unigram_bpb:.3f} (entropy of the train split's token "
+                              "frequencies, per byte of its text)"),
         ("compiles", f"{s.compiles} train step ({s.compile_s:.1f} s), "
                      f"{s.eval_compiles} eval step"),
         ("documents", f"{s.split_documents:,} split into chunks, "
@@ -164,8 +165,11 @@ def main(argv=None) -> int:
     cfg = parse(argv, description=__doc__.split("\n\n")[0])
     summary = train_until_stopped(cfg)
     if summary.interrupted:
-        print(f"stopped by {summary.interrupted} at step {summary.steps}; checkpoint saved; "
-              f"continue with: {_resume_command(summary)}", file=sys.stderr)
+        last = summary.steps == summary.total_steps      # only the final evaluation was left
+        print(f"stopped by {summary.interrupted} at step {summary.steps}"
+              + (" before the final evaluation finished" if last else "")
+              + f"; checkpoint saved; {'finish' if last else 'continue'} with: "
+              f"{_resume_command(summary)}", file=sys.stderr)
         return exit_code(summary.interrupted)
     if summary.stopped_at is not None:
         print(f"paused at step {summary.stopped_at} of {summary.total_steps} (--stop-at), "

@@ -4,12 +4,21 @@ A checkpoint holds ``state`` (the TrainState) and ``meta`` (JSON: loader positio
 that shapes the state and the data order, recent losses); restoring checks the config first. An
 asynchronous save is written by a background thread that the next ``save``, ``wait`` or
 ``close`` waits for. A failed write (a full disk, a read-only folder) is one
-``CheckpointWriteError`` line naming the step and the checkpoint kept.
+``CheckpointWriteError`` line naming the step and the checkpoint kept: checked before each save
+where it can be (the folder writable, room for the state), else caught from orbax, whose own
+reports of that failure (absl log records, tensorstore's callbacks finding their event loop
+closed) are dropped, as the line says it all; the directory of a step is made in ``save``
+itself, so no background thread is left waiting for one that could not be made.
 """
 
 import contextlib
 import errno
+import logging
 import os
+import re
+import shutil
+import sys
+import tempfile
 
 import jax
 import orbax.checkpoint as ocp
@@ -29,10 +38,15 @@ class Checkpointer:
         """Keeps the ``max_to_keep`` latest checkpoints and every one whose step is a multiple
         of ``keep_period`` (None: none); ``asynchronous`` writes saves in the background."""
         self.directory = os.path.abspath(directory)
+        _quiet_orbax_write_failures()
         self._manager = ocp.CheckpointManager(self.directory, options=ocp.CheckpointManagerOptions(
             max_to_keep=max_to_keep, keep_period=keep_period or None,
-            enable_async_checkpointing=asynchronous, create=True))
+            enable_async_checkpointing=asynchronous, create=True,
+            # the step's directory made in save(): a folder that cannot be written fails there,
+            # not in a thread that the commit threads would wait for until orbax's timeout
+            async_options=ocp.options.AsyncOptions(create_directories_asynchronously=False)))
         self._pending = None            # the step being written in the background
+        self._closed = False
         self.saved_history = []
 
     def latest_step(self) -> int | None:
@@ -47,6 +61,7 @@ class Checkpointer:
             return
         self._pending = step
         with _write_errors(self, step):
+            _check_room(self.directory, state)
             self._manager.save(step, args=ocp.args.Composite(
                 state=ocp.args.StandardSave(state),
                 meta=ocp.args.JsonSave({"format": FORMAT, "loader_position": loader_position,
@@ -102,11 +117,14 @@ class Checkpointer:
                 f"an earlier one, or start a new run_dir", field="run.run_dir") from None
 
     def close(self):
-        """Wait for a save in the background (CheckpointWriteError if it failed), then close."""
+        """Wait for a save in the background (CheckpointWriteError if it failed), then close;
+        closing again does nothing."""
         try:
             self.wait()
         finally:
-            self._manager.close()
+            if not self._closed:
+                self._closed = True
+                self._manager.close()
 
 
 class CheckpointWriteError(ConfigError):
@@ -115,8 +133,9 @@ class CheckpointWriteError(ConfigError):
 
 @contextlib.contextmanager
 def _write_errors(checkpointer: Checkpointer, step: int):
-    """Turns an OSError of a save (anywhere in the exception's chain, as orbax wraps the
-    background thread's errors) into one ``CheckpointWriteError`` line."""
+    """Turns a failed write of a save (an OSError anywhere in the exception's chain, as orbax
+    wraps the background thread's errors, or tensorstore's error with an OS error code) into
+    one ``CheckpointWriteError`` line."""
     try:
         yield
     except BaseException as error:
@@ -125,23 +144,82 @@ def _write_errors(checkpointer: Checkpointer, step: int):
             raise
         checkpointer._pending = None
         steps = [s for s in checkpointer._manager.all_steps() if s != step]
-        kept = (f"the checkpoint of step {max(steps)} is kept" if steps
-                else "no earlier checkpoint exists")
         full = cause.errno in (errno.ENOSPC, errno.EDQUOT)
+        fix = "free disk space" if full else "make the folder writable"
+        then = (f"the checkpoint of step {max(steps)} is kept; {fix} and continue with --resume"
+                if steps else f"no earlier checkpoint exists; {fix} and run the command again "
+                              f"(it starts over)")
         raise CheckpointWriteError(
             f"the checkpoint of step {step} could not be written in {checkpointer.directory} "
-            f"({cause.strerror or cause}); {kept}; "
-            + ("free disk space" if full else "make the folder writable")
-            + " and continue with --resume, or pass another run_dir", field="run.run_dir") \
-            from None
+            f"({cause.strerror or cause}); {then}, or pass another run_dir",
+            field="run.run_dir") from None
+
+
+def _check_room(directory: str, state):
+    """OSError, before orbax starts writing, if ``directory`` cannot take a file or has less
+    room than the state's bytes (what a checkpoint holds; orbax does not compress it)."""
+    tempfile.TemporaryFile(dir=directory).close()
+    needed = sum(getattr(leaf, "nbytes", 0) for leaf in jax.tree.leaves(state))
+    free = shutil.disk_usage(directory).free
+    if free < needed:
+        raise OSError(errno.ENOSPC, f"{os.strerror(errno.ENOSPC)}: {free:,} bytes free, the "
+                                    f"checkpoint needs {needed:,}")
+
+
+_OS_ERROR_CODE = re.compile(r"os_error_code='?(\d+)")
 
 
 def _os_error(error: BaseException | None) -> OSError | None:
-    """The first OSError in ``error``'s chain of causes and contexts (None: none)."""
+    """The first OSError in ``error``'s chain of causes and contexts, or one made from the OS
+    error code tensorstore puts in its messages (``[os_error_code='28']``); None: neither."""
     seen = set()
     while error is not None and id(error) not in seen:
         if isinstance(error, OSError):
             return error
+        code = _OS_ERROR_CODE.search(str(error))
+        if code:
+            return OSError(int(code.group(1)), os.strerror(int(code.group(1))))
         seen.add(id(error))
         error = error.__cause__ or error.__context__
     return None
+
+
+def _quiet_orbax_write_failures():
+    """Drop (installed once per process) orbax's own reports of a failed write, which the
+    ``CheckpointWriteError`` line replaces: its absl log records of it (with their tracebacks),
+    asyncio's of the write's futures never awaited, tensorstore's callbacks that find the
+    write's event loop closed, and the write's coroutines collected at exit. Everything else
+    reaches the log and ``sys.unraisablehook``."""
+    for name in ("absl", "asyncio"):    # orbax's log; a gather of the write never awaited
+        logger = logging.getLogger(name)
+        if _not_a_write_failure not in logger.filters:
+            logger.addFilter(_not_a_write_failure)
+    if getattr(sys.unraisablehook, "_jaxaccel", False):
+        return
+    previous = sys.unraisablehook
+
+    def hook(unraisable):
+        value, obj = unraisable.exc_value, unraisable.object
+        leftover = (isinstance(value, RuntimeError) and str(value) == "Event loop is closed"
+                    and obj is None) or "/orbax/" in getattr(
+                        getattr(obj, "cr_code", None), "co_filename", "")
+        if not leftover:
+            previous(unraisable)
+
+    hook._jaxaccel = True
+    sys.unraisablehook = hook
+
+
+def _not_a_write_failure(record: logging.LogRecord) -> bool:
+    """False for a log record of a failed write of orbax's: it holds the write's error and
+    comes from orbax, or its traceback passes through orbax, or the error names orbax's
+    temporary checkpoint directory (tensorstore's, set on a future from outside Python)."""
+    error = record.exc_info[1] if record.exc_info else None
+    if _os_error(error) is None:
+        return True
+    frames, tb = [record.pathname], error.__traceback__
+    while tb is not None:
+        frames.append(tb.tb_frame.f_code.co_filename)
+        tb = tb.tb_next
+    return not (any("/orbax/" in name for name in frames)
+                or ".orbax-checkpoint-tmp" in str(error))

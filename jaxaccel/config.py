@@ -419,6 +419,10 @@ def check_json_outputs(cfg):
     for path in field_ranges(type(cfg)):
         value = field_value(cfg, path)
         if path.rpartition(".")[2] == "json" and value:
+            if os.path.isdir(value):
+                raise ConfigError(f"json: {value} is a directory; pass the path of a file to "
+                                  f"write, e.g. {os.path.join(value, 'summary.json')}",
+                                  field=path)
             check_writable(path, os.path.dirname(os.path.abspath(value)), may_create=False)
 
 

@@ -1,20 +1,24 @@
 """Export a trained run's model to safetensors with a config file, checked by reading it back.
 
-``export(run_dir, out_dir, format)`` writes one of two layouts, with the run's tokenizer file
-beside them unless it was trained on bytes:
+``export(run_dir, out_dir, format)`` writes one of two layouts, with the run's tokenizer beside
+them as Hugging Face files (``jaxaccel.hf_tokenizer``: ``tokenizer.json`` and
+``tokenizer_config.json``; a SentencePiece run's ``tokenizer.model`` too):
 
 - ``native``, for any model: every variable of its state (LoRA merged where exact, float32,
   FP8 histories and N:M masks included) under its dotted path, and ``config.json``: the run's
   settings (``load_native`` rebuilds the model from them), the step and the tokenizer.
 - ``llama``, for jaxaccel's GPT when its evaluation forward is Llama's (``blocker`` says why not):
   HF ``LlamaForCausalLM`` tensors (N:M masks folded in) with safetensors metadata ``format: pt``,
-  as ``transformers`` requires, and its config. Our RoPE rotates the halves of each head's
-  features like HF's ``rotate_half``, so q/k need no permutation.
+  as ``transformers`` requires, its config and ``generation_config.json`` (the special ids; the
+  padded vocabulary's tail suppressed, as ``experiments.sample`` never samples it). Our RoPE
+  rotates the halves of each head's features like HF's ``rotate_half``, so q/k need no
+  permutation.
 
 Files are written under temporary names and renamed, then read back: every tensor must equal
 what was meant bitwise, and the logits of a forward pass from the files alone (``llama_forward``,
 an independent float64 NumPy Llama, or ``load_native``) our model's to ``LOGIT_TOLERANCE`` times
-max(1, largest logit); else ``ExportCheckError``, the files left in place.
+max(1, largest logit), and the ``tokenizer.json`` (``tokenizers``) must encode, frame and decode
+a probe text as the run's tokenizer does; else ``ExportCheckError``, the files left in place.
 """
 
 import dataclasses
@@ -26,6 +30,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
+from jaxaccel import hf_tokenizer
 from jaxaccel.errors import ConfigError
 from jaxaccel.report import dump_json
 from jaxaccel.tokenizer import BYTE_OFFSET, RUN_FILES, from_run as tokenizer_from_run
@@ -120,7 +125,9 @@ def llama_tensors(model) -> dict[str, np.ndarray]:
 
 
 def tokenizer_record(tok) -> dict:
-    """The model's tokenizer for config.json: bytes, or the file beside the weights."""
+    """The model's tokenizer for config.json: bytes, or the run's file (copied beside the weights
+    for SentencePiece; a tokenizer.json run's is rewritten for transformers, ``fingerprint``
+    being the run's)."""
     record = {"name": type(tok).__name__, "vocab_size": tok.vocab_size,
               "padded_vocab_size": tok.padded_vocab_size, "pad_token_id": tok.pad_id,
               "bos_token_id": tok.bos_id, "eos_token_id": tok.eos_id}
@@ -234,13 +241,15 @@ def check_out_dir(out_dir: str, overwrite: bool):
         raise ConfigError(f"out {out_dir} is a file; pass a folder", field="out")
     if os.path.isdir(out_dir) and os.listdir(out_dir) and not overwrite:
         raise ConfigError(f"out {out_dir} is not empty; pass a new or empty folder, or set "
-                          f"overwrite to replace its {WEIGHTS}, {CONFIG} and tokenizer file",
+                          f"overwrite to replace its {WEIGHTS}, {CONFIG} and tokenizer files",
                           field="out")
     check_writable("out", out_dir, may_create=True)
 
 
-def write_files(out_dir: str, tensors: dict[str, np.ndarray], config: dict, metadata: dict):
-    """``WEIGHTS`` and ``CONFIG`` in ``out_dir``, written under temporary names, synced, renamed."""
+def write_files(out_dir: str, tensors: dict[str, np.ndarray], config: dict, metadata: dict,
+                others: dict[str, str | bytes] | None = None):
+    """``WEIGHTS``, ``CONFIG`` and ``others`` (contents by file name) in ``out_dir``, written under
+    temporary names, synced, renamed."""
     from safetensors.numpy import save_file
 
     os.makedirs(out_dir, exist_ok=True)
@@ -248,6 +257,8 @@ def write_files(out_dir: str, tensors: dict[str, np.ndarray], config: dict, meta
     os.umask(umask)
     writers = {WEIGHTS: lambda path: save_file(tensors, path, metadata=metadata),
                CONFIG: lambda path: dump_json(path, config)}
+    for name, content in (others or {}).items():
+        writers[name] = lambda path, content=content: _write(path, content)
     done = {}
     try:
         for name, write in writers.items():
@@ -264,6 +275,34 @@ def write_files(out_dir: str, tensors: dict[str, np.ndarray], config: dict, meta
         raise
     for name, path in done.items():
         os.replace(path, os.path.join(out_dir, name))
+
+
+def _write(path: str, content: str | bytes):
+    with open(path, "wb") as f:
+        f.write(content.encode("utf-8") if isinstance(content, str) else content)
+
+
+def tokenizer_files(tok, context: int, model_vocab: int | None) -> dict[str, str | bytes]:
+    """The tokenizer files of an export by name (``jaxaccel.hf_tokenizer``), with a SentencePiece
+    run's ``.model``."""
+    out = hf_tokenizer.files(tok, context, model_vocab)
+    if tok.kind == "sentencepiece":
+        with open(tok.path, "rb") as f:
+            out[RUN_FILES[tok.kind]] = f.read()
+    return out
+
+
+def check_tokenizer(out_dir: str, tok):
+    """ExportCheckError unless the exported tokenizer.json encodes, frames and decodes
+    ``hf_tokenizer.PROBE`` as ``tok``."""
+    with open(os.path.join(out_dir, hf_tokenizer.TOKENIZER_CONFIG)) as f:
+        tokenizer_config = json.load(f)
+    hf = hf_tokenizer.load(os.path.join(out_dir, hf_tokenizer.TOKENIZER_JSON), tokenizer_config)
+    wrong = hf_tokenizer.mismatch(tok, hf)
+    if wrong:
+        raise ExportCheckError(f"export check failed: {out_dir}/{hf_tokenizer.TOKENIZER_JSON} "
+                               f"differs from the run's tokenizer: {wrong}; the files are left "
+                               f"for inspection")
 
 
 def read_back(out_dir: str, tensors: dict[str, np.ndarray], config: dict):
@@ -348,9 +387,11 @@ def export(run_dir: str, out_dir: str, format: str = "auto", *,
                   "tokenizer": tokenizer_record(tok)}
         metadata = {"format": "jaxaccel"}
         forward = lambda t, c, ids_T: our_logits(load_native(t, c), ids_T)    # noqa: E731
-    write_files(out_dir, tensors, config, metadata)
-    tok.save(out_dir)
+    model_vocab = config["vocab_size"] if chosen == "llama" else None
+    write_files(out_dir, tensors, config, metadata,
+                tokenizer_files(tok, cfg.model.max_seq_len, model_vocab))
     read, config_read = read_back(out_dir, tensors, config)
+    check_tokenizer(out_dir, tok)
     diff = check_logits(model, cfg.model.max_seq_len, forward, read, config_read, out_dir, tok)
     return Exported(out_dir=out_dir, format=chosen, step=step, tensors=len(tensors),
                     bytes=os.path.getsize(os.path.join(out_dir, WEIGHTS)), max_logit_diff=diff)

@@ -1,11 +1,13 @@
 """Where a run's metrics go: JSONL in the run directory, the trackers asked for, a PNG."""
 
+import errno
 import json
 import math
 import os
 
 import numpy as np
 
+from jaxaccel.errors import ConfigError
 from jaxaccel.report import finite_json
 
 BITS_PER_NAT = 1.0 / math.log(2.0)
@@ -16,9 +18,7 @@ class MetricsWriter:
     ``trackers`` (``jaxaccel.trackers``: TensorBoard, W&B) as ``<kind>/<name>``."""
 
     def __init__(self, run_dir: str, process_index: int = 0, trackers=()):
-        # Every process sees the same global metrics: each writes its own file, none overwrites.
-        name = "metrics.jsonl" if process_index == 0 else f"metrics.process{process_index}.jsonl"
-        self.path = os.path.join(run_dir, name)
+        self.path = metrics_path(run_dir, process_index)
         self._file = open(self.path, "a")
         self._trackers = list(trackers)
 
@@ -26,8 +26,16 @@ class MetricsWriter:
         values = {k: v.item() if isinstance(v, (np.generic, np.ndarray)) else v
                   for k, v in values.items()}
         record = {"step": int(step), "kind": kind, **values}
-        self._file.write(json.dumps(finite_json(record), allow_nan=False) + "\n")
-        self._file.flush()
+        try:
+            self._file.write(json.dumps(finite_json(record), allow_nan=False) + "\n")
+            self._file.flush()
+        except OSError as e:
+            raise ConfigError(
+                f"cannot write {self.path} ({e.strerror or e}); "
+                + ("free disk space" if e.errno in (errno.ENOSPC, errno.EDQUOT)
+                   else "make the folder writable")
+                + " and continue with --resume, or pass another run_dir",
+                field="run.run_dir") from None
         scalars = {key: value for key, value in record.items() if key not in ("step", "kind")
                    and isinstance(value, (int, float)) and not isinstance(value, bool)}
         for tracker in self._trackers:
@@ -37,6 +45,13 @@ class MetricsWriter:
         self._file.close()
         for tracker in self._trackers:
             tracker.close()
+
+
+def metrics_path(run_dir: str, process_index: int = 0) -> str:
+    """A process's metrics file: every process sees the same global metrics, each writes its
+    own file (process 0 ``metrics.jsonl``), none overwrites another's."""
+    name = "metrics.jsonl" if process_index == 0 else f"metrics.process{process_index}.jsonl"
+    return os.path.join(run_dir, name)
 
 
 def read_metrics(path: str) -> list[dict]:
@@ -59,12 +74,14 @@ def _read(path: str) -> tuple[list[dict], int]:
 
 
 def truncate_metrics(path: str, step: int) -> int:
-    """Keeps the records of ``path`` up to ``step``, the checkpoint a run resumes from (the
-    steps after it are run again), and drops a cut last line. Returns how many lines went."""
+    """Keeps the records of ``path`` written before the checkpoint of ``step`` that a run
+    resumes from (0: a run starting over): those of the steps up to it, but not the final
+    evaluation of ``step`` (``"final": true``: it came after that checkpoint, and the resumed
+    run evaluates again); drops a cut last line. Returns how many lines went."""
     if not os.path.exists(path):
         return 0
     records, num_lines = _read(path)
-    kept = [r for r in records if r["step"] <= step]
+    kept = [r for r in records if r["step"] < step or (r["step"] == step and not r.get("final"))]
     with open(path + ".tmp", "w") as f:
         f.writelines(json.dumps(r) + "\n" for r in kept)
     os.replace(path + ".tmp", path)

@@ -1,6 +1,9 @@
 import dataclasses
 import json
+import logging
 import os
+import sys
+import types
 
 import chex
 import jax
@@ -71,3 +74,72 @@ def test_help_lists_every_flag_the_issue_names():
                  "--run-dir", "--checkpoint-every", "--eval-every", "--resume", "--json",
                  "--d-model", "--n-layers", "--n-heads", "--n-kv-heads", "--d-ff"):
         assert flag in text
+
+
+def test_tensorstores_disk_full_error_is_one_write_error_line(tmp_path, monkeypatch):
+    """A full disk reaches orbax from tensorstore as a ValueError with the OS error code in its
+    text, not an OSError: it is still the one CheckpointWriteError line (it was a traceback)."""
+    from jaxaccel.checkpoint import CheckpointWriteError
+
+    def full(self, step, *args, **kwargs):
+        raise ValueError(f'RESOURCE_EXHAUSTED: Error writing "rng/0" in OCDBT database at local '
+                         f'file "{tmp_path}/2.orbax-checkpoint-tmp/state": Failed to write 81130 '
+                         f"bytes to file 7: No space left on device [os_error_code='28']")
+
+    ckpt = Checkpointer(str(tmp_path), asynchronous=True)
+    ckpt.save(1, make_state(0), loader_position={}, config={})
+    monkeypatch.setattr(ocp.CheckpointManager, "save", full)
+    with pytest.raises(CheckpointWriteError) as error:
+        ckpt.save(2, make_state(0), loader_position={}, config={})
+    assert "checkpoint of step 2 could not be written" in str(error.value)
+    assert "(No space left on device); the checkpoint of step 1 is kept; free disk space" \
+        in str(error.value)
+    monkeypatch.undo()
+    ckpt.close()
+    ckpt.close()            # closing twice (the loop's error path after finish's) is nothing
+
+
+def test_orbax_reports_of_a_failed_write_are_dropped_and_nothing_else(tmp_path, monkeypatch):
+    """The CheckpointWriteError line replaces orbax's own reports of the failure: its absl log
+    records with the error, asyncio's of the write's futures never awaited, tensorstore's
+    callbacks finding the write's event loop closed, the write's coroutines collected at exit
+    (about 40 tracebacks in all, issue 35); any other log record or unraisable error shows."""
+    reached = []
+    monkeypatch.setattr(sys, "unraisablehook", lambda unraisable: reached.append(
+        str(unraisable.exc_value)))
+    Checkpointer(str(tmp_path))         # wraps the hook it finds
+    absl = logging.getLogger("absl")
+    orbax_file = os.path.join(os.path.dirname(ocp.__file__), "_src", "futures", "future.py")
+
+    def shown(message, error=None, path=orbax_file):
+        info = (type(error), error, None) if error else None
+        return absl.filter(absl.makeRecord("absl", logging.ERROR, path, 1, message, (), info))
+
+    full = ValueError("RESOURCE_EXHAUSTED: ... No space left on device [os_error_code='28']")
+    assert not shown("_SignalingThread.run() raised an exception", full)
+    assert not shown("background save failed", PermissionError(13, "Permission denied"))
+    assert shown("a failed write reported from elsewhere", full, path=__file__)
+    assert shown("something else went wrong", RuntimeError("not a write"))
+    assert shown("no exception")
+    gather = logging.getLogger("asyncio")       # tensorstore's future, never awaited: no frames
+    tensorstore = ValueError(f"RESOURCE_EXHAUSTED: Error writing in {tmp_path}/9.orbax-"
+                             f"checkpoint-tmp/state: No space left on device [os_error_code='28']")
+    assert not gather.filter(gather.makeRecord("asyncio", logging.ERROR, "futures.py", 1,
+                                               "Future exception was never retrieved", (),
+                                               (ValueError, tensorstore, None)))
+    assert gather.filter(gather.makeRecord("asyncio", logging.ERROR, "futures.py", 1,
+                                           "Future exception was never retrieved", (),
+                                           (ValueError, full, None)))
+
+    def unraisable(value, obj=None):
+        sys.unraisablehook(types.SimpleNamespace(exc_type=type(value), exc_value=value,
+                                                 exc_traceback=None, err_msg=None, object=obj))
+
+    namespace = {}
+    exec(compile("async def write_fragment(): pass", orbax_file, "exec"), namespace)
+    coroutine = namespace["write_fragment"]()
+    unraisable(RuntimeError("Event loop is closed"))
+    unraisable(ImportError("sys.meta_path is None, Python is likely shutting down"), coroutine)
+    coroutine.close()
+    unraisable(RuntimeError("another unraisable error"))
+    assert reached == ["another unraisable error"]

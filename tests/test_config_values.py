@@ -39,8 +39,9 @@ def experiment_configs():
                     value.__module__ == module.__name__:
                 classes.add(value)
                 declared = getattr(module, "EXPERIMENT", module)    # the harness's, or constants
-                PARSE_ARGS[value] = {
-                    "defaults": getattr(declared, "defaults", getattr(module, "DEFAULTS", None)),
+                defaults = getattr(declared, "defaults", getattr(module, "DEFAULTS", None))
+                PARSE_ARGS[value] = {          # defaults that depend on a flag: those of none
+                    "defaults": defaults([]) if callable(defaults) else defaults,
                     "fixed": getattr(declared, "fixed", getattr(module, "FIXED", ()))}
     return sorted(classes, key=lambda c: c.__name__)
 
@@ -164,6 +165,26 @@ def test_json_is_strict(tmp_path):
     assert "NaN" not in text and "Infinity" not in text
     assert json.loads(text) == {"a": None, "b": [None, 1.5], "c": {"d": None}}
     assert finite_json((1.0, "x")) == [1.0, "x"]
+
+
+def test_a_json_path_that_is_a_directory_is_refused_before_any_work(tmp_path):
+    """--json names a file to write; a folder is one line at parse time, not an
+    IsADirectoryError after training."""
+    with pytest.raises(ConfigError, match="is a directory; pass the path of a file") as e:
+        parse(["--json", str(tmp_path)])
+    assert e.value.field == "run.json"
+
+
+def test_sharding_steps_beyond_one_epoch_are_one_line(corpus_path, tmp_path, capsys):
+    """experiments.sharding trains every row on the same first --steps batches of one epoch:
+    more than the corpus has is one line naming --steps, not a StopIteration."""
+    from experiments import sharding
+    code = sharding.main(["--data", corpus_path, "--cache-dir", str(tmp_path / "cache"),
+                          "--steps", "100000", "--d-model", "32", "--n-layers", "2",
+                          "--n-heads", "2", "--strategies", "dp", "--run-dir",
+                          str(tmp_path / "runs")])
+    err = capsys.readouterr().err.strip().splitlines()
+    assert code == 2 and len(err) == 1 and "pass --steps" in err[0] and "[--steps" in err[0], err
 
 
 def test_allocation_failure_is_one_line(capsys):

@@ -79,4 +79,10 @@ def test_bad_input_is_one_line(capsys, tmp_path):
     code = corpus_scale.main(["--tokenizers", "bytes,bpe:12", "--work-dir", str(tmp_path / "w")])
     err = capsys.readouterr().err.strip().splitlines()
     assert code == 2 and len(err) == 1 and "--tokenizers" in err[0], err
+    # a tokenizer file that is not there: before the corpus is generated, not after
+    code = corpus_scale.main(["--tokenizers", "bytes,nothere.json", "--work-dir",
+                              str(tmp_path / "w")])
+    err = capsys.readouterr().err.strip().splitlines()
+    assert code == 2 and len(err) == 1 and "nothere.json does not exist" in err[0], err
+    assert "--tokenizers" in err[0]
     assert not (tmp_path / "w").exists()

@@ -1,5 +1,5 @@
 """Export: the Llama layout read back by an independent NumPy Llama, the native layout's round
-trip, a failed check, and the command's refusals."""
+trip, the run's tokenizer as Hugging Face files, a failed check, and the command's refusals."""
 
 import json
 import os
@@ -12,21 +12,33 @@ from safetensors.numpy import load_file
 
 from experiments.export import main
 from jaxaccel import export as ex
+from jaxaccel import hf_tokenizer
 from jaxaccel.config import override
 from jaxaccel.generate import load_run
 from jaxaccel.loop import train
+from jaxaccel.tokenizer import from_run as tokenizer_from_run
 from tests.test_loop import small_config
+
+LLAMA_FILES = ["config.json", "generation_config.json", "model.safetensors", "tokenizer.json",
+               "tokenizer_config.json"]
 
 
 @pytest.fixture(scope="module")
 def runs(corpus_path, tmp_path_factory):
-    """Two trained runs: a Llama-shaped one (grouped-query, scanned layers, 2:4 masks to fold)
-    and one with a tied head, which Llama's layout refuses."""
+    """Three trained runs: a Llama-shaped one (grouped-query, scanned layers, 2:4 masks to fold),
+    one with a tied head, which Llama's layout refuses (both on bytes), and one on a
+    SentencePiece model without PAD (ours after its pieces)."""
+    spm = pytest.importorskip("sentencepiece")
     tmp = tmp_path_factory.mktemp("export")
+    texts = [json.loads(line)["text"] for line in open(corpus_path)]
+    spm.SentencePieceTrainer.train(sentence_iterator=iter(texts), model_prefix=str(tmp / "sp"),
+                                   vocab_size=60, hard_vocab_limit=False, minloglevel=2)
     made = {}
     for name, settings in (("llama", {"gpt.n_kv_heads": 2, "remat.scan_layers": True,
                                       "sparsity.pattern": "2:4"}),
-                           ("tied", {"gpt.tie_embeddings": True})):
+                           ("tied", {"gpt.tie_embeddings": True}),
+                           ("sp", {"data.tokenizer": str(tmp / "sp.model"),
+                                   "data.cache_dir": str(tmp / "sp_cache")})):
         cfg = override(small_config(corpus_path, tmp, name, steps=2, eval_every=0), settings)
         made[name] = train(cfg).run_dir
     return made
@@ -73,7 +85,7 @@ def test_llama_export_matches_an_independent_llama_forward(runs, tmp_path):
     swapped["model.layers.0.mlp.gate_proj.weight"] = tensors["model.layers.0.mlp.up_proj.weight"]
     swapped["model.layers.0.mlp.up_proj.weight"] = tensors["model.layers.0.mlp.gate_proj.weight"]
     assert np.max(np.abs(ex.llama_forward(swapped, config, ids) - good)) > 1e-3
-    assert sorted(os.listdir(out)) == ["config.json", "model.safetensors"]   # no temp files
+    assert sorted(os.listdir(out)) == LLAMA_FILES                          # no temp files
 
 
 def test_a_failed_check_is_one_line_and_keeps_the_files(runs, tmp_path, capsys, monkeypatch):
@@ -90,7 +102,7 @@ def test_a_failed_check_is_one_line_and_keeps_the_files(runs, tmp_path, capsys, 
     out = tmp_path / "bad"
     assert main(["--run-dir", runs["llama"], "--out", str(out)]) == 1
     assert "export check failed: logits" in one_error_line(capsys)
-    assert sorted(os.listdir(out)) == ["config.json", "model.safetensors"]
+    assert sorted(os.listdir(out)) == LLAMA_FILES
 
 
 def test_native_export_when_llama_does_not_fit(runs, tmp_path, capsys):
@@ -133,3 +145,60 @@ def test_export_bad_input_is_one_line(args, message, runs, tmp_path, capsys):
     assert message in one_error_line(capsys)
     assert not (tmp_path / "x").exists()
     assert os.listdir(tmp_path / "full") == ["keep.txt"]
+
+
+@pytest.mark.parametrize("run", ["llama", "sp"])
+def test_the_tokenizer_files_match_the_config_and_encode_as_trained(run, runs, tmp_path):
+    """tokenizer.json read by ``tokenizers`` as transformers reads it: BOS prepended as training
+    and experiments.sample framed, ids and text as ours; its special tokens at config.json's ids
+    (a SentencePiece run's PAD after the .model's pieces included)."""
+    out = tmp_path / run
+    ex.export(runs[run], str(out))
+    tok = tokenizer_from_run(runs[run])
+    config = json.load(open(out / "config.json"))
+    tokenizer_config = json.load(open(out / hf_tokenizer.TOKENIZER_CONFIG))
+    generation = json.load(open(out / hf_tokenizer.GENERATION_CONFIG))
+    hf = hf_tokenizer.load(str(out / hf_tokenizer.TOKENIZER_JSON), tokenizer_config)
+    for role in ("bos", "eos", "pad"):
+        token_id = config[f"{role}_token_id"]
+        assert token_id == getattr(tok, f"{role}_id") == generation[f"{role}_token_id"]
+        assert hf.token_to_id(tokenizer_config[f"{role}_token"]) == token_id, role
+        assert config["jaxaccel"]["tokenizer"][f"{role}_token_id"] == token_id
+    assert generation["suppress_tokens"] == list(range(tok.vocab_size, config["vocab_size"]))
+    assert tokenizer_config["model_max_length"] == config["max_position_embeddings"]
+    for text in ("def f(x):\n    return  self", "x = 日本 🚀", ""):
+        framed = tok.encode(text, eos=False).tolist()
+        assert hf.encode(text).ids == framed and framed[0] == config["bos_token_id"]
+        assert hf.decode(framed, skip_special_tokens=True) == tok.decode(framed)
+    if run == "sp":
+        assert tok.kind == "sentencepiece" and tok.pad_id == tok.base_size == tok.vocab_size - 1
+        assert (out / "tokenizer.model").read_bytes() == open(tok.path, "rb").read()
+        assert sorted(os.listdir(out)) == sorted([*LLAMA_FILES, "tokenizer.model"])
+    else:
+        assert tokenizer_config["bos_token"] == "<|bos|>" and config["vocab_size"] == 320
+
+
+def test_native_export_has_the_tokenizer_files_too(runs, tmp_path):
+    out = tmp_path / "native"
+    ex.export(runs["tied"], str(out))
+    assert sorted(os.listdir(out)) == ["config.json", "model.safetensors", "tokenizer.json",
+                                       "tokenizer_config.json"]
+    config = json.load(open(out / "config.json"))["tokenizer"]
+    tokenizer_config = json.load(open(out / hf_tokenizer.TOKENIZER_CONFIG))
+    hf = hf_tokenizer.load(str(out / hf_tokenizer.TOKENIZER_JSON), tokenizer_config)
+    assert hf.token_to_id(tokenizer_config["eos_token"]) == config["eos_token_id"] == 2
+
+
+def test_a_tokenizer_that_encodes_otherwise_fails_the_check(runs, tmp_path, capsys,
+                                                            monkeypatch):
+    original = hf_tokenizer.tokenizer_json
+
+    def without_bos(tok):
+        return {**original(tok), "post_processor": None}
+
+    monkeypatch.setattr(hf_tokenizer, "tokenizer_json", without_bos)
+    out = tmp_path / "bad"
+    assert main(["--run-dir", runs["llama"], "--out", str(out)]) == 1
+    err = one_error_line(capsys)
+    assert "export check failed" in err and "tokenizer.json differs" in err, err
+    assert sorted(os.listdir(out)) == LLAMA_FILES

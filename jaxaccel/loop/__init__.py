@@ -10,10 +10,13 @@ One file per phase, in the order they run:
 4. ``finish``: final evaluation, plot, summary (``record.RunSummary``); ``console``: the output.
 
 A resumed run continues with the same state, batches and keys (on the CPU, bitwise as if never
-interrupted). SIGINT and SIGTERM save a checkpoint and return with ``interrupted`` set. The
-state is sharded over a device mesh; each process loads only its own rows of every batch.
+interrupted). SIGINT and SIGTERM save a checkpoint and return with ``interrupted`` set, in the
+final evaluation too. The run directory is locked while the run writes it, and its metrics hold
+each step once. The state is sharded over a device mesh; each process loads only its own rows
+of every batch.
 """
 
+import contextlib
 import dataclasses
 import os
 import sys
@@ -23,6 +26,7 @@ import jax
 from flax import nnx
 
 from jaxaccel import compile_cache, fp8, model as model_lib, precision, remat, techniques, trace
+from jaxaccel.checkpoint import CheckpointWriteError
 from jaxaccel.config import TrainConfig
 from jaxaccel.loader import abstract_batch
 from jaxaccel.loop.compile import Steps, compile_steps, memory_budget_bytes, sharded_steps, \
@@ -32,7 +36,8 @@ from jaxaccel.loop.finish import diverged_at, finish
 from jaxaccel.loop.record import RunSummary, read_config, read_trained_run
 from jaxaccel.loop.run import STOP_REQUESTED, Progress, agreed_stop, evaluate, grow_run, \
     run_steps, stop_on_signals
-from jaxaccel.loop.setup import RUNS_ROOT, Setup, check_outputs, resume_settings, set_up
+from jaxaccel.loop.setup import RUNS_ROOT, Setup, check_outputs, claimed_run_dir, \
+    resume_settings, set_up
 from jaxaccel.pipeline import check as check_pipeline, check_layers
 from jaxaccel.report import dump_json
 from jaxaccel.sharding import build_mesh, check_split, format_mesh, initialize_distributed, \
@@ -67,12 +72,27 @@ def train(cfg: TrainConfig, *, should_stop=None) -> RunSummary:
         check_pipeline(m.pipeline_schedule, mesh_shape["stage"], cfg.optimizer.accumulate)
     with jax.default_matmul_precision(cfg.precision.matmul), jax.set_mesh(mesh):
         model = preflight(cfg, mesh_shape)
-        announce(cfg, f"set-up: corpus {cfg.data.path}, "
-                      f"{model_lib.describe(cfg.model, cfg.gpt)} model, mesh "
-                      f"{format_mesh(mesh_shape)}" + (", resuming" if cfg.run.resume else ""))
-        set_up_began = time.perf_counter()
-        run = set_up(cfg, mesh, mesh_shape, model)
-        run.startup["before_set_up"] = set_up_began - wall_start
+        with claimed_run_dir(cfg) as run_dir:       # locked while this run writes it
+            summary = _train_in(run_dir, cfg, mesh, mesh_shape, model, should_stop, wall_start,
+                                notes)
+            if jax.process_index() == 0:    # the run record: every run directory has its summary
+                dump_json(os.path.join(run_dir, "summary.json"), dataclasses.asdict(summary))
+    return summary
+
+
+def _train_in(run_dir: str, cfg: TrainConfig, mesh, mesh_shape: dict, model, should_stop,
+              wall_start: float, notes: dict) -> RunSummary:
+    """Phases 1 to 4 in ``run_dir``. Whatever fails (a step, the final evaluation out of
+    memory), a checkpoint being written is finished, not left a temporary directory, before the
+    failure reaches the caller (a write failing then too is the unfinished checkpoint the next
+    run removes, saying so)."""
+    announce(cfg, f"set-up: corpus {cfg.data.path}, {model_lib.describe(cfg.model, cfg.gpt)} "
+                  f"model, mesh {format_mesh(mesh_shape)}"
+                  + (", resuming" if cfg.run.resume else ""))
+    set_up_began = time.perf_counter()
+    run = set_up(cfg, mesh, mesh_shape, model, run_dir)
+    run.startup["before_set_up"] = set_up_began - wall_start
+    try:
         progress, compiled = None, []
         while True:         # one stage, unless progressive stacking grows the model
             begin = time.perf_counter()
@@ -84,10 +104,11 @@ def train(cfg: TrainConfig, *, should_stop=None) -> RunSummary:
                     or int(progress.state.step) >= run.stop_step):
                 break
             run = grow_run(run, progress)
-        summary = finish(run, compiled, progress, wall_start, notes)
-    if jax.process_index() == 0:        # the run record: every run directory has its summary
-        dump_json(os.path.join(summary.run_dir, "summary.json"), dataclasses.asdict(summary))
-    return summary
+        return finish(run, compiled, progress, wall_start, notes, should_stop)
+    except BaseException:
+        with contextlib.suppress(CheckpointWriteError):
+            run.checkpointer.close()
+        raise
 
 
 def preflight(cfg: TrainConfig, mesh_shape: dict):

@@ -77,3 +77,14 @@ def log_window(writer, step, window, totals, seconds, progress, bits_per_nat: fl
         progress.set_postfix(loss=f"{loss:.3f}", bpb=f"{record['bpb']:.2f}",
                              tok_s=f"{tokens_per_s:,.0f}", **extra)
     return list(zip(losses.tolist(), tokens.tolist()))
+
+
+def note(cfg, line: str, progress=None):
+    """What the run did to its files (records dropped, an unfinished checkpoint removed): one
+    line on stdout from process 0, said whatever ``run.progress`` is, so nothing goes silently."""
+    if jax.process_index() != 0:
+        return
+    if progress is not None and not isinstance(progress, LineProgress):
+        progress.write(line, file=sys.stdout)
+    else:
+        print(line, flush=True)

@@ -13,7 +13,8 @@ from jaxaccel.compiled import largest_memory_bytes
 from jaxaccel.loader import abstract_batch
 from jaxaccel.loop.console import announce
 from jaxaccel.loop.record import RunSummary
-from jaxaccel.loop.run import Progress, recent_steps, run_eval, target_record
+from jaxaccel.loop.run import Progress, agreed_stop, recent_steps, run_eval, stop_asked, \
+    stop_name, stop_on_signals, target_record
 from jaxaccel.loop.setup import Setup
 from jaxaccel.metrics import plot_loss_curve, read_metrics
 from jaxaccel.optim import state_bytes
@@ -22,28 +23,50 @@ from jaxaccel.sharding import bytes_per_device
 
 
 def finish(run: Setup, compiled: list, progress: Progress, wall_start: float,
-           notes: dict | None = None) -> RunSummary:
+           notes: dict | None = None, should_stop=None) -> RunSummary:
     """The final evaluation, the plot and the summary; ``compiled`` holds the steps of every
-    progressive-stacking stage (one without), the last being the model's final depth."""
+    progressive-stacking stage (one without), the last being the model's final depth. The last
+    checkpoint is finished first, so nothing here (the evaluation out of memory) can lose it; a
+    signal (or ``should_stop``) here cuts the evaluation and makes the run ``interrupted``."""
+    with stop_on_signals() as received:
+        def stopped() -> int | None:
+            return stop_asked(received, should_stop, int(progress.state.step))
+
+        try:
+            return _finish(run, compiled, progress, wall_start, notes or {}, stopped)
+        finally:
+            progress.writer.close()
+
+
+def _finish(run: Setup, compiled: list, progress: Progress, wall_start: float, notes: dict,
+            stopped) -> RunSummary:
+    """``finish`` with ``stopped()``: the signal (or STOP_REQUESTED) asking to stop, or None.
+    With several processes the evaluation runs to its end and the stop is agreed after it."""
     cfg, state, steps = run.cfg, progress.state, compiled[-1]
     final_step = int(state.step)
+    run.checkpointer.close()            # the last checkpoint written before anything else
     paused = (not progress.interrupted and progress.target is None     # run.stop_at
               and final_step < run.total_steps)
+    val_loss, val_tokens = float("nan"), 0      # none: interrupted, paused, or cut by a signal
     if progress.interrupted or paused:
-        val_loss, val_tokens = float("nan"), 0
+        pass
     elif (progress.last_eval and progress.last_eval[0] == final_step
           and cfg.run.final_eval_batches == cfg.run.eval_batches):
         _, val_loss, val_tokens = progress.last_eval     # the same batches: evaluated already
     else:
         announce(cfg, f"final evaluation: {cfg.run.final_eval_batches or 'all'} validation "
                       f"batches of {run.eval_batch_size} rows")
-        val_loss, val_tokens = run_eval(run, steps, state, progress.writer, final_step,
-                                        cfg.run.final_eval_batches)
-    progress.writer.close()
-    run.checkpointer.close()
+        alone = jax.process_count() == 1
+        evaluated = run_eval(run, steps, state, progress.writer, final_step,
+                             cfg.run.final_eval_batches, final=True,
+                             stop=(lambda: stopped() is not None) if alone else None)
+        if evaluated is not None:
+            val_loss, val_tokens = evaluated
+    stop = stopped() if jax.process_count() == 1 else agreed_stop(stopped())
+    interrupted = progress.interrupted or stop_name(stop)
     target = progress.target
     if cfg.run.target_bpb is not None and target is None and not paused and \
-            not progress.interrupted:
+            not interrupted:
         bpb = run.corpus.bits_per_byte(val_loss)
         target = (target_record(cfg, final_step, bpb, progress.totals, progress.train_s)
                   if bpb <= cfg.run.target_bpb
@@ -63,7 +86,7 @@ def finish(run: Setup, compiled: list, progress: Progress, wall_start: float,
     trainable, weights = lora.count(state.params)
     summary = RunSummary(
         steps=final_step, steps_this_run=final_step - progress.first_step,
-        interrupted=progress.interrupted, stopped_at=final_step if paused else None,
+        interrupted=interrupted, stopped_at=final_step if paused else None,
         target=target,
         total_steps=run.total_steps, run_dir=run.run_dir, batching=cfg.data.batching,
         shapes=[list(shape) for shape in run.stream.global_shapes], real_tokens=totals["real"],
@@ -101,14 +124,16 @@ def finish(run: Setup, compiled: list, progress: Progress, wall_start: float,
         mesh_axis_types=cfg.mesh.axis_types, process_count=jax.process_count(),
         device=hardware.describe(), jax_version=jax.__version__,
         techniques=techniques.report(cfg, state.params, run.mesh_shape, {
-            **(notes or {}), "remat_plan": dataclasses.asdict(run.plan) if run.plan else None,
+            **notes, "remat_plan": dataclasses.asdict(run.plan) if run.plan else None,
             "stages": run.stages, "executables": steps.train.executables,
             "flops_per_token": flops_token}),
         diverged_at_step=diverged_at(progress.history, progress.first_step,
-                                     None if progress.interrupted or paused else val_loss,
+                                     None if interrupted or paused else val_loss,
                                      final_step))
-    if progress.recent_batches and not progress.interrupted:     # last: it consumes the state
+    if progress.recent_batches and not interrupted:     # last: it consumes the state
         summary.step_alone = step_alone(steps, state, progress.recent_batches, tokens_per_s)
+    if jax.process_count() == 1:        # a signal in the last moments is said too
+        summary.interrupted = interrupted or stop_name(stopped())
     return summary
 
 

@@ -1,7 +1,8 @@
 """The run record: what every run directory holds about its run, and reading a trained run back.
 
 A run directory gets ``config.yaml``, ``command.txt``, ``environment.json``, ``metrics.jsonl``,
-``checkpoints/``, ``loss.png`` and, at the end, ``summary.json`` (the ``RunSummary``).
+``checkpoints/``, ``run.lock`` (held while a run writes it), ``loss.png`` and, at the end,
+``summary.json`` (the ``RunSummary``).
 ``read_trained_run`` rebuilds a run's model from its latest checkpoint (``--init-from``).
 """
 

@@ -15,10 +15,10 @@ from jaxaccel import nn, profiling, stacking, techniques
 from jaxaccel.config import to_dict
 from jaxaccel.data import batches
 from jaxaccel.loader import DevicePrefetcher, place_batch
-from jaxaccel.loop.console import announce, log_window, progress_bar
+from jaxaccel.loop.console import announce, log_window, note, progress_bar
 from jaxaccel.loop.compile import plan_remat
 from jaxaccel.loop.setup import Setup, open_stream
-from jaxaccel.metrics import MetricsWriter, truncate_metrics
+from jaxaccel.metrics import MetricsWriter, metrics_path, truncate_metrics
 from jaxaccel.sharding import parse_axis_rules
 from jaxaccel.state import abstract_sharded_state
 from jaxaccel.trackers import open_trackers, parse as tracker_names
@@ -50,11 +50,7 @@ def run_steps(run: Setup, steps, should_stop=None, previous: Progress | None = N
     start = int(state.step)
     end = min(stacking.stage_end(start, run.total_steps, run.stack_ends), run.stop_step)
     if previous is None:
-        dropped = (truncate_metrics(os.path.join(run.run_dir, "metrics.jsonl"), start)
-                   if cfg.run.resume and jax.process_index() == 0 else 0)
-        if dropped:
-            announce(cfg, f"metrics.jsonl: {dropped} record(s) after the checkpoint of step "
-                          f"{start} removed (they are trained again)")
+        drop_unsaved_records(run, start)
         trackers = (open_trackers(tracker_names(cfg.run.trackers), run.run_dir,
                                   config=to_dict(cfg), project=cfg.run.wandb_project,
                                   wandb_mode=cfg.run.wandb_mode)
@@ -102,7 +98,7 @@ def run_steps(run: Setup, steps, should_stop=None, previous: Progress | None = N
                               config=run.resume_config, history=kept)
 
     watch.start()
-    with stop_on_signals() as received:
+    with stop_on_signals() as received, closed_on_error(feed, writer):
         for step in range(start, end):
             batch, _ = next(feed)
             recent.append(batch)
@@ -140,8 +136,7 @@ def run_steps(run: Setup, steps, should_stop=None, previous: Progress | None = N
                                   f"in {cfg.run.target_seconds:g} s of training: the run ends "
                                   f"at step {done}", progress)
                 watch.start()
-            stop = received.get("signum") or (should_stop is not None and should_stop(done)
-                                              and STOP_REQUESTED)
+            stop = stop_asked(received, should_stop, done)
             if jax.process_count() > 1:     # every process stops at the same step, or none
                 at_log = done % max(cfg.run.log_every, 1) == 0 or done == end
                 stop = agreed_stop(stop) if at_log else None
@@ -152,7 +147,7 @@ def run_steps(run: Setup, steps, should_stop=None, previous: Progress | None = N
             if reached:
                 break
             if stop:
-                interrupted = "requested" if stop == STOP_REQUESTED else signal.Signals(stop).name
+                interrupted = stop_name(stop)
                 break
         watch.pause(state)
         log_late()
@@ -173,6 +168,49 @@ def run_steps(run: Setup, steps, should_stop=None, previous: Progress | None = N
         previous.profile if previous is not None else None)
     return Progress(state, first_step, totals, history, watch.seconds, waited, interrupted,
                     writer, final_position, report, list(recent), reached, last_eval)
+
+
+@contextlib.contextmanager
+def closed_on_error(feed, writer):
+    """A failed step or checkpoint ends the run: the feed's thread stopped, the metrics file
+    (and its trackers) closed, before the error leaves."""
+    try:
+        yield
+    except BaseException:
+        feed.close()
+        writer.close()
+        raise
+
+
+def drop_unsaved_records(run: Setup, start: int):
+    """Cut this process's metrics file back to the checkpoint the run starts from (``start``; 0:
+    none), saying so: on resume the records written after that checkpoint, in a new run those
+    of an earlier run into the directory that saved no checkpoint (killed, a full disk). Its
+    steps are trained again, so each is in the file once."""
+    path = metrics_path(run.run_dir, jax.process_index())
+    dropped = truncate_metrics(path, start)
+    if dropped and start:
+        note(run.cfg, f"{os.path.basename(path)}: {dropped} record(s) written after the "
+                      f"checkpoint of step {start} removed (the resumed run writes them again)")
+    elif dropped:
+        note(run.cfg, f"{os.path.basename(path)}: {dropped} record(s) of an earlier run into "
+                      f"{run.run_dir} that saved no checkpoint removed; this run starts at "
+                      f"step 0")
+
+
+def stop_name(stop: int | None) -> str | None:
+    """The summary's ``interrupted`` for ``stop_asked``'s answer: the signal's name,
+    ``"requested"`` (``should_stop``) or None."""
+    if stop is None:
+        return None
+    return "requested" if stop == STOP_REQUESTED else signal.Signals(stop).name
+
+
+def stop_asked(received: dict, should_stop, step: int) -> int | None:
+    """Why the run should stop now: the signal ``stop_on_signals`` received, else
+    ``STOP_REQUESTED`` if ``should_stop(step)``, else None."""
+    return received.get("signum") or (should_stop is not None and should_stop(step)
+                                       and STOP_REQUESTED) or None
 
 
 def target_record(cfg, step: int, bpb: float, totals: dict, train_s: float) -> dict:
@@ -220,20 +258,28 @@ def grow_run(run: Setup, progress: Progress) -> Setup:
                                stages=[*run.stages, [int(state.step), depth]])
 
 
-def run_eval(run: Setup, steps, state, writer, step: int, max_batches):
-    """Evaluate on the validation split and log it; (mean loss in nats, tokens)."""
-    loss, tokens = evaluate(steps.eval, state, run.corpus.val, seq_len=run.cfg.seq_len,
-                            batch_size=run.eval_batch_size, max_batches=max_batches,
-                            sharding=run.batch_layout)
+def run_eval(run: Setup, steps, state, writer, step: int, max_batches, *, stop=None,
+             final: bool = False):
+    """Evaluate on the validation split and log it (``final``: the run's final evaluation,
+    marked so); (mean loss in nats, tokens), or None if ``stop()`` cut it (nothing logged)."""
+    result = evaluate(steps.eval, state, run.corpus.val, seq_len=run.cfg.seq_len,
+                      batch_size=run.eval_batch_size, max_batches=max_batches,
+                      sharding=run.batch_layout, stop=stop)
+    if result is None:
+        return None
+    loss, tokens = result
     writer.write(step, "eval", {"loss": loss, "bpb": run.corpus.bits_per_byte(loss),
-                                "tokens": tokens})
+                                "tokens": tokens, **({"final": True} if final else {})})
     return loss, tokens
 
 
 def evaluate(eval_step, state, documents, *, seq_len: int, batch_size: int,
-             max_batches: int | None = None, sharding=None) -> tuple[float, int]:
+             max_batches: int | None = None, sharding=None, stop=None
+             ) -> tuple[float, int] | None:
     """Mean loss in nats per target token over the documents, and the token count; with
-    ``max_batches`` that many batches, spread evenly. Each process makes its own rows."""
+    ``max_batches`` that many batches, spread evenly. Each process makes its own rows.
+    ``stop()``, asked before each batch, returning true ends it early with None (with several
+    processes it must answer alike in all of them)."""
     def fixed_batches():
         return batches(documents, strategy="fixed", seq_len=seq_len, batch_size=batch_size,
                        shuffle=False, process_index=jax.process_index(),
@@ -247,6 +293,8 @@ def evaluate(eval_step, state, documents, *, seq_len: int, batch_size: int,
     for i, batch in enumerate(fixed_batches()):
         if chosen is not None and i not in chosen:
             continue
+        if stop is not None and stop():
+            return None
         sums = eval_step(state, place_batch(batch, sharding))
         loss_sum, weight_sum = loss_sum + sums["loss_sum"], weight_sum + sums["weight_sum"]
     loss_sum, weight_sum = jax.device_get((loss_sum, weight_sum))

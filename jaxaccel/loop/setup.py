@@ -1,12 +1,16 @@
 """Phase 1 of a run, set-up: the run directory, the data, the optimizer, the model's sharded
 state (with every technique applied), the checkpoint (restored on resume)."""
 
+import contextlib
 import dataclasses
+import errno
+import fcntl
 import glob
 import math
 import os
 import shlex
 import shutil
+import socket
 import sys
 import time
 
@@ -20,7 +24,7 @@ from jaxaccel.corpus import corpus_of
 from jaxaccel.data import DataStream
 from jaxaccel.errors import ConfigError
 from jaxaccel.loop.compile import eval_microbatches, plan_remat
-from jaxaccel.loop.console import announce
+from jaxaccel.loop.console import announce, note
 from jaxaccel.loop.record import base_weights, run_environment
 from jaxaccel.optim import build_optimizer
 from jaxaccel.report import dump_json
@@ -30,6 +34,7 @@ from jaxaccel.sharding import batch_shards, batch_sharding, format_mesh, param_s
 from jaxaccel.state import init_sharded_state
 
 RUNS_ROOT = "runs"
+LOCK_FILE = "run.lock"      # in the run directory: held (flock) by the run writing it
 # Sections and fields a resumed run must share with its checkpoint: they shape the state, the
 # data order or the optimizer's trajectory, so changing them would silently break the run.
 RESUME_SECTIONS = ("model", "gpt", "optimizer", "precision", "init", "remat", "stochastic_depth",
@@ -68,7 +73,8 @@ class Setup:
     restored_history: list = dataclasses.field(default_factory=list)  # the checkpoint's losses
 
 
-def set_up(cfg, mesh, mesh_shape, full_model) -> Setup:
+def set_up(cfg, mesh, mesh_shape, full_model, run_dir: str) -> Setup:
+    """Phase 1 in ``run_dir``, the directory ``claimed_run_dir`` locked for the run."""
     multiple = batch_shards(mesh_shape) * cfg.optimizer.accumulate
     if cfg.data.batch_size is not None and cfg.data.batch_size % multiple:
         raise ConfigError(
@@ -77,7 +83,6 @@ def set_up(cfg, mesh, mesh_shape, full_model) -> Setup:
             f"{cfg.optimizer.accumulate}; pass a batch size that is a multiple of {multiple}",
             field="data.batch_size")
     began = time.perf_counter()
-    run_dir = resolve_run_dir(cfg)
     corpus = corpus_of(cfg.data)
     startup = {"corpus": time.perf_counter() - began}
     if corpus.tokenizer.vocab_size > cfg.model.vocab_size:
@@ -162,14 +167,28 @@ def set_up(cfg, mesh, mesh_shape, full_model) -> Setup:
                  startup=startup)
 
 
+@contextlib.contextmanager
+def claimed_run_dir(cfg):
+    """The run directory (``resolve_run_dir``), locked while the run writes it (process 0:
+    ``lock_run_dir``) and checked under the lock: an unfinished checkpoint a killed run left is
+    removed, said; a new run is refused where another run left checkpoints or its summary."""
+    run_dir = resolve_run_dir(cfg)
+    lock = lock_run_dir(run_dir) if jax.process_index() == 0 else None
+    try:
+        remove_unfinished_checkpoints(os.path.join(run_dir, "checkpoints"), cfg)
+        if not cfg.run.resume:
+            check_new_run_dir(run_dir)
+        yield run_dir
+    finally:
+        if lock is not None:
+            lock.close()        # the kernel drops the flock with the file (and with the process)
+
+
 def resolve_run_dir(cfg) -> str:
-    """The run directory: the given one, the latest run (on resume) or a new timestamped one."""
+    """The run directory: the given one, the latest run (on resume) or a new timestamped one,
+    made here so that no other run can take the same name."""
     run_dir, resume = cfg.run.run_dir, cfg.run.resume
     if run_dir is not None:
-        remove_unfinished_checkpoints(os.path.join(run_dir, "checkpoints"), cfg)
-        if _saved_steps(run_dir) and not resume:
-            raise ConfigError(f"run dir {run_dir} already holds checkpoints; set resume to "
-                              f"continue it or choose another run_dir", field="run.resume")
         return run_dir
     if resume:
         earlier = sorted(glob.glob(os.path.join(RUNS_ROOT, "train-*", "checkpoints", "*")))
@@ -177,12 +196,57 @@ def resolve_run_dir(cfg) -> str:
             raise ConfigError(f"resume found no earlier run under {RUNS_ROOT}/; pass its run_dir",
                               field="run.run_dir")
         return os.path.dirname(os.path.dirname(earlier[-1]))
-    run_dir = os.path.join(RUNS_ROOT, time.strftime("train-%Y%m%d-%H%M%S"))
-    suffix = 1
-    while os.path.exists(run_dir):
-        run_dir = os.path.join(RUNS_ROOT, time.strftime("train-%Y%m%d-%H%M%S") + f"-{suffix}")
-        suffix += 1
-    return run_dir
+    stamp, suffix = time.strftime("train-%Y%m%d-%H%M%S"), 0
+    if jax.process_count() > 1:     # every process names the same folder
+        return os.path.join(RUNS_ROOT, stamp)
+    os.makedirs(RUNS_ROOT, exist_ok=True)
+    while True:
+        run_dir = os.path.join(RUNS_ROOT, stamp + (f"-{suffix}" if suffix else ""))
+        try:
+            os.mkdir(run_dir)
+            return run_dir
+        except FileExistsError:
+            suffix += 1
+
+
+def lock_run_dir(run_dir: str):
+    """Make ``run_dir`` and take its lock (an exclusive ``flock`` of ``run.lock``, which then
+    names this process and host); the open file returned holds it. One ConfigError line naming
+    the holder if another run holds it. The kernel releases it when the process ends, however it
+    ends (a SIGKILL included), so no stale lock is ever left."""
+    os.makedirs(run_dir, exist_ok=True)
+    path = os.path.join(run_dir, LOCK_FILE)
+    lock = open(path, "a+")
+    try:
+        fcntl.flock(lock, fcntl.LOCK_EX | fcntl.LOCK_NB)
+    except OSError as e:
+        lock.seek(0)
+        holder = lock.read().strip() or "another process"
+        lock.close()
+        if e.errno not in (errno.EAGAIN, errno.EACCES):
+            raise ConfigError(f"cannot lock {path} ({e.strerror}); choose a run_dir on a file "
+                              f"system that supports locks", field="run.run_dir") from None
+        raise ConfigError(f"run dir {run_dir} is in use by another run ({holder}); wait for it "
+                          f"to end, or choose another run_dir", field="run.run_dir") from None
+    lock.seek(0)
+    lock.truncate()
+    lock.write(f"pid {os.getpid()} on {socket.gethostname()} since "
+               f"{time.strftime('%Y-%m-%d %H:%M:%S')}\n")
+    lock.flush()
+    return lock
+
+
+def check_new_run_dir(run_dir: str):
+    """A new run (not resume) does not write into another run's record: ConfigError if
+    ``run_dir`` holds checkpoints (continue it with resume) or a finished run's summary. The
+    records of a run that saved no checkpoint are cut when the steps begin
+    (``run.drop_unsaved_records``, said): that run cannot be continued, this one starts over."""
+    if _saved_steps(run_dir):
+        raise ConfigError(f"run dir {run_dir} already holds checkpoints; set resume to "
+                          f"continue it or choose another run_dir", field="run.resume")
+    if os.path.exists(os.path.join(run_dir, "summary.json")):
+        raise ConfigError(f"run dir {run_dir} holds the summary.json of a finished run (its "
+                          f"checkpoints are gone); choose another run_dir", field="run.run_dir")
 
 
 def _listdir(path: str) -> list[str]:
@@ -196,21 +260,25 @@ def _saved_steps(run_dir: str) -> list[int]:
 
 
 def remove_unfinished_checkpoints(directory: str, cfg):
-    """Delete, with a note, the temporary directories of checkpoints a run did not finish
-    writing (killed, a full disk): they would keep the run from starting again or resuming."""
+    """Delete, saying so, the temporary directories of checkpoints a run did not finish
+    writing (killed, a full disk): they would keep the run from starting again or resuming.
+    Called under the run directory's lock, so no running run is writing them."""
     if jax.process_index() != 0:
         return
     for name in _listdir(directory):
         if ".orbax-checkpoint-tmp" in name:
             shutil.rmtree(os.path.join(directory, name), ignore_errors=True)
-            announce(cfg, f"removed {os.path.join(directory, name)}: a checkpoint that was not "
-                          f"finished")
+            note(cfg, f"removed {os.path.join(directory, name)}: a checkpoint that was not "
+                      f"finished (its run was stopped while writing it)")
 
 
 def check_outputs(cfg):
     """ConfigError, before any work, for an output location this run cannot write: the run
     directory (or the nearest folder it would be made in) and the ``--json`` file's folder."""
     check_writable("run.run_dir", cfg.run.run_dir or RUNS_ROOT, may_create=True)
+    checkpoints = os.path.join(cfg.run.run_dir or "", "checkpoints")
+    if cfg.run.run_dir is not None and os.path.isdir(checkpoints):
+        check_writable("run.run_dir", checkpoints, may_create=False)
     check_json_outputs(cfg)
 
 
