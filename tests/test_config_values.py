@@ -187,6 +187,22 @@ def test_sharding_steps_beyond_one_epoch_are_one_line(corpus_path, tmp_path, cap
     assert code == 2 and len(err) == 1 and "pass --steps" in err[0] and "[--steps" in err[0], err
 
 
+def test_init_from_a_run_without_a_checkpoint_names_init_from(corpus_path, tmp_path, capsys):
+    """A fine-tune's --init-from run that saved no checkpoint is that flag's error, not the
+    new run's --run-dir."""
+    from jaxaccel.config import write_config
+    source = tmp_path / "source"
+    source.mkdir()
+    small = ["--d-model", "32", "--n-layers", "1", "--n-heads", "2", "--max-seq-len", "32",
+             "--seq-len", "32", "--batch-size", "4", "--data", corpus_path]
+    write_config(parse(small), str(source))
+    code = main([*small, "--lora-rank", "4", "--init-from", str(source), "--steps", "1",
+                 "--run-dir", str(tmp_path / "tune"), "--cache-dir", str(tmp_path / "cache")])
+    err = capsys.readouterr().err.strip().splitlines()
+    assert code == 2 and len(err) == 1 and "holds no finished checkpoint" in err[0], err
+    assert "[--init-from / run.init_from]" in err[0]
+
+
 def test_allocation_failure_is_one_line(capsys):
     @command()
     def fails(argv):

@@ -135,6 +135,10 @@ def read_trained_run(run_dir: str, field: str = "run.init_from"):
         variables)
     checkpointer = Checkpointer(os.path.join(run_dir, "checkpoints"))
     try:
+        if checkpointer.latest_step() is None:      # its own line: not the run's --run-dir
+            raise ConfigError(f"{run_dir} holds no finished checkpoint to take the weights "
+                              f"from; pass a run that saved one (or finish it with --resume)",
+                              field=field)
         state, _, step = checkpointer.restore(template, config={})
     finally:
         checkpointer.close()
