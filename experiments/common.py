@@ -454,8 +454,8 @@ class Row:
 class RowRun:
     """What ``Experiment.measure`` gets for one row: the shared config, the row, its run
     directory (None for an experiment that trains nothing), the results of the rows before it
-    (in this round), what ``Experiment.shared`` built once for every row, the round (from 0)
-    and the row's own results of the rounds before."""
+    (in this round), what ``Experiment.shared`` built once for every row, and the round (from
+    0)."""
 
     cfg: object
     row: Row
@@ -463,7 +463,6 @@ class RowRun:
     previous: list
     shared: object = None
     round: int = 0
-    earlier: list = dataclasses.field(default_factory=list)
 
     def config(self, **more):
         """The row's training config: the shared one with the row's settings, its run directory
@@ -668,7 +667,7 @@ def run_plan(exp: Experiment, cfg, plan: list[Row], root: str | None, shared, ro
                     continue            # failed or skipped in an earlier round
                 check_stop()
                 run = RowRun(cfg, row, root and os.path.join(root, row.dirname), this_round,
-                             shared, index, [r for found in earlier for r in found])
+                             shared, index)
                 result = exp.measure(run) if exp.measure else trained(run, exp.result)
                 found = [{"label": row.label, **row.fields, **one}
                          for one in (result if isinstance(result, list) else [result])]
