@@ -13,13 +13,17 @@ divided by s. As in Transformer Engine the scale is *delayed*: from the largest 
 output gradient; column 0 newest), an ``nn.Observation`` buffer: ``matmul``'s backward pass
 returns the step's amaxes as its cotangent, ``grads.value_and_grad`` takes them out of the
 gradients and ``Fp8.update`` shifts them in. Unlike flax's ``Fp8DotGeneralOp`` (histories
-updated through the optimizer) this leaves the optimizer unchanged. The matmul is quantise,
-dequantise, ``dot`` ("QDQ"): XLA makes it a cuBLASLt FP8 GEMM on sm89+ GPUs; elsewhere it runs
-emulated, with FP8's rounding at the compute dtype's speed.
+updated through the optimizer) this leaves the optimizer unchanged. The ``dot`` takes the float8
+operands themselves and divides its float32 product by both scales: on sm89+ GPUs an FP8 GEMM
+(cuBLASLt or a Triton fusion, as XLA's autotuner picks). The textbook quantise-dequantise form
+left XLA:GPU to find the GEMM: on an H200 it folded the float32 -> float8 -> bfloat16 round trip
+away and ran bfloat16 (BENCHMARKS.md). Off GPUs the float8 product runs emulated: FP8's rounding,
+not its speed.
 """
 
 import dataclasses
 import functools
+import re
 
 import jax
 import jax.numpy as jnp
@@ -60,16 +64,6 @@ def quantize(x, scale, dtype):
     return jnp.clip(scaled, -limit, limit).astype(dtype)
 
 
-def dequantize(q, scale, dtype):
-    """``q`` in ``dtype`` times the exact inverse scale: the form XLA folds into an FP8 GEMM."""
-    return q.astype(dtype) * (1.0 / scale).astype(dtype)
-
-
-def qdq(x, scale, fp8_dtype):
-    """``x`` rounded through float8 and back to its own dtype: FP8's rounding and saturation."""
-    return dequantize(quantize(x, scale, fp8_dtype), scale, x.dtype)
-
-
 def matmul(x, w, history, axes=(None, None)):
     """``x [B, T, K] @ w [K, N]`` through float8 e4m3, scaled by ``history`` [3, HISTORY]; in
     ``x``'s dtype. Its backward pass is e5m2, and ``history``'s cotangent is the observed amaxes
@@ -77,10 +71,11 @@ def matmul(x, w, history, axes=(None, None)):
     return _matmul(x, w.astype(x.dtype), history, tuple(axes))
 
 
-def _contract(subscripts, a, b, out_axes):
-    """A product of two dequantised operands, accumulated in float32, in ``a``'s dtype."""
-    return einsum(subscripts, a, b, out_axes,
-                  preferred_element_type=jnp.float32).astype(a.dtype)
+def _contract(subscripts, a, a_scale, b, b_scale, out_axes, dtype):
+    """The product of two float8 operands, accumulated in float32 on the FP8 tensor cores, then
+    divided by both scales (powers of two: exact); in ``dtype``."""
+    product = einsum(subscripts, a, b, out_axes, preferred_element_type=jnp.float32)
+    return (product * (1.0 / (a_scale * b_scale))).astype(dtype)
 
 
 @functools.partial(jax.custom_vjp, nondiff_argnums=(3,))
@@ -90,18 +85,20 @@ def _matmul(x, w, history, axes):
 
 def _forward(x, w, history, axes):
     x_amax, w_amax = amax(x), amax(w)
-    x_q = qdq(x, scale_for(history[INPUT], x_amax, E4M3), E4M3)
-    w_q = qdq(w, scale_for(history[WEIGHT], w_amax, E4M3), E4M3)
-    y = _contract("btk,kn->btn", x_q, w_q, ("batch", "seq", axes[1]))
-    return y, (x_q, w_q, history, x_amax, w_amax)
+    x_scale = scale_for(history[INPUT], x_amax, E4M3)
+    w_scale = scale_for(history[WEIGHT], w_amax, E4M3)
+    x_q, w_q = quantize(x, x_scale, E4M3), quantize(w, w_scale, E4M3)
+    y = _contract("btk,kn->btn", x_q, x_scale, w_q, w_scale, ("batch", "seq", axes[1]), x.dtype)
+    return y, (x_q, x_scale, w_q, w_scale, history, x_amax, w_amax)
 
 
 def _matmul_bwd(axes, residuals, g):
-    x_q, w_q, history, x_amax, w_amax = residuals
+    x_q, x_scale, w_q, w_scale, history, x_amax, w_amax = residuals
     g_amax = amax(g)
-    g_q = qdq(g, scale_for(history[GRAD], g_amax, E5M2), E5M2)
-    dx = _contract("btn,kn->btk", g_q, w_q, ("batch", "seq", axes[0]))
-    dw = _contract("btk,btn->kn", x_q, g_q, axes)
+    g_scale = scale_for(history[GRAD], g_amax, E5M2)
+    g_q = quantize(g, g_scale, E5M2)
+    dx = _contract("btn,kn->btk", g_q, g_scale, w_q, w_scale, ("batch", "seq", axes[0]), g.dtype)
+    dw = _contract("btk,btn->kn", x_q, x_scale, g_q, g_scale, axes, g.dtype)
     observed = jnp.zeros(history.shape, jnp.float32).at[:, 0].set(
         jnp.stack([x_amax, w_amax, g_amax]))
     return dx, dw, observed.astype(history.dtype)
@@ -176,11 +173,18 @@ def check_device(device=None) -> str:
 
 
 FP8_GEMM = "__cublas$lt$matmul$f8"     # XLA:GPU's custom call for a cuBLASLt FP8 GEMM
+_FP8_DOT = re.compile(r"\bdot\(f8e[45]m[23]\w*\[")    # a dot on float8 operands (a Triton GEMM)
 
 
 def fp8_gemms(executables) -> int | None:
-    """How many FP8 GEMMs XLA emitted in the compiled step (``CompiledFn.executables``): 0 when
-    the QDQ matmuls run in the compute dtype; None off GPUs, where FP8 is emulated."""
+    """How many FP8 GEMMs XLA emitted in the compiled step (``CompiledFn.executables``): cuBLASLt
+    FP8 calls and dots on float8 operands inside fusions; 0 when the matmuls run in a wider
+    dtype. None off GPUs, where FP8 is emulated."""
     if jax.devices()[0].platform != "gpu" or not executables:
         return None
-    return max(executable.as_text().count(FP8_GEMM) for executable in executables)
+    return max(count_fp8_gemms(executable.as_text()) for executable in executables)
+
+
+def count_fp8_gemms(hlo_text: str) -> int:
+    """The FP8 GEMMs in optimized HLO text (``fp8_gemms``)."""
+    return hlo_text.count(FP8_GEMM) + len(_FP8_DOT.findall(hlo_text))

@@ -63,6 +63,14 @@ class StepProfiler:
         self.report: ProfileReport | None = None
         self._began = None
 
+    def starts(self, step: int) -> bool:
+        """Whether ``before`` starts the trace at ``step`` (the loop pauses its clock)."""
+        return step == self.start
+
+    def stops(self, step: int) -> bool:
+        """Whether ``after`` stops the trace and reads it back at ``step``."""
+        return step == self.stop - 1 and self._began is not None
+
     def before(self, step: int, state):
         if step == self.start:
             jax.block_until_ready(state)

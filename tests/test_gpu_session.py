@@ -35,12 +35,16 @@ def parse_step(argv: list[str]):
 
 @pytest.mark.parametrize("smoke", [False, True])
 def test_every_step_is_a_command_its_experiment_accepts(smoke, tmp_path):
+    for call in gpu_session.CALLS.values():     # a call's steps write into one folder
+        assert len({s.name for s in call}) == len(call)
     steps = [s for call in gpu_session.CALLS.values() for s in call]
-    assert len({s.name for s in steps}) == len(steps)
     for step in steps:
         cmd = gpu_session.command(step, tmp_path, smoke)
         if step.needs == "peer":
             assert cmd[1] == str(gpu_session.PEER)
+            continue
+        if cmd[1].endswith(".py"):                  # a script of the project's tools
+            assert (gpu_session.ROOT / cmd[1]).is_file(), cmd
             continue
         assert cmd[1] == "-m", cmd
         parse_step(cmd[1:])

@@ -2,16 +2,29 @@
 from it; bad windows are one line before any work."""
 
 import os
+import time
 
 import pytest
 
 from experiments import train as train_cli
+from jaxaccel import profiling
 from jaxaccel.errors import ConfigError
 from jaxaccel.profiling import check_window, parse_window
 from tests.test_run_files import SMALL
 
 
-def test_a_profiled_run_reports_its_top_operations(corpus_path, tmp_path, capsys):
+def test_a_profiled_run_reports_its_top_operations(corpus_path, tmp_path, capsys,
+                                                   monkeypatch):
+    # Reading the trace back is not training: a read-back that took 1,000 s (on a clock moved on
+    # by it) leaves the run's training seconds below that.
+    offset, real_clock, read_back = [0.0], time.perf_counter, profiling.top_ops
+    monkeypatch.setattr(time, "perf_counter", lambda: real_clock() + offset[0])
+
+    def slow_read_back(*args, **kwargs):
+        offset[0] += 1000.0
+        return read_back(*args, **kwargs)
+
+    monkeypatch.setattr(profiling, "top_ops", slow_read_back)
     run_dir = tmp_path / "run"
     assert train_cli.main([*SMALL, "--data", corpus_path, "--steps", "6", "--profile", "2:5",
                            "--run-dir", str(run_dir), "--cache-dir", str(tmp_path / "c")]) == 0
@@ -29,6 +42,7 @@ def test_a_profiled_run_reports_its_top_operations(corpus_path, tmp_path, capsys
     assert 0.05 < sum(op["share"] for op in ops) < 2.5, ops
     assert any(name.endswith(".xplane.pb") for name in os.listdir(profile["trace_dir"]))
     assert profile["trace_dir"].startswith(str(run_dir / "profile"))
+    assert 0 < json.load(open(run_dir / "summary.json"))["train_s"] < 1000
 
 
 @pytest.mark.parametrize("text, message", [

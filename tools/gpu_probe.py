@@ -2,7 +2,8 @@
 
 1. ``init``: the sharded initialisation of GPT-2 small compiled cold, with and without JAX's GPU
    threefry kernel, each in a fresh process (compile seconds, and a checksum of one weight).
-2. ``fp8``: what XLA makes of ``fp8.matmul`` and of other quantise-dequantise forms at
+2. ``fp8``: what XLA makes of ``fp8.matmul`` (float8 operands into the dot) and of
+   quantise-dequantise forms at
    [16, 1024, 768] x [768, 3072], forward and backward: the custom calls, whether any cuBLASLt
    FP8 GEMM or float8 type is left, and the time of each; the optimized HLO of each form goes
    to $OUT.
@@ -76,11 +77,12 @@ for name, fn in [("bf16", bf16), ("ours", ours), ("plain_qdq", plain_qdq), ("f32
     def loss(x, w, h, fn=fn): return jnp.sum(fn(x, w, h).astype(jnp.float32) * g)
     both = jax.jit(jax.grad(loss, argnums=(0, 1)))
     cf = fwd.lower(x, w, h).compile().as_text(); cb = both.lower(x, w, h).compile().as_text()
-    open(f"{OUTDIR}/hlo_{name}_fwdbwd.txt", "w").write(cb)
+    if name in ("ours", "plain_qdq"):
+        open(f"{OUTDIR}/hlo_{name}_fwdbwd.txt", "w").write(cb)
     calls = lambda t: sorted(set(re.findall(r'custom_call_target="([^"]+)"', t)))
     f8 = lambda t: t.count("f8e4m3") + t.count("f8e5m2")
     print(f"FP8 {name}: fwd {timeit(fwd, x, w, h):.3f} ms, fwd+bwd {timeit(both, x, w, h):.3f} ms; "
-          f"fwd calls {calls(cf)}; bwd calls {calls(cb)}; cublas f8 gemms fwd {cf.count(fp8.FP8_GEMM)} fwdbwd {cb.count(fp8.FP8_GEMM)}; triton {cb.count('__triton')}; f8 mentions {f8(cb)}")
+          f"fwd calls {calls(cf)}; bwd calls {calls(cb)}; cublas f8 gemms fwd {cf.count(fp8.FP8_GEMM)} fwdbwd {cb.count(fp8.FP8_GEMM)}; fp8 gemms (cublas + f8 dots) fwd {fp8.count_fp8_gemms(cf)} fwdbwd {fp8.count_fp8_gemms(cb)}; triton {cb.count('__triton')}; f8 mentions {f8(cb)}")
 '''
 
 def run(code, *args, limit=150):

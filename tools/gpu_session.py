@@ -24,6 +24,12 @@ embedding methods alone, FP8), ``speedup`` (issue 16: ``experiments.speedup --sc
 ``attention`` (issue 19: ours with the built-in rows against cuDNN and JAX's reference kernel,
 then tuning at D=128) and
 ``tune64`` (issue 19: tuning at D=64, the comparison again with the tuned table, the peers).
+``issue36`` is issue 36's most wanted figures in one call (about 330 s on an H200): start-up
+cold and warm, the loop against its step alone, the peer at both vocabularies, the FP8 probe and
+FP8 in the step, GPT-2's vocabulary. Its ``gpt2`` step reads ``.gpu/bpe50257.json``, a
+50,257-token BPE of the corpus made here beforehand (``python -c "from jaxaccel.corpus import
+load_corpus; load_corpus('stdlib', tokenizer='bpe:50257', cache_dir='/tmp/bpe')"``, then copy
+the ``tokenizer-bpe50257-*.json`` it writes), so the GPU spends no time training it.
 """
 
 import argparse
@@ -53,6 +59,7 @@ class Step:
     smoke: list = dataclasses.field(default_factory=list)   # arguments appended in --smoke
     needs: str | None = None     # "peer": the torch script PEER and torch
     json: bool = True            # the step takes --json PATH
+    env: dict = dataclasses.field(default_factory=dict)     # set for this step only
 
 
 TRAIN = {"--model": "small", "--seq-len": "1024", "--batch-size": "16", "--precision": "bf16",
@@ -64,15 +71,16 @@ TRAIN_SMOKE = {"--model": "tiny", "--d-model": "64", "--n-layers": "2", "--seq-l
                "--final-eval-batches": "1"}
 
 
-def train(name: str, limit_s: int = 120, **changes: str) -> Step:
+def train(name: str, limit_s: int = 120, env: dict | None = None, **changes: str) -> Step:
     """experiments.train at issue 16's shape (GPT-2 small, seq 1024, batch 16, bf16, packed),
     with a profile of steps 10 to 15 and the step timed alone on the last 20 batches; ``changes``
     (``attention="cudnn"``) replace those flags."""
     flags = {**TRAIN, **{f"--{k.replace('_', '-')}": v for k, v in changes.items()}}
+    flags = {k: v for k, v in flags.items() if v != "0:0"}     # profile="0:0": no profile
     return Step(name, ["-m", "experiments.train", *(x for kv in flags.items() for x in kv),
                        "--no-progress", "--run-dir", "{work}/" + name, "--compilation-cache",
                        "{work}/xla"], limit_s,
-                smoke=[x for kv in TRAIN_SMOKE.items() for x in kv])
+                smoke=[x for kv in TRAIN_SMOKE.items() for x in kv], env=env or {})
 
 
 ATTENTION_SMOKE = ["--seq-lens", "64", "--head-dims", "32", "--heads", "2", "--batch", "1",
@@ -113,6 +121,24 @@ CALLS = {
                      "1000000", "--run-dir", "{work}/fp8"], 120,
              smoke=["--model", "tiny", "--d-model", "64", "--n-layers", "2", "--seq-len", "64",
                     "--batch-size", "4", "--train-tokens", "4000", "--precisions", "fp32"]),
+    ],
+    # Issue 36 in one call, most wanted first: start-up cold and warm, the loop against its step
+    # alone (the warm run without a profile, 4x longer: on 2026-11-27 123 steps gave 81-91 %),
+    # the peer, what XLA makes of FP8 and FP8 in the step, GPT-2's vocabulary (a 50,257-token
+    # BPE of the corpus carried in .gpu) and its peer; last, the FP8 step profiled without XLA's
+    # command buffers (with them the profile is one opaque command_buffer op).
+    "issue36": [
+        train("cold", 150),
+        train("warm", 60, profile="0:0", train_tokens="8000000"),
+        Step("torch_peer", [str(PEER), "--vocab", "320"], 120, needs="peer", json=False),
+        Step("fp8_probe", ["tools/gpu_probe.py", "fp8"], 90, json=False),
+        train("fp8", 120, precision="fp8", profile="0:0"),
+        train("gpt2", 120, model="gpt2", tokenizer=str(ROOT / ".gpu" / "bpe50257.json"),
+              profile="0:0"),
+        Step("torch_peer_50304", [str(PEER), "--vocab", "50304"], 120, needs="peer",
+             json=False),
+        train("fp8_profile", 90, precision="fp8", train_tokens="400000", time_step="0",
+              env={"XLA_FLAGS": "--xla_gpu_enable_command_buffer="}),
     ],
     "speedup": [
         Step("speedup", ["-m", "experiments.speedup", "--scale", "gpu", "--run-dir",
@@ -179,7 +205,7 @@ def run_step(step: Step, work: Path, log, deadline: float, smoke: bool) -> dict:
         return {**record, "status": reason}
     limit = min(step.limit_s, left)
     print(f"== {step.name} (limit {limit:.0f} s): {record['command']}", file=log, flush=True)
-    env = {**os.environ, "PYTHONUNBUFFERED": "1", "OUT": str(work)}
+    env = {**os.environ, "PYTHONUNBUFFERED": "1", "OUT": str(work), **step.env}
     start = time.monotonic()
     proc = subprocess.Popen(cmd, cwd=ROOT, stdout=log, stderr=subprocess.STDOUT, env=env,
                             start_new_session=True)
@@ -224,7 +250,10 @@ def highlights(record: dict) -> str:
                 f"{'n/a' if share is None else f'{share:.1%}'}, alone "
                 f"{alone.get('real_tokens_per_s', 0):,.0f} tok/s; profiled step "
                 f"{profile.get('step_ms', 0):.1f} ms, top op {ops[0].get('name', 'n/a')} "
-                f"{ops[0].get('ms_per_step', 0):.2f} ms")
+                f"{ops[0].get('ms_per_step', 0):.2f} ms; data wait "
+                f"{r.get('data_wait_s', 0):.2f} of {r.get('train_s', 0):.2f} s"
+                + (f"; FP8 GEMMs {r['techniques']['fp8'].get('gemms')}"
+                   if "fp8" in (r.get("techniques") or {}) else ""))
     if "tokens_per_s" in r:            # the torch peer
         return ", ".join(f"{k} {v}" for k, v in r.items() if k in ("ms_per_step", "tokens_per_s",
                                                                    "mfu"))
@@ -285,6 +314,8 @@ def main(argv=None) -> int:
     tuned = work / "tuned.json" if a.smoke else TUNED
     if any(s.name.startswith("tune") for s in steps) and tuned.exists():
         shutil.copy(tuned, out / "tuned.json")
+    for hlo in sorted(work.glob("hlo_*.txt"))[:2]:     # the FP8 probe's optimized HLO
+        shutil.copy(hlo, out / hlo.name)
     print(f"{a.call} on {session['gpu']}" + (" (smoke: toy sizes)" if a.smoke else ""))
     for rec in session["steps"]:
         print(f"- {rec['name']}: {rec['status']}"

@@ -28,9 +28,10 @@ def finish(run: Setup, compiled: list, progress: Progress, wall_start: float,
     progressive-stacking stage (one without), the last being the model's final depth. The last
     checkpoint is finished first, so nothing here (the evaluation out of memory) can lose it; a
     signal (or ``should_stop``) here cuts the evaluation and makes the run ``interrupted``."""
+    last_step = int(progress.state.step)     # read now: timing the step alone donates the state
     with stop_on_signals() as received:
         def stopped() -> int | None:
-            return stop_asked(received, should_stop, int(progress.state.step))
+            return stop_asked(received, should_stop, last_step)
 
         try:
             return _finish(run, compiled, progress, wall_start, notes or {}, stopped)

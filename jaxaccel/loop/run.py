@@ -102,11 +102,15 @@ def run_steps(run: Setup, steps, should_stop=None, previous: Progress | None = N
         for step in range(start, end):
             batch, _ = next(feed)
             recent.append(batch)
-            if profiler is not None:
+            if profiler is not None and profiler.starts(step):    # the trace's set-up and
+                watch.pause(state)                                  # read-back are not training
                 profiler.before(step, state)
+                watch.start()
             state, metrics = steps.train(state, batch)
-            if profiler is not None:
+            if profiler is not None and profiler.stops(step):
+                watch.pause(state)
                 profiler.after(step, state)
+                watch.start()
             if previous is None and step == start and wall_start is not None:
                 _time_first_step(run, metrics, wall_start, progress)
             if sampler is not None:
