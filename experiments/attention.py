@@ -52,6 +52,7 @@ import numpy as np
 from experiments.common import (Experiment, Interrupted, Row, RowRun, config_of, environment,
                                 first, main_of, median_seconds, out_of_memory, parse_list,
                                 relative, write_json)
+from jaxaccel import hardware
 from jaxaccel.attention import attention_mask, dot_product_attention
 from jaxaccel.config import setting
 from jaxaccel.errors import ConfigError
@@ -306,7 +307,42 @@ def check(cfg: AttentionConfig) -> AttentionConfig:
     if kv_heads < 1 or exp.heads % kv_heads:
         raise ConfigError(f"kv_heads={kv_heads} does not divide heads={exp.heads}; choose "
                           f"kv_heads dividing heads", field="experiment.kv_heads")
+    check_memory(exp)
     return cfg
+
+
+def io_bytes(exp: AttentionSettings, batch: int, T: int, D: int) -> int:
+    """Bytes of one forward+backward's inputs and outputs: q, k, v and the output's cotangent
+    in, dq, dk and dv out. No implementation needs less, whatever it keeps besides."""
+    heads, kv_heads = exp.heads, exp.kv_heads or exp.heads
+    return batch * T * D * (3 * heads + 4 * kv_heads) * jnp.dtype(DTYPES[exp.dtype]).itemsize
+
+
+def check_memory(exp: AttentionSettings):
+    """Before any work: ConfigError when a length the experiment would run (``--seq-lens``, or
+    ``--tune-seq-lens`` with --tune; the memory search's ``--max-t-limit`` at batch 1) has
+    inputs and outputs larger than the device's memory (on the CPU, the host's available
+    memory): they are allocated first, and a CPU running out of memory aborts, no error."""
+    have, owner = hardware.device_memory_bytes(), hardware.memory_owner()
+    D = max(parse_list(exp.head_dims, "experiment.head_dims", kind=int))
+    longest = have // io_bytes(exp, 1, 1, D)        # at batch 1
+    field = "experiment.tune_seq_lens" if exp.tune else "experiment.seq_lens"
+    lengths = parse_list(getattr(exp, field.partition(".")[2]), field, kind=int)
+    searched = [] if exp.tune or not max_t_limit(exp) else [max_t_limit(exp)]
+    for T, batch, field in ([(T, batch_rows(exp, T), field) for T in lengths]
+                            + [(T, 1, "experiment.max_t_limit") for T in searched]):
+        need = io_bytes(exp, batch, T, D)
+        if need <= have:
+            continue
+        flag = "--" + field.partition(".")[2].replace("_", "-")
+        fix = (f"pass {flag} of at most {longest:,}" if batch == 1 else
+               f"lower --batch (or --batch-tokens) or {flag}")
+        if batch > 1:
+            field = "experiment.batch" if exp.batch else "experiment.batch_tokens"
+        raise ConfigError(
+            f"T={T:,}: the inputs and outputs of one forward+backward ({batch:,} x {T:,} tokens, "
+            f"{exp.heads} heads, D={D}, {exp.dtype}) take {need:,} bytes, more than {owner} "
+            f"({have:,}); {fix}", field=field)
 
 
 def rows(cfg: AttentionConfig) -> list[Row]:

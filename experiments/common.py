@@ -21,7 +21,7 @@ import numpy as np
 from jaxaccel.config import TrainConfig, describe_error, override, parse
 from jaxaccel.data import DataStream
 from jaxaccel.errors import ConfigError
-from jaxaccel.hardware import out_of_memory
+from jaxaccel.hardware import FINAL_EVAL_NOTE, out_of_memory
 from jaxaccel.metrics import plot_curves, read_metrics, token_curve
 from jaxaccel.model import is_preset
 from jaxaccel.report import dump_json, format_table
@@ -106,6 +106,10 @@ def describe_peer_lost(error: BaseException) -> str:
 def describe_out_of_memory(error: BaseException) -> str:
     """The one line for an allocation failure: what ran out and the settings that fix it."""
     first = (str(error).splitlines() or [type(error).__name__])[0].strip()[:200]
+    if FINAL_EVAL_NOTE in getattr(error, "__notes__", ()):
+        return (f"error: out of memory in the final evaluation ({first or 'MemoryError'}); "
+                f"the last checkpoint is saved: run again with --resume and a smaller "
+                f"--eval-batch-size (or fewer --final-eval-batches) to evaluate it")
     return (f"error: out of memory ({first or 'MemoryError'}): the batch, sequence or model "
             f"is too large for this device's (or host's) memory; lower --batch-size (or "
             f"--tokens-per-batch), --seq-len, --d-model / --n-layers, or use --remat full, "

@@ -17,7 +17,8 @@ curves against tokens go to ``optimizers.png`` in the run directory.
 import dataclasses
 import sys
 
-from experiments.common import Experiment, Row, config_of, length, main_of, parse_list
+from experiments.common import (Experiment, Row, check_rows, check_run_root, config_of, length,
+                                main_of, parse_list)
 from jaxaccel.config import setting
 from jaxaccel.errors import ConfigError
 from jaxaccel.model import describe
@@ -73,6 +74,16 @@ def rows(cfg: OptimizersConfig) -> list[Row]:
     return plan
 
 
+def check(cfg: OptimizersConfig, plan: list[Row]):
+    """The default check, with table 2's batch size named as the factor that makes it."""
+    flags = {"optimizer.name": "experiment.optimizers"}
+    large = {"optimizer.name": "experiment.large_batch_optimizers",
+             "data.batch_size": "experiment.large_batch_factor"}
+    check_rows(cfg, [r for r in plan if r.fields["table"] == "defaults"], flags)
+    check_rows(cfg, [r for r in plan if r.fields["table"] == "large_batch"], large)
+    check_run_root(cfg.run.run_dir, plan)
+
+
 def result(summary, run) -> dict:
     return {"learning_rate": summary.learning_rate, "weight_decay": summary.weight_decay,
             "tokens_per_s": summary.real_tokens_per_s,
@@ -114,7 +125,7 @@ EXPERIMENT = Experiment(
               "run.train_tokens": 800_000, "optimizer.warmup_steps": 40, "run.eval_every": 0,
               "run.checkpoint_every": 0},
     fixed=("optimizer.name", "optimizer.lr_scaling", "optimizer.base_batch_size"),
-    row_flags={"optimizer.name": "experiment.optimizers"},
+    check=check,
     meta=lambda cfg, rows: {"base_batch_size": cfg.data.batch_size,
                             "large_batch_factor": cfg.experiment.large_batch_factor},
     plot_title="optimizers")

@@ -119,8 +119,18 @@ def measure(run: RowRun) -> dict:
 
         def total_at(rows: int) -> int:
             if rows not in totals:
-                totals[rows] = memory_bytes(compile_step(step, abstract_state, rows,
-                                                         seq_len))["total"]
+                try:
+                    totals[rows] = memory_bytes(compile_step(step, abstract_state, rows,
+                                                             seq_len))["total"]
+                except Exception as e:      # noqa: BLE001 - only running out of memory is ours
+                    if not hardware.out_of_memory(e):
+                        raise
+                    first_line = (str(e).splitlines() or [type(e).__name__])[0][:160]
+                    raise ConfigError(
+                        f"the largest-batch search ran out of memory compiling the step at "
+                        f"batch {rows:,} ({first_line}); it tries batches up to "
+                        f"--max-batch-limit {exp.max_batch_limit:,}: lower it (or "
+                        f"--memory-budget)", field="experiment.max_batch_limit") from None
             return totals[rows]
 
         budget = budget_of(exp, run.previous or [{"total_bytes": memory["total"]}])

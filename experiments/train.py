@@ -76,8 +76,8 @@ def format_summary(s: RunSummary) -> str:
 def _startup_line(startup: dict) -> str:
     """The start-up phases' seconds, and the time to the first step's result."""
     phases = ", ".join(f"{name} {startup[key]:.1f} s" for key, name in (
-        ("before_set_up", "mesh"), ("corpus", "corpus"), ("init", "init"),
-        ("compile", "compile"), ("first_step", "first step")) if key in startup)
+        ("before_set_up", "mesh"), ("corpus", "corpus"), ("compile", "compile"),
+        ("init", "init"), ("first_step", "first step")) if key in startup)
     line = (f"{phases}; the first step's result {startup.get('to_first_step', 0):.1f} s after "
             f"set-up began")
     if "command_to_first_step" in startup:

@@ -13,6 +13,7 @@ itself, so no background thread is left waiting for one that could not be made.
 
 import contextlib
 import errno
+import json
 import logging
 import os
 import re
@@ -39,6 +40,7 @@ class Checkpointer:
         of ``keep_period`` (None: none); ``asynchronous`` writes saves in the background."""
         self.directory = os.path.abspath(directory)
         _quiet_orbax_write_failures()
+        _whole_replicas()
         self._manager = ocp.CheckpointManager(self.directory, options=ocp.CheckpointManagerOptions(
             max_to_keep=max_to_keep, keep_period=keep_period or None,
             enable_async_checkpointing=asynchronous, create=True,
@@ -85,7 +87,7 @@ class Checkpointer:
                 f"no checkpoint in {self.directory}; start without resume or pass the run_dir of "
                 f"an earlier run", field="run.run_dir")
         where = os.path.join(self.directory, str(step))
-        meta = self._read(step, meta=ocp.args.JsonRestore())["meta"]
+        meta = self.check_meta(step)
         if meta.get("format", 1) != FORMAT:
             raise ConfigError(
                 f"checkpoint {where} is in format {meta.get('format', 1)} (written before the "
@@ -104,6 +106,49 @@ class Checkpointer:
         abstract = jax.tree.map(ocp.utils.to_shape_dtype_struct, target_state)
         state = self._read(step, state=ocp.args.StandardRestore(abstract))["state"]
         return state, meta["loader_position"], step
+
+    def check_meta(self, step: int | None = None, *, field: str = "run.run_dir") -> dict | None:
+        """The meta of the checkpoint at ``step`` (None: the latest; None if there is none).
+        One ConfigError line if it is not JSON or lacks what a restore reads, naming the step
+        and the latest earlier checkpoint whose meta is complete; ``field``: where it came from
+        (``run.run_dir`` to resume, ``run.init_from`` for the weights)."""
+        step = self.latest_step() if step is None else step
+        if step is None:
+            return None
+        meta, problem = self._meta(step)
+        if problem is None:
+            return meta
+        where = os.path.join(self.directory, str(step))
+        earlier = next((s for s in sorted(self._manager.all_steps(), reverse=True)
+                        if s < step and self._meta(s)[1] is None), None)
+        use, other = (("resume from it", "start a new run_dir") if field == "run.run_dir" else
+                      ("take its weights", f"pass another run as {field.split('.')[-1]}"))
+        then = (f"the checkpoint of step {earlier} is complete: delete {where} to {use}, or {other}"
+                if earlier is not None else f"no earlier checkpoint is complete: {other}")
+        raise ConfigError(
+            f"run dir {os.path.dirname(self.directory)}: the metadata of its checkpoint of step "
+            f"{step} is incomplete or damaged ({os.path.join(where, 'meta', 'metadata')} "
+            f"{problem}); {then}", field=field)
+
+    def _meta(self, step: int) -> tuple[dict | None, str | None]:
+        """``(meta, None)`` of the checkpoint at ``step``, or ``(None, what is wrong)``."""
+        try:
+            meta = self._manager.restore(step, args=ocp.args.Composite(
+                meta=ocp.args.JsonRestore()))["meta"]
+        except json.JSONDecodeError as e:
+            return None, f"is not valid JSON: {e}"
+        except Exception as e:      # noqa: BLE001 - a missing file: orbax's own error types
+            reason = (str(e).strip().splitlines() or [""])[0][:200]
+            return None, f"could not be read: {type(e).__name__}: {reason}"
+        if not isinstance(meta, dict):
+            return None, f"holds a JSON {type(meta).__name__}, not an object"
+        types = {"loader_position": dict, "config": dict, "recent_history": list}
+        absent = [key for key in ("loader_position", "config") if key not in meta]
+        malformed = [key for key, kind in types.items()
+                     if key in meta and not isinstance(meta[key], kind)]
+        problems = ([f"lacks {', '.join(absent)}"] if absent else []) + (
+            [f"has a malformed {', '.join(malformed)}"] if malformed else [])
+        return (None, " and ".join(problems)) if problems else (meta, None)
 
     def _read(self, step: int, **items):
         """Restore ``items`` of the checkpoint at ``step``; one ConfigError line if unreadable."""
@@ -182,6 +227,26 @@ def _os_error(error: BaseException | None) -> OSError | None:
         seen.add(id(error))
         error = error.__cause__ or error.__context__
     return None
+
+
+_WHOLE_REPLICAS = []
+
+
+def _whole_replicas():
+    """Have orbax write each replicated array from one replica, whole (installed once per
+    process, for every orbax save in it). Its default splits a replicated array among the
+    replicas, compiling a slicing program per array and replica: saving 40 small arrays on an
+    8-device mesh took 53 s that way and 0.3 s this way, the same files."""
+    if not _WHOLE_REPLICAS:
+        # orbax's own handler's metadata store comes along: it records what restoring needs
+        # beyond shape and dtype (a typed PRNG key is restored as a key, not as its uint32 data)
+        store = getattr(ocp.type_handlers.get_type_handler(jax.Array), "_array_metadata_store",
+                        None)
+        ocp.type_handlers.register_type_handler(
+            jax.Array, ocp.type_handlers.ArrayHandler(use_replica_parallel=False,
+                                                      array_metadata_store=store),
+            override=True)
+        _WHOLE_REPLICAS.append(True)
 
 
 def _quiet_orbax_write_failures():

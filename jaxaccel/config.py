@@ -381,6 +381,34 @@ class TrainConfig:
             raise ConfigError(f"init_from={self.run.init_from!r} is not a run directory (no "
                               f"config.yaml in it); pass the run_dir of a trained run",
                               field="run.init_from")
+        check_batch_memory(self)
+
+
+def check_batch_memory(cfg):
+    """ConfigError, before any work, when one training or validation batch (its arrays, this
+    process's rows of it) is larger than the host memory available: the loader builds it there.
+    The rest of a step (model, activations) is bounded from its compiled sizes later."""
+    import jax
+    import numpy as np
+    from jaxaccel import hardware
+    from jaxaccel.data import BATCH_DTYPES
+    token_bytes = sum(np.dtype(d).itemsize for d in BATCH_DTYPES.values())
+    processes = jax.process_count() if jax.distributed.is_initialized() else 1
+    seq_len, rows = cfg.seq_len, cfg.batch_rows()
+    length = "data.seq_len" if cfg.data.seq_len is not None else "model.max_seq_len"
+    size = "data.batch_size" if cfg.data.batch_size or not cfg.data.tokens_per_batch \
+        else "data.tokens_per_batch"
+    for name, count, field, fix in (
+            ("training", rows, length if seq_len >= rows else size,
+             "lower --seq-len (or --max-seq-len, its default) or --batch-size (or "
+             "--tokens-per-batch)"),
+            ("validation", cfg.run.eval_batch_size or rows, "run.eval_batch_size",
+             "lower --eval-batch-size")):
+        need, have = -(-count // processes) * seq_len * token_bytes, hardware.host_memory_bytes()
+        if need > have:
+            raise ConfigError(f"one {name} batch of {count:,} rows x {seq_len:,} tokens takes "
+                              f"{need:,} bytes of host memory ({token_bytes} per token), more "
+                              f"than the {have:,} available; {fix}", field=field)
 
 
 # Ranges: every numeric field of every section, checked the same way.

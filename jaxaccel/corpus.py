@@ -8,7 +8,8 @@ Parquet files or a saved Hugging Face dataset (a document per row, ``jaxaccel.so
 A source is tokenized once (BOS + ids + EOS per document), streaming and resumably, into a cache
 folder per source and tokenizer (``cache_root``): memory-mapped tokens (uint16 or uint32) and
 each document's length, text bytes and split key. ``Documents`` view the mapping, so a corpus may
-exceed memory. The split hashes each document's file (JSONL line, table row); ``bpe:N``
+exceed memory. The split hashes each document's file (JSONL line, table row), and moves one
+file if that left a split empty: >= 2 files always give both splits. ``bpe:N``
 tokenizers are trained on the train split and cached there too (``load_tokenizer``)."""
 
 import ast
@@ -124,10 +125,10 @@ def load_corpus(source: str = "stdlib", *, tokenizer: str = "bytes", cache_dir: 
     tok = load_tokenizer(tokenizer, read, signature, root, val_percent)
     signature = {"format": CACHE_FORMAT_VERSION, "tokenizer": tok.fingerprint, **signature}
     entry = root / f"corpus-{_digest(signature)}"
-    cached = _open_cache(entry, signature)
+    cached = _open_cache(entry, signature, tok.vocab_size)
     if cached is None:
         with _locked(entry / ".lock"):     # one process tokenizes, the others read its entry
-            cached = _open_cache(entry, signature)
+            cached = _open_cache(entry, signature, tok.vocab_size)
             if cached is None:
                 _tokenize(read, tok, entry, signature, int(tokenize_batch_mb * 2**20))
                 cached = _open_cache(entry, signature)
@@ -187,12 +188,26 @@ def _resolve_source(source: str, text_column: str, split: str | None
         signature = {"source": "stdlib", "root": str(root), "python": list(sys.version_info),
                      "cache_tag": sys.implementation.cache_tag}
         return functools.partial(_read_stdlib, root), signature
-    path = Path(source).expanduser()
-    if not path.exists():
+    try:        # a path that cannot be listed, opened or looked into is one line, not a traceback
+        return _resolve_path(source, Path(source).expanduser(), text_column, split)
+    except OSError as e:
+        raise ConfigError(f"cannot read data path {e.filename or source}: "
+                          f"{e.strerror or sources.one_line(e)}; fix its permissions or pass "
+                          f"another --data", field="data.path") from e
+
+
+def _resolve_path(source: str, given: Path, text_column: str, split: str | None):
+    """``_resolve_source`` for a path: a file's suffix may be the link's or its target's."""
+    if not given.exists():
         raise ConfigError(f"data path {source} does not exist; "
                           f"{sources.hub_name_hint(source) or _SOURCES_HELP}", field="data.path")
-    path = path.resolve()
-    kind = sources.kind_of(path)
+    path = given.resolve()
+    if path.is_dir():
+        with os.scandir(path):      # can it be listed?
+            pass
+    else:
+        path.open("rb").close()     # can it be read?
+    kind = sources.kind_of(given)
     if kind is not None:
         signature = sources.signature(path, kind, text_column, split)
         return functools.partial(_read_table, path, kind, text_column, split), signature
@@ -202,7 +217,7 @@ def _resolve_source(source: str, text_column: str, split: str | None
         files = [[rel, *sources.size_and_mtime(path / rel)] for rel in rel_paths]
         signature = {"source": "directory", "root": str(path), "files": files, "skipped": skipped}
         return functools.partial(_read_directory, path, rel_paths, skipped), signature
-    if path.is_file() and path.suffix == ".jsonl":
+    if path.is_file() and ".jsonl" in (given.suffix, path.suffix):
         signature = {"source": "jsonl", "path": str(path), "file": sources.size_and_mtime(path),
                      "column": text_column}
         return functools.partial(_read_jsonl, path, text_column), signature
@@ -281,7 +296,7 @@ def _read_directory(root: Path, rel_paths: list[str], skipped: dict, stats: dict
             data = (root / rel).read_bytes()
         except OSError as e:
             raise ConfigError(f"cannot read {root / rel}: {e.strerror}; fix its permissions or "
-                              f"move it out of {root}") from e
+                              f"move it out of {root}", field="data.path") from e
         try:
             data.decode("utf-8")
         except UnicodeDecodeError:
@@ -291,10 +306,16 @@ def _read_directory(root: Path, rel_paths: list[str], skipped: dict, stats: dict
 
 
 def _read_jsonl(path: Path, column: str, stats: dict) -> Iterator[sources.Doc]:
-    """One document per line, from its ``column`` field; a blank line is an empty document."""
+    """One document per line, from its ``column`` field; a blank line is an empty document. A
+    lone surrogate (``"\\ud800"``), which is no character, is written as "?" and counted."""
     stats.update(_reader_stats(1))
     example = f'write one JSON object per line, like {{"{column}": "..."}}'
-    with path.open("rb") as f:
+    try:
+        f = path.open("rb")
+    except OSError as e:
+        raise ConfigError(f"cannot read {path}: {e.strerror}; fix its permissions or pass "
+                          f"another --data", field="data.path") from e
+    with f:
         for lineno, line in enumerate(f, start=1):
             if not line.strip():
                 yield str(lineno), b""
@@ -303,12 +324,21 @@ def _read_jsonl(path: Path, column: str, stats: dict) -> Iterator[sources.Doc]:
                 record = json.loads(line)
             except ValueError as e:
                 raise ConfigError(f"{path} line {lineno} is not valid JSON "
-                                  f"({getattr(e, 'msg', e)}); {example}") from e
+                                  f"({getattr(e, 'msg', e)}); {example}", field="data.path") from e
+            except RecursionError as e:
+                raise ConfigError(f"{path} line {lineno} is not valid JSON (nested too deeply "
+                                  f"to parse); {example}", field="data.path") from e
             text = record.get(column) if isinstance(record, dict) else None
             if not isinstance(text, str):
                 raise ConfigError(f'{path} line {lineno} has no string "{column}" field; '
-                                  f'{example}, or pass --text-column NAME')
-            yield str(lineno), text.encode("utf-8", errors="replace")
+                                  f'{example}, or pass --text-column NAME',
+                                  field="data.text_column")
+            try:
+                data = text.encode("utf-8")
+            except UnicodeEncodeError:
+                stats["lone_surrogates_replaced"] += sum(0xD800 <= ord(c) < 0xE000 for c in text)
+                data = text.encode("utf-8", errors="replace")
+            yield str(lineno), data
 
 
 def _read_table(path: Path, kind: str, column: str, split: str | None, stats: dict
@@ -323,12 +353,14 @@ def _read_table(path: Path, kind: str, column: str, split: str | None, stats: di
 def _reader_stats(files: int) -> dict:
     """The counters every reader reports, so that stats have the same keys for every source."""
     return {"files": files, "unparsable_files": 0, "undecodable_files_skipped": 0,
-            "unreadable_dirs_skipped": 0, "symlinked_dirs_skipped": 0}
+            "unreadable_dirs_skipped": 0, "symlinked_dirs_skipped": 0,
+            "lone_surrogates_replaced": 0}
 
 
 SKIP_REASONS = {"undecodable_files_skipped": "files not UTF-8 text",
                 "unreadable_dirs_skipped": "folders that could not be listed",
-                "symlinked_dirs_skipped": "symlinked folders (not followed)"}
+                "symlinked_dirs_skipped": "symlinked folders (not followed)",
+                "lone_surrogates_replaced": "lone surrogates in JSONL text (each written as '?')"}
 
 
 def skipped_inputs(stats: dict) -> dict[str, int]:
@@ -431,8 +463,10 @@ def _holds(entry: Path, progress: dict) -> bool:
         return False
 
 
-def _open_cache(entry: Path, signature: dict) -> dict | None:
-    """A complete, consistent entry's arrays (tokens memory-mapped), else None."""
+def _open_cache(entry: Path, signature: dict, vocab_size: int | None = None) -> dict | None:
+    """A complete, consistent entry's arrays (tokens memory-mapped), else None. With
+    ``vocab_size`` the values are checked too: ids out of range cannot come from an interrupted
+    write, only from damage, which is refused (ConfigError) rather than read."""
     progress = _read_progress(entry, signature)
     if progress is None or not progress.get("done"):
         return None
@@ -451,6 +485,15 @@ def _open_cache(entry: Path, signature: dict) -> dict | None:
     lengths = arrays["lengths"]
     if lengths.sum() != progress["tokens"] or (docs and lengths.min() < 3):
         return None
+    if vocab_size is not None and docs:
+        largest, key_index = _largest_id(entry / "tokens.bin", dtype), arrays["key_index"]
+        damage = (f"a token id of {largest}, where the tokenizer has {vocab_size} ids"
+                  if largest >= vocab_size else "a document key out of range"
+                  if key_index.min() < 0 or key_index.max() >= progress["keys"] else None)
+        if damage:
+            raise ConfigError(f"the corpus cache {entry} is damaged ({damage}); delete that "
+                              f"folder to have it rebuilt, or pass another --cache-dir",
+                              field="data.cache_dir")
 
     @functools.cache
     def keys() -> list[str]:
@@ -459,6 +502,15 @@ def _open_cache(entry: Path, signature: dict) -> dict | None:
 
     return {"tokens": tokens, "stats": progress["stats"], "keys": keys,
             "key_hash": _key_hashes(entry, keys, progress["keys"]), **arrays}
+
+
+def _largest_id(path: Path, dtype: np.dtype) -> int:
+    """The largest id in a token file, read a chunk at a time (not mapped: memory stays flat)."""
+    largest = 0
+    with path.open("rb") as f:
+        while (chunk := np.fromfile(f, dtype=dtype, count=_UNIGRAM_CHUNK)).size:
+            largest = max(largest, int(chunk.max()))
+    return largest
 
 
 def _key_hashes(entry: Path, keys: Callable[[], list[str]], count: int) -> np.ndarray:
@@ -487,7 +539,15 @@ def _split(name: str, tok, cached: dict, val_percent: float) -> Corpus:
                           + (f" (skipped: {left_out})" if left_out else "")
                           + f"; {_SOURCES_HELP} with some text in it", field="data.path")
     starts = np.cumsum(lengths) - lengths
-    is_val_N = _is_val(cached["key_hash"], val_percent)[cached["key_index"]]
+    key_hash = cached["key_hash"]
+    is_val_K = _is_val(key_hash, val_percent)
+    if len(key_hash) >= 2 and is_val_K.all() == is_val_K.any():
+        # The hash gave one split all the files (JSONL lines, rows): the file nearest to the
+        # cut goes to the other one, so that >= 2 of them always make both splits. (A bpe:N
+        # tokenizer was trained before this, on the split the hash made.)
+        near = key_hash % 10000 - val_percent * 100
+        is_val_K[np.argmax(near) if is_val_K.all() else np.argmin(near)] = not is_val_K.all()
+    is_val_N = is_val_K[cached["key_index"]]
     splits, key_index = {}, {}
     for split, ids in (("train", np.flatnonzero(~is_val_N)), ("val", np.flatnonzero(is_val_N))):
         if len(ids) == 0:

@@ -6,6 +6,7 @@ documents sliced from its Arrow buffers, and all is checked before the first doc
 Nothing is downloaded: ``datasets`` runs offline; a dataset name or loading script is refused
 with how to save the dataset first. ``pyarrow`` and ``datasets`` are optional imports."""
 
+import contextlib
 import json
 import os
 import re
@@ -40,10 +41,11 @@ def hub_name_hint(source: str) -> str | None:
 
 def kind_of(path: Path) -> str | None:
     """``"parquet"``, ``"hf_dataset"`` (also for a hub repository holding only a loading script,
-    which ``documents`` refuses with advice) or None: the kind of table source at ``path``."""
+    which ``documents`` refuses with advice) or None: the kind of table source at ``path``. A
+    file is Parquet by its name as given or, for a symlink, its target's."""
     path = Path(path)
     if path.is_file():
-        return "parquet" if path.suffix == ".parquet" else None
+        return "parquet" if ".parquet" in (path.suffix, path.resolve().suffix) else None
     if not path.is_dir():
         return None
     if _is_saved_dataset(path) or _is_loading_script_repo(path):
@@ -95,8 +97,8 @@ def _parquet_batches(path: Path, column: str):
         try:
             meta = pq.read_metadata(root / rel)
         except (OSError, ValueError) as e:      # pyarrow.ArrowInvalid is a ValueError
-            raise ConfigError(f"{root / rel} is not a readable Parquet file ({e}); rewrite it "
-                              "or remove it", field="data.path") from e
+            raise ConfigError(f"{root / rel} is not a readable Parquet file ({one_line(e)}); "
+                              "rewrite it or remove it", field="data.path") from e
         _check_column(meta.schema.to_arrow_schema(), column, root / rel)
         metadata.append(meta)
     if sum(meta.num_rows for meta in metadata) == 0:
@@ -104,7 +106,7 @@ def _parquet_batches(path: Path, column: str):
 
     def batches():
         for rel, meta in zip(rel_paths, metadata):
-            with pq.ParquetFile(root / rel, metadata=meta) as f:
+            with _read_errors(root / rel), pq.ParquetFile(root / rel, metadata=meta) as f:
                 for batch in f.iter_batches(batch_size=BATCH_ROWS, columns=[column]):
                     yield rel, batch.column(0)
 
@@ -144,7 +146,10 @@ def _hf_batches(path: Path, column: str, split: str | None):
         raise ConfigError(f"{target} is not one dataset split; pass a save_to_disk directory "
                           "of a Dataset or a DatasetDict", field="data.path")
     if name is None:
-        if split is not None and dataset.split is not None and str(dataset.split) != split:
+        if split is not None and dataset.split is None:
+            raise ConfigError(f"{path} is a dataset saved without splits, so it has no split "
+                              f"'{split}'; leave --data-split out", field="data.split")
+        if split is not None and str(dataset.split) != split:
             raise ConfigError(f"{path} is the '{dataset.split}' split alone, not '{split}'; pass "
                               "its DatasetDict directory or drop --data-split", field="data.split")
         name = str(dataset.split) if dataset.split is not None else "data"
@@ -154,9 +159,10 @@ def _hf_batches(path: Path, column: str, split: str | None):
 
     def batches():
         arrow = dataset.select_columns([column]).with_format("arrow")
-        for table in arrow.iter(batch_size=BATCH_ROWS):
-            for chunk in table.column(0).chunks:
-                yield name, chunk
+        with _read_errors(where):
+            for table in arrow.iter(batch_size=BATCH_ROWS):
+                for chunk in table.column(0).chunks:
+                    yield name, chunk
 
     return batches(), len(dataset.cache_files)
 
@@ -179,6 +185,25 @@ def _pick_split(path: Path, split: str | None) -> str:
         return splits[0]
     raise ConfigError(f"{path} has splits {', '.join(splits)} and none is 'train'; pass "
                       "--data-split NAME to choose one", field="data.split")
+
+
+@contextlib.contextmanager
+def _read_errors(where):
+    """Turns a failure to read a file's pages (its footer and schema were fine) into one line."""
+    import pyarrow as pa
+    try:
+        yield
+    except (OSError, ValueError, pa.ArrowException) as e:
+        if isinstance(e, ConfigError):
+            raise
+        raise ConfigError(f"{where} could not be read ({type(e).__name__}: {one_line(e)}): it is "
+                          "damaged; rewrite or delete it, or pass another --data",
+                          field="data.path") from e
+
+
+def one_line(error: BaseException) -> str:
+    """An exception's message on one line (pyarrow's can span several)."""
+    return " ".join(str(error).split())
 
 
 def _documents(batches, stats: dict) -> Iterator[Doc]:

@@ -24,6 +24,9 @@ BYTE_OFFSET = 3
 NUM_BYTES = 256
 SUBWORD_PAD_MULTIPLE = 128
 MAX_VOCAB = 2**31 - 1          # ids are int32 in a Batch
+# The largest bpe:N trained: 4x the largest vocabularies in use (262,144). The trainer allocates
+# by N before it reads any text: bpe:1000000000 aborted trying to allocate about 70 GB.
+MAX_BPE_VOCAB = 2**20
 ENCODE_CHUNK_BYTES = 4 << 20   # text a subword tokenizer encodes at once (its memory, not ours)
 TOKENIZER_HELP = ("bytes, a tokenizer.json (Hugging Face tokenizers) or SentencePiece .model "
                   "file, or bpe:N (a byte-level BPE of N tokens trained on the training split)")
@@ -210,10 +213,14 @@ def parse_spec(spec: str) -> tuple[str, int | str]:
         return "bytes", 0
     if match := re.fullmatch(r"bpe:(\d+)", spec):
         n = int(match.group(1))
-        if not len(BPE_SPECIALS) + NUM_BYTES <= n <= MAX_VOCAB:
+        if not len(BPE_SPECIALS) + NUM_BYTES <= n:
             raise ConfigError(f"tokenizer {spec}: a byte-level BPE needs at least "
                               f"{len(BPE_SPECIALS) + NUM_BYTES} tokens (3 special + 256 bytes); "
                               f"pass e.g. bpe:8192", field="data.tokenizer")
+        if n > MAX_BPE_VOCAB:
+            raise ConfigError(f"tokenizer {spec}: a trained BPE may have at most "
+                              f"{MAX_BPE_VOCAB:,} tokens (the largest vocabularies in use have "
+                              f"about 256k); pass e.g. bpe:50257", field="data.tokenizer")
         return "bpe", n
     if spec.startswith("bpe"):
         raise ConfigError(f"tokenizer {spec!r} is not bpe:N; pass e.g. bpe:8192",

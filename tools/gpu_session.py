@@ -46,6 +46,7 @@ from pathlib import Path
 
 ROOT = Path(__file__).resolve().parent.parent
 PEER = ROOT / ".gpu" / "torch_gpt2.py"
+BPE = ROOT / ".gpu" / "bpe50257.json"      # GPT-2's vocabulary size, made here (docstring)
 TUNED = ROOT / "jaxaccel" / "kernels" / "tuned.json"
 BUDGET_S = 570         # of the device tool's 600 s per command
 MARGIN_S = 15          # kept for writing the results after the last step
@@ -57,7 +58,7 @@ class Step:
     argv: list             # a python module and its arguments ("-m", ...) or a script
     limit_s: int
     smoke: list = dataclasses.field(default_factory=list)   # arguments appended in --smoke
-    needs: str | None = None     # "peer": the torch script PEER and torch
+    needs: str | None = None     # "peer": the torch script PEER and torch; "bpe": BPE
     json: bool = True            # the step takes --json PATH
     env: dict = dataclasses.field(default_factory=dict)     # set for this step only
 
@@ -133,8 +134,8 @@ CALLS = {
         Step("torch_peer", [str(PEER), "--vocab", "320"], 120, needs="peer", json=False),
         Step("fp8_probe", ["tools/gpu_probe.py", "fp8"], 90, json=False),
         train("fp8", 120, precision="fp8", profile="0:0"),
-        train("gpt2", 120, model="gpt2", tokenizer=str(ROOT / ".gpu" / "bpe50257.json"),
-              profile="0:0"),
+        dataclasses.replace(train("gpt2", 120, model="gpt2", tokenizer=str(BPE),
+                                  profile="0:0"), needs="bpe"),
         Step("torch_peer_50304", [str(PEER), "--vocab", "50304"], 120, needs="peer",
              json=False),
         train("fp8_profile", 90, precision="fp8", train_tokens="400000", time_step="0",
@@ -162,6 +163,8 @@ def missing(needs: str | None) -> str | None:
     """Why a step cannot run here, or None."""
     if needs == "peer" and not PEER.exists():
         return f"skipped: {PEER.name} is not here; copy ../shared/peers/torch_gpt2.py to {PEER}"
+    if needs == "bpe" and not BPE.exists():
+        return f"skipped: {BPE.name} is not here; make it as the module docstring says"
     if needs == "peer" and importlib.util.find_spec("torch") is None:
         return "skipped: torch is not installed"
     return None

@@ -2,20 +2,21 @@
 every batch shape before the clock starts; the OOM pre-flight; the memory budget's remat policy."""
 
 import dataclasses
+import math
 
 import jax
 from flax import nnx
 
-from jaxaccel import hardware, nn, techniques
+from jaxaccel import hardware, nn, precision, techniques, trace
 from jaxaccel.compiled import CompiledFn, abstract, largest_memory_bytes
 from jaxaccel.config import override
 from jaxaccel.errors import ConfigError
 from jaxaccel.loader import abstract_batch
 from jaxaccel.loop.console import announce
-from jaxaccel.model import eval_graphdef, make_apply
+from jaxaccel.model import eval_graphdef, is_preset, make_apply
 from jaxaccel.pipeline import pipeline_eval_fn, pipeline_grad_fn
 from jaxaccel.planner import choose_remat
-from jaxaccel.sharding import batch_sharding, pipelined, replicated
+from jaxaccel.sharding import batch_sharding, bytes_per_device, pipelined, replicated
 from jaxaccel.train import lm_eval_step, lm_train_step, make_train_step
 
 
@@ -77,16 +78,72 @@ def sharded_steps(cfg, model, optimizer, schedule, shardings, mesh):
 
 
 def compile_steps(run) -> Steps:
-    announce(run.cfg, f"compiling the train step for {len(run.stream.global_shapes)} batch "
-                      f"shape(s) and the eval step")
-    train_step, eval_step = sharded_steps(run.cfg, run.model, run.optimizer, run.schedule,
-                                          run.shardings, run.mesh)
-    abstract_state = abstract(run.state)
-    for shape in run.stream.global_shapes:
+    """The steps of this stage: those ``set_up`` compiled before it made the state (taken once),
+    else compiled now for the state's shapes and checked against the memory left beside it."""
+    steps, run.precompiled = run.precompiled, None
+    if steps is not None:
+        return steps
+    resident = bytes_per_device(run.state) if hardware.memory_limit_bytes() is None else 0
+    return compiled_steps(run.cfg, run.model, run.optimizer, run.schedule, run.shardings,
+                          run.mesh, abstract(run.state), run.stream.global_shapes,
+                          run.eval_batch_size, resident)
+
+
+def compiled_steps(cfg, model, optimizer, schedule, shardings, mesh, abstract_state, shapes,
+                   eval_batch_size: int, resident: int = 0) -> Steps:
+    """The train step compiled for every batch shape and the eval step for its batch, from the
+    state's shapes alone (nothing allocated), then the OOM pre-flight (``check_memory``) against
+    the device's memory; on the CPU the host's, plus ``resident`` bytes of the state already in
+    it (the step's arguments count them)."""
+    announce(cfg, f"compiling the train step for {len(shapes)} batch shape(s) and the eval step")
+    train_step, eval_step = sharded_steps(cfg, model, optimizer, schedule, shardings, mesh)
+    for shape in shapes:
         train_step.compile(abstract_state, abstract_batch(shape))
-    eval_step.compile(abstract_state, abstract_batch((run.eval_batch_size, run.cfg.seq_len)))
-    check_memory(run.cfg, [train_step, eval_step], hardware.memory_limit_bytes())
+    eval_step.compile(abstract_state, abstract_batch((eval_batch_size, cfg.seq_len)))
+    check_memory(cfg, [train_step, eval_step], hardware.device_memory_bytes() + resident)
     return Steps(train_step, eval_step, train_step.compiles)
+
+
+def scores_bytes(cfg, model, rows: int) -> tuple[int, tuple, str]:
+    """(bytes, shape, dtype) of the largest matmul output of ``model``'s forward on ``rows`` x
+    ``seq_len`` that is quadratic in the length (attention scores, T x T), traced abstractly:
+    nothing is compiled or computed. XLA keeps a matmul's output, so no step on that batch
+    needs less; (0, (), "") where there is none (flash attention keeps no T x T scores)."""
+    graphdef, state = nnx.split(model)
+    apply = precision.cast(make_apply(graphdef, segment_attention=cfg.data.batching == "pack"),
+                           cfg.policy())
+    jaxpr = jax.make_jaxpr(apply)(state, dict(abstract_batch((rows, cfg.seq_len))),
+                                  jax.random.PRNGKey(0))
+    found = [(math.prod(v.aval.shape) * v.aval.dtype.itemsize, v.aval.shape, str(v.aval.dtype))
+             for eqn, _ in trace.equations(jaxpr) if eqn.primitive.name == "dot_general"
+             for v in eqn.outvars if cfg.seq_len > 1 and v.aval.shape.count(cfg.seq_len) >= 2]
+    return max(found, default=(0, (), ""))
+
+
+def check_scores(cfg, model, eval_rows: int):
+    """Before any work, and before compiling (XLA's compiler aborts, no error, on buffers past
+    its 64-bit sizes): ConfigError when the attention scores of one training microbatch or
+    validation batch (``scores_bytes``) alone are larger than all the devices' memory."""
+    have = hardware.device_memory_bytes() * jax.device_count()
+    owner = (hardware.memory_owner() if jax.device_count() == 1
+             or hardware.memory_limit_bytes() is None else
+             f"the memory of all {jax.device_count()} devices")
+    rows = max(1, cfg.batch_rows() // cfg.optimizer.accumulate)
+    checks = [("training", rows)]
+    if -(-eval_rows // eval_microbatches(cfg)) > rows:
+        checks.append(("validation", -(-eval_rows // eval_microbatches(cfg))))
+    length = "data.seq_len" if cfg.data.seq_len is not None else "model.max_seq_len"
+    for name, rows in checks:
+        need, shape, dtype = scores_bytes(cfg, model, rows)
+        if need > have:
+            raise ConfigError(
+                f"at seq_len {cfg.seq_len:,} the attention scores of one {name} batch of "
+                f"{rows:,} rows ({dtype} {list(shape)}) alone take {need:,} bytes, more than "
+                f"{owner} ({have:,}); lower --seq-len (or --max-seq-len, "
+                f"its default)" + (", --eval-batch-size" if name == "validation" else
+                                   ", --batch-size (or raise --accumulate)" if rows > 1 else "")
+                + (" or a flash attention (--attention cudnn or pallas: no T x T scores)"
+                   if is_preset(cfg.model.name) else ""), field=length)
 
 
 def memory_budget_bytes(budget: int | str) -> int:
@@ -115,16 +172,22 @@ def plan_remat(cfg, model, depth, optimizer, state, stream, batch_layout):
 
 def check_memory(cfg, compiled_fns, limit: int | None):
     """The OOM pre-flight: ConfigError, before the first step, when a compiled step needs more
-    bytes per device than the device has (``limit``; None, as on the CPU, checks nothing)."""
+    bytes per device than the device has (``limit``; None checks nothing)."""
     for name, fn in zip(("train", "eval"), compiled_fns):
         need = largest_memory_bytes(fn)
         if limit is None or need is None or need["total"] <= limit:
             continue
-        fixes = ("--memory-budget auto (the remat policy that fits)" if cfg.run.memory_budget
-                 is None else "a lower --memory-budget")
+        on_device = hardware.memory_limit_bytes() is not None
+        if name == "eval":
+            fixes = "a smaller --eval-batch-size (or --seq-len)"
+        else:
+            budget = ("a lower --memory-budget" if cfg.run.memory_budget is not None else
+                      "--memory-budget auto (the remat policy that fits)" if on_device else
+                      f"--memory-budget {limit} (the remat policy that fits)")
+            fixes = ", ".join([budget, "--remat full", "a smaller --batch-size (or --seq-len)",
+                                        "or more devices with --sharding fsdp"])
         raise ConfigError(
             f"the {name} step needs {need['total']:,} bytes per device ({need['temp']:,} of "
-            f"temporaries) but this device has {limit:,}; try {fixes}, --remat full, a smaller "
-            f"--batch-size" + (" or --eval-batch-size" if name == "eval" else "")
-            + ", or more devices with --sharding fsdp",
+            f"temporaries) but {'this device has' if on_device else 'this host has'} "
+            f"{limit:,}{'' if on_device else ' available'}; try {fixes}",
             field="run.eval_batch_size" if name == "eval" else "data.batch_size")

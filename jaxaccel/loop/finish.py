@@ -58,9 +58,14 @@ def _finish(run: Setup, compiled: list, progress: Progress, wall_start: float, n
         announce(cfg, f"final evaluation: {cfg.run.final_eval_batches or 'all'} validation "
                       f"batches of {run.eval_batch_size} rows")
         alone = jax.process_count() == 1
-        evaluated = run_eval(run, steps, state, progress.writer, final_step,
-                             cfg.run.final_eval_batches, final=True,
-                             stop=(lambda: stopped() is not None) if alone else None)
+        try:
+            evaluated = run_eval(run, steps, state, progress.writer, final_step,
+                                 cfg.run.final_eval_batches, final=True,
+                                 stop=(lambda: stopped() is not None) if alone else None)
+        except Exception as e:
+            if hardware.out_of_memory(e):   # its line names the evaluation's settings
+                e.add_note(hardware.FINAL_EVAL_NOTE)
+            raise
         if evaluated is not None:
             val_loss, val_tokens = evaluated
     stop = stopped() if jax.process_count() == 1 else agreed_stop(stopped())

@@ -356,7 +356,7 @@ def _time_first_step(run: Setup, metrics, began: float, progress):
 
 # The start-up phases, in order: first_step runs from its dispatch to its result, to_first_step
 # from train()'s start, command_to_first_step from the process's start (imports included).
-STARTUP_PHASES = ("before_set_up", "corpus", "init", "compile", "first_step", "to_first_step",
+STARTUP_PHASES = ("before_set_up", "corpus", "compile", "init", "first_step", "to_first_step",
                   "command_to_first_step")
 
 

@@ -23,7 +23,7 @@ from jaxaccel.config import check_json_outputs, check_writable, field_value, ove
 from jaxaccel.corpus import corpus_of
 from jaxaccel.data import DataStream
 from jaxaccel.errors import ConfigError
-from jaxaccel.loop.compile import eval_microbatches, plan_remat
+from jaxaccel.loop.compile import check_scores, compiled_steps, eval_microbatches, plan_remat
 from jaxaccel.loop.console import announce, note
 from jaxaccel.loop.record import base_weights, run_environment
 from jaxaccel.optim import build_optimizer
@@ -31,7 +31,7 @@ from jaxaccel.report import dump_json
 from jaxaccel.sampling import SampledStream, lag as sampling_lag
 from jaxaccel.sharding import batch_shards, batch_sharding, format_mesh, param_shardings, \
     parse_axis_rules
-from jaxaccel.state import init_sharded_state
+from jaxaccel.state import abstract_sharded_state, init_sharded_state
 
 RUNS_ROOT = "runs"
 LOCK_FILE = "run.lock"      # in the run directory: held (flock) by the run writing it
@@ -71,6 +71,7 @@ class Setup:
     extended_from_steps: int | None = None  # a resumed run given another length: the old one
     startup: dict = dataclasses.field(default_factory=dict)  # seconds of each start-up phase
     restored_history: list = dataclasses.field(default_factory=list)  # the checkpoint's losses
+    precompiled: object = None  # the first stage's Steps, compiled before the state was made
 
 
 def set_up(cfg, mesh, mesh_shape, full_model, run_dir: str) -> Setup:
@@ -82,6 +83,7 @@ def set_up(cfg, mesh, mesh_shape, full_model, run_dir: str) -> Setup:
             f"({batch_shards(mesh_shape)} parts, {format_mesh(mesh_shape)}) times accumulate="
             f"{cfg.optimizer.accumulate}; pass a batch size that is a multiple of {multiple}",
             field="data.batch_size")
+    check_scores(cfg, full_model, cfg.run.eval_batch_size or cfg.batch_rows())
     began = time.perf_counter()
     corpus = corpus_of(cfg.data)
     startup = {"corpus": time.perf_counter() - began}
@@ -113,6 +115,7 @@ def set_up(cfg, mesh, mesh_shape, full_model, run_dir: str) -> Setup:
                                 max_to_keep=cfg.run.keep_checkpoints,
                                 keep_period=cfg.run.keep_every_steps,
                                 asynchronous=cfg.run.async_checkpoint)
+    check_checkpoint_meta(cfg, checkpointer)
     stages, full_layers, depth = cfg.stacking.stages, None, None
     stack_ends = stacking.boundaries(total_steps, stages, cfg.stacking.at)
     if stages > 1:
@@ -120,20 +123,33 @@ def set_up(cfg, mesh, mesh_shape, full_model, run_dir: str) -> Setup:
         first_step = (checkpointer.latest_step() or 0) if cfg.run.resume else 0
         depth = stacking.depth_at(first_step, full_layers, stages, stack_ends)
     model = full_model if depth in (None, full_layers) else techniques.abstract(cfg, depth=depth)
-    begin = time.perf_counter()
     base, rules = (), parse_axis_rules(cfg.mesh.axis_rules)
     if cfg.run.init_from is not None and not cfg.run.resume:
         weights = base_weights(cfg.run.init_from, cfg)
         base = (jax.device_put(weights, param_shardings(mesh, weights, rules)),)
-    state, shardings = init_sharded_state(techniques.variables(cfg, depth), optimizer,
-                                          cfg.run.seed, cfg.make_loss_scale(), mesh, cfg.policy(),
-                                          axis_rules=rules, args=base)
-    jax.block_until_ready(state)
-    startup["init"] = time.perf_counter() - begin
+    # The steps are compiled, and their memory checked, from the state's shapes before the
+    # state is made: a run that cannot fit is refused before it allocates anything large.
+    init_args = (techniques.variables(cfg, depth), optimizer, cfg.run.seed,
+                 cfg.make_loss_scale(), mesh, cfg.policy())
+    shapes, shardings = abstract_sharded_state(*init_args, axis_rules=rules, args=base)
+    shapes = jax.tree.map(lambda s, x: jax.tree.map(
+        lambda a: jax.ShapeDtypeStruct(a.shape, a.dtype, sharding=s), x), shardings, shapes)
     batch_layout = batch_sharding(mesh)
     plan, full_cfg = None, cfg
     if cfg.run.memory_budget is not None:
-        cfg, model, plan = plan_remat(cfg, model, depth, optimizer, state, stream, batch_layout)
+        cfg, model, plan = plan_remat(cfg, model, depth, optimizer, shapes, stream, batch_layout)
+    eval_multiple = math.lcm(batch_shards(mesh_shape) * eval_microbatches(cfg),
+                             jax.process_count())
+    eval_batch_size = cfg.run.eval_batch_size or cfg.batch_rows()
+    eval_batch_size = -(-eval_batch_size // eval_multiple) * eval_multiple
+    begin = time.perf_counter()
+    steps = compiled_steps(cfg, model, optimizer, schedule, shardings, mesh, shapes,
+                           stream.global_shapes, eval_batch_size)
+    startup["compile"] = time.perf_counter() - begin
+    begin = time.perf_counter()
+    state, shardings = init_sharded_state(*init_args, axis_rules=rules, args=base)
+    jax.block_until_ready(state)
+    startup["init"] = time.perf_counter() - begin
     resume_config = {**resume_settings(full_cfg, stream_args, total_steps, multiple),
                      "data.corpus_fingerprint": corpus.fingerprint}
     extended_from = None
@@ -154,17 +170,28 @@ def set_up(cfg, mesh, mesh_shape, full_model, run_dir: str) -> Setup:
         write_config(override(full_cfg, {"run.stop_at": None}), run_dir,
                      shlex.join(sys.orig_argv))     # a pause is not the run's setting
         dump_json(os.path.join(run_dir, "environment.json"), run_environment(mesh_shape))
-    eval_multiple = math.lcm(batch_shards(mesh_shape) * eval_microbatches(cfg),
-                             jax.process_count())
-    eval_batch_size = cfg.run.eval_batch_size or cfg.batch_rows()
-    eval_batch_size = -(-eval_batch_size // eval_multiple) * eval_multiple
     depth_now = len(nn.the_stack(model, "")[1]) if nn.stacks(model) else None
     return Setup(cfg, mesh, mesh_shape, run_dir, corpus, stream, total_steps, optimizer,
                  schedule, hyperparameters, model, state, shardings, batch_layout, plan,
                  resume_config, checkpointer, eval_batch_size, stream_args, full_layers,
                  stack_ends, stop, [[int(state.step), depth_now]], extended_from,
                  restored_history=checkpointer.saved_history if cfg.run.resume else [],
-                 startup=startup)
+                 startup=startup, precompiled=steps)
+
+
+def check_checkpoint_meta(cfg, checkpointer: Checkpointer):
+    """Before any work: one ConfigError line if the metadata of the checkpoint that the run
+    resumes from, or of the latest one of the run ``init_from`` names, is not JSON or lacks
+    what a restore reads (``Checkpointer.check_meta``)."""
+    if cfg.run.resume:
+        checkpointer.check_meta()
+    elif cfg.run.init_from is not None and os.path.isdir(
+            os.path.join(cfg.run.init_from, "checkpoints")):
+        base = Checkpointer(os.path.join(cfg.run.init_from, "checkpoints"))
+        try:
+            base.check_meta(field="run.init_from")
+        finally:
+            base.close()
 
 
 @contextlib.contextmanager
