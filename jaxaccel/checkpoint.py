@@ -242,10 +242,16 @@ def _whole_replicas():
         # beyond shape and dtype (a typed PRNG key is restored as a key, not as its uint32 data)
         store = getattr(ocp.type_handlers.get_type_handler(jax.Array), "_array_metadata_store",
                         None)
-        ocp.type_handlers.register_type_handler(
-            jax.Array, ocp.type_handlers.ArrayHandler(use_replica_parallel=False,
-                                                      array_metadata_store=store),
-            override=True)
+        absl_log = logging.getLogger("absl")
+        level = absl_log.level
+        absl_log.setLevel(logging.ERROR)        # orbax warns of the override it was asked for
+        try:
+            ocp.type_handlers.register_type_handler(
+                jax.Array, ocp.type_handlers.ArrayHandler(use_replica_parallel=False,
+                                                          array_metadata_store=store),
+                override=True)
+        finally:
+            absl_log.setLevel(level)
         _WHOLE_REPLICAS.append(True)
 
 
