@@ -143,3 +143,14 @@ def test_orbax_reports_of_a_failed_write_are_dropped_and_nothing_else(tmp_path, 
     coroutine.close()
     unraisable(RuntimeError("another unraisable error"))
     assert reached == ["another unraisable error"]
+
+
+def test_making_a_checkpointer_prints_nothing(tmp_path):
+    """Its set-up (orbax's array handler replaced, which orbax warns of) leaves stderr clean: a
+    run's error output is its one line."""
+    import subprocess
+    code = ("from jaxaccel.checkpoint import Checkpointer; "
+            f"Checkpointer({str(tmp_path / 'c')!r}).close()")
+    done = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True,
+                          timeout=120)
+    assert done.returncode == 0 and done.stderr == "" and done.stdout == "", done.stderr
