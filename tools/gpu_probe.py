@@ -82,7 +82,7 @@ for name, fn in [("bf16", bf16), ("ours", ours), ("plain_qdq", plain_qdq), ("f32
     calls = lambda t: sorted(set(re.findall(r'custom_call_target="([^"]+)"', t)))
     f8 = lambda t: t.count("f8e4m3") + t.count("f8e5m2")
     print(f"FP8 {name}: fwd {timeit(fwd, x, w, h):.3f} ms, fwd+bwd {timeit(both, x, w, h):.3f} ms; "
-          f"fwd calls {calls(cf)}; bwd calls {calls(cb)}; cublas f8 gemms fwd {cf.count(fp8.FP8_GEMM)} fwdbwd {cb.count(fp8.FP8_GEMM)}; fp8 gemms (cublas + f8 dots) fwd {fp8.count_fp8_gemms(cf)} fwdbwd {fp8.count_fp8_gemms(cb)}; triton {cb.count('__triton')}; f8 mentions {f8(cb)}")
+          f"fwd calls {calls(cf)}; bwd calls {calls(cb)}; cublas f8 gemms fwd {cf.count(fp8.FP8_GEMM)} fwdbwd {cb.count(fp8.FP8_GEMM)}; triton {cb.count('__triton')}; f8 mentions {f8(cb)}")
 '''
 
 def run(code, *args, limit=150):
