@@ -94,9 +94,10 @@ SCALES = ("auto", "cpu", "gpu")
 
 # The experiment's defaults, then each preset's (a flag given on the command line wins). The
 # target is judged on the same validation batches as the final evaluation (so that is not run
-# again), a few batches every few steps.
+# again), a few batches every few steps. The report draws every row's loss curve in one plot, so
+# the rows draw none of their own.
 DEFAULTS = {"run.checkpoint_every": 0, "run.progress": False, "run.eval_batches": 4,
-            "run.final_eval_batches": 4}
+            "run.final_eval_batches": 4, "run.loss_plot": False}
 # CPU: a 2 x 128 model at seq_len 128 reaches 1 bit/byte below the stdlib corpus's unigram
 # entropy (4.70) after 95 steps, 190k real tokens, 15-17 s of training on 2 cores
 # (2026-11-26); a row may train twice that. GPU: set from the CPU's proportions and issue 16's

@@ -231,6 +231,8 @@ class RunConfig:
         "training without reaching it (the summary's target says so)", above=0)
     log_every: int = setting(10, "write metrics every N steps (0: every step)", at_least=0)
     progress: bool = setting(True, "show a progress bar")
+    loss_plot: bool = setting(True, "draw loss.png in the run directory at the end (about 1 s "
+                                    "on a CPU, most of it importing matplotlib)")
     stop_at: str | None = setting(None, "pause at this step: save a checkpoint and exit 0, "
                                         "so that --resume continues the run later (a step "
                                         "number, or a share of the run's steps such as 1/3)")

@@ -320,18 +320,23 @@ def make_batch(documents: Sequence[np.ndarray], plan: RowPlan, rows_B: np.ndarra
 
 def batches(documents: Sequence[np.ndarray], *, strategy: str = "fixed", seq_len: int,
             batch_size: int | None = None, tokens_per_batch: int | None = None, seed: int = 0,
-            epoch: int = 0, shuffle: bool = True, start: int = 0, process_index: int = 0,
-            process_count: int = 1, **options) -> Iterator[Batch]:
+            epoch: int = 0, shuffle: bool = True, start: int = 0, spread: int | None = None,
+            process_index: int = 0, process_count: int = 1, **options) -> Iterator[Batch]:
     """One epoch of Batches from batch index ``start`` on, this process's rows of each; a
-    partial batch is topped up with all-zero rows. Settings are checked at the call, not at the
-    first ``next``. ``options``: pad_multiple, num_buckets, pack_window, data_parallel."""
+    partial batch is topped up with all-zero rows. ``spread=N``: only N of them, spread evenly
+    over the epoch from ``start`` (its last batch included); only those are made. Settings are
+    checked at the call, not at the first ``next``. ``options``: pad_multiple, num_buckets,
+    pack_window, data_parallel."""
     if start < 0:
         raise ConfigError(f"start must be >= 0, got {start}; pass the index of the first batch")
     batcher, _ = _make_strategy(documents, strategy, seq_len, batch_size, tokens_per_batch, seed,
                                 process_index, process_count, options)
     plan = batcher.plan(_epoch_rng(seed, epoch, shuffle))
-    return (_local_batch(documents, plan, i, process_index, process_count)
-            for i in range(start, plan.num_batches))
+    chosen = range(start, plan.num_batches)
+    if spread is not None and len(chosen) > 0:
+        chosen = sorted(set(np.linspace(chosen[0], chosen[-1], min(spread, len(chosen)))
+                            .round().astype(int).tolist()))
+    return (_local_batch(documents, plan, i, process_index, process_count) for i in chosen)
 
 
 class DataStream:

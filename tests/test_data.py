@@ -96,6 +96,25 @@ def test_start_skips_batches(documents):
         _assert_same_batches(list(batches(documents, **settings, start=start)), full[start:])
 
 
+def test_spread_makes_only_the_chosen_batches(documents, monkeypatch):
+    """``spread=N`` gives N of the epoch's batches, the first and the last among them, evenly
+    spaced, identical to those of the whole epoch; it makes no other batch."""
+    from jaxaccel import data
+    settings = {"seq_len": SEQ_LEN, "batch_size": BATCH_SIZE, "shuffle": False}
+    full = list(batches(documents, **settings))
+    made = []
+    local_batch = data._local_batch
+    monkeypatch.setattr(data, "_local_batch", lambda *a: made.append(a[2]) or local_batch(*a))
+    last = len(full) - 1
+    for spread, chosen in ((1, [0]), (2, [0, last]), (3, [0, round(last / 2), last]),
+                           (len(full) + 5, list(range(len(full))))):
+        made.clear()
+        _assert_same_batches(list(batches(documents, **settings, spread=spread)),
+                             [full[i] for i in chosen])
+        assert made == chosen
+    assert list(batches(documents, **settings, start=len(full), spread=3)) == []
+
+
 def test_partial_last_batch_is_filled_with_zero_rows(documents):
     batch_list = list(batches(documents, seq_len=SEQ_LEN, batch_size=BATCH_SIZE))
     rows = DataStream(documents, seq_len=SEQ_LEN, batch_size=BATCH_SIZE).stats["rows_per_epoch"]

@@ -202,6 +202,9 @@ def test_every_row_runs_with_its_technique_on(corpus_path, tmp_path, capsys):
     assert "| row" in report and report.count("\n- **") == len(rows)
     for plot in ("time_to_target.png", "tokens_per_s.png", "memory.png", "loss_curves.png"):
         assert (run_dir / plot).stat().st_size > 1000, plot
+    # loss_curves.png draws every row's curve, so no row draws its own (run.loss_plot).
+    row_dirs = [r["run_dir"] for r in rows.values() if r["status"] == "ran"]
+    assert row_dirs and not any(os.path.exists(os.path.join(d, "loss.png")) for d in row_dirs)
     assert rows["pack"]["command"] == (f"python -m experiments.train --config "
                                        f"{rows['pack']['run_dir']}/config.yaml")
     printed = capsys.readouterr().out

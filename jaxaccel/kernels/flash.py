@@ -21,12 +21,19 @@ from jax import lax
 from jax.experimental import pallas as pl
 
 from jaxaccel.errors import ConfigError
-from jaxaccel.kernels import flash_mosaic, tuning
+from jaxaccel.kernels import tuning
 
 DTYPES = (jnp.float32, jnp.bfloat16, jnp.float16)
 MAX_HEAD_DIM = 256
 _START_MAX = -1e30    # running-max start: finite, so a row that sees no key keeps p = 0, not NaN
 _EMPTY_LSE = 1e30     # log-sum-exp of such a row: exp2(score - it) is 0 in the backward
+
+
+def _mosaic():
+    """``flash_mosaic``, imported when a Hopper stage first needs it: jax's Mosaic GPU modules
+    take about 0.7 s to import, a cost every process paid before."""
+    from jaxaccel.kernels import flash_mosaic
+    return flash_mosaic
 
 
 @dataclasses.dataclass(frozen=True)
@@ -74,8 +81,8 @@ def flash_attention(q, k, v, *, causal=False, segment_ids=None, sm_scale=None, b
     head_dim_pad = max(tuning.MIN_BLOCK, pl.next_power_of_2(E))
     for name, stage in zip(tuning.PASSES, params.stages()):
         if stage.backend == "mosaic_gpu":
-            tile = max(tile, flash_mosaic.program_rows(name, stage))
-            head_dim_pad = max(head_dim_pad, min(flash_mosaic.HEAD_DIMS))   # 128-byte rows
+            tile = max(tile, _mosaic().program_rows(name, stage))
+            head_dim_pad = max(head_dim_pad, min(_mosaic().HEAD_DIMS))   # 128-byte rows
     plan = _Plan(
         seq_len=T, seq_pad=-(-T // tile) * tile, head_dim_pad=head_dim_pad,
         groups=H // k.shape[2], causal=causal, segments=segment_ids is not None,
@@ -345,8 +352,8 @@ def _forward(q, k, v, segment_ids, plan: _Plan):
     runs = _runs(segment_ids, plan, stage, B, keys=False)
     qp, kp, vp = (_pad(x, plan) for x in (q, k, v))
     if stage.backend == "mosaic_gpu":
-        out, lse = flash_mosaic.forward(
-            qp, kp, vp, _pad_seq(segment_ids, plan), flash_mosaic.schedule(*runs), plan, stage,
+        out, lse = _mosaic().forward(
+            qp, kp, vp, _pad_seq(segment_ids, plan), _mosaic().schedule(*runs), plan, stage,
             empty_lse=_EMPTY_LSE, start_max=_START_MAX)
         return out[:, :T, :, :E], lse
     bq, G, Ep = stage.block_q, plan.groups, plan.head_dim_pad
@@ -378,7 +385,7 @@ def _backward(q, k, v, segment_ids, out, lse, d_out, plan: _Plan):
 def _on_triton_unless_mosaic(stage: tuning.Stage, plan: _Plan, dtype) -> tuning.Stage:
     """The stage, moved to Triton where the Mosaic GPU kernels cannot run it."""
     if stage.backend != "mosaic_gpu" or (
-            flash_mosaic.supports(dtype, plan.head_dim_pad)
+            _mosaic().supports(dtype, plan.head_dim_pad)
             and (plan.interpret or tuning.is_hopper(tuning.device_kind()))):
         return stage
     return dataclasses.replace(stage, backend="triton", num_warps=None)
@@ -389,8 +396,8 @@ def _dq(qp, kp, vp, dop, lse, delta_BHT, segment_ids, plan: _Plan):
     stage = _on_triton_unless_mosaic(plan.params.dq, plan, qp.dtype)
     runs = _runs(segment_ids, plan, stage, B, keys=False)
     if stage.backend == "mosaic_gpu":
-        return flash_mosaic.dq(qp, kp, vp, dop, lse, delta_BHT, _pad_seq(segment_ids, plan),
-                               flash_mosaic.schedule(*runs), plan, stage)
+        return _mosaic().dq(qp, kp, vp, dop, lse, delta_BHT, _pad_seq(segment_ids, plan),
+                            _mosaic().schedule(*runs), plan, stage)
     G, bq = plan.groups, stage.block_q
     q_spec = pl.BlockSpec((None, bq, None, Ep), lambda b, h, i: (b, i, h, 0))
     kv_spec = pl.BlockSpec((None, plan.seq_pad, None, Ep), lambda b, h, i: (b, 0, h // G, 0))
@@ -409,8 +416,8 @@ def _dkv(qp, kp, vp, dop, lse, delta_BHT, segment_ids, plan: _Plan):
     stage = _on_triton_unless_mosaic(plan.params.dkv, plan, kp.dtype)
     runs = _runs(segment_ids, plan, stage, B, keys=True)
     if stage.backend == "mosaic_gpu":
-        return flash_mosaic.dkv(qp, kp, vp, dop, lse, delta_BHT, _pad_seq(segment_ids, plan),
-                                flash_mosaic.schedule(*runs), plan, stage)
+        return _mosaic().dkv(qp, kp, vp, dop, lse, delta_BHT, _pad_seq(segment_ids, plan),
+                             _mosaic().schedule(*runs), plan, stage)
     G, bk = plan.groups, stage.block_k
     run_spec = pl.BlockSpec((None, None), lambda b, h, i: (b, i))
     group_spec = pl.BlockSpec((None, plan.seq_pad, G, Ep), lambda b, h, j: (b, 0, h, 0))

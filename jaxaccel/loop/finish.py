@@ -80,7 +80,7 @@ def _finish(run: Setup, compiled: list, progress: Progress, wall_start: float, n
                         "val_bpb": bpb})
     unigram_bpb = run.corpus.unigram_bits_per_byte()
     name = model_lib.describe(cfg.model, cfg.gpt)
-    if jax.process_index() == 0:
+    if jax.process_index() == 0 and cfg.run.loss_plot:
         plot_loss_curve(read_metrics(progress.writer.path), os.path.join(run.run_dir, "loss.png"),
                         unigram_bpb=unigram_bpb,
                         title=f"{name} on {cfg.data.path}, {cfg.data.batching}")

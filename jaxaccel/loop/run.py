@@ -284,19 +284,10 @@ def evaluate(eval_step, state, documents, *, seq_len: int, batch_size: int,
     ``max_batches`` that many batches, spread evenly. Each process makes its own rows.
     ``stop()``, asked before each batch, returning true ends it early with None (with several
     processes it must answer alike in all of them)."""
-    def fixed_batches():
-        return batches(documents, strategy="fixed", seq_len=seq_len, batch_size=batch_size,
-                       shuffle=False, process_index=jax.process_index(),
-                       process_count=jax.process_count())
-
-    chosen = None
-    if max_batches:
-        count = sum(1 for _ in fixed_batches())
-        chosen = set(np.linspace(0, count - 1, min(max_batches, count)).round().astype(int))
     loss_sum, weight_sum = 0.0, 0.0
-    for i, batch in enumerate(fixed_batches()):
-        if chosen is not None and i not in chosen:
-            continue
+    for batch in batches(documents, strategy="fixed", seq_len=seq_len, batch_size=batch_size,
+                         shuffle=False, spread=max_batches or None,
+                         process_index=jax.process_index(), process_count=jax.process_count()):
         if stop is not None and stop():
             return None
         sums = eval_step(state, place_batch(batch, sharding))
