@@ -63,6 +63,7 @@ from jaxaccel.corpus import Documents, cache_root, load_corpus, stdlib_root
 from jaxaccel.corpus import stdlib_files as corpus_stdlib_files
 from jaxaccel.data import DataStream
 from jaxaccel.errors import ConfigError
+from jaxaccel.hardware import host_memory_bytes
 from jaxaccel.tokenizer import parse_spec
 
 MB, GB = 2**20, 2**30
@@ -399,24 +400,12 @@ def drop_cached_pages(path: str) -> bool:
     return True
 
 
-def available_memory() -> int:
-    """Bytes of memory available without swapping (MemAvailable), or all physical memory."""
-    try:
-        with open("/proc/meminfo") as f:
-            for line in f:
-                if line.startswith("MemAvailable:"):
-                    return int(line.split()[1]) * 1024
-    except OSError:
-        pass
-    return os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
-
-
 def in_memory(train: Documents, exp: CorpusScaleSettings) -> tuple[Documents, str]:
     """``train``'s documents backed by an in-memory array: the whole token array if it takes at
     most a quarter of the available memory, else only the documents the measured batches read
     (found by an untimed pass), in a compact array; and which it is."""
     tokens = train.tokens
-    if tokens.nbytes <= available_memory() // 4:
+    if tokens.nbytes <= host_memory_bytes() // 4:
         return Documents(np.array(tokens), train.starts, train.lengths), "memory"
     reading = _Reading(train)
     stream = DataStream(reading, strategy="pack", seq_len=exp.seq_len,

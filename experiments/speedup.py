@@ -37,9 +37,11 @@ A busy machine must not decide the verdict, so the rows train in ``--rounds`` ro
 2), taking turns, the baseline first: each round trains every row afresh to its target (the
 compilation cache makes the repeat cheap). A row's speedup in a round is the baseline's time to
 target in that round over the row's; its speedup is their median and its spread their
-half-range. Its verdict is ``faster`` or ``slower`` only when every round says so, else
-``cannot tell``: load can blur a verdict, never reverse it. The best row takes turns with the
-baseline trained again, and is measured against that.
+half-range. Its verdict is ``faster`` or ``slower`` only when every round says so by at least
+``--speed-margin`` (3 %), else ``cannot tell``: load can blur a verdict, never reverse it, and a
+difference of a percent or two, which moved from run to run on a quiet machine, decides
+nothing. The best row takes turns with the baseline trained again, and is measured against
+that.
 
 Each row's round runs ``python -m experiments.train --config <row>/round-<k>/config.yaml`` in a
 process of its own (the command is in the JSON), so the device's peak memory, the compile
@@ -190,9 +192,10 @@ class SpeedupSettings:
                                      "byte below the corpus's unigram entropy", above=0)
     time_cap: float = setting(1.5, "a row gives up after this many times the baseline's training "
                                    "seconds to the target in the same round", above=1)
-    speed_margin: float = setting(0.03, "a row joins the combination only if it reaches the "
-                                        "target at least this much sooner than the baseline",
-                                  at_least=0)
+    speed_margin: float = setting(0.03, "a row is faster (or slower) only if it reaches the "
+                                        "target at least this much sooner (or later) than the "
+                                        "baseline in every round, and only a faster row joins "
+                                        "the combination", at_least=0)
     row_accumulate: int = setting(2, "microbatches of the accumulate row")
     rounds: int = setting(2, "train every row this many times, afresh, the rows taking turns, so "
                              "that a change of the machine's load meets every row; a speedup is "
@@ -430,7 +433,7 @@ def skip_reason(technique: Technique, devices: dict, model_name: str = "tiny") -
 
 def choose_best(rows: dict[str, dict], margin: float) -> list[tuple[str, str]]:
     """(row, why) for each technique the measurements recommend combining: per group, the row
-    that reached the target soonest, if it was faster in every round (``verdict``) and by at
+    that reached the target soonest, if it was faster (``verdict``: in every round) and by at
     least ``margin``; importance sampling only when no padding row is chosen."""
     ran = [r for r in rows.values() if r["status"] == "ran" and r["name"] != "baseline"]
     picks = []
@@ -563,7 +566,7 @@ def followup(cfg: SpeedupConfig, done: list[dict]) -> list[Row]:
         return []
     by_name = {r["name"]: r for r in done}
     for row in done:
-        compare(row, by_name["baseline"])
+        compare(row, by_name["baseline"], cfg.experiment.speed_margin)
     devices = devices_of(cfg)
     if best_names(cfg):
         picks = [(n, "named by --best") for n in best_names(cfg)]
@@ -720,11 +723,11 @@ def _last_line(text: str) -> str:
     return lines[-1] if lines else "no error output"
 
 
-def compare(row: dict, baseline: dict):
+def compare(row: dict, baseline: dict, margin: float = 0.0):
     """The row's speedup against the baseline, in place: per round, the baseline's training
     seconds to the target over the row's (a round the row gave up in counts with the seconds it
-    trained: at most 1 / time_cap); the median, the half-range as its spread and the verdict.
-    None when the row reached the target in no round."""
+    trained: at most 1 / time_cap); the median, the half-range as its spread and the verdict
+    (``margin``: ``verdict``'s). None when the row reached the target in no round."""
     if row["status"] != "ran" or baseline["status"] != "ran" or not row.get("rounds"):
         row.update(speedup=None, spread=None, verdict=None, round_speedups=None)
         return
@@ -736,16 +739,17 @@ def compare(row: dict, baseline: dict):
     row["round_speedups"] = ratios
     row["speedup"] = statistics.median(ratios)
     row["spread"] = _half_range(ratios)
-    row["verdict"] = verdict(ratios) if row is not baseline else None
+    row["verdict"] = verdict(ratios, margin) if row is not baseline else None
 
 
-def verdict(ratios: list[float]) -> str:
-    """``faster`` or ``slower`` only when every round says so (the spread of the rounds' ratios
-    excludes 1.0), else ``cannot tell``: a busy machine may then blur a verdict, never flip it.
-    One round measures no spread, and decides nothing."""
-    if len(ratios) > 1 and min(ratios) > 1:
+def verdict(ratios: list[float], margin: float = 0.0) -> str:
+    """``faster`` or ``slower`` only when every round says so by more than ``margin`` (the
+    spread of the rounds' ratios excludes [1 / (1 + margin), 1 + margin]), else ``cannot
+    tell``: a busy machine may then blur a verdict, never flip it, and so may a difference
+    within the margin. One round measures no spread, and decides nothing."""
+    if len(ratios) > 1 and min(ratios) >= 1 + margin and min(ratios) > 1:
         return "faster"
-    if len(ratios) > 1 and max(ratios) < 1:
+    if len(ratios) > 1 and max(ratios) <= 1 / (1 + margin) and max(ratios) < 1:
         return "slower"
     return "cannot tell"
 
@@ -857,7 +861,8 @@ def rounds_line(meta: dict) -> str:
     return (f"Each row trained to the target {meta['rounds']} times, afresh, the rows taking "
             f"turns; a speedup is the median over the rounds of the baseline's time to target "
             f"over the row's in the same round, +- half their range; a row is faster or slower "
-            f"only when every round says so (else: cannot tell)"
+            f"only when every round says so by at least {meta['speed_margin']:.0%} (else: "
+            f"cannot tell)"
             + (". The best row took turns with the baseline trained again"
                if meta["best_rounds"] else "")
             + f". The baseline's own time to target varied by +-{variation:.1%} between rounds.")
@@ -873,9 +878,10 @@ def compare_rows(cfg: SpeedupConfig, rows: list[dict], partial) -> dict:
     base, again, best = (by_name.get(n) for n in ("baseline", "baseline-again", "best"))
     for row in rows:
         if base and row is not best:
-            compare(row, base)
+            compare(row, base, cfg.experiment.speed_margin)
     if best and base:
-        compare(best, again if again and again["status"] == "ran" else base)
+        compare(best, again if again and again["status"] == "ran" else base,
+                cfg.experiment.speed_margin)
         if again:
             best["baseline_again"] = {k: again.get(k) for k in
                                       ("status", "rounds", "time_to_target_s", "run_dir")}
@@ -896,6 +902,7 @@ def meta(cfg: SpeedupConfig, rows: list[dict]) -> dict:
             "params": base.get("params"), "val_tokens": base.get("val_tokens"),
             "target_bpb": cfg.run.target_bpb, "unigram_bpb": base.get("unigram_bpb"),
             "eval_every": cfg.run.eval_every, "time_cap": exp.time_cap,
+            "speed_margin": exp.speed_margin,
             "best": [n for n, _ in best["picks"]] if best else [],
             "best_source": "--best" if exp.best else "chosen from the measurements",
             "rounds": exp.rounds, "best_rounds": bool(best and best.get("baseline_again")),

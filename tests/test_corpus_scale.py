@@ -62,7 +62,7 @@ def test_the_in_memory_copy_of_only_the_documents_read_gives_the_same_batches(co
                                                                            tmp_path, monkeypatch):
     train = load_corpus(corpus_path, cache_dir=str(tmp_path)).train
     exp = corpus_scale.CorpusScaleSettings(seq_len=32, batch_size=2, loader_batches=4)
-    monkeypatch.setattr(corpus_scale, "available_memory", lambda: 0)    # force the subset copy
+    monkeypatch.setattr(corpus_scale, "host_memory_bytes", lambda: 0)    # force the subset copy
     documents, source = corpus_scale.in_memory(train, exp)
     assert source.startswith("memory (") and len(documents.tokens) < len(train.tokens)
     mapped, copied = (corpus_scale.DataStream(d, strategy="pack", seq_len=32, batch_size=2)

@@ -100,6 +100,14 @@ def test_a_verdict_needs_every_round_on_one_side_of_one():
     assert speedup.verdict([0.80, 0.95]) == "slower"
     assert speedup.verdict([1.30, 0.97]) == "cannot tell"
     assert speedup.verdict([1.5]) == "cannot tell"
+    # with a margin, a round within it of 1.0 decides nothing: remat-dots was 1.02x-1.11x
+    # faster in three runs of make run and 0.98x, 0.99x in both rounds of a fourth
+    assert speedup.verdict([0.98, 0.99], 0.03) == "cannot tell"
+    assert speedup.verdict([1.07, 1.02], 0.03) == "cannot tell"
+    assert speedup.verdict([1.07, 1.03], 0.03) == "faster"
+    assert speedup.verdict([0.9, 1 / 1.03], 0.03) == "slower"
+    assert speedup.verdict([1.5, 1.2], 0.0) == "faster" and speedup.verdict([1.0, 1.0]) == \
+        "cannot tell"
     # a competing process slows whichever row trains in its window: the quiet verdict either
     # holds or blurs, and is never reversed
     quiet = [1.25, 1.20, 1.22]
