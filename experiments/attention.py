@@ -7,38 +7,13 @@ tuning sweep, below).
     python -m experiments.attention --seq-lens 64,128 --head-dims 64 --heads 2 --impls xla,pallas
     python -m experiments.attention --tune            # a GPU: writes jaxaccel/kernels/tuned.json
 
-Implementations: ``xla`` (jaxaccel's plain jnp attention), ``cudnn``
-(``jax.nn.dot_product_attention(implementation="cudnn")``), ``jax_reference`` (the Pallas kernel
-JAX ships, ``jax.experimental.pallas.ops.gpu.attention.mha``), ``pallas`` (ours,
-``jaxaccel.kernels.flash_attention``) and the peers of tokamax, a kernel library on PyPI
-(``pip install 'jaxaccel[peers]'``): ``tokamax.dot_product_attention`` with its ``mosaic``
-(Mosaic GPU), ``triton`` and ``cudnn`` implementations. Off the GPU the two Pallas kernels run in
-the Pallas interpreter: the table then checks that the program works, it measures no kernel
-speed. An implementation that cannot run a row (cuDNN or tokamax off an NVIDIA GPU, tokamax not
-installed, the reference kernel with grouped-query heads or a length not a multiple of its
-128-row blocks, an implementation raising NotImplementedError) is reported as skipped with the
-reason.
-
-Layouts (``--layouts``): ``dense`` rows attend over the whole row; ``packed`` rows carry the
-segment ids of a real packed batch: the first batch of a seeded ``pack`` epoch of ``--data``
-(tokenized with ``--tokenizer``) holding at least ``--packed-docs`` documents per row on
-average (among its first 1,000). Each implementation takes them its own way: segment ids (``xla``, ``pallas``, the
-reference kernel) or a dense [B, 1, T, T] mask (cuDNN through jax's public API, tokamax). A packed
-row counts the same FLOPs as the dense row of its shape, so its TFLOP/s compares speed at equal
-shape (not useful work), and ``packed/dense`` is the dense row's forward+backward time over the
-packed one's (above 1: the packed batch is faster).
-
-FLOPs: 4 B H T^2 D forward (the two matmuls), halved when causal; the backward counts 2.5 times
-the forward, so forward+backward is 3.5 times. Times are medians of ``--iters`` runs after
-``--warmup`` runs, each ended with ``block_until_ready``; the forward+backward run is one jitted
-``jax.vjp`` with a fixed random cotangent. Each row's batch is ``--batch-tokens`` / T rows (at
-least one) unless ``--batch`` is given. The longest length doubles T from the longest timed one
-(batch 1) until the forward+backward runs out of device memory or passes ``--max-t-limit``.
+The implementations and layouts: README, "Flash attention". Off the GPU the Pallas kernels run
+interpreted: the table checks that they work, it measures no speed. A packed row counts its
+dense shape's FLOPs (``meta``'s "flops"), so its TFLOP/s compares speed at equal shape.
 """
 
 import dataclasses
 import functools
-import importlib
 import importlib.util
 import itertools
 import sys
@@ -59,9 +34,12 @@ from jaxaccel.errors import ConfigError
 from jaxaccel.kernels import autotune, flash, flash_attention, tuning
 from jaxaccel.report import format_table
 
-IMPLS = ("xla", "cudnn", "jax_reference", "pallas", "tokamax_mosaic", "tokamax_triton",
-         "tokamax_cudnn")
+TOKAMAX_IMPLS = {"tokamax_mosaic": "mosaic", "tokamax_triton": "triton", "tokamax_cudnn": "cudnn"}
+IMPLS = ("xla", "cudnn", "jax_reference", "pallas", *TOKAMAX_IMPLS)
+RIVALS = (("cudnn", ("fwd_tflops", "fwdbwd_tflops")), ("jax_reference", ("fwdbwd_tflops",)),
+          *((t, ("fwd_tflops", "fwdbwd_tflops")) for t in TOKAMAX_IMPLS))
 LAYOUTS = ("dense", "packed")
+CAUSAL = {"both": (True, False), "causal": (True,), "full": (False,)}
 PACKED_SEARCH = 1000   # batches of the packed epoch looked at for one with enough documents
 REFERENCE_BLOCK = 128   # the reference kernel's default forward block
 DTYPES = {"bfloat16": jnp.bfloat16, "float16": jnp.float16, "float32": jnp.float32}
@@ -111,25 +89,18 @@ class AttentionSettings:
                                             "tuned.json; required off the GPU)")
 
 
-# The rows to time and how: this experiment trains nothing, so it has only its own section.
+# This experiment trains nothing, so its config has only its own section.
 AttentionConfig = config_of(AttentionSettings, base=None)
-CAUSAL = {"both": (True, False), "causal": (True,), "full": (False,)}
-
-
 COLUMNS = [
     ("impl", "impl", ""), ("layout", "layout", ""), ("T", "T", "d"), ("D", "D", "d"),
     ("causal", "causal", ""), ("batch", "batch", "d"), ("fwd_ms", "fwd ms", ".3f"),
     ("fwdbwd_ms", "fwd+bwd ms", ".3f"), ("fwd_tflops", "fwd TFLOP/s", ".3g"),
     ("fwdbwd_tflops", "fwd+bwd TFLOP/s", ".3g"), ("docs_per_row", "docs/row", ".2f"),
-    ("packed_vs_dense", "packed/dense", ".2f"), ("max_T", "max T", "d"), ("status", "status", ""),
-]
-TOKAMAX_IMPLS = {"tokamax_mosaic": "mosaic", "tokamax_triton": "triton",
-                 "tokamax_cudnn": "cudnn"}
+    ("packed_vs_dense", "packed/dense", ".2f"), ("max_T", "max T", "d"), ("status", "status", "")]
 
 
 def attention_fn(impl: str, causal: bool, interpret: bool, segment_ids=None):
-    """``fn(q, k, v) -> out`` for one implementation, in [B, T, H, D] layout; ``segment_ids``
-    [B, T] (a packed batch's) are given to it in the form it takes."""
+    """``fn(q, k, v) -> out`` in [B, T, H, D] layout, given [B, T] ``segment_ids`` its own way."""
     if impl in ("xla", "cudnn"):
         return lambda q, k, v: dot_product_attention(q, k, v, segment_ids=segment_ids,
                                                      causal=causal, implementation=impl)
@@ -148,15 +119,13 @@ def attention_fn(impl: str, causal: bool, interpret: bool, segment_ids=None):
     with warnings.catch_warnings():
         warnings.simplefilter("ignore", DeprecationWarning)
         from jax.experimental.pallas.ops.gpu import attention as reference
-
     return lambda q, k, v: reference.mha(q, k, v, segment_ids, sm_scale=q.shape[-1] ** -0.5,
                                          causal=causal, interpret=interpret)
 
 
 @functools.cache
 def tokamax_missing() -> str | None:
-    """Why tokamax cannot be used here (not installed, or its import fails: a requirement
-    missing), or None."""
+    """Why tokamax cannot be used here (not installed, or its import fails), or None."""
     if importlib.util.find_spec("tokamax") is None:
         return "skipped: tokamax is not installed (pip install 'jaxaccel[peers]')"
     try:
@@ -166,45 +135,43 @@ def tokamax_missing() -> str | None:
     return None
 
 
-def skip_reason(impl: str, T: int, heads: int, kv_heads: int) -> str | None:
+def skip_reason(exp: AttentionSettings, impl: str, T: int) -> str | None:
     """Why an implementation cannot run this row on this backend, or None."""
-    if impl == "cudnn" and jax.default_backend() != "gpu":
-        return f"skipped: cuDNN needs an NVIDIA GPU, the backend is {jax.default_backend()}"
-    if impl in TOKAMAX_IMPLS and tokamax_missing():
-        return tokamax_missing()
-    if impl in TOKAMAX_IMPLS and jax.default_backend() != "gpu":
+    backend = jax.default_backend()
+    if impl == "cudnn" and backend != "gpu":
+        return f"skipped: cuDNN needs an NVIDIA GPU, the backend is {backend}"
+    if impl in TOKAMAX_IMPLS and (missing := tokamax_missing()):
+        return missing
+    if impl in TOKAMAX_IMPLS and backend != "gpu":
         return (f"skipped: tokamax's {TOKAMAX_IMPLS[impl]} needs an NVIDIA GPU, the backend is "
-                f"{jax.default_backend()}")
-    if impl == "jax_reference" and kv_heads != heads:
+                f"{backend}")
+    if impl == "jax_reference" and (exp.kv_heads or exp.heads) != exp.heads:
         return "skipped: the reference kernel has no grouped-query attention"
     if impl == "jax_reference" and T % min(REFERENCE_BLOCK, T):
         return f"skipped: the reference kernel needs T a multiple of {REFERENCE_BLOCK}"
     return None
 
 
-def make_inputs(key, batch: int, T: int, heads: int, kv_heads: int, D: int, dtype):
-    """Random q [B, T, H, D], k and v [B, T, K, D], and an output cotangent like q, in dtype."""
-    keys = jax.random.split(key, 4)
-    shapes = [(batch, T, heads, D), (batch, T, kv_heads, D), (batch, T, kv_heads, D),
-              (batch, T, heads, D)]
-    return [jax.random.normal(k, s, jnp.float32).astype(dtype) for k, s in zip(keys, shapes)]
+def make_inputs(exp: AttentionSettings, key, batch: int, T: int, D: int) -> list:
+    """Random q [B, T, H, D], k and v [B, T, K, D], and an output cotangent like q, in --dtype."""
+    q, kv = (batch, T, exp.heads, D), (batch, T, exp.kv_heads or exp.heads, D)
+    return [jax.random.normal(part, shape, jnp.float32).astype(DTYPES[exp.dtype])
+            for part, shape in zip(jax.random.split(key, 4), (q, kv, kv, q))]
 
 
-def batch_rows(exp, T: int) -> int:
+def batch_rows(exp: AttentionSettings, T: int) -> int:
     """Rows per batch of length ``T``: ``--batch``, else ``--batch-tokens`` / T (at least 1)."""
     return exp.batch or max(1, exp.batch_tokens // T)
 
 
-def fwd_and_fwdbwd(attn):
-    """The jitted forward, and the jitted forward+backward (a vjp with a given cotangent)."""
-    fwd = jax.jit(attn)
-    fwdbwd = jax.jit(lambda q, k, v, d_out: jax.vjp(attn, q, k, v)[1](d_out))
-    return fwd, fwdbwd
+def fwdbwd_fn(attn):
+    """The jitted forward+backward: a vjp with a given output cotangent."""
+    return jax.jit(lambda q, k, v, d_out: jax.vjp(attn, q, k, v)[1](d_out))
 
 
 def packed_segment_ids(exp: AttentionSettings, T: int, batch: int) -> tuple[np.ndarray, float]:
-    """int32 [batch, T] segment ids of a real packed batch (module docstring), and its mean
-    documents per row; ConfigError when no batch of the epoch holds enough documents."""
+    """int32 [batch, T] segment ids of the first batch of a seeded ``pack`` epoch with
+    ``--packed-docs`` documents per row on average, and that mean; else ConfigError."""
     from jaxaccel import corpus, data
 
     documents = corpus.load_corpus(exp.data, tokenizer=exp.tokenizer).train
@@ -217,68 +184,50 @@ def packed_segment_ids(exp: AttentionSettings, T: int, batch: int) -> tuple[np.n
             return segment_ids, docs
         most = max(most, docs)
     raise ConfigError(f"no packed batch of {batch} x {T} tokens of {exp.data} (of the first "
-                      f"{PACKED_SEARCH}) holds "
-                      f"{exp.packed_docs} documents per row on average (at most {most:.2f}); "
-                      f"pass a smaller --packed-docs or --layouts dense",
+                      f"{PACKED_SEARCH}) holds {exp.packed_docs} documents per row on average "
+                      f"(at most {most:.2f}); pass a smaller --packed-docs or --layouts dense",
                       field="experiment.packed_docs")
 
 
 def time_row(exp: AttentionSettings, impl: str, T: int, D: int, causal: bool, interpret: bool,
-            key, packed: tuple[np.ndarray, float] | None = None) -> dict:
-    """One row: median times and TFLOP/s, or the reason it has none; ``packed``: the packed
-    batch's segment ids and documents per row."""
-    heads, kv_heads = exp.heads, exp.kv_heads or exp.heads
+             key, packed: tuple[np.ndarray, float] | None = None) -> dict:
+    """One row: median times and TFLOP/s, or why none; ``packed``: (segment ids, docs/row)."""
     batch = batch_rows(exp, T)
     row = {"impl": impl, "layout": "packed" if packed else "dense", "T": T, "D": D,
            "causal": causal, "batch": batch, "fwd_ms": None, "fwdbwd_ms": None,
            "fwd_tflops": None, "fwdbwd_tflops": None, "max_T": None, "max_T_stopped": None,
-           "docs_per_row": packed[1] if packed else None,
-           "status": skip_reason(impl, T, heads, kv_heads)}
+           "docs_per_row": packed[1] if packed else None, "status": skip_reason(exp, impl, T)}
     if row["status"]:
         return row
-    q, k, v, d_out = make_inputs(key, batch, T, heads, kv_heads, D, DTYPES[exp.dtype])
-    segment_ids = jnp.asarray(packed[0]) if packed else None
-    fwd, fwdbwd = fwd_and_fwdbwd(attention_fn(impl, causal, interpret, segment_ids))
-    flops = 4.0 * batch * heads * T * T * D / (2 if causal else 1)
+    q, k, v, d_out = make_inputs(exp, key, batch, T, D)
+    attn = attention_fn(impl, causal, interpret, jnp.asarray(packed[0]) if packed else None)
+    flops = 4.0 * batch * exp.heads * T * T * D / (2 if causal else 1)
     try:
-        fwd_s = median_seconds(fwd, (q, k, v), exp.warmup, exp.iters)
-        fwdbwd_s = median_seconds(fwdbwd, (q, k, v, d_out), exp.warmup, exp.iters)
+        fwd_s = median_seconds(jax.jit(attn), (q, k, v), exp.warmup, exp.iters)
+        fwdbwd_s = median_seconds(fwdbwd_fn(attn), (q, k, v, d_out), exp.warmup, exp.iters)
     except NotImplementedError as e:
         row["status"] = f"skipped: {str(e).splitlines()[0] if str(e) else 'not implemented'}"
-        return row
     except Interrupted:
         raise                   # a signal stops the experiment; it is no row's failure
     except Exception as e:   # noqa: BLE001 - every failure becomes the row's status
         row["status"] = "OOM" if out_of_memory(e) else f"error: {str(e).splitlines()[0]}"
-        return row
-    row.update(fwd_ms=fwd_s * 1e3, fwdbwd_ms=fwdbwd_s * 1e3, fwd_tflops=flops / fwd_s / 1e12,
-               fwdbwd_tflops=3.5 * flops / fwdbwd_s / 1e12, status="ok")
+    else:
+        row.update(fwd_ms=fwd_s * 1e3, fwdbwd_ms=fwdbwd_s * 1e3, fwd_tflops=flops / fwd_s / 1e12,
+                   fwdbwd_tflops=3.5 * flops / fwdbwd_s / 1e12, status="ok")
     return row
-
-
-def progress(row: dict) -> str:
-    """One row as it is measured: a long sweep shows its figures as it goes, and a cut one
-    keeps them in its output."""
-    what = (f"fwd {row['fwd_ms']:.3f} ms, fwd+bwd {row['fwdbwd_ms']:.3f} ms "
-            f"({row['fwdbwd_tflops']:.1f} TFLOP/s)" if row["status"] == "ok" else row["status"])
-    return (f"  {row['impl']} {row['layout']} T={row['T']} D={row['D']} causal={row['causal']}: "
-            f"{what}")
 
 
 def longest_fitting(exp: AttentionSettings, impl: str, D: int, causal: bool, start_T: int,
                     limit: int, interpret: bool, key) -> tuple[int | None, str]:
     """(longest T whose forward+backward ran at batch 1, why the doubling stopped: "OOM", "limit",
     "skipped: ..." or "error: ...")."""
-    heads, kv_heads = exp.heads, exp.kv_heads or exp.heads
     fits, T = None, start_T
     while T <= limit:
-        reason = skip_reason(impl, T, heads, kv_heads)
-        if reason:
+        if reason := skip_reason(exp, impl, T):
             return fits, reason
-        q, k, v, d_out = make_inputs(key, 1, T, heads, kv_heads, D, DTYPES[exp.dtype])
+        q, k, v, d_out = make_inputs(exp, key, 1, T, D)
         try:
-            jax.block_until_ready(fwd_and_fwdbwd(attention_fn(impl, causal, interpret))[1](
-                q, k, v, d_out))
+            jax.block_until_ready(fwdbwd_fn(attention_fn(impl, causal, interpret))(q, k, v, d_out))
         except Exception as e:   # noqa: BLE001 - the search reports why it stopped
             return fits, "OOM" if out_of_memory(e) else f"error: {str(e).splitlines()[0]}"
         finally:
@@ -288,61 +237,45 @@ def longest_fitting(exp: AttentionSettings, impl: str, D: int, causal: bool, sta
 
 
 def interpreted() -> bool:
-    """Off the GPU the Pallas kernels run in the interpreter: no kernel speed."""
     return jax.default_backend() != "gpu"
 
 
 def max_t_limit(exp: AttentionSettings) -> int:
-    """The longest T the memory search tries (0: none; by default 131072 on a GPU)."""
     return exp.max_t_limit if exp.max_t_limit is not None else 0 if interpreted() else 131072
 
 
 def check(cfg: AttentionConfig) -> AttentionConfig:
-    """The settings both modes read, checked before any work."""
+    """The settings both modes read, before any work; a length whose q, k, v, cotangent, dq, dk
+    and dv (what any implementation needs) exceed the device's memory (on the CPU, the host's
+    available memory) is a ConfigError: a CPU running out of memory aborts, no error."""
     exp = cfg.experiment
     parse_list(exp.impls, "experiment.impls", valid=IMPLS)
     parse_list(exp.seq_lens, "experiment.seq_lens", kind=int)
-    parse_list(exp.head_dims, "experiment.head_dims", kind=int)
+    head_dims = parse_list(exp.head_dims, "experiment.head_dims", kind=int)
     kv_heads = exp.kv_heads or exp.heads
     if kv_heads < 1 or exp.heads % kv_heads:
         raise ConfigError(f"kv_heads={kv_heads} does not divide heads={exp.heads}; choose "
                           f"kv_heads dividing heads", field="experiment.kv_heads")
-    check_memory(exp)
-    return cfg
-
-
-def io_bytes(exp: AttentionSettings, batch: int, T: int, D: int) -> int:
-    """Bytes of one forward+backward's inputs and outputs: q, k, v and the output's cotangent
-    in, dq, dk and dv out. No implementation needs less, whatever it keeps besides."""
-    heads, kv_heads = exp.heads, exp.kv_heads or exp.heads
-    return batch * T * D * (3 * heads + 4 * kv_heads) * jnp.dtype(DTYPES[exp.dtype]).itemsize
-
-
-def check_memory(exp: AttentionSettings):
-    """Before any work: ConfigError when a length the experiment would run (``--seq-lens``, or
-    ``--tune-seq-lens`` with --tune; the memory search's ``--max-t-limit`` at batch 1) has
-    inputs and outputs larger than the device's memory (on the CPU, the host's available
-    memory): they are allocated first, and a CPU running out of memory aborts, no error."""
     have, owner = hardware.device_memory_bytes(), hardware.memory_owner()
-    D = max(parse_list(exp.head_dims, "experiment.head_dims", kind=int))
-    longest = have // io_bytes(exp, 1, 1, D)        # at batch 1
+    D = max(head_dims)
+    token_bytes = D * (3 * exp.heads + 4 * kv_heads) * jnp.dtype(DTYPES[exp.dtype]).itemsize
     field = "experiment.tune_seq_lens" if exp.tune else "experiment.seq_lens"
     lengths = parse_list(getattr(exp, field.partition(".")[2]), field, kind=int)
     searched = [] if exp.tune or not max_t_limit(exp) else [max_t_limit(exp)]
     for T, batch, field in ([(T, batch_rows(exp, T), field) for T in lengths]
                             + [(T, 1, "experiment.max_t_limit") for T in searched]):
-        need = io_bytes(exp, batch, T, D)
-        if need <= have:
-            continue
-        flag = "--" + field.partition(".")[2].replace("_", "-")
-        fix = (f"pass {flag} of at most {longest:,}" if batch == 1 else
-               f"lower --batch (or --batch-tokens) or {flag}")
-        if batch > 1:
-            field = "experiment.batch" if exp.batch else "experiment.batch_tokens"
-        raise ConfigError(
-            f"T={T:,}: the inputs and outputs of one forward+backward ({batch:,} x {T:,} tokens, "
-            f"{exp.heads} heads, D={D}, {exp.dtype}) take {need:,} bytes, more than {owner} "
-            f"({have:,}); {fix}", field=field)
+        need = batch * T * token_bytes
+        if need > have:
+            flag = "--" + field.partition(".")[2].replace("_", "-")
+            fix = (f"pass {flag} of at most {have // token_bytes:,}" if batch == 1 else
+                   f"lower --batch (or --batch-tokens) or {flag}")
+            if batch > 1:
+                field = "experiment.batch" if exp.batch else "experiment.batch_tokens"
+            raise ConfigError(
+                f"T={T:,}: the inputs and outputs of one forward+backward ({batch:,} x {T:,} "
+                f"tokens, {exp.heads} heads, D={D}, {exp.dtype}) take {need:,} bytes, more than "
+                f"{owner} ({have:,}); {fix}", field=field)
+    return cfg
 
 
 def rows(cfg: AttentionConfig) -> list[Row]:
@@ -366,34 +299,31 @@ def shared(cfg: AttentionConfig) -> dict:
 
 
 def measure(run: RowRun) -> list[dict]:
-    """The dense rows of every length, the longest length that fits (doubling from the longest
-    timed one), then the packed rows."""
+    """The dense rows, the longest length that fits, then the packed rows, each printed as it
+    is measured: a long sweep shows its figures as it goes, and a cut one keeps them."""
     exp, fields = run.cfg.experiment, run.row.fields
     impl, D, causal = fields["impl"], fields["D"], fields["causal"]
     interpret, key, limit = interpreted(), jax.random.PRNGKey(exp.seed), max_t_limit(exp)
-    dense, packed = [], []
-    for T in run.shared["dense"]:
-        dense.append(time_row(exp, impl, T, D, causal, interpret, key))
-        print(progress(dense[-1]), flush=True)
-    timed = [r["T"] for r in dense if r["status"] == "ok"]
-    if limit and timed:
-        max_T, stopped = longest_fitting(exp, impl, D, causal, max(timed), limit, interpret, key)
+
+    def timed(T: int, packed: tuple[np.ndarray, float] | None = None) -> dict:
+        row = time_row(exp, impl, T, D, causal, interpret, key, packed)
+        what = (f"fwd {row['fwd_ms']:.3f} ms, fwd+bwd {row['fwdbwd_ms']:.3f} ms "
+                f"({row['fwdbwd_tflops']:.1f} TFLOP/s)" if row["status"] == "ok" else row["status"])
+        print(f"  {impl} {row['layout']} T={T} D={D} causal={causal}: {what}", flush=True)
+        return row
+
+    dense = [timed(T) for T in run.shared["dense"]]
+    ok = [r["T"] for r in dense if r["status"] == "ok"]
+    if limit and ok:
+        max_T, stopped = longest_fitting(exp, impl, D, causal, max(ok), limit, interpret, key)
         for r in dense:
             r.update(max_T=max_T, max_T_stopped=stopped)
-    for T, segments in run.shared["packed"].items():
-        packed.append(time_row(exp, impl, T, D, causal, interpret, key, segments))
-        print(progress(packed[-1]), flush=True)
-    return dense + packed
-
-
-RIVALS = (("cudnn", ("fwd_tflops", "fwdbwd_tflops")), ("jax_reference", ("fwdbwd_tflops",)),
-          *((t, ("fwd_tflops", "fwdbwd_tflops")) for t in TOKAMAX_IMPLS))
+    return dense + [timed(T, segments) for T, segments in run.shared["packed"].items()]
 
 
 def compare(cfg: AttentionConfig, rows: list[dict], partial) -> dict:
-    """On our rows: forward and forward+backward throughput over cuDNN's, the reference's and
-    tokamax's at the same layout; on packed rows: the dense row's time over theirs. Where each
-    memory search stopped, for the meta."""
+    """Our rows' throughput over the others' at the same layout, packed rows' dense time over
+    theirs; where each memory search stopped, for the meta."""
     for row in rows:
         shape = {"T": row["T"], "D": row["D"], "causal": row["causal"]}
         if row["layout"] == "packed":
@@ -422,8 +352,7 @@ def meta(cfg: AttentionConfig, rows: list[dict]) -> dict:
 
 
 def notes(cfg: AttentionConfig, rows: list[dict], meta: dict) -> list[str]:
-    """Our kernel's throughput over the others' (on a GPU), and where the memory searches
-    stopped."""
+    """Our kernel's throughput over the others' (on a GPU); where the memory searches stopped."""
     lines = []
     for r in rows if not meta["interpret"] else []:
         ratios = ", ".join(f"{k.replace('_tflops', '')} {r[k]:.2f}x" for k in r
@@ -452,18 +381,8 @@ EXPERIMENT = Experiment(
     mode=lambda cfg: (lambda cfg: tune(cfg.experiment)) if cfg.experiment.tune else None)
 
 
-# The tuning sweep of ``--tune`` (``jaxaccel.kernels.autotune``): our flash kernel's block sizes,
-# Triton warps and stages per pass and head dim, on the present device. Its shapes are
-# ``--tune-seq-lens`` x ``--causal`` at ``--batch-tokens`` per batch (or ``--batch``), a candidate's
-# score its median time summed over them; its grid ``--tune-blocks``, ``--tune-warps``,
-# ``--tune-stages`` and ``--tune-backends``. The winners are written into the table file under the
-# device's kind with the date, jax version, command and shapes; the printed summary times the
-# built-in and the tuned row once more, side by side.
-
-
 def tune_grid(exp: AttentionSettings) -> autotune.Grid:
-    """The swept values of ``--tune-blocks``, ``--tune-backends``, ``--tune-warps`` and
-    ``--tune-stages``; ConfigError for a block that is no power of two >= the smallest tile."""
+    """The ``--tune-*`` grid; ConfigError for a block that is no power of two >= the smallest."""
     blocks = parse_list(exp.tune_blocks, "experiment.tune_blocks", kind=int)
     backends = parse_list(exp.tune_backends, "experiment.tune_backends", valid=tuning.BACKENDS)
     bad = [b for b in blocks if b < tuning.MIN_BLOCK or b & (b - 1)]
@@ -476,8 +395,7 @@ def tune_grid(exp: AttentionSettings) -> autotune.Grid:
 
 
 def tune(exp: AttentionSettings) -> int:
-    """``--tune``: the sweep, the table entry, the printed tables; the experiment's exit
-    code."""
+    """``--tune``: the sweep, the table entry, the printed tables; the experiment's exit code."""
     head_dims = parse_list(exp.head_dims, "experiment.head_dims", kind=int)
     causal_modes, interpret = CAUSAL[exp.causal], interpreted()
     seq_lens = parse_list(exp.tune_seq_lens, "experiment.tune_seq_lens", kind=int)
@@ -492,8 +410,7 @@ def tune(exp: AttentionSettings) -> int:
             raise ConfigError(f"head dim {D} is above {flash.MAX_HEAD_DIM}, the kernel's "
                               f"largest; pass head dims up to it", field="experiment.head_dims")
     grid = tune_grid(exp)   # checked before any work
-    key = jax.random.PRNGKey(exp.seed)
-    env = environment()
+    key, env = jax.random.PRNGKey(exp.seed), environment()
     meta = {**env, "command": "python -m experiments.attention " + " ".join(sys.argv[1:]),
             "dtype": exp.dtype, "heads": exp.heads, "kv_heads": exp.kv_heads or exp.heads,
             "batch_tokens": exp.batch_tokens, "batch": exp.batch, "seq_lens": seq_lens,
@@ -502,9 +419,8 @@ def tune(exp: AttentionSettings) -> int:
                      "pass, forward+backward for dkv and dq"}
 
     def shapes(D: int) -> list[autotune.Shape]:
-        return [autotune.Shape(*make_inputs(key, batch_rows(exp, T), T, exp.heads,
-                                            exp.kv_heads or exp.heads, D, DTYPES[exp.dtype]),
-                               causal=causal, interpret=interpret)
+        return [autotune.Shape(*make_inputs(exp, key, batch_rows(exp, T), T, D), causal=causal,
+                               interpret=interpret)
                 for T in seq_lens for causal in causal_modes]
 
     try:
@@ -517,13 +433,11 @@ def tune(exp: AttentionSettings) -> int:
         print(f"error: {e}; the table keeps only the passes tuned before it", file=sys.stderr)
         return 1
     print(f"\ntuning {env['device']}, jax {env['jax_version']}, {exp.dtype}, T "
-          f"{', '.join(map(str, seq_lens))}" + ("; interpreted, not a speed" if interpret
-                                                else ""))
+          f"{', '.join(map(str, seq_lens))}{'; interpreted, not a speed' if interpret else ''}")
     print(format_table(result.rows, autotune.COLUMNS))
     print(format_table(result.summary, autotune.SUMMARY_COLUMNS))
     print(f"wrote the tuned rows of {env['device']} to {path}")
-    write_json(exp.json, result.rows, {**meta, "summary": result.summary,
-                                       "tuning_file": str(path)})
+    write_json(exp.json, result.rows, {**meta, "summary": result.summary, "tuning_file": str(path)})
     return 0
 
 

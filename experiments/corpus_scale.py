@@ -8,39 +8,32 @@ Issue 18's targets: tokenizing at >= 20 MB of text per second with ``tokenizers`
 machine with a peak resident memory <= 1.5 GB for a 2 GB corpus; the loader at >= 5 M real
 tokens/s per core from memory-mapped tokens with packing. MB is 2^20 bytes, GB 2^30.
 
-1. Corpus: ``--corpus-mb`` of JSONL (one ``{"text": ...}`` per line) in ``--work-dir``, made of
-   the standard library's Python files (site-packages and __pycache__ left out), cut into
-   documents at top-level definitions, repeated until the file is that large. Every copy is
-   perturbed so that no two are alike: in each file a seeded random choice of identifiers is
-   renamed and comment lines naming the copy are inserted (numpy RNG seeded by ``--seed``, the
-   copy and the file: deterministic). It is written streaming, and reused when a kept one of
-   the same size and seed is there (``corpus.meta.json`` beside it).
-2. Tokenizing: for each of ``--tokenizers``, ``jaxaccel.corpus.load_corpus`` reads the JSONL
-   into a fresh cache folder in a fresh process, ``--tokenize-batch-mb`` of text at a time. A
-   ``bpe:N`` is first trained on ``--bpe-data`` (the stdlib) alone, in its own process, and
-   cached in ``--cache-dir``; the big corpus is then tokenized with that tokenizer.json, since
-   training a BPE on gigabytes is not what is measured. A row reports the seconds inside
-   ``load_corpus`` (read, encode, write, index), MB of text per second, the cores it kept busy
-   (CPU seconds / seconds), tokens, bytes of text per target token, the process's peak
-   resident memory (its own ``VmHWM``: Linux's ``ru_maxrss`` would include the parent's peak,
-   kept across fork and exec) and the cache's size on disk; ``bpe train s`` is
-   training the tokenizer and tokenizing ``--bpe-data`` with it (n/a: read from the cache).
-3. Loader: the cached corpus is opened again (memory-mapped tokens) and
-   ``DataStream(train, strategy="pack", seq_len=--seq-len, batch_size=--batch-size)`` makes
-   ``--loader-batches`` batches on one thread; real tokens are the sum of ``weights``. ``plan
+1. Corpus: ``--corpus-mb`` of JSONL (``{"text": ...}`` a line) in ``--work-dir``: the stdlib's
+   Python files (not site-packages, __pycache__) cut at top-level definitions, copied until it
+   is that large, in each copy of a file a random choice of identifiers renamed and comment
+   lines naming the copy inserted (seeded by ``--seed``, the copy and the file). Written
+   streaming; a kept one of the same size and seed is reused (``corpus.meta.json`` beside it).
+2. Tokenizing: per tokenizer, ``load_corpus`` into a fresh cache in a fresh process,
+   ``--tokenize-batch-mb`` at a time. A ``bpe:N`` is first trained on ``--bpe-data`` alone (in
+   its own process, cached in ``--cache-dir``), since training a BPE on gigabytes is not what is
+   measured; ``bpe train s`` is training it and tokenizing ``--bpe-data`` (n/a: read from the
+   cache). ``seconds`` is inside ``load_corpus`` (read, encode, write, index), ``cores busy``
+   CPU seconds / seconds, ``bytes/token`` per target token, ``peak RSS`` the process's own
+   ``VmHWM`` (Linux's ``ru_maxrss`` would include the parent's peak, kept across fork and exec).
+3. Loader: ``DataStream(train, strategy="pack")`` on the memory-mapped cache makes
+   ``--loader-batches`` batches on one thread; real tokens are the sum of ``weights``; ``plan
    s`` is building the stream and its epoch statistics (lengths only, no token read). Three
    passes over the same batches: ``mmap, cold`` after asking the kernel to drop the token
    file's cached pages (fsync + ``POSIX_FADV_DONTNEED``; a virtual machine's host may still
-   cache them), ``mmap, warm`` (the pages the first pass read are cached) and ``memory``: the
-   same documents in an in-memory array (``np.array(tokens)`` when it takes at most a quarter
-   of the available memory, else only the documents the batches read, copied into a compact
-   array; the plan is the same). ``vs memory`` is a pass's tokens/s over the memory pass's.
+   cache them), ``mmap, warm``, and ``memory``: the same documents in an in-memory array (all
+   the tokens when they take at most a quarter of the available memory, else only the
+   documents the batches read, compacted; the plan is the same). ``vs memory`` is a pass's
+   tokens/s over the memory pass's.
 
-The tables print the targets beside the measurements; ``--json`` writes the rows (``part``:
-tokenize or loader) with the sizes, settings, command and environment. The tokenized caches
-(gigabytes) are deleted after measuring, and the generated text with them, unless ``--keep``;
-a corpus reused from an earlier run is left as it was. Ctrl-C stops the whole experiment (the
-tokenizing process too) and cleans up the same way.
+``--json`` writes the rows (``part``: tokenize or loader) with the sizes, settings, command and
+environment. Unless ``--keep``, the tokenized caches (gigabytes) are deleted after measuring,
+and the text if this run generated it; Ctrl-C stops the tokenizing process too and cleans up
+the same way.
 """
 
 import builtins
@@ -84,13 +77,13 @@ class CorpusScaleSettings:
                                          "with --keep to reuse the corpus")
     tokenizers: str = setting("bytes,bpe:32768", "comma-separated tokenizers (as --tokenizer "
                                                  "takes); a bpe:N is trained on --bpe-data")
-    bpe_data: str = setting("stdlib", "the corpus bpe:N tokenizers are trained on (as --data "
-                                      "takes)")
-    cache_dir: str | None = setting(None, "where the trained bpe:N tokenizers are cached "
-                                          "(default: $JAXACCEL_CACHE_DIR, else "
-                                          "~/.cache/jaxaccel)")
-    tokenize_batch_mb: float = setting(16.0, "MB of text tokenized at once (the memory "
-                                             "tokenizing takes)", above=0)
+    bpe_data: str = setting(
+        "stdlib", "the corpus bpe:N tokenizers are trained on (as --data takes)")
+    cache_dir: str | None = setting(
+        None, "where the trained bpe:N tokenizers are cached (default: $JAXACCEL_CACHE_DIR, else "
+        "~/.cache/jaxaccel)")
+    tokenize_batch_mb: float = setting(
+        16.0, "MB of text tokenized at once (the memory tokenizing takes)", above=0)
     seq_len: int = setting(1024, "tokens per packed row", at_least=1)
     batch_size: int = setting(16, "rows per batch", at_least=1)
     loader_batches: int = setting(500, "batches each loader pass makes (at most one epoch)",
@@ -133,7 +126,6 @@ _LETTERS = np.array(list("abcdefghijklmnopqrstuvwxyz"))
 
 
 def stdlib_files() -> list[str]:
-    """The standard library's .py files (``jaxaccel.corpus.stdlib_files``), as full paths."""
     root = stdlib_root()
     return [str(root / rel) for rel in corpus_stdlib_files(root)]
 
@@ -159,28 +151,9 @@ def perturb(text: str, names: list[str], copy: int, rng: np.random.Generator) ->
     return "\n".join(pieces + lines[previous:])
 
 
-def corpus_meta(target_bytes: int, seed: int) -> dict:
-    """What a generated corpus must match to be reused."""
-    return {"format": CORPUS_FORMAT, "target_bytes": target_bytes, "seed": seed,
-            "python": list(sys.version_info[:3]), "stdlib": str(stdlib_root())}
-
-
-def existing_corpus(path: str, meta_path: str, wanted: dict) -> dict | None:
-    """The meta of a complete corpus at ``path`` generated with ``wanted``'s settings, or None."""
-    try:
-        with open(meta_path) as f:
-            meta = json.load(f)
-        size = os.path.getsize(path)
-    except (OSError, ValueError):
-        return None
-    if any(meta.get(k) != v for k, v in wanted.items()) or meta.get("bytes") != size:
-        return None
-    return meta
-
-
 def generate_corpus(path: str, target_bytes: int, seed: int) -> dict:
-    """Writes ``path`` (JSONL, one document a line) until it holds ``target_bytes``; returns the
-    meta written beside it. Memory is the stdlib's text (about 30 MB) and one file's copy."""
+    """Writes ``path`` until it holds ``target_bytes``; what goes into the meta. Memory is the
+    stdlib's text (about 30 MB) and one file's copy."""
     files = stdlib_files()
     if not files:
         raise ConfigError(f"no .py files under {stdlib_root()}: this "
@@ -193,25 +166,23 @@ def generate_corpus(path: str, target_bytes: int, seed: int) -> dict:
         with open(tmp, "wb", buffering=8 * MB) as out:
             while written < target_bytes:
                 for i, file_path in enumerate(files):
-                    if written >= target_bytes:
-                        break
                     if i not in sources:
                         with open(file_path, "rb") as f:
                             text = f.read().decode("utf-8", errors="replace")
                         sources[i] = (text, sorted(set(_IDENTIFIER.findall(text)) - _RESERVED))
-                    text, names = sources[i]
                     rng = np.random.default_rng([seed, copy, i])
-                    for doc in _DEFINITION.split(perturb(text, names, copy, rng)):
-                        if not doc.strip():
-                            continue
-                        line = json.dumps({"text": doc}, ensure_ascii=False).encode() + b"\n"
-                        out.write(line)
-                        written += len(line)
-                        documents += 1
-                        if written >= target_bytes:
-                            break
+                    for doc in _DEFINITION.split(perturb(*sources[i], copy, rng)):
+                        if doc.strip():
+                            line = json.dumps({"text": doc}, ensure_ascii=False).encode() + b"\n"
+                            out.write(line)
+                            written += len(line)
+                            documents += 1
+                            if written >= target_bytes:
+                                break
                     if i % 64 == 0:
                         check_stop()
+                    if written >= target_bytes:
+                        break
                 copy += 1
         os.replace(tmp, path)
     finally:
@@ -244,15 +215,12 @@ except ConfigError as e:
     print(json.dumps({"error": str(e)}))
     sys.exit(2)
 seconds, cpu_s = time.perf_counter() - began, time.process_time() - cpu
-# Its own peak: Linux's ru_maxrss keeps the parent's peak across fork and exec, VmHWM does not.
 try:
-    status = open("/proc/self/status").read()
-    peak = int(status.split("VmHWM:")[1].split()[0]) * 1024
+    peak = int(open("/proc/self/status").read().split("VmHWM:")[1].split()[0]) * 1024
 except (OSError, IndexError, ValueError):
     peak = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * (
         1 if sys.platform == "darwin" else 1024)
-print(json.dumps({"seconds": seconds, "cpu_s": cpu_s, "peak_rss": peak,
-                  "stats": corpus.stats,
+print(json.dumps({"seconds": seconds, "cpu_s": cpu_s, "peak_rss": peak, "stats": corpus.stats,
                   "vocab_size": corpus.tokenizer.vocab_size,
                   "tokenizer_path": getattr(corpus.tokenizer, "path", None)}))
 """
@@ -263,8 +231,8 @@ class ChildFailed(Exception):
 
 
 def run_child(source: str, spec: str, cache_dir: str, batch_mb: float) -> dict:
-    """``load_corpus(source, tokenizer=spec, cache_dir=...)`` in a fresh Python process; what
-    it measured. A signal the experiment gets is passed on to it."""
+    """``CHILD`` for ``source`` and ``spec``: what it measured. A signal the experiment gets is
+    passed on to it."""
     env = {**os.environ,
            "PYTHONPATH": os.pathsep.join(filter(None, [REPO, os.environ.get("PYTHONPATH")]))}
     began = time.perf_counter()
@@ -274,10 +242,9 @@ def run_child(source: str, spec: str, cache_dir: str, batch_mb: float) -> dict:
     with passing_signals_to(proc.send_signal):
         out, err = proc.communicate()
     check_stop()
-    lines = out.strip().splitlines()
     try:
-        result = json.loads(lines[-1]) if lines else {}
-    except ValueError:
+        result = json.loads(out.strip().splitlines()[-1])
+    except (IndexError, ValueError):
         result = {}
     if "error" in result:
         raise ConfigError(result["error"])
@@ -290,13 +257,8 @@ def run_child(source: str, spec: str, cache_dir: str, batch_mb: float) -> dict:
 
 
 def folder_bytes(path: str) -> int:
-    """Bytes of the files under ``path``."""
     return sum(os.path.getsize(os.path.join(d, f)) for d, _, files in os.walk(path)
                for f in files)
-
-
-def slug(spec: str) -> str:
-    return re.sub(r"[^A-Za-z0-9_.-]+", "-", os.path.basename(spec.rstrip("/")))[-60:]
 
 
 def verdict(met: bool) -> str:
@@ -304,10 +266,8 @@ def verdict(met: bool) -> str:
 
 
 def tokenize_row(exp: CorpusScaleSettings, spec: str, corpus_path: str, cache_dir: str) -> dict:
-    """Trains ``spec`` first if it is a bpe:N, then tokenizes the corpus with it into the fresh
-    ``cache_dir``; the table row."""
     kind, _ = parse_spec(spec)
-    tokenizer, train, reused = spec, None, False
+    tokenizer, trained = spec, None
     if kind == "bpe":
         cache = str(cache_root(exp.cache_dir))
         before = set(os.listdir(cache)) if os.path.isdir(cache) else set()
@@ -315,37 +275,28 @@ def tokenize_row(exp: CorpusScaleSettings, spec: str, corpus_path: str, cache_di
               flush=True)
         train = run_child(exp.bpe_data, spec, cache, exp.tokenize_batch_mb)
         tokenizer = train["tokenizer_path"]
-        reused = os.path.basename(tokenizer) in before
+        trained = None if os.path.basename(tokenizer) in before else train    # None: cached
     shutil.rmtree(cache_dir, ignore_errors=True)
     print(f"tokenizing {corpus_path} with {spec} ...", flush=True)
     result = run_child(corpus_path, tokenizer, cache_dir, exp.tokenize_batch_mb)
-    stats = result["stats"]
+    stats, seconds, peak = result["stats"], result["seconds"], result["peak_rss"]
     text = stats["train_text_bytes"] + stats["val_text_bytes"]
+    mb_per_s = text / MB / seconds
     docs = stats["train_documents"] + stats["val_documents"]
     tokens = stats["train_tokens"] + stats["val_tokens"]
-    mb_per_s = text / MB / result["seconds"]
     return {
-        "part": "tokenize",
-        "tokenizer": spec,
+        "part": "tokenize", "tokenizer": spec,
         "tokenizer_file": None if kind == "bytes" else tokenizer,
-        "vocab_size": result["vocab_size"],
-        "text_mb": text / MB,
-        "documents": docs,
-        "tokens": tokens,
-        "bytes_per_token": text / (tokens - docs),        # per target token (BOS is none)
-        "seconds": result["seconds"],
-        "process_s": result["process_s"],
-        "mb_per_s": mb_per_s,
-        "cpu_s": result["cpu_s"],
-        "cores_used": result["cpu_s"] / result["seconds"],
-        "peak_rss_mb": result["peak_rss"] / MB,
-        "cache_mb": folder_bytes(cache_dir) / MB,
-        "cache_dir": cache_dir,
-        "speed_target": verdict(mb_per_s >= TOKENIZE_MB_PER_S),
-        "memory_target": verdict(result["peak_rss"] <= TOKENIZE_PEAK_BYTES),
-        "train_s": train["seconds"] if train and not reused else None,    # None: cached
-        "train_peak_rss_mb": train["peak_rss"] / MB if train and not reused else None,
-        "tokenizer_cached": reused,
+        "vocab_size": result["vocab_size"], "text_mb": text / MB, "documents": docs,
+        "tokens": tokens, "bytes_per_token": text / (tokens - docs),    # BOS is no target
+        "seconds": seconds, "process_s": result["process_s"], "mb_per_s": mb_per_s,
+        "cpu_s": result["cpu_s"], "cores_used": result["cpu_s"] / seconds,
+        "peak_rss_mb": peak / MB, "cache_mb": folder_bytes(cache_dir) / MB,
+        "cache_dir": cache_dir, "speed_target": verdict(mb_per_s >= TOKENIZE_MB_PER_S),
+        "memory_target": verdict(peak <= TOKENIZE_PEAK_BYTES),
+        "train_s": trained["seconds"] if trained else None,
+        "train_peak_rss_mb": trained["peak_rss"] / MB if trained else None,
+        "tokenizer_cached": kind == "bpe" and trained is None,
     }
 
 
@@ -365,11 +316,14 @@ class _Reading(Documents):
         return super().__getitem__(i)
 
 
+def packed(documents, exp: CorpusScaleSettings) -> DataStream:
+    return DataStream(documents, strategy="pack", seq_len=exp.seq_len,
+                      batch_size=exp.batch_size, seed=exp.seed)
+
+
 def loader_pass(documents, exp: CorpusScaleSettings) -> dict:
-    """Plans an epoch of packed batches and makes the first ``loader_batches`` on this thread."""
     began = time.perf_counter()
-    stream = DataStream(documents, strategy="pack", seq_len=exp.seq_len,
-                        batch_size=exp.batch_size, seed=exp.seed)
+    stream = packed(documents, exp)
     stats = stream.stats
     plan_s = time.perf_counter() - began
     count = min(exp.loader_batches, stats["batches_per_epoch"])
@@ -387,35 +341,28 @@ def loader_pass(documents, exp: CorpusScaleSettings) -> dict:
 
 
 def drop_cached_pages(path: str) -> bool:
-    """Asks the kernel to drop ``path``'s pages from its page cache (written back first); False
-    where there is no posix_fadvise."""
+    """False where there is no posix_fadvise."""
     if not hasattr(os, "posix_fadvise"):
         return False
-    fd = os.open(path, os.O_RDONLY)
-    try:
-        os.fsync(fd)
-        os.posix_fadvise(fd, 0, 0, os.POSIX_FADV_DONTNEED)
-    finally:
-        os.close(fd)
+    with open(path, "rb") as f:
+        os.fsync(f.fileno())
+        os.posix_fadvise(f.fileno(), 0, 0, os.POSIX_FADV_DONTNEED)
     return True
 
 
 def in_memory(train: Documents, exp: CorpusScaleSettings) -> tuple[Documents, str]:
-    """``train``'s documents backed by an in-memory array: the whole token array if it takes at
-    most a quarter of the available memory, else only the documents the measured batches read
-    (found by an untimed pass), in a compact array; and which it is."""
-    tokens = train.tokens
-    if tokens.nbytes <= host_memory_bytes() // 4:
-        return Documents(np.array(tokens), train.starts, train.lengths), "memory"
+    """``train`` backed by an in-memory array, and its ``source``; the documents the batches
+    read are found by an untimed pass."""
+    if train.tokens.nbytes <= host_memory_bytes() // 4:
+        return Documents(np.array(train.tokens), train.starts, train.lengths), "memory"
     reading = _Reading(train)
-    stream = DataStream(reading, strategy="pack", seq_len=exp.seq_len,
-                        batch_size=exp.batch_size, seed=exp.seed)
+    stream = packed(reading, exp)
     for _ in range(min(exp.loader_batches, stream.batches_per_epoch)):
         next(stream)
     read = np.array(sorted(reading.read), dtype=np.int64)
     lengths = train.lengths[read]
     offsets = np.cumsum(lengths) - lengths
-    compact = np.empty(int(lengths.sum()), dtype=tokens.dtype)
+    compact = np.empty(int(lengths.sum()), dtype=train.tokens.dtype)
     for doc, offset, length in zip(read.tolist(), offsets.tolist(), lengths.tolist()):
         compact[offset : offset + length] = train[doc]
     starts = np.zeros(len(train), dtype=np.int64)     # documents never read: never sliced
@@ -425,72 +372,44 @@ def in_memory(train: Documents, exp: CorpusScaleSettings) -> tuple[Documents, st
 
 def loader_rows(exp: CorpusScaleSettings, spec: str, corpus_path: str, cache_dir: str,
                 tokenizer: str) -> list[dict]:
-    """The three loader passes over the corpus tokenized into ``cache_dir``."""
     began = time.perf_counter()
-    corpus = load_corpus(corpus_path, tokenizer=tokenizer, cache_dir=cache_dir,
-                         tokenize_batch_mb=exp.tokenize_batch_mb)
+    train = load_corpus(corpus_path, tokenizer=tokenizer, cache_dir=cache_dir,
+                        tokenize_batch_mb=exp.tokenize_batch_mb).train
     load_s = time.perf_counter() - began
-    train = corpus.train
-    token_file = getattr(train.tokens, "filename", None)
-    rows = []
     base = {"part": "loader", "tokenizer": spec, "documents": len(train),
             "train_tokens": int(train.lengths.sum()), "load_s": load_s}
+    token_file = getattr(train.tokens, "filename", None)
     cold = token_file is not None and drop_cached_pages(token_file)
-    rows.append({**base, "source": "mmap, cold" if cold else "mmap",
-                 **loader_pass(train, exp)})
-    rows.append({**base, "source": "mmap, warm", **loader_pass(train, exp)})
+    rows = [{**base, "source": "mmap, cold" if cold else "mmap", **loader_pass(train, exp)},
+            {**base, "source": "mmap, warm", **loader_pass(train, exp)}]
     began = time.perf_counter()
     documents, source = in_memory(train, exp)
     copy_s = time.perf_counter() - began
     rows.append({**base, "source": source, "copy_s": copy_s, **loader_pass(documents, exp)})
     del documents
-    memory_rate = rows[-1]["tokens_per_s"]
     for row in rows:
-        row["vs_memory"] = row["tokens_per_s"] / memory_rate
+        row["vs_memory"] = row["tokens_per_s"] / rows[-1]["tokens_per_s"]
         row["loader_target"] = verdict(row["tokens_per_s"] >= LOADER_TOKENS_PER_S)
     return rows
 
 
 # ---------------------------------------------------------------------------------------------
 
-def tokenize_targets(rows: list[dict], corpus_mb: float) -> list[str]:
-    scale = ("" if corpus_mb >= TARGET_CORPUS_MB else
-             f" (measured on {corpus_mb:g} MB; the target is for {TARGET_CORPUS_MB} MB)")
-    lines = []
-    for r in rows:
-        library = ("" if r["tokenizer_file"] else
-                   " (bytes needs no tokenizers library: for reference)")
-        lines.append(f"tokenizing >= {TOKENIZE_MB_PER_S:g} MB/s of text, {r['tokenizer']}: "
-                     f"{r['mb_per_s']:.1f} MB/s on {r['cores_used']:.2f} busy cores: "
-                     f"{r['speed_target']}{library}")
-        lines.append(f"peak RSS <= 1.5 GB, {r['tokenizer']}: {r['peak_rss_mb']:,.0f} MB: "
-                     f"{r['memory_target']}{scale}")
-    return lines
-
-
-def loader_targets(rows: list[dict]) -> list[str]:
-    return [f">= {LOADER_TOKENS_PER_S / 1e6:g} M real tokens/s per core with packing, "
-            f"{r['tokenizer']} {r['source']}: {r['tokens_per_s'] / 1e6:.2f} M/s "
-            f"({r['vs_memory']:.2f}x the in-memory pass): {r['loader_target']}"
-            for r in rows if r["source"].startswith("mmap")]
-
-
 def remove(path: str) -> float:
     """Deletes a file or folder if it exists; the MB it held."""
     if os.path.isdir(path):
         size = folder_bytes(path)
         shutil.rmtree(path, ignore_errors=True)
-        return size / MB
-    if os.path.exists(path):
+    elif os.path.exists(path):
         size = os.path.getsize(path)
         os.remove(path)
-        return size / MB
-    return 0.0
+    else:
+        return 0.0
+    return size / MB
 
 
 def rows(cfg: CorpusScaleConfig) -> list[Row]:
-    """A row per tokenizer (its tokenize row and its three loader passes); every setting
-    checked before any work."""
+    """A row per tokenizer; every setting checked before any work."""
     exp = cfg.experiment
     specs = parse_list(exp.tokenizers, "experiment.tokenizers")
     kinds = [parse_spec(spec)[0] for spec in specs]   # a bad spec: one error line, before work
@@ -506,15 +425,16 @@ def rows(cfg: CorpusScaleConfig) -> list[Row]:
             not os.path.exists(os.path.expanduser(exp.bpe_data)):
         raise ConfigError(f"bpe_data {exp.bpe_data} does not exist; pass stdlib or a corpus "
                           f"path", field="experiment.bpe_data")
-    return [Row(spec, fields={"cache": f"cache-{i}-{slug(spec)}"})
-            for i, spec in enumerate(specs)]
+    slugs = [re.sub(r"[^A-Za-z0-9_.-]+", "-", os.path.basename(s.rstrip("/")))[-60:]
+             for s in specs]
+    return [Row(spec, fields={"cache": f"cache-{i}-{slug}"})
+            for i, (spec, slug) in enumerate(zip(specs, slugs))]
 
 
 def workspace(cfg: CorpusScaleConfig) -> dict:
-    """The work folder (made here) and where the corpus goes; the corpus itself is generated
-    (or found) by the first row."""
-    exp = cfg.experiment
-    work_dir = exp.work_dir or os.path.join("runs", time.strftime("corpus-scale-%Y%m%d"))
+    """The work folder (made here); the first row generates (or finds) the corpus."""
+    default = os.path.join("runs", time.strftime("corpus-scale-%Y%m%d"))
+    work_dir = cfg.experiment.work_dir or default
     check_writable("experiment.work_dir", work_dir, may_create=True)
     created = not os.path.exists(work_dir)
     os.makedirs(work_dir, exist_ok=True)
@@ -523,34 +443,41 @@ def workspace(cfg: CorpusScaleConfig) -> dict:
             "meta_path": os.path.join(work_dir, "corpus.meta.json")}
 
 
-def the_corpus(exp: CorpusScaleSettings, ws: dict) -> dict:
-    """The corpus of ``--corpus-mb`` and ``--seed``: a kept one reused, else generated."""
-    if ws["corpus"] is None:
-        target_bytes = max(1, round(exp.corpus_mb * MB))
-        wanted = corpus_meta(target_bytes, exp.seed)
-        corpus = existing_corpus(ws["corpus_path"], ws["meta_path"], wanted)
-        if corpus is None:
-            remove(ws["meta_path"])
-            print(f"generating {exp.corpus_mb:g} MB of perturbed stdlib copies into "
-                  f"{ws['corpus_path']} ...", flush=True)
-            ws["generated"] = True
-            corpus = {**wanted, **generate_corpus(ws["corpus_path"], target_bytes,
-                                                  exp.seed)}
-            with open(ws["meta_path"], "w") as f:
-                json.dump(corpus, f, indent=2)
-        print(f"corpus {ws['corpus_path']}: {corpus['bytes'] / MB:,.1f} MB, "
-              f"{corpus['documents']:,} documents from {corpus['copies']} perturbed "
-              f"cop{'y' if corpus['copies'] == 1 else 'ies'} (the last one partial) of "
-              f"{corpus['stdlib_files']:,} stdlib files"
-              + (f", generated in {corpus['generate_s']:.1f} s" if ws["generated"] else
-                 " (reused)"), flush=True)
-        ws["corpus"] = corpus
-    return ws["corpus"]
+def the_corpus(exp: CorpusScaleSettings, ws: dict):
+    """Sets ``ws["corpus"]`` once: a kept corpus of the same settings, else a generated one."""
+    if ws["corpus"] is not None:
+        return
+    target_bytes = max(1, round(exp.corpus_mb * MB))
+    wanted = {"format": CORPUS_FORMAT, "target_bytes": target_bytes, "seed": exp.seed,
+              "python": list(sys.version_info[:3]), "stdlib": str(stdlib_root())}
+    try:
+        with open(ws["meta_path"]) as f:
+            corpus = json.load(f)
+        if any(corpus.get(k) != v for k, v in wanted.items()) or \
+                corpus.get("bytes") != os.path.getsize(ws["corpus_path"]):
+            corpus = None
+    except (OSError, ValueError):
+        corpus = None
+    if corpus is None:
+        remove(ws["meta_path"])
+        print(f"generating {exp.corpus_mb:g} MB of perturbed stdlib copies into "
+              f"{ws['corpus_path']} ...", flush=True)
+        ws["generated"] = True
+        corpus = {**wanted, **generate_corpus(ws["corpus_path"], target_bytes, exp.seed)}
+        with open(ws["meta_path"], "w") as f:
+            json.dump(corpus, f, indent=2)
+    print(f"corpus {ws['corpus_path']}: {corpus['bytes'] / MB:,.1f} MB, "
+          f"{corpus['documents']:,} documents from {corpus['copies']} perturbed "
+          f"cop{'y' if corpus['copies'] == 1 else 'ies'} (the last one partial) of "
+          f"{corpus['stdlib_files']:,} stdlib files"
+          + (f", generated in {corpus['generate_s']:.1f} s" if ws["generated"] else
+             " (reused)"), flush=True)
+    ws["corpus"] = corpus
 
 
 def measure(run: RowRun) -> list[dict]:
-    """Tokenize the corpus with the row's tokenizer, then time the loader on it; a failed
-    tokenizing process is the row's status (exit code 1 after the report)."""
+    """The row's tokenize row and loader rows; a failed tokenizing process is the row's status
+    (exit code 1 after the report)."""
     exp, ws, spec = run.cfg.experiment, run.shared, run.row.label
     the_corpus(exp, ws)
     cache_dir = os.path.join(ws["work_dir"], run.row.fields["cache"])
@@ -565,8 +492,8 @@ def measure(run: RowRun) -> list[dict]:
 
 
 def clean_up(cfg: CorpusScaleConfig, ws: dict) -> dict:
-    """Without --keep: delete the tokenized caches, and the corpus if this run generated it.
-    The corpus's description and where it is, for the meta."""
+    """Without --keep: delete the caches, and the corpus if this run generated it; the meta's
+    keys on the corpus."""
     if not cfg.experiment.keep:
         removed = sum(remove(c) for c in ws["caches"])
         if ws["generated"]:
@@ -596,10 +523,22 @@ def tables(cfg: CorpusScaleConfig, rows: list[dict], meta: dict) -> list:
 
 
 def conclude(cfg: CorpusScaleConfig, rows: list[dict]) -> list[str]:
+    corpus_mb, lines = cfg.experiment.corpus_mb, []
+    scale = ("" if corpus_mb >= TARGET_CORPUS_MB else
+             f" (measured on {corpus_mb:g} MB; the target is for {TARGET_CORPUS_MB} MB)")
     ran = [r for r in rows if "status" not in r]
-    return (tokenize_targets([r for r in ran if r["part"] == "tokenize"],
-                             cfg.experiment.corpus_mb)
-            + loader_targets([r for r in ran if r["part"] == "loader"]))
+    for r in (r for r in ran if r["part"] == "tokenize"):
+        library = ("" if r["tokenizer_file"] else
+                   " (bytes needs no tokenizers library: for reference)")
+        lines.append(f"tokenizing >= {TOKENIZE_MB_PER_S:g} MB/s of text, {r['tokenizer']}: "
+                     f"{r['mb_per_s']:.1f} MB/s on {r['cores_used']:.2f} busy cores: "
+                     f"{r['speed_target']}{library}")
+        lines.append(f"peak RSS <= 1.5 GB, {r['tokenizer']}: {r['peak_rss_mb']:,.0f} MB: "
+                     f"{r['memory_target']}{scale}")
+    return lines + [f">= {LOADER_TOKENS_PER_S / 1e6:g} M real tokens/s per core with packing, "
+                    f"{r['tokenizer']} {r['source']}: {r['tokens_per_s'] / 1e6:.2f} M/s "
+                    f"({r['vs_memory']:.2f}x the in-memory pass): {r['loader_target']}"
+                    for r in ran if r["part"] == "loader" and r["source"].startswith("mmap")]
 
 
 def meta(cfg: CorpusScaleConfig, rows: list[dict]) -> dict:

@@ -6,65 +6,19 @@ the model to the same quality, here.
     python -m experiments.speedup --rows all         # every technique row
     python -m experiments.speedup --rows pack,bf16,best --json speedup.json
 
-The measure is time to quality, as in MLPerf's time-to-train: every row trains the same model
-from the same seed on the same batches of the corpus until its validation loss reaches a target
-(``--target-bpb``; default the corpus's unigram entropy minus ``--target-gap``, 1 bit per byte:
-a model that has clearly learned), judged every ``--eval-every`` steps on the same validation
-batches (``run.target_bpb``). A row that does not get there gives up at ``--time-cap`` times
-the baseline's training seconds to the target, or at the preset's ``--train-tokens`` (which
-every row's learning-rate schedule spans alike), and the table says so. A row's time to target
-counts training alone (evaluation and start-up excluded); the table gives it with the compile
-seconds too, and the steps and real tokens it took.
+README.md (its headline section) describes the measure, the rows, the rounds and their
+verdicts, the best combination and the report; docs/DESIGN.md how the experiment is declared on
+the experiments' harness (``experiments.common.Experiment``). Besides:
 
-The baseline is the naive run: fixed padding, float32, no remat, xla attention, AdamW, one
-device. Each technique row switches one thing on (dynamic padding, length buckets, packing,
-bf16, fp16 with dynamic loss scaling, FP8 matmuls where a GPU has FP8 tensor cores, each remat
-policy, our Pallas flash attention where a GPU is present, token dropping, 2:4 sparse weights,
-importance sampling, Lion, LAMB, gradient accumulation, dp and fsdp sharding over all devices).
-By default the core rows run (``DEFAULT_ROWS``); ``--rows all`` runs every one. The ``best`` row
-combines, per group, the row that reached the target soonest, if it was faster in every round
-and by at least ``--speed-margin`` (sparsity is never combined: without an N:M sparse kernel, in
-jax none, the masked weights multiply densely; importance sampling only without a padding row:
-it draws rows of fixed batching); ``--best`` names the rows to combine instead. A combination
-that loses quality (token dropping) then arrives later, or never, and the table shows it.
-
-The padding rows size their batches to hold as many real tokens as the baseline's
-``--batch-size`` rows (``bucket`` through a token budget), so each optimizer step sees about the
-same real tokens; the combination re-matches its padding row's batch after rounding the rows to
-the devices x microbatches.
-
-A busy machine must not decide the verdict, so the rows train in ``--rounds`` rounds (default
-2), taking turns, the baseline first: each round trains every row afresh to its target (the
-compilation cache makes the repeat cheap). A row's speedup in a round is the baseline's time to
-target in that round over the row's; its speedup is their median and its spread their
-half-range. Its verdict is ``faster`` or ``slower`` only when every round says so by at least
-``--speed-margin`` (3 %), else ``cannot tell``: load can blur a verdict, never reverse it, and a
-difference of a percent or two, which moved from run to run on a quiet machine, decides
-nothing. The best row takes turns with the baseline trained again, and is measured against
-that.
-
-Each row's round runs ``python -m experiments.train --config <row>/round-<k>/config.yaml`` in a
-process of its own (the command is in the JSON), so the device's peak memory, the compile
-counts and a failure belong to that row alone. On a CPU every process sees ``--cpu-devices``
-devices (default: one per core) so that the sharding rows have devices to split over; the
-other rows use the first one. ``--profile START:STOP`` traces those steps in every row's first
-round.
-
-The model is any model: a GPT preset (the presets' own: ``tiny`` at 2 x 128 on the CPU,
-``small`` on a GPU) or a factory of one's own, ``--model FILE.py:FUNCTION`` (``--model-args``
-for its arguments; the presets' GPT fields, ``gpt.*``, are then left out, and so are the rows
-that set them: ``flash`` is jaxaccel's GPT's attention). Before any row trains, every row's
-config is validated and, for a factory, each row's model is built abstractly in a CPU process
-of its own and checked as a run checks it (``loop.preflight``); a row whose model cannot train
-so is skipped with that reason.
-
-The run directory gets ``report.md`` (the table, one line per technique on its measured effect,
-the combination, the targets and the experiment's wall-clock), ``time_to_target.png``,
-``tokens_per_s.png``, ``memory.png``, ``loss_curves.png`` and one directory per row.
-
-It is declared on the experiments' harness (``experiments.common.Experiment``) as the others
-are: the rounds are its ``rounds`` and ``combine``, the best row and the baseline trained again
-its ``followup`` plan, the report its ``report``.
+- each round of a row runs ``python -m experiments.train`` in a process of its own, so the
+  device's peak memory, the compile counts and a failure belong to that row alone; on a CPU
+  every process sees ``--cpu-devices`` devices (the sharding rows split over them, the others
+  use the first), and ``--profile START:STOP`` traces those steps in every row's first round;
+- the padding rows size their batches (``bucket`` through a token budget) to hold the
+  baseline's real tokens per step; the combination re-matches its padding row's batch after
+  rounding the rows to the devices x microbatches;
+- this process never holds a device (a GPU's memory stays the rows'): the devices are probed,
+  and a factory's models checked (``check_models``), in processes of their own.
 """
 
 import argparse
@@ -80,8 +34,7 @@ import sys
 import time
 
 from experiments.common import (PARENT_PID, Experiment, Row, RowRun, Unmeasurable, check_stop,
-                                config_of,
-                                first, gpt_shape, main_of, matched_batch, parse_list,
+                                config_of, first, gpt_shape, main_of, matched_batch, parse_list,
                                 passing_signals_to, plot_loss_curves, stack_depth,
                                 stop_requested, technique as done)
 from jaxaccel.config import TrainConfig, build, describe_error, flatten, override, setting, \
@@ -133,7 +86,7 @@ class Technique:
     group: str
     description: str
     settings: dict
-    needs: str | None = None   # "gpu" or "devices" (more than one)
+    needs: str | None = None   # "gpu", "fp8" (FP8 tensor cores) or "devices" (more than one)
 
 
 TECHNIQUES = [
@@ -171,7 +124,8 @@ TECHNIQUES = [
     Technique("best", "combination", "the best combination", {}),
 ]
 BY_NAME = {t.name: t for t in TECHNIQUES}
-# The groups whose soonest row the best row combines (sparsity never: see the docstring).
+# The groups whose soonest row the best row combines; never sparsity: with no N:M sparse kernel
+# in jax, its masked weights multiply densely.
 GROUPS = ("padding", "precision", "remat", "attention", "token dropping", "accumulation",
           "sharding", "optimizer", "sampling")
 DEFAULT_ROWS = ("pack", "bf16", "remat-dots", "accumulate", "fsdp", "token-drop", "best")
@@ -211,8 +165,7 @@ SpeedupConfig = config_of(SpeedupSettings)
 
 @functools.cache
 def probe_devices(cpu_devices: int) -> dict:
-    """The platform, kind and count of the devices a row's process sees, asked in a process of
-    its own so that this one never holds a device (a GPU's memory stays the rows')."""
+    """The platform, kind and count of the devices a row's process sees, asked in a process."""
     code = ("import json, jax; d = jax.devices(); print(json.dumps({'platform': d[0].platform, "
             "'device_kind': d[0].device_kind, 'device_count': len(d), "
             "'compute_capability': getattr(d[0], 'compute_capability', None), "
@@ -226,20 +179,17 @@ def probe_devices(cpu_devices: int) -> dict:
 
 
 def row_environment(cpu_devices: int) -> dict:
-    """A row process's environment: its CPU devices, and this process as the parent it dies
-    with (``experiments.common.die_with_parent``)."""
+    """A row process's environment: its CPU devices, and this process as its parent."""
     return {**os.environ, "JAX_NUM_CPU_DEVICES": str(cpu_devices),
             PARENT_PID: str(os.getpid())}
 
 
 def devices_of(cfg: SpeedupConfig) -> dict:
-    """The devices a row's process sees (probed once per count of CPU devices)."""
     return probe_devices(cfg.experiment.cpu_devices or os.cpu_count() or 1)
 
 
 def preset(argv: list[str]) -> dict:
-    """The defaults: the experiment's, then the preset of ``--scale`` (auto: gpu when the
-    probe sees a GPU)."""
+    """The defaults: the experiment's, then the preset of ``--scale``."""
     early = argparse.ArgumentParser(add_help=False)
     early.add_argument("--scale", choices=SCALES, default="auto")
     early.add_argument("--cpu-devices", type=int, default=None)
@@ -252,19 +202,17 @@ def preset(argv: list[str]) -> dict:
 
 def scale_of(scale: str, cpu_devices: int | None) -> str:
     """``--scale``, auto resolved: gpu when the rows' processes see a GPU."""
-    if scale != "auto":
-        return scale
-    return "gpu" if probe_devices(cpu_devices or os.cpu_count() or 1)["platform"] == "gpu" \
-        else "cpu"
+    if scale == "auto":
+        gpu = probe_devices(cpu_devices or os.cpu_count() or 1)["platform"] == "gpu"
+        scale = "gpu" if gpu else "cpu"
+    return scale
 
 
 def prepare(cfg: SpeedupConfig) -> SpeedupConfig:
-    """The scale and the CPU devices resolved, the flags checked (before the corpus is read),
-    then the target set from the corpus."""
+    """The scale and CPU devices resolved, the flags checked, then the target set."""
     exp = cfg.experiment
     cfg = override(cfg, {"experiment.scale": scale_of(exp.scale, exp.cpu_devices),
                          "experiment.cpu_devices": exp.cpu_devices or os.cpu_count() or 1})
-    exp = cfg.experiment
     names = parse_rows(exp.rows)
     if cfg.data.tokens_per_batch is not None:
         raise ConfigError("the baseline's batch is batch_size rows; leave tokens_per_batch unset",
@@ -284,21 +232,18 @@ def prepare(cfg: SpeedupConfig) -> SpeedupConfig:
 
 
 def parse_rows(text: str) -> list[str]:
-    """``experiment.rows``: comma-separated row names, or ``all``."""
     if text.strip() == "all":
         return [t.name for t in TECHNIQUES]
     return parse_list(text, "experiment.rows", valid=BY_NAME)
 
 
 def best_names(cfg: SpeedupConfig) -> list[str]:
-    """The rows ``--best`` names (none: chosen from the measurements)."""
     best = cfg.experiment.best
     return parse_list(best, "experiment.best", valid=BY_NAME) if best else []
 
 
 def train_config(cfg: SpeedupConfig, settings: dict, run_dir: str | None) -> TrainConfig:
-    """A row's TrainConfig: the experiment's training settings, the baseline, then ``settings``
-    (every row validates on the same batches: the baseline's rows)."""
+    """A row's TrainConfig: the experiment's training settings, the baseline, then ``settings``."""
     base = TrainConfig(**{f.name: getattr(cfg, f.name) for f in dataclasses.fields(TrainConfig)})
     baseline = {k: v for k, v in BASELINE.items()
                 if is_preset(cfg.model.name) or not k.startswith(GPT_SECTION)}
@@ -311,20 +256,19 @@ def resolve_target(cfg: SpeedupConfig, corpus) -> SpeedupConfig:
     the train split's tokens, in bits per byte) minus ``--target-gap``."""
     if cfg.run.target_bpb is not None:
         return cfg
-    target = corpus.unigram_bits_per_byte() - cfg.experiment.target_gap
+    unigram = corpus.unigram_bits_per_byte()
+    target = unigram - cfg.experiment.target_gap
     if target <= 0:
         raise ConfigError(f"target_gap={cfg.experiment.target_gap:g} leaves no target below the "
-                          f"corpus's unigram entropy of {corpus.unigram_bits_per_byte():.3f} "
-                          f"bits per byte; pass a smaller --target-gap or --target-bpb",
+                          f"corpus's unigram entropy of {unigram:.3f} bits per byte; pass a "
+                          f"smaller --target-gap or --target-bpb",
                           field="experiment.target_gap")
     return override(cfg, {"run.target_bpb": round(target, 4)})
 
 
 def row_settings(cfg: SpeedupConfig, technique: Technique, documents,
                  depth: int | None = None) -> dict:
-    """The settings a row changes from the baseline (batch sizes matched for padding rows);
-    ``depth``: the blocks of the model's stack (None: not known yet, ``check_models`` fills in
-    what depends on it)."""
+    """The settings a row changes from the baseline (batch sizes matched for padding rows)."""
     settings = dict(technique.settings)
     if technique.group == "padding":
         settings.update(matched_batch(documents, cfg, settings["data.batching"]))
@@ -336,34 +280,23 @@ def row_settings(cfg: SpeedupConfig, technique: Technique, documents,
 
 def with_depth(name: str, settings: dict, depth: int | None) -> dict:
     """A row's settings with what depends on the model's depth: the token-drop row drops in the
-    last layer of a model under 3 layers (the default middle half of a shallow model is
-    empty)."""
+    last layer of a model under 3 layers (whose default middle half is empty)."""
     if name == "token-drop" and depth is not None and depth < 3:
         settings = {**settings, "token_drop.layers": f"{depth - 1}:{depth}"}
     return settings
 
 
-def model_depth(cfg: SpeedupConfig) -> int | None:
-    """The depth of a GPT preset's stack (pure Python: this process holds no device); None for
-    a factory, whose model only ``check_models`` builds."""
-    shape = gpt_shape(cfg)
-    return shape.n_layers if shape else None
-
-
 # ---------------------------------------------------------------------------------------------
-# A model of one's own: every row's model checked before any row trains, in a CPU process (this
-# one never holds a device: a GPU's memory stays the rows').
+# A model of one's own: every row's model checked before any row trains, in a CPU process.
 
 CHECK_MODELS = ("import json, sys; from experiments.speedup import check_models; "
                 "print(json.dumps(check_models(json.load(sys.stdin))))")
 
 
 def check_factory_rows(cfg: SpeedupConfig, settings_of: dict[str, dict],
-                       devices: dict) -> tuple[int | None, dict[str, dict], dict[str, str]]:
-    """``(depth, settings, reasons)`` for a factory's rows: the depth of its stack, each row's
-    settings completed (``with_depth``), and why each row that cannot train its model so is
-    skipped (``check_models``, run in a CPU process of its own). A baseline that cannot train,
-    or a factory that does not build, is one ConfigError line before any work."""
+                       devices: dict) -> tuple[dict[str, dict], dict[str, str]]:
+    """``(settings, reasons)`` for a factory's rows, from ``check_models``; a ConfigError when
+    the baseline cannot train or the factory does not build."""
     request = {"config": flatten(to_dict(train_config(cfg, {}, run_dir=None))),
                "rows": settings_of, "device_count": devices["device_count"]}
     env = {**os.environ, "JAX_PLATFORMS": "cpu", "JAX_NUM_CPU_DEVICES": "1"}
@@ -380,17 +313,15 @@ def check_factory_rows(cfg: SpeedupConfig, settings_of: dict[str, dict],
     if rows.get("baseline", {}).get("reason"):
         raise ConfigError(f"the baseline cannot train {cfg.model.name}: "
                           f"{rows['baseline']['reason']}", field="model.name")
-    return (answer["depth"], {name: row["settings"] for name, row in rows.items()},
+    return ({name: row["settings"] for name, row in rows.items()},
             {name: row["reason"] for name, row in rows.items() if row["reason"]})
 
 
 def check_models(request: dict) -> dict:
-    """In the CPU process of ``check_factory_rows``: the depth of the model's stack (None without one)
-    and, for each row (``request["rows"]``: name -> settings over the baseline's config,
-    ``request["config"]``), its settings completed and why its model cannot train (None when
-    it can): the run's own checks before any work (``TrainConfig.validate``,
-    ``loop.preflight``: the model built abstractly with every technique, its contract, its
-    splits over the row's mesh, the remat policy's tags)."""
+    """In the CPU process of ``check_factory_rows``: the depth of the model's stack and, for
+    each row (``request["rows"]``: name -> settings over ``request["config"]``), its settings
+    completed and why its model cannot train (None when it can), by the run's own checks
+    (``TrainConfig.validate``, ``loop.preflight``)."""
     from jaxaccel.loop import preflight
     from jaxaccel.sharding import mesh_shape, parse_mesh
 
@@ -432,9 +363,7 @@ def skip_reason(technique: Technique, devices: dict, model_name: str = "tiny") -
 
 
 def choose_best(rows: dict[str, dict], margin: float) -> list[tuple[str, str]]:
-    """(row, why) for each technique the measurements recommend combining: per group, the row
-    that reached the target soonest, if it was faster (``verdict``: in every round) and by at
-    least ``margin``; importance sampling only when no padding row is chosen."""
+    """(row, why) per group: the row that reached the target soonest, if faster by ``margin``."""
     ran = [r for r in rows.values() if r["status"] == "ran" and r["name"] != "baseline"]
     picks = []
     for group in GROUPS:
@@ -459,8 +388,8 @@ def _speed(row: dict) -> str:
 
 
 def best_groups(names: list[str]) -> dict[str, str]:
-    """The group of each row the best row combines (``--best``), by group; ConfigError for a
-    name that is no technique row or two rows of one group (checked before any row runs)."""
+    """The row of each group the best row combines (``--best``); ConfigError for a name that is
+    no technique row or two rows of one group."""
     groups = {}
     for name in names:
         group = BY_NAME[name].group
@@ -475,12 +404,9 @@ def best_groups(names: list[str]) -> dict[str, str]:
 
 
 def combine(settings_of: dict[str, dict], names: list[str], device_count: int) -> dict:
-    """The settings of the named rows together; the batch rounded up to split over the devices
-    (when a sharding row is among them) times the microbatches."""
+    """The settings of the named rows together, the batch rounded up to ``batch_multiple``."""
     groups = best_groups(names)
-    settings = {}
-    for name in names:
-        settings.update(settings_of[name])
+    settings = {key: value for name in names for key, value in settings_of[name].items()}
     multiple = batch_multiple(settings, groups, device_count)
     if settings.get("data.batch_size"):
         settings["data.batch_size"] = -(-settings["data.batch_size"] // multiple) * multiple
@@ -488,8 +414,7 @@ def combine(settings_of: dict[str, dict], names: list[str], device_count: int) -
 
 
 def batch_multiple(settings: dict, groups, device_count: int) -> int:
-    """Rows of every batch must be a multiple of this: the devices (with a sharding row) times
-    the microbatches."""
+    """The devices (with a sharding row) times the microbatches."""
     return (device_count if "sharding" in groups else 1) * settings.get("optimizer.accumulate", 1)
 
 
@@ -497,16 +422,15 @@ def batch_multiple(settings: dict, groups, device_count: int) -> int:
 # The rows: every row's settings and why a row cannot run here, before any row trains.
 
 def settings_and_reasons(cfg: SpeedupConfig, names: list[str]) -> tuple[dict, dict]:
-    """The settings of each named row over the baseline and, for a row that cannot run here,
-    why (the device, or its model: a factory's rows are checked in a CPU process)."""
+    """Each named row's settings over the baseline, and why a row cannot run here."""
     devices = devices_of(cfg)
     documents = corpus_of(cfg.data).train
-    depth = model_depth(cfg)
+    shape = gpt_shape(cfg)      # None for a factory: check_factory_rows finds its depth
+    depth = shape.n_layers if shape else None
     settings_of = {n: row_settings(cfg, BY_NAME[n], documents, depth) for n in names}
-    reasons = {n: skip_reason(BY_NAME[n], devices, cfg.model.name) for n in names}
-    reasons = {name: why for name, why in reasons.items() if why}
+    reasons = {n: why for n in names if (why := skip_reason(BY_NAME[n], devices, cfg.model.name))}
     if not is_preset(cfg.model.name):
-        depth, checked, unfit = check_factory_rows(
+        checked, unfit = check_factory_rows(
             cfg, {n: v for n, v in settings_of.items() if n not in reasons}, devices)
         settings_of.update(checked)
         reasons.update(unfit)
@@ -521,21 +445,19 @@ def plan_row(cfg: SpeedupConfig, technique: Technique, settings: dict,
     if reason:
         fields["status"] = f"skipped: {reason}"
     else:
-        fields["command"] = (f"python -m experiments.train --config "
-                             f"{os.path.join(cfg.run.run_dir, technique.name, 'round-1')}"
-                             f"/config.yaml")
+        config = os.path.join(cfg.run.run_dir, technique.name, "round-1", "config.yaml")
+        fields["command"] = f"python -m experiments.train --config {config}"
     return Row(technique.name, settings, fields, directory=technique.name)
 
 
 def rows(cfg: SpeedupConfig) -> list[Row]:
-    """The baseline and the technique rows of ``--rows`` (the best row comes after them:
-    ``followup``); a row that cannot run here is skipped with its reason."""
+    """The baseline and the technique rows of ``--rows``; the best row comes in ``followup``."""
     names = parse_rows(cfg.experiment.rows)
     techniques = [t for t in TECHNIQUES if t.name == "baseline"
                   or (t.name in names and t.name != "best")]
-    named = [t.name for t in techniques] + [n for n in best_names(cfg)
-                                            if n not in [t.name for t in techniques]]
-    settings_of, reasons = settings_and_reasons(cfg, named)
+    planned = [t.name for t in techniques]
+    settings_of, reasons = settings_and_reasons(
+        cfg, planned + [n for n in best_names(cfg) if n not in planned])
     for name in best_names(cfg):
         if name in reasons:
             raise ConfigError(f"--best names {name}, which cannot run here: {reasons[name]}",
@@ -549,8 +471,7 @@ def rows(cfg: SpeedupConfig) -> list[Row]:
 
 
 def check(cfg: SpeedupConfig, plan: list[Row]):
-    """Every row's training config valid (pure Python: this process holds no device; a
-    factory's models were checked in ``rows``), and the run root no earlier report's."""
+    """Every row's training config valid, and the run root no earlier report's."""
     if os.path.exists(os.path.join(cfg.run.run_dir, "report.md")):
         raise ConfigError(f"{cfg.run.run_dir} already holds a speedup report; choose another "
                           f"run_dir", field="run.run_dir")
@@ -560,28 +481,24 @@ def check(cfg: SpeedupConfig, plan: list[Row]):
 
 
 def followup(cfg: SpeedupConfig, done: list[dict]) -> list[Row]:
-    """The best row, and the baseline trained again to take turns with it: the rows ``--best``
-    names, or those the measurements recommend (``choose_best``)."""
+    """The best row (the rows ``--best`` names, or ``choose_best``'s), and the baseline trained
+    again to take turns with it."""
     if "best" not in parse_rows(cfg.experiment.rows):
         return []
     by_name = {r["name"]: r for r in done}
+    margin, device_count = cfg.experiment.speed_margin, devices_of(cfg)["device_count"]
     for row in done:
-        compare(row, by_name["baseline"], cfg.experiment.speed_margin)
-    devices = devices_of(cfg)
-    if best_names(cfg):
-        picks = [(n, "named by --best") for n in best_names(cfg)]
-    else:
-        picks = choose_best(by_name, cfg.experiment.speed_margin)
+        compare(row, by_name["baseline"], margin)
+    picks = [(n, "named by --best") for n in best_names(cfg)] or choose_best(by_name, margin)
     chosen = [n for n, _ in picks]
     unrun = [n for n in chosen if n not in by_name]
     settings_of = {n: by_name[n]["settings"] for n in chosen if n in by_name}
-    settings_of.update(settings_and_reasons(cfg, unrun)[0] if unrun else {})
-    settings = combine(settings_of, chosen, devices["device_count"])
-    multiple = batch_multiple(settings, {BY_NAME[n].group for n in chosen},
-                              devices["device_count"])
+    if unrun:
+        settings_of.update(settings_and_reasons(cfg, unrun)[0])
+    settings = combine(settings_of, chosen, device_count)
+    multiple = batch_multiple(settings, {BY_NAME[n].group for n in chosen}, device_count)
     if multiple > 1 and settings.get("data.batching", "fixed") != "fixed":
-        # re-match the padding row's batch to the baseline's real tokens per step under the
-        # rounding
+        # re-match the padding row's batch to the baseline's real tokens per step
         settings.update(matched_batch(corpus_of(cfg.data).train, cfg, settings["data.batching"],
                                       multiple=multiple))
     best = dataclasses.replace(BY_NAME["best"], description="the best combination: "
@@ -594,19 +511,16 @@ def followup(cfg: SpeedupConfig, done: list[dict]) -> list[Row]:
 # A row's round: a fresh run to the target in a process of its own.
 
 def measure(run: RowRun) -> dict:
-    """Round ``run.round`` of a row in ``<row>/round-<k>``: trained until the target, or for at
-    most ``--time-cap`` times the plan's first row's (the baseline's) training seconds in this
-    round. The result is the run's summary, with this round's record under ``round``."""
+    """Round ``run.round`` of a row in ``<row>/round-<k>``, trained to the target or for at
+    most ``--time-cap`` times the baseline's seconds: its summary, its record under ``round``."""
     if "status" in run.row.fields:          # skipped
         return {}
-    cfg, name, index = run.cfg, run.row.label, run.round
-    rounds = cfg.experiment.rounds
-    reference = run.previous[0] if run.previous else None
+    cfg, name, index, rounds = run.cfg, run.row.label, run.round, run.cfg.experiment.rounds
+    base_s = run.previous[0]["round"]["train_s"] if run.previous else None
     run_dir = os.path.join(run.run_dir, f"round-{index + 1}")
     changes = {"run.json": os.path.join(run_dir, "summary.json")}
-    if reference is not None:
-        changes["run.target_seconds"] = round(
-            cfg.experiment.time_cap * reference["round"]["train_s"], 3)
+    if base_s is not None:
+        changes["run.target_seconds"] = round(cfg.experiment.time_cap * base_s, 3)
     if index and cfg.run.profile is not None:    # --profile traces its window in round 1
         changes["run.profile"] = None
     train_cfg = override(train_config(cfg, run.row.settings, run_dir), changes)
@@ -626,30 +540,29 @@ def measure(run: RowRun) -> dict:
     if returncode:
         failure = f"failed: {_last_line(stderr)}" + (
             f" (round {index + 1} of {rounds})" if rounds > 1 else "")
-        if reference is None:
+        if base_s is None:
             raise Unmeasurable(f"the {name} {failure}; nothing can be measured against it "
                                f"(see {run_dir}/log.txt)")
         print(f"  {label}{name:<16} {failure}", flush=True)
         return {"status": failure}
     summary = RunSummary.read(os.path.join(run_dir, "summary.json"))
-    record = {"reached": bool((summary.target or {}).get("reached")),
-              "train_s": summary.train_s, "compile_s": summary.compile_s,
-              "steps": summary.steps, "real_tokens": summary.real_tokens,
-              "real_tokens_per_s": summary.real_tokens_per_s, "val_bpb": summary.val_bpb,
-              "process_s": seconds, "run_dir": run_dir}
-    if reference is None and not record["reached"]:
+    reached = bool((summary.target or {}).get("reached"))
+    if base_s is None and not reached:
         raise Unmeasurable(
             f"the {name} did not reach the target {cfg.run.target_bpb:g} bits per byte (it got "
             f"to {summary.val_bpb:.3f} in {summary.steps} steps, {summary.real_tokens:,} real "
             f"tokens); nothing can be measured against it: pass a smaller --target-gap, a "
             f"larger --target-bpb or more --train-tokens (see {run_dir}/log.txt)")
-    ratio = "" if reference is None else \
-        f"{reference['round']['train_s'] / record['train_s']:.2f}x sooner"
-    where = (f"target at step {record['steps']} in {record['train_s']:.1f} s" if record["reached"]
-             else f"gave up at step {record['steps']} after {record['train_s']:.1f} s "
-                  f"(val {record['val_bpb']:.3f})")
+    ratio = "" if base_s is None else f"{base_s / summary.train_s:.2f}x sooner"
+    where = (f"target at step {summary.steps} in {summary.train_s:.1f} s" if reached
+             else f"gave up at step {summary.steps} after {summary.train_s:.1f} s "
+                  f"(val {summary.val_bpb:.3f})")
     print(f"  {label}{name:<16} {where:<44} {ratio:>13}  ({seconds:.0f} s)", flush=True)
     memory = summary.step_memory_bytes or {}
+    record = {"reached": reached, "train_s": summary.train_s, "compile_s": summary.compile_s,
+              "steps": summary.steps, "real_tokens": summary.real_tokens,
+              "real_tokens_per_s": summary.real_tokens_per_s, "val_bpb": summary.val_bpb,
+              "process_s": seconds, "run_dir": run_dir}
     return {**dataclasses.asdict(summary), **technique_fields(summary), "status": "ran",
             "run_dir": os.path.join(run.run_dir, "round-1"), "shapes": len(summary.shapes),
             "memory_bytes": memory.get("total"), "temp_bytes": memory.get("temp"),
@@ -657,36 +570,30 @@ def measure(run: RowRun) -> dict:
 
 
 def combine_rounds(cfg: SpeedupConfig, results: list[dict]) -> dict:
-    """A row from its rounds' results: the last round's summary, every round's record under
-    ``rounds``, and their medians (``summarize_rounds``); a failure's status stays."""
+    """A row from its rounds' results: the last one's summary, every round's record under
+    ``rounds``, and its time to target over them (medians; ``reached``: in every round)."""
     row = {}
     for result in results:
         row.update(result)
-    row["rounds"] = [r["round"] for r in results if "round" in r]
     row.pop("round", None)
-    if row["rounds"]:
-        summarize_rounds(row)
+    row["rounds"] = rounds = [r["round"] for r in results if "round" in r]
+    if not rounds:
+        return row
+    reached = [r for r in rounds if r["reached"]]
+    row.update(
+        reached=bool(reached) and len(reached) == len(rounds),
+        time_to_target_s=statistics.median(r["train_s"] for r in reached) if reached else None,
+        with_compile_s=(statistics.median(r["train_s"] + r["compile_s"] for r in reached)
+                        if reached else None),
+        steps_to_target=reached[0]["steps"] if reached else None,
+        tokens_to_target=reached[0]["real_tokens"] if reached else None,
+        real_tokens_per_s=statistics.median(r["real_tokens_per_s"] for r in rounds),
+        process_s=sum(r["process_s"] for r in rounds))
     return row
 
 
-def summarize_rounds(row: dict):
-    """The row's time to target over its rounds (medians), in place: training seconds, with
-    compilation, steps and real tokens; ``reached`` when every round got there."""
-    reached = [r for r in row["rounds"] if r["reached"]]
-    row["reached"] = bool(reached) and len(reached) == len(row["rounds"])
-    row["time_to_target_s"] = statistics.median(r["train_s"] for r in reached) if reached \
-        else None
-    row["with_compile_s"] = statistics.median(r["train_s"] + r["compile_s"] for r in reached) \
-        if reached else None
-    row["steps_to_target"] = reached[0]["steps"] if reached else None
-    row["tokens_to_target"] = reached[0]["real_tokens"] if reached else None
-    row["real_tokens_per_s"] = statistics.median(r["real_tokens_per_s"] for r in row["rounds"])
-    row["process_s"] = sum(r["process_s"] for r in row["rounds"])
-
-
 def technique_fields(summary: RunSummary) -> dict:
-    """What a row's run did with each technique, as the row's own keys (``remat``,
-    ``attention``, ...), read from the summary's ``techniques``."""
+    """What a row's run did with each technique (the summary's ``techniques``), as its keys."""
     return {"attention": done(summary, "attention"),
             "remat": done(summary, "remat", "policy", "none"),
             "scan_layers": done(summary, "remat", "scan_layers", False),
@@ -698,12 +605,9 @@ def technique_fields(summary: RunSummary) -> dict:
 
 
 def run_child(argv: list[str], env: dict, log) -> tuple[int, str]:
-    """Run a row's process (stdout to ``log``) and wait for it: ``(exit code, stderr)``. A
-    SIGINT/SIGTERM the experiment receives meanwhile is passed on to it, once (it runs in a
-    process group of its own, so a terminal's Ctrl-C reaches it only this way), so that it
-    stops after its current step with a checkpoint; and it stops with this process
-    (``PARENT_PID`` in its environment: ``common.die_with_parent``), so that no row trains on
-    detached if this one is killed."""
+    """Run a row's process (stdout to ``log``): ``(exit code, stderr)``. A SIGINT/SIGTERM is
+    passed on to it, once (in a process group of its own, a terminal's Ctrl-C reaches it only
+    this way), so that it stops with a checkpoint; it dies with this process (``PARENT_PID``)."""
     child = subprocess.Popen(argv, env=env, stdout=log, stderr=subprocess.PIPE, text=True,
                              process_group=0)
     try:
@@ -724,10 +628,8 @@ def _last_line(text: str) -> str:
 
 
 def compare(row: dict, baseline: dict, margin: float = 0.0):
-    """The row's speedup against the baseline, in place: per round, the baseline's training
-    seconds to the target over the row's (a round the row gave up in counts with the seconds it
-    trained: at most 1 / time_cap); the median, the half-range as its spread and the verdict
-    (``margin``: ``verdict``'s). None when the row reached the target in no round."""
+    """The row's speedup against the baseline, in place: per round, the baseline's seconds to
+    the target over the row's (or over those it trained, if it gave up); median, spread, verdict."""
     if row["status"] != "ran" or baseline["status"] != "ran" or not row.get("rounds"):
         row.update(speedup=None, spread=None, verdict=None, round_speedups=None)
         return
@@ -736,17 +638,14 @@ def compare(row: dict, baseline: dict, margin: float = 0.0):
     if not any(r["reached"] for r in row["rounds"]):
         row.update(speedup=None, spread=None, round_speedups=ratios, verdict="not reached")
         return
-    row["round_speedups"] = ratios
-    row["speedup"] = statistics.median(ratios)
-    row["spread"] = _half_range(ratios)
-    row["verdict"] = verdict(ratios, margin) if row is not baseline else None
+    row.update(round_speedups=ratios, speedup=statistics.median(ratios),
+               spread=_half_range(ratios),
+               verdict=verdict(ratios, margin) if row is not baseline else None)
 
 
 def verdict(ratios: list[float], margin: float = 0.0) -> str:
-    """``faster`` or ``slower`` only when every round says so by more than ``margin`` (the
-    spread of the rounds' ratios excludes [1 / (1 + margin), 1 + margin]), else ``cannot
-    tell``: a busy machine may then blur a verdict, never flip it, and so may a difference
-    within the margin. One round measures no spread, and decides nothing."""
+    """``faster`` or ``slower`` only when every round (of two or more) says so by at least
+    ``margin``, else ``cannot tell``."""
     if len(ratios) > 1 and min(ratios) >= 1 + margin and min(ratios) > 1:
         return "faster"
     if len(ratios) > 1 and max(ratios) <= 1 / (1 + margin) and max(ratios) < 1:
@@ -755,8 +654,7 @@ def verdict(ratios: list[float], margin: float = 0.0) -> str:
 
 
 def load_variation(row: dict) -> float | None:
-    """How much a row's own time to target varied between its rounds: the half-range over the
-    median (the machine's load, for the baseline), None before it ran."""
+    """How much a row's own time to target varied between its rounds: half-range / median."""
     times = [r["train_s"] for r in row.get("rounds", ())]
     if row["status"] != "ran" or not times:
         return None
@@ -772,9 +670,7 @@ def _mb(value) -> str:
 
 
 def _change(value, reference) -> str:
-    if value is None or not reference:
-        return "n/a"
-    return f"{value / reference - 1:+.0%}"
+    return "n/a" if value is None or not reference else f"{value / reference - 1:+.0%}"
 
 
 def explain(row: dict, base: dict) -> str:
@@ -825,27 +721,25 @@ COLUMNS = [
 def table_rows(rows: list[dict]) -> list[dict]:
     """The rows as the table shows them: memory in MB, and a note on what did not run or
     reach the target."""
-    shown = []
-    for r in rows:
-        note = r["status"] if r["status"] != "ran" else (
-            "" if r.get("reached") else "target not reached in every round")
-        shown.append({**r, "memory_mb": _scaled(r.get("memory_bytes")),
-                      "peak_mb": _scaled(r.get("peak_memory_bytes")), "note": note})
-    return shown
+    return [{**r, "memory_mb": _scaled(r.get("memory_bytes")),
+             "peak_mb": _scaled(r.get("peak_memory_bytes")),
+             "note": r["status"] if r["status"] != "ran" else (
+                 "" if r.get("reached") else "target not reached in every round")} for r in rows]
 
 
 def _scaled(value):
     return None if value is None else value / 2**20
 
 
-def targets(best: dict | None, scale: str, devices: dict) -> list[str]:
-    """The issue's target, checked against the measured best row: on the CPU, the baseline's
-    quality at least 2x sooner; on a GPU, 5x."""
+def conclude(cfg: SpeedupConfig, rows: list[dict]) -> list[str]:
+    """The issue's target for the best row: the baseline's quality 2x sooner on a CPU, 5x on a
+    GPU."""
+    best, scale = first(rows, name="best"), cfg.experiment.scale
     if best is None or best["status"] != "ran":
         return ["no best combination ran: the target is unmeasured"]
     factor = 2 if scale == "cpu" else 5
     ok = best.get("verdict") == "faster" and best["speedup"] >= factor
-    where = "CPU" if scale == "cpu" else f"GPU ({devices['device_kind']})"
+    where = "CPU" if scale == "cpu" else f"GPU ({devices_of(cfg)['device_kind']})"
     mfu = "" if best.get("mfu") is None else f", MFU {best['mfu']:.1%}"
     return [f"{where} target (best reaches the baseline's quality >= {factor}x sooner): "
             f"{'met' if ok else 'not met'}, {_speed(best)}{mfu}"]
@@ -874,23 +768,18 @@ def rounds_line(meta: dict) -> str:
 def compare_rows(cfg: SpeedupConfig, rows: list[dict], partial) -> dict:
     """Each row's speedup against the baseline, the best row's against the baseline trained
     beside it (kept in the best row as ``baseline_again``, not as a row of its own)."""
-    by_name = {r["name"]: r for r in rows}
+    by_name, margin = {r["name"]: r for r in rows}, cfg.experiment.speed_margin
     base, again, best = (by_name.get(n) for n in ("baseline", "baseline-again", "best"))
     for row in rows:
         if base and row is not best:
-            compare(row, base, cfg.experiment.speed_margin)
+            compare(row, base, margin)
     if best and base:
-        compare(best, again if again and again["status"] == "ran" else base,
-                cfg.experiment.speed_margin)
+        compare(best, again if again and again["status"] == "ran" else base, margin)
         if again:
             best["baseline_again"] = {k: again.get(k) for k in
                                       ("status", "rounds", "time_to_target_s", "run_dir")}
     rows[:] = [r for r in rows if r is not again]
     return {}
-
-
-def conclude(cfg: SpeedupConfig, rows: list[dict]) -> list[str]:
-    return targets(first(rows, name="best"), cfg.experiment.scale, devices_of(cfg))
 
 
 def meta(cfg: SpeedupConfig, rows: list[dict]) -> dict:
@@ -929,8 +818,7 @@ def notes(cfg: SpeedupConfig, rows: list[dict], meta: dict) -> list[str]:
 
 
 def report(cfg: SpeedupConfig, rows: list[dict], meta: dict) -> list[str]:
-    """The report's own sections: the settings, what each technique measurably did, and the
-    combination."""
+    """The report's own sections: the settings, what each technique did, the combination."""
     best = first(rows, name="best")
     picks = best["picks"] if best else []
     settings = (f"Model: {meta['model']} ({meta['params'] or 0:,} parameters); target "
@@ -972,8 +860,7 @@ def plot(path: str, cfg: SpeedupConfig, rows: list[dict]) -> list[str]:
 
 
 def all_rows_estimate(rows: list[dict]) -> str:
-    """What ``--rows all`` would take, from this run's mean seconds of a row's processes (an
-    estimate: rows differ)."""
+    """What ``--rows all`` would take, at this run's mean seconds of a row's processes."""
     ran = [r for r in rows if r["status"] == "ran"]
     if len(ran) == len(TECHNIQUES) or not ran:
         return "every row ran"
