@@ -32,7 +32,8 @@ def command(config_cls=TrainConfig):
     ``error: <message> [<flag> / <field>]`` on stderr and exit code 2; SIGINT and SIGTERM stop
     the whole experiment (``stop_on_signals``): an ``Interrupted`` the experiment does not
     handle itself, or a second Ctrl-C, becomes one line ``stopped by SIGINT ...`` and the
-    shell's exit code for the signal (130, 143), never a traceback."""
+    shell's exit code for the signal (130, 143), never a traceback; so does a closed standard
+    output (``output_closed``: 141)."""
 
     def wrap(main):
         @functools.wraps(main)
@@ -51,6 +52,8 @@ def command(config_cls=TrainConfig):
                 except Unmeasurable as e:
                     print(f"error: {e}", file=sys.stderr)
                     return 1
+                except BrokenPipeError:
+                    return output_closed()
                 except Exception as e:      # noqa: BLE001 - only allocation failures are ours
                     if peer_lost(e):
                         print(describe_peer_lost(e), file=sys.stderr, flush=True)
@@ -68,6 +71,19 @@ def command(config_cls=TrainConfig):
         return run
 
     return wrap
+
+
+def output_closed() -> int:
+    """What a command does when its standard output's reader has gone (``| head`` that exited):
+    stop, as a program killed by SIGPIPE would, with one line on stderr and exit code 141; what
+    it wrote stays (a run directory keeps its last checkpoint, ``--resume`` goes on from it).
+    Standard output then points at the null device, so that nothing fails again at exit."""
+    null = os.open(os.devnull, os.O_WRONLY)
+    os.dup2(null, sys.stdout.fileno())
+    os.close(null)
+    print("stopped: standard output was closed by its reader (a pipe such as | head exited); "
+          "what was written before stays", file=sys.stderr, flush=True)
+    return 128 + signal.SIGPIPE
 
 
 @contextlib.contextmanager

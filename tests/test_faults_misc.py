@@ -117,3 +117,24 @@ def test_a_signal_while_the_command_imports_its_modules_stops_it_cleanly(corpus_
     assert "Traceback" not in out and not out.strip(), out
     # imported by a test (not run with -m), the package leaves the handlers as they are
     assert signal.getsignal(signal.SIGINT) is signal.default_int_handler
+
+
+def test_a_closed_standard_output_stops_the_command_with_one_line(corpus_path, tmp_path):
+    """``python -m experiments.train ... | head`` whose head has exited: the summary's print was
+    a BrokenPipeError traceback and exit code 1. Now one line and 141, as a program killed by
+    SIGPIPE exits; the run's files are written before."""
+    child = subprocess.Popen(
+        [sys.executable, "-m", "experiments.train", *args(corpus_path, tmp_path,
+                                                         tmp_path / "run", steps=2)],
+        cwd=REPO, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    child.stdout.close()        # the reader is gone before the command writes a line
+    try:
+        err = child.stderr.read().strip().splitlines()
+        child.wait(timeout=120)
+    finally:
+        if child.poll() is None:
+            child.kill()
+            child.wait()
+    assert child.returncode == 128 + signal.SIGPIPE, (child.returncode, err)
+    assert len(err) == 1 and err[0].startswith("stopped: standard output was closed"), err
+    assert os.path.exists(tmp_path / "run" / "summary.json")
