@@ -61,6 +61,7 @@ class Step:
     needs: str | None = None     # "peer": the torch script PEER and torch; "bpe": BPE
     json: bool = True            # the step takes --json PATH
     env: dict = dataclasses.field(default_factory=dict)     # set for this step only
+    keep: list = dataclasses.field(default_factory=list)    # files of the work dir for $OUT
 
 
 TRAIN = {"--model": "small", "--seq-len": "1024", "--batch-size": "16", "--precision": "bf16",
@@ -145,7 +146,8 @@ CALLS = {
         Step("speedup", ["-m", "experiments.speedup", "--scale", "gpu", "--run-dir",
                          "{work}/speedup"], BUDGET_S - 30,
              smoke=["--scale", "cpu", "--rows", "pack", "--rounds", "1",
-                    "gpt.d_model=64", "run.train_tokens=20000", "run.target_bpb=7.9"]),
+                    "gpt.d_model=64", "run.train_tokens=20000", "run.target_bpb=7.9"],
+             keep=["speedup/report.md", "speedup/time_to_target.png", "speedup/loss_curves.png"]),
     ],
     "attention": [
         attention("attention_builtin", "--impls", "cudnn,jax_reference,pallas", limit_s=240),
@@ -319,6 +321,9 @@ def main(argv=None) -> int:
         shutil.copy(tuned, out / "tuned.json")
     for hlo in sorted(work.glob("hlo_*.txt"))[:2]:     # the FP8 probe's optimized HLO
         shutil.copy(hlo, out / hlo.name)
+    for kept in (work / k for s in steps for k in s.keep):     # a step's report and plots
+        if kept.exists():
+            shutil.copy(kept, out / kept.name)
     print(f"{a.call} on {session['gpu']}" + (" (smoke: toy sizes)" if a.smoke else ""))
     for rec in session["steps"]:
         print(f"- {rec['name']}: {rec['status']}"
