@@ -151,6 +151,11 @@ class SpeedupSettings:
                                         "baseline in every round, and only a faster row joins "
                                         "the combination", at_least=0)
     row_accumulate: int = setting(2, "microbatches of the accumulate row")
+    quiet: float = setting(0.005, "the best row is compared with the baseline's rounds, not with "
+                                  "the baseline trained again beside it, when the baseline's time "
+                                  "to target varied by at most this share between its rounds (a "
+                                  "quiet machine, as a GPU's is; 0: always train it again)",
+                           at_least=0)
     rounds: int = setting(2, "train every row this many times, afresh, the rows taking turns, so "
                              "that a change of the machine's load meets every row; a speedup is "
                              "the median of its rounds' and its spread their half-range (1: one "
@@ -482,7 +487,8 @@ def check(cfg: SpeedupConfig, plan: list[Row]):
 
 def followup(cfg: SpeedupConfig, done: list[dict]) -> list[Row]:
     """The best row (the rows ``--best`` names, or ``choose_best``'s), and the baseline trained
-    again to take turns with it."""
+    again to take turns with it, unless the baseline's rounds showed a quiet machine
+    (``--quiet``): then the best row's rounds are set against the baseline's."""
     if "best" not in parse_rows(cfg.experiment.rows):
         return []
     by_name = {r["name"]: r for r in done}
@@ -503,6 +509,11 @@ def followup(cfg: SpeedupConfig, done: list[dict]) -> list[Row]:
                                       multiple=multiple))
     best = dataclasses.replace(BY_NAME["best"], description="the best combination: "
                                + (" + ".join(chosen) or "nothing beat the baseline"))
+    base = by_name["baseline"]
+    variation = load_variation(base)
+    if len(base["rounds"]) > 1 and variation is not None and variation <= cfg.experiment.quiet:
+        return [plan_row(cfg, best, settings, picks=picks,
+                         baseline_train_s=[r["train_s"] for r in base["rounds"]])]
     again = dataclasses.replace(BY_NAME["baseline"], name="baseline-again")
     return [plan_row(cfg, again, {}), plan_row(cfg, best, settings, picks=picks)]
 
@@ -516,7 +527,8 @@ def measure(run: RowRun) -> dict:
     if "status" in run.row.fields:          # skipped
         return {}
     cfg, name, index, rounds = run.cfg, run.row.label, run.round, run.cfg.experiment.rounds
-    base_s = run.previous[0]["round"]["train_s"] if run.previous else None
+    base_s = (run.previous[0]["round"]["train_s"] if run.previous       # this round's baseline
+              else run.row.fields.get("baseline_train_s", [None] * rounds)[index])
     run_dir = os.path.join(run.run_dir, f"round-{index + 1}")
     changes = {"run.json": os.path.join(run_dir, "summary.json")}
     if base_s is not None:
@@ -758,7 +770,10 @@ def rounds_line(meta: dict) -> str:
             f"only when every round says so by at least {meta['speed_margin']:.0%} (else: "
             f"cannot tell)"
             + (". The best row took turns with the baseline trained again"
-               if meta["best_rounds"] else "")
+               if meta["best_rounds"] else
+               f". The best row's rounds were set against the baseline's (it varied by no more "
+               f"than --quiet {meta['quiet']:.1%}, so it was not trained again)"
+               if meta["best_quiet"] else "")
             + f". The baseline's own time to target varied by +-{variation:.1%} between rounds.")
 
 
@@ -795,6 +810,7 @@ def meta(cfg: SpeedupConfig, rows: list[dict]) -> dict:
             "best": [n for n, _ in best["picks"]] if best else [],
             "best_source": "--best" if exp.best else "chosen from the measurements",
             "rounds": exp.rounds, "best_rounds": bool(best and best.get("baseline_again")),
+            "best_quiet": bool(best and best.get("baseline_train_s")), "quiet": exp.quiet,
             "baseline_load_variation": load_variation(base) if base else None,
             "all_rows_estimate": all_rows_estimate(rows)}
 
