@@ -54,13 +54,19 @@ def test_every_step_is_a_command_its_experiment_accepts(smoke, tmp_path):
 
 def test_a_failing_a_hanging_and_a_missing_step_are_recorded(tmp_path, monkeypatch, capsys):
     script = tmp_path / "step.py"
-    script.write_text("import json, os, sys, time\n"
+    script.write_text("import json, os, signal, sys, time\n"
+                      "def partial(*_):\n"
+                      "    time.sleep(1)\n"       # a row saving its checkpoint
+                      "    json.dump({'rows': [{'status': 'ok'}], 'meta': {'interrupted': "
+                      "'SIGTERM'}}, open(sys.argv[-1], 'w'))\n"
+                      "    sys.exit(143)\n"
+                      "signal.signal(signal.SIGTERM, partial)\n"
                       "if sys.argv[1] == 'hang': time.sleep(60)\n"
                       "json.dump({'rows': [{'status': 'ok'}]}, open(sys.argv[-1], 'w'))\n"
                       "sys.exit(sys.argv[1] == 'fail')\n")
     monkeypatch.setitem(gpu_session.CALLS, "train", [
         gpu_session.Step("fails", [str(script), "fail"], 30),
-        gpu_session.Step("hangs", [str(script), "hang"], 2),
+        gpu_session.Step("hangs", [str(script), "hang"], 2),     # stops, keeping its table
         gpu_session.Step("peer", [str(script), "ok"], 30, needs="peer", json=False),
         gpu_session.Step("works", [str(script), "ok"], 30)])
     monkeypatch.setattr(gpu_session, "PEER", tmp_path / "absent.py")
@@ -69,6 +75,7 @@ def test_a_failing_a_hanging_and_a_missing_step_are_recorded(tmp_path, monkeypat
              json.loads((tmp_path / "out" / "session.json").read_text())["steps"]}
     assert steps["fails"]["status"] == "failed (exit 1)"
     assert steps["hangs"]["status"] == "timed out after 2 s"
+    assert steps["hangs"]["result"]["meta"]["interrupted"] == "SIGTERM"
     assert steps["peer"]["status"].startswith("skipped: absent.py is not here")
     assert steps["works"]["status"] == "ok" and steps["works"]["result"]["rows"]
     printed = capsys.readouterr().out

@@ -50,6 +50,9 @@ BPE = ROOT / ".gpu" / "bpe50257.json"      # GPT-2's vocabulary size, made here 
 TUNED = ROOT / "jaxaccel" / "kernels" / "tuned.json"
 BUDGET_S = 570         # of the device tool's 600 s per command
 MARGIN_S = 15          # kept for writing the results after the last step
+STOP_S = 25            # after its limit, a step's SIGTERM has this long to write what it has
+                       # (experiments.speedup on an H200: a row saves a checkpoint, then the
+                       # partial table and JSON are written; 10 s was too short on 2026-11-27)
 
 
 @dataclasses.dataclass
@@ -220,7 +223,7 @@ def run_step(step: Step, work: Path, log, deadline: float, smoke: bool) -> dict:
     except subprocess.TimeoutExpired:
         os.killpg(proc.pid, signal.SIGTERM)
         try:
-            proc.wait(timeout=10)
+            proc.wait(timeout=STOP_S)
         except subprocess.TimeoutExpired:
             os.killpg(proc.pid, signal.SIGKILL)
             proc.wait()
