@@ -20,7 +20,9 @@ first step; without them those rows say that tokamax is not installed.
 Calls, in the order the issues want them: ``train`` (issue 16: start-up cold and warm, the loop
 against its step alone, the profile, the torch peer; cuDNN against our kernel on fixed and on
 packed rows, which ``--attention auto`` chooses between; the scatter embedding in the loop, the
-embedding methods alone, FP8), ``speedup`` (issue 16: ``experiments.speedup --scale gpu``),
+embedding methods alone, FP8), ``speedup`` (issue 34: ``experiments.speedup --scale gpu``
+within its 540 s; on a fresh H200 on 2026-11-27, before ``--quiet``, it was stopped after 13 of
+its 16 row processes: BENCHMARKS.md, "The headline on a GPU"),
 ``attention`` (issue 19: ours with the built-in rows against cuDNN and JAX's reference kernel,
 then tuning at D=128) and
 ``tune64`` (issue 19: tuning at D=64, the comparison again with the tuned table, the peers).
