@@ -527,8 +527,10 @@ def measure(run: RowRun) -> dict:
     if "status" in run.row.fields:          # skipped
         return {}
     cfg, name, index, rounds = run.cfg, run.row.label, run.round, run.cfg.experiment.rounds
-    base_s = (run.previous[0]["round"]["train_s"] if run.previous       # this round's baseline
-              else run.row.fields.get("baseline_train_s", [None] * rounds)[index])
+    if run.previous:        # the baseline (or baseline-again) trained just before, this round
+        base_s = run.previous[0]["round"]["train_s"]
+    else:                   # the baseline itself (None), or a best row set against its rounds
+        base_s = run.row.fields.get("baseline_train_s", [None] * rounds)[index]
     run_dir = os.path.join(run.run_dir, f"round-{index + 1}")
     changes = {"run.json": os.path.join(run_dir, "summary.json")}
     if base_s is not None:
