@@ -168,8 +168,10 @@ def main(argv=None) -> int:
         last = summary.steps == summary.total_steps      # only the final evaluation was left
         print(f"stopped by {summary.interrupted} at step {summary.steps}"
               + (" before the final evaluation finished" if last else "")
-              + f"; checkpoint saved; {'finish' if last else 'continue'} with: "
-              f"{_resume_command(summary)}", file=sys.stderr)
+              + (f"; checkpoint saved; {'finish' if last else 'continue'} with: "
+                 f"{_resume_command(summary)}" if cfg.run.save_checkpoints else
+                 "; no checkpoint written (--no-save-checkpoints), so it cannot be continued"),
+              file=sys.stderr)
         return exit_code(summary.interrupted)
     if summary.stopped_at is not None:
         print(f"paused at step {summary.stopped_at} of {summary.total_steps} (--stop-at), "

@@ -204,6 +204,9 @@ class RunConfig:
     resume: bool = setting(False, "continue the run in run_dir from its latest checkpoint")
     checkpoint_every: int = setting(100, "save an orbax checkpoint every N steps (and at the "
                                          "end; 0: only at the end)", at_least=0)
+    save_checkpoints: bool = setting(True, "write orbax checkpoints (off: none at all, not at "
+                                           "the end nor at a signal, so the run cannot be "
+                                           "resumed: a measurement whose weights are not kept)")
     keep_checkpoints: int = setting(2, "the latest N checkpoints are kept, older ones deleted",
                                     at_least=1)
     keep_every_steps: int = setting(0, "also keep every checkpoint whose step is a multiple of "
@@ -350,6 +353,10 @@ class TrainConfig:
             profiling.parse_window(self.run.profile)
         if self.run.stop_at is not None:
             parse_stop_at(self.run.stop_at)
+            if not self.run.save_checkpoints:
+                raise ConfigError("stop_at pauses the run with a checkpoint to resume from, and "
+                                  "save_checkpoints is off; drop --no-save-checkpoints or "
+                                  "--stop-at", field="run.stop_at")
         if self.run.target_seconds is not None and self.run.target_bpb is None:
             raise ConfigError("target_seconds is a limit on reaching target_bpb, which is not "
                               "set; pass --target-bpb X", field="run.target_bpb")

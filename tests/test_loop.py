@@ -34,7 +34,8 @@ def small_config(corpus_path, tmp_path, name="run", **overrides):
     paths = {path.partition(".")[2]: path for path in values}
     paths.update(batching="data.batching", buckets="data.buckets",
                  pad_multiple="data.pad_multiple", tokens_per_batch="data.tokens_per_batch",
-                 train_tokens="run.train_tokens", resume="run.resume", stop_at="run.stop_at", optimizer="optimizer.name",
+                 train_tokens="run.train_tokens", resume="run.resume", stop_at="run.stop_at",
+                 save_checkpoints="run.save_checkpoints", optimizer="optimizer.name",
                  lr_scaling="optimizer.lr_scaling", base_batch_size="optimizer.base_batch_size",
                  accumulate="optimizer.accumulate", optimizer_state_dtype="optimizer.state_dtype",
                  precision="precision.policy", loss_scale_init="precision.init_scale",
@@ -119,12 +120,16 @@ def test_resume_is_bitwise_identical_to_an_uninterrupted_run(corpus_path, tmp_pa
     assert resumed.train_bpb == whole.train_bpb
 
 
-def test_sigterm_saves_a_checkpoint_and_exits(corpus_path, tmp_path):
+@pytest.mark.parametrize("save", [True, False])
+def test_sigterm_saves_a_checkpoint_and_exits(save, corpus_path, tmp_path):
+    """SIGTERM: the step finishes, a checkpoint is saved (none with --no-save-checkpoints, and
+    the line says the run cannot be continued), exit 143."""
     run_dir = tmp_path / "signalled"
     cmd = [sys.executable, "-m", "experiments.train", *SMALL_MODEL, "--data", corpus_path,
            "--seq-len", "32", "--batch-size", "4", "--steps", "100000", "--log-every", "1",
            "--eval-every", "0", "--checkpoint-every", "0", "--no-progress",
-           "--run-dir", str(run_dir), "--cache-dir", str(tmp_path / "cache")]
+           "--run-dir", str(run_dir), "--cache-dir", str(tmp_path / "cache"),
+           *([] if save else ["--no-save-checkpoints"])]
     proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
     metrics = run_dir / "metrics.jsonl"
     deadline = time.time() + 120
@@ -134,9 +139,23 @@ def test_sigterm_saves_a_checkpoint_and_exits(corpus_path, tmp_path):
     proc.send_signal(signal.SIGTERM)
     _, err = proc.communicate(timeout=120)
     assert proc.returncode == 128 + signal.SIGTERM, err
-    assert "stopped by SIGTERM" in err and "--resume" in err
+    assert "stopped by SIGTERM" in err
     steps = os.listdir(run_dir / "checkpoints")
-    assert len(steps) == 1 and int(steps[0]) >= 1
+    if save:
+        assert "--resume" in err
+        assert len(steps) == 1 and int(steps[0]) >= 1
+    else:
+        assert "no checkpoint written" in err and "--resume" not in err
+        assert steps == [] and (run_dir / "metrics.jsonl").stat().st_size > 0
+
+
+def test_without_checkpoints_a_run_saves_none_and_trains_the_same(corpus_path, tmp_path):
+    """run.save_checkpoints off: no checkpoint, periodic or final; the same losses."""
+    saved = train(small_config(corpus_path, tmp_path, "saved"))
+    unsaved = train(small_config(corpus_path, tmp_path, "unsaved", save_checkpoints=False))
+    assert os.listdir(os.path.join(unsaved.run_dir, "checkpoints")) == []
+    assert os.listdir(os.path.join(saved.run_dir, "checkpoints"))
+    assert unsaved.steps == saved.steps == 8 and unsaved.val_loss == saved.val_loss
 
 
 def run_cli(args, capsys):
@@ -169,6 +188,7 @@ def run_cli(args, capsys):
     (["--loss-scale", "dynamic", "--loss-scale-backoff", "2"], "backoff must be in (0, 1)"),
     (["--stop-at", "3/2"], "stop_at '3/2' is neither a step number nor a share"),
     (["--stop-at", "5"], "stop_at 5 is beyond the run's 2 steps"),
+    (["--stop-at", "1", "--no-save-checkpoints"], "save_checkpoints is off"),
 ])
 def test_bad_input_is_one_error_line_with_exit_code_2(args, message, corpus_path, tmp_path,
                                                       capsys):

@@ -351,6 +351,8 @@ def test_rows_train_afresh_each_round_and_the_best_row_with_the_baseline_again(
     for name in ("baseline", "best"):       # --profile traced step 1, in the first round
         assert (run_dir / name / "round-1" / "profile").is_dir(), name
         assert not (run_dir / name / "round-2" / "profile").exists(), name
+        for round_dir in (run_dir / name).glob("round-*"):      # a row's weights are not kept
+            assert not list((round_dir / "checkpoints").glob("*")), round_dir
     base, best = rows["baseline"], rows["best"]
     again = best["baseline_again"]
     for row in (base, best, again):

@@ -90,6 +90,8 @@ def run_steps(run: Setup, steps, should_stop=None, previous: Progress | None = N
                                        progress, train_bits))
 
     def save(step):
+        if not cfg.run.save_checkpoints:
+            return
         log_late()
         pending = [(float(loss), float(tokens)) for loss, tokens in
                    jax.device_get([(m["loss"], m["real_tokens"]) for m in window])]
@@ -144,7 +146,8 @@ def run_steps(run: Setup, steps, should_stop=None, previous: Progress | None = N
             if jax.process_count() > 1:     # every process stops at the same step, or none
                 at_log = done % max(cfg.run.log_every, 1) == 0 or done == end
                 stop = agreed_stop(stop) if at_log else None
-            if (cfg.run.checkpoint_every and done % cfg.run.checkpoint_every == 0) or stop:
+            if cfg.run.save_checkpoints and (
+                    (cfg.run.checkpoint_every and done % cfg.run.checkpoint_every == 0) or stop):
                 watch.pause(state)
                 save(done)
                 watch.start()
