@@ -700,7 +700,8 @@ def explain(row: dict, base: dict) -> str:
                    f"{row['tokens_to_target']:,} real tokens)")
     else:
         arrival = "did not reach the target in every round"
-    speed = ("" if row["name"] == "baseline" else f", {_speed(row)} than the baseline")
+    speed = ("" if row["name"] == "baseline" or row.get("speedup") is None
+             else f", {_speed(row)} than the baseline")
     rate = (f"; {row['real_tokens_per_s']:,.0f} real tokens/s "
             f"({_change(row['real_tokens_per_s'], base['real_tokens_per_s'])})")
     memory = (f"; compiled step memory {_mb(row['memory_bytes'])} "

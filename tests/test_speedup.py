@@ -43,6 +43,24 @@ def test_best_takes_the_soonest_row_per_group_that_every_round_found_faster():
     assert [n for n, _ in speedup.choose_best(rows, 0.03)][-2:] == ["lamb", "importance"]
 
 
+def test_the_report_line_of_a_row_says_how_much_sooner_only_when_it_arrived():
+    base = {"real_tokens_per_s": 100.0, "memory_bytes": 2**21}
+    common = {"status": "ran", "group": "precision", "real_tokens_per_s": 50.0,
+              "memory_bytes": 2**20, "loss_scale": 1.0, "skipped_steps": 0,
+              "target": {"bpb": 3.7}, "round_speedups": [1.5, 1.7]}
+    arrived = speedup.explain({**common, "name": "bf16", "description": "bf16",
+                               "reached": True, "time_to_target_s": 4.0, "steps_to_target": 9,
+                               "tokens_to_target": 900, "speedup": 1.6, "spread": 0.1,
+                               "verdict": "faster"}, base)
+    assert "reached 3.7 bits/byte in 4.0 s" in arrived
+    assert "1.60x +- 0.10 sooner (faster) than the baseline" in arrived
+    missed = speedup.explain({**common, "name": "fp16", "description": "fp16",
+                              "reached": False, "speedup": None, "spread": None,
+                              "verdict": "not reached"}, base)
+    assert "did not reach the target in every round;" in missed
+    assert "than the baseline" not in missed and "-50%" in missed
+
+
 def test_combine_merges_settings_and_rounds_the_batch_for_sharding():
     settings = {"pack": {"data.batching": "pack", "data.batch_size": 3,
                          "data.tokens_per_batch": None},
