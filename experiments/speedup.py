@@ -882,10 +882,14 @@ def plot(path: str, cfg: SpeedupConfig, rows: list[dict]) -> list[str]:
 
 
 def all_rows_estimate(rows: list[dict]) -> str:
-    """What ``--rows all`` would take, at this run's mean seconds of a row's processes."""
+    """What ``--rows all`` would take, at this run's mean seconds of a row's processes; for a
+    run of every row, the rows that could not run here."""
+    if {r["name"] for r in rows} >= set(BY_NAME):
+        unrun = [r["name"] for r in rows if r["status"] != "ran"]
+        return "that is --rows all" + (f" ({', '.join(unrun)} did not run here)" if unrun else "")
     ran = [r for r in rows if r["status"] == "ran"]
-    if len(ran) == len(TECHNIQUES) or not ran:
-        return "every row ran"
+    if not ran:
+        return "no row ran, so there is no estimate for --rows all"
     per_row = statistics.mean(r["process_s"] for r in ran)
     return (f"--rows all ({len(TECHNIQUES)} rows) would take about "
             f"{per_row * (len(TECHNIQUES) + 1) / 60:.0f} minutes at this run's "

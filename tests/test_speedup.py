@@ -61,6 +61,17 @@ def test_the_report_line_of_a_row_says_how_much_sooner_only_when_it_arrived():
     assert "than the baseline" not in missed and "-50%" in missed
 
 
+def test_the_time_of_all_rows_is_estimated_unless_all_rows_ran():
+    some = [{"name": n, "status": "ran", "process_s": 30.0} for n in ("baseline", "pack")]
+    assert speedup.all_rows_estimate(some) == (
+        f"--rows all ({len(speedup.TECHNIQUES)} rows) would take about "
+        f"{30 * (len(speedup.TECHNIQUES) + 1) / 60:.0f} minutes at this run's 30 s per row "
+        f"(an estimate)")
+    every = [{"name": t.name, "status": "skipped: needs a GPU" if t.name == "flash" else "ran",
+              "process_s": 30.0} for t in speedup.TECHNIQUES]
+    assert speedup.all_rows_estimate(every) == "that is --rows all (flash did not run here)"
+
+
 def test_combine_merges_settings_and_rounds_the_batch_for_sharding():
     settings = {"pack": {"data.batching": "pack", "data.batch_size": 3,
                          "data.tokens_per_batch": None},
