@@ -56,15 +56,18 @@ SCALES = ("auto", "cpu", "gpu")
 DEFAULTS = {"run.save_checkpoints": False, "run.progress": False, "run.eval_batches": 4,
             "run.final_eval_batches": 4, "run.loss_plot": False}
 # CPU: a 2 x 128 model at seq_len 128 reaches 1 bit/byte below the stdlib corpus's unigram
-# entropy (4.70) after 95 steps, 190k real tokens, 15-17 s of training on 2 cores
-# (2026-11-26); a row may train twice that. GPU: set from the CPU's proportions and issue 16's
-# H100 step times, not yet from a GPU run (the issue's budget for the whole experiment: 9
-# minutes).
+# entropy (4.70) after 80 steps, 160k real tokens, 5-15 s of training on 2 cores by the
+# machine; a row may train over twice that. Its AdamW learning rate is the one that got there
+# in the fewest steps in a sweep of the baseline (BENCHMARKS.md, 2026-11-27; AdamW's default,
+# 3e-3, took 95), so that no row's gain is the baseline's mistuning. GPU: set from the CPU's
+# proportions and issue 16's H100 step times, run on an H200 on 2026-11-27 (BENCHMARKS.md);
+# the issue's budget for the whole experiment: 9 minutes.
 PRESETS = {
     "cpu": {"model.name": "tiny", "gpt.d_model": 128, "gpt.n_layers": 2,
             "model.max_seq_len": 128, "data.seq_len": 128, "data.batch_size": 16,
-            "run.train_tokens": 360_000, "optimizer.warmup_steps": 5, "run.eval_every": 5,
-            "run.log_every": 5, "experiment.row_accumulate": 2},
+            "run.train_tokens": 360_000, "optimizer.learning_rate": 1.5e-3,
+            "optimizer.warmup_steps": 5, "run.eval_every": 5, "run.log_every": 5,
+            "experiment.row_accumulate": 2},
     "gpu": {"model.name": "small", "data.seq_len": 1024, "data.batch_size": 16,
             "run.train_tokens": 3_000_000, "optimizer.warmup_steps": 20, "run.eval_every": 10,
             "run.log_every": 10, "experiment.row_accumulate": 4},
@@ -116,8 +119,10 @@ TECHNIQUES = [
               "matmuls, no sparse kernel in jax", {"sparsity.pattern": "2:4"}),
     Technique("importance", "sampling", "importance sampling of documents by their last loss, "
               "the loss reweighted by 1/(N p)", {"data.sampling": "loss"}),
-    Technique("lion", "optimizer", "Lion at its defaults", {"optimizer.name": "lion"}),
-    Technique("lamb", "optimizer", "LAMB at its defaults", {"optimizer.name": "lamb"}),
+    *[Technique(name, "optimizer", f"{label} at its defaults (learning rate, weight decay)",
+                {"optimizer.name": name, "optimizer.learning_rate": None,
+                 "optimizer.weight_decay": None}) for name, label in (("lion", "Lion"),
+                                                                       ("lamb", "LAMB"))],
     Technique("accumulate", "accumulation", "gradient accumulation over microbatches", {}),
     Technique("dp", "sharding", "data parallel over all devices",
               {"mesh.strategy": "dp", "mesh.num_devices": None}, needs="devices"),
@@ -136,7 +141,8 @@ DEFAULT_ROWS = ("pack", "bf16", "remat-dots", "accumulate", "fsdp", "token-drop"
 @dataclasses.dataclass
 class SpeedupSettings:
     scale: str = setting("auto", "preset: cpu (a 2-layer, 128-wide model at seq_len 128, batch 16, "
-                              "at most 360k real tokens per row: under 10 minutes on 2 cores) or "
+                              "AdamW at lr 1.5e-3, at most 360k real tokens per row: under 10 "
+                              "minutes on 2 cores) or "
                               "gpu (GPT-2 small shape, seq_len 1024, batch 16, at most 3M real "
                               "tokens per row); auto: gpu when a GPU is visible", choices=SCALES)
     rows: str = setting(",".join(DEFAULT_ROWS),

@@ -9,6 +9,7 @@ import pytest
 from experiments import speedup
 from jaxaccel.config import build, flatten, parse, to_dict
 from jaxaccel.errors import ConfigError
+from jaxaccel.optim import DEFAULTS
 
 # Rows reach this target at their first evaluations: the tests check the wiring, not learning.
 EASY = ["--target-bpb", "7.9", "--eval-every", "2"]
@@ -165,7 +166,7 @@ def test_every_row_runs_with_its_technique_on(corpus_path, tmp_path, capsys):
         "--n-layers", "1", "--n-heads", "2", "--max-seq-len", "128", "--seq-len", "128",
         "--batch-size", "4", "--pad-multiple", "32", "--buckets", "3", "--train-tokens", "1500",
         "--warmup-steps", "2", "--log-every", "2", "--final-eval-batches", "2", "--rounds", "1",
-        "--rows", "all", *EASY, "--cache-dir", str(tmp_path / "cache"), "--run-dir",
+        "--learning-rate", "3e-3", "--rows", "all", *EASY, "--cache-dir", str(tmp_path / "cache"), "--run-dir",
         str(run_dir), "--json", str(out)])
     assert code == 0
     result = json.loads(out.read_text())
@@ -206,6 +207,13 @@ def test_every_row_runs_with_its_technique_on(corpus_path, tmp_path, capsys):
     assert rows["lion"]["optimizer_state_bytes"] / base["optimizer_state_bytes"] == \
         pytest.approx(0.5, abs=1e-3)   # one moment instead of two (and a few counters)
     assert rows["lamb"]["optimizer"] == "lamb" and rows["lamb"]["val_bpb"] != base["val_bpb"]
+    # --learning-rate (the cpu preset's: 1.5e-3) is the AdamW rows'; an optimizer row takes its
+    # own defaults.
+    assert speedup.preset(["--scale", "cpu"])["optimizer.learning_rate"] == 1.5e-3
+    assert base["learning_rate"] == rows["pack"]["learning_rate"] == 3e-3
+    for name in ("lion", "lamb"):
+        assert rows[name]["learning_rate"] == pytest.approx(DEFAULTS[name].learning_rate), name
+        assert rows[name]["weight_decay"] == pytest.approx(DEFAULTS[name].weight_decay), name
     assert rows["accumulate"]["accumulate"] == 2
     assert rows["sparse-2:4"]["settings"]["sparsity.pattern"] == "2:4"
     assert rows["sparse-2:4"]["sparsity"] == "2:4" and rows["sparse-2:4"]["sparsity_density"] == 0.5
