@@ -56,8 +56,9 @@ SCALES = ("auto", "cpu", "gpu")
 DEFAULTS = {"run.save_checkpoints": False, "run.progress": False, "run.eval_batches": 4,
             "run.final_eval_batches": 4, "run.loss_plot": False}
 # CPU: a 2 x 128 model at seq_len 128 reaches 1 bit/byte below the stdlib corpus's unigram
-# entropy (4.70) after 80 steps, 160k real tokens, 5-15 s of training on 2 cores by the
-# machine; a row may train over twice that. Its AdamW learning rate is the one that got there
+# entropy (4.70) after 80 steps, 160k real tokens, 5-6 s of training on the faster 2-core
+# machine (2026-11-27; 95 steps at the old lr took 15-17 s on the slower one); a row may train
+# over twice that. Its AdamW learning rate is the one that got there
 # in the fewest steps in a sweep of the baseline (BENCHMARKS.md, 2026-11-27; AdamW's default,
 # 3e-3, took 95), so that no row's gain is the baseline's mistuning. GPU: set from the CPU's
 # proportions and issue 16's H100 step times, run on an H200 on 2026-11-27 (BENCHMARKS.md);

@@ -53,8 +53,9 @@ TUNED = ROOT / "jaxaccel" / "kernels" / "tuned.json"
 BUDGET_S = 570         # of the device tool's 600 s per command
 MARGIN_S = 15          # kept for writing the results after the last step
 STOP_S = 25            # after its limit, a step's SIGTERM has this long to write what it has
-                       # (experiments.speedup on an H200: a row saves a checkpoint, then the
-                       # partial table and JSON are written; 10 s was too short on 2026-11-27)
+                       # (experiments.speedup on an H200: the row stops after its step, then the
+                       # partial table and JSON are written; 10 s was too short on 2026-11-27,
+                       # when a row also saved a checkpoint)
 
 
 @dataclasses.dataclass
