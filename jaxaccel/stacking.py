@@ -38,11 +38,13 @@ def check(cfg) -> None:
         refuse_pipeline(cfg.mesh.strategy, "progressive stacking", "stacking.stages")
 
 
-def truncate(model, depth: int) -> None:
-    """Cut the model's stack to its first ``depth`` blocks, in place."""
+def truncate(model, depth: int) -> int:
+    """Cut the model's stack to its first ``depth`` blocks, in place; the depth it had."""
     _, stack = nn.the_stack(model, "progressive stacking", "stacking.stages")
-    if depth < len(stack):
+    full = len(stack)
+    if depth < full:
         stack.layers = nnx.List(list(stack.layers)[:depth])
+    return full
 
 
 def depths(n_layers: int, stages: int) -> list[int]:

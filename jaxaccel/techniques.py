@@ -21,8 +21,7 @@ def build(cfg, key, *, depth: int | None = None, base_state=None) -> nnx.Module:
     its stack (a stacking stage); ``base_state`` replaces its weights before LoRA or adapters."""
     model = model_lib.build(cfg.model, cfg.gpt, key)
     optim.mark_no_decay(model)
-    if depth is not None:
-        stacking.truncate(model, depth)
+    full_layers = stacking.truncate(model, depth) if depth is not None else None
     init.apply(model, cfg.init, key)
     if base_state is not None:
         nnx.update(model, base_state)
@@ -37,7 +36,7 @@ def build(cfg, key, *, depth: int | None = None, base_state=None) -> nnx.Module:
         precision.compute_in(model, policy.compute_dtype)
     remat.apply(model, cfg.remat)
     stochastic_depth.apply(model, cfg.stochastic_depth)
-    token_drop.apply(model, cfg.token_drop, cfg.model.vocab_size)
+    token_drop.apply(model, cfg.token_drop, cfg.model.vocab_size, full_layers)
     return model
 
 

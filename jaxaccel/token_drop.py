@@ -2,12 +2,13 @@
 "removing masked tokens"), for a causal language model whose blocks are an ``nn.Stack``.
 
 ``apply`` installs ``TokenDrop``, a block transform: in training the middle layers
-(``--token-drop-layers``, default ``L//4 .. L - L//4``; whole in progressive stacking's shallow
-stages) compute only ``K = kept_tokens(T, token_keep)`` of each row's T tokens (``keep * T``
+(``--token-drop-layers``, default ``L//4 .. L - L//4``) compute only ``K = kept_tokens(T, token_keep)`` of each row's T tokens (``keep * T``
 rounded to a multiple of ``MULTIPLE``: static, nothing recompiles). The kept tokens and their
 per-token arguments (rotary angles, segment ids) are gathered in sequence order, run through
 the middle layers and scattered back; the others skip them unchanged. The loss is on every
-token; evaluation runs every token through every layer. Rows never leave their device.
+token; evaluation runs every token through every layer. Rows never leave their device. A
+shallow stage of progressive stacking drops tokens in the middle half of its own depth (none
+under 3 layers), or in the named layers it has: a stage without any runs whole.
 
 Padding is dropped first; ``K`` real tokens are drawn without replacement each step
 (``--token-drop-score``): ``random`` uniformly, ``loss`` weighted by ``TokenLoss``, a running
@@ -88,9 +89,9 @@ class TokenDrop(nn.BlockTransform, nn.Updated):
 
     order = 20
 
-    def __init__(self, settings: TokenDropSettings, n_layers: int, vocab_size: int):
+    def __init__(self, settings: TokenDropSettings, layers: tuple[int, int], vocab_size: int):
         self.keep, self.score = settings.keep, settings.score
-        self.start, self.end = layer_range(settings.layers, n_layers)
+        self.start, self.end = layers
         if self.score == "loss":
             self.token_loss = TokenLoss(initial_loss(vocab_size), out_sharding=("vocab",),
                                         eager_sharding=False)
@@ -151,18 +152,24 @@ def check(cfg) -> None:
         refuse_pipeline(cfg.mesh.strategy, "token dropping", "token_drop.keep")
 
 
-def apply(model, settings: TokenDropSettings, vocab_size: int) -> None:
-    """Install token dropping on the model's stack (nothing when ``keep`` is 1)."""
+def apply(model, settings: TokenDropSettings, vocab_size: int,
+          full_layers: int | None = None) -> None:
+    """Install token dropping on the model's stack (nothing when ``keep`` is 1). ``full_layers``:
+    the depth of the whole model when the stack is a shallow stage of progressive stacking."""
     if settings.keep >= 1.0:
         return
     _, stack = nn.the_stack(model, "token dropping", "token_drop.keep")
-    start, end = layer_range(settings.layers, len(stack))
-    if start >= end:
+    depth = len(stack)
+    start, end = layer_range(settings.layers, full_layers or depth)    # checked on the whole
+    if settings.layers is None:
+        start, end = layer_range(None, depth)
+    end = min(end, depth)
+    if start >= end and (full_layers or depth) == depth:
         raise ConfigError(
             f"token_keep={settings.keep} would drop no tokens: the default layers (the middle "
-            f"half) of {len(stack)} layers are none; name them with --token-drop-layers "
+            f"half) of {depth} layers are none; name them with --token-drop-layers "
             f"START:END or use at least 3 layers", field="token_drop.layers")
-    stack.add(TokenDrop(settings, len(stack), vocab_size))
+    stack.add(TokenDrop(settings, (start, end), vocab_size))    # a stage without any runs whole
 
 
 def kept_tokens(seq_len: int, keep: float) -> int:

@@ -122,7 +122,7 @@ def test_keeping_every_token_through_the_drop_path_is_the_identity():
     args = {"sin": sin_BTR, "segment_ids": b["segment_ids"]}
     keep = 0.99
     assert td.kept_tokens(T, keep) == T
-    drop = td.TokenDrop(td.TokenDropSettings(keep=keep, layers="1:3"), 4, 320)
+    drop = td.TokenDrop(td.TokenDropSettings(keep=keep, layers="1:3"), (1, 3), 320)
     with nn.step(key=jax.random.PRNGKey(2), batch=b):
         out = drop.run_span(layers, x_BTD, args)
     chex.assert_trees_all_equal(out, layers(x_BTD, args))
@@ -263,6 +263,51 @@ def test_dropped_compute_matches_the_flops_accounting():
     saved = 2 * (6 * 16384 * 0.5 + 12 * 32 * T * 0.75)
     assert predicted == pytest.approx(1 - saved / per_token(plain))
     assert compiled_flops(dropped) / compiled_flops(plain) == pytest.approx(predicted, abs=0.05)
+
+
+def _drop_layers(cfg, depth=None):
+    """The layers the model's ``TokenDrop`` runs on the kept tokens, at a stacking ``depth``."""
+    model = techniques.abstract(cfg, depth=depth)
+    (drop,) = [t for t in nn.the_stack(model, "test")[1].transforms if isinstance(t, td.TokenDrop)]
+    return drop.start, drop.end
+
+
+def test_a_shallow_stacking_stage_drops_in_its_middle_or_in_the_named_layers_it_has():
+    """Progressive stacking's shallow stages: the middle half of their own depth, or the named
+    layers (checked against the whole model) they have; none (under 3 layers, or none of the
+    named ones) runs the stage whole, not an error. The whole model keeps its own range."""
+    eight = small({"token_drop.keep": 0.5, "stacking.stages": 3}, n_layers=8)
+    assert _drop_layers(eight) == (2, 6)
+    assert _drop_layers(eight, depth=4) == (1, 3)
+    start, end = _drop_layers(eight, depth=2)
+    assert start >= end
+    named = small({"token_drop.keep": 0.5, "token_drop.layers": "1:3", "stacking.stages": 2})
+    assert _drop_layers(named) == (1, 3) and _drop_layers(named, depth=2) == (1, 2)
+    start, end = _drop_layers(small({"token_drop.keep": 0.5, "token_drop.layers": "1:2",
+                                     "stacking.stages": 2}, n_layers=2), depth=1)
+    assert start >= end
+    drop = td.TokenDrop(td.TokenDropSettings(keep=0.5), (1, 1), 320)
+    assert drop.span(0, 1, 1, T, training=True) is None        # the stage runs whole
+    with pytest.raises(ConfigError, match="n_layers=4"):        # named beyond the whole model
+        techniques.abstract(small({"token_drop.keep": 0.5, "token_drop.layers": "1:5",
+                                   "stacking.stages": 2}), depth=2)
+
+
+def test_token_dropping_trains_through_progressive_stacking(corpus_path, tmp_path):
+    """A stacked run with token dropping (the loss score's buffer carried through the growth)
+    trains both stages; the shallow one of 1 layer runs whole."""
+    out = tmp_path / "summary.json"
+    assert train_main([
+        "--data", corpus_path, "--d-model", "32", "--n-layers", "2", "--n-heads", "2",
+        "--max-seq-len", "32", "--seq-len", "32", "--batch-size", "4", "--steps", "4",
+        "--warmup-steps", "1", "--final-eval-batches", "1", "--progressive-stack", "2",
+        "--stack-at", "2", "--token-keep", "0.5", "--token-drop-layers", "1:2",
+        "--token-drop-score", "loss", "--no-progress", "--run-dir", str(tmp_path / "run"),
+        "--cache-dir", str(tmp_path / "cache"), "--json", str(out)]) == 0
+    summary = json.loads(out.read_text())
+    assert summary["steps"] == 4 and math.isfinite(summary["val_loss"])
+    assert summary["techniques"]["stacking"]["stages"] == [[0, 1], [2, 2]]
+    assert summary["techniques"]["token_drop"]["score"] == "loss"
 
 
 @pytest.mark.parametrize("values, message", [
