@@ -17,6 +17,8 @@ the experiments' harness (``experiments.common.Experiment``). Besides:
 - the padding rows size their batches (``bucket`` through a token budget) to hold the
   baseline's real tokens per step; the combination re-matches its padding row's batch after
   rounding the rows to the devices x microbatches;
+- the stack row trains half the model's depth, doubled (progressive stacking) after
+  ``--stack-share`` of the steps the baseline took to the target in the same round;
 - this process never holds a device (a GPU's memory stays the rows'): the devices are probed,
   and a factory's models checked (``check_models``), in processes of their own.
 """
@@ -37,6 +39,7 @@ from experiments.common import (PARENT_PID, Experiment, Row, RowRun, Unmeasurabl
                                 config_of, first, gpt_shape, main_of, matched_batch, parse_list,
                                 passing_signals_to, plot_loss_curves, stack_depth,
                                 stop_requested, technique as done)
+from jaxaccel import stacking
 from jaxaccel.config import TrainConfig, build, describe_error, flatten, override, setting, \
     to_dict, write_config
 from jaxaccel.corpus import corpus_of
@@ -79,7 +82,8 @@ BASELINE = {"data.batching": "fixed", "precision.policy": "fp32", "precision.los
             "remat.policy": "none", "gpt.attention": "xla", "optimizer.name": "adamw",
             "optimizer.accumulate": 1, "mesh.strategy": "dp", "mesh.num_devices": 1,
             "run.memory_budget": None, "remat.scan_layers": False, "token_drop.keep": 1.0,
-            "sparsity.pattern": "none", "data.sampling": "uniform"}
+            "sparsity.pattern": "none", "data.sampling": "uniform", "stochastic_depth.rate": 0.0,
+            "stacking.stages": 1, "stacking.at": None}
 FIXED = (*BASELINE, "run.resume", "run.target_seconds", "run.stop_at")
 # Fields of jaxaccel's GPT presets: a factory of one's own has none of them (model.build refuses
 # them), so neither its baseline nor a row sets them.
@@ -118,6 +122,12 @@ TECHNIQUES = [
               "layers (the last of a model under 3 layers)", {"token_drop.keep": 0.5}),
     Technique("sparse-2:4", "sparsity", "2:4 structured sparse weights (SR-STE); masked dense "
               "matmuls, no sparse kernel in jax", {"sparsity.pattern": "2:4"}),
+    Technique("stochastic-depth", "depth", "stochastic depth: block l of L skipped (not "
+              "computed) for a random set of rows at rate 0.2 l/L in training",
+              {"stochastic_depth.rate": 0.2}),
+    Technique("stack", "depth", "progressive stacking: half the depth, doubled by stacking a "
+              "copy of the trained blocks after --stack-share of the baseline's steps to the "
+              "target", {"stacking.stages": 2}),
     Technique("importance", "sampling", "importance sampling of documents by their last loss, "
               "the loss reweighted by 1/(N p)", {"data.sampling": "loss"}),
     *[Technique(name, "optimizer", f"{label} at its defaults (learning rate, weight decay)",
@@ -134,8 +144,8 @@ TECHNIQUES = [
 BY_NAME = {t.name: t for t in TECHNIQUES}
 # The groups whose soonest row the best row combines; never sparsity: with no N:M sparse kernel
 # in jax, its masked weights multiply densely.
-GROUPS = ("padding", "precision", "remat", "attention", "token dropping", "accumulation",
-          "sharding", "optimizer", "sampling")
+GROUPS = ("padding", "precision", "remat", "attention", "token dropping", "depth",
+          "accumulation", "sharding", "optimizer", "sampling")
 DEFAULT_ROWS = ("pack", "bf16", "remat-dots", "accumulate", "fsdp", "token-drop", "best")
 
 
@@ -160,6 +170,9 @@ class SpeedupSettings:
                                         "baseline in every round, and only a faster row joins "
                                         "the combination", at_least=0)
     row_accumulate: int = setting(2, "microbatches of the accumulate row")
+    stack_share: float = setting(0.5, "the stack row doubles its depth after this share of the "
+                                      "steps the baseline took to the target in the same round",
+                                 above=0, below=1)
     quiet: float = setting(0.005, "the best row is compared with the baseline's rounds, not with "
                                   "the baseline trained again beside it, when the baseline's time "
                                   "to target varied by at most this share between its rounds (a "
@@ -290,6 +303,17 @@ def row_settings(cfg: SpeedupConfig, technique: Technique, documents,
     if technique.name == "accumulate":
         settings["optimizer.accumulate"] = cfg.experiment.row_accumulate
     return settings
+
+
+def depth_reason(settings: dict, depth: int | None) -> str | None:
+    """Why a row's progressive stacking cannot halve a preset's ``depth`` (a factory's model is
+    checked by ``check_models``)."""
+    if settings.get("stacking.stages", 1) > 1 and depth is not None:
+        try:
+            stacking.depths(depth, settings["stacking.stages"])
+        except ConfigError as e:
+            return describe_error(e).removeprefix("error: ")
+    return None
 
 
 def with_depth(name: str, settings: dict, depth: int | None) -> dict:
@@ -442,7 +466,8 @@ def settings_and_reasons(cfg: SpeedupConfig, names: list[str]) -> tuple[dict, di
     shape = gpt_shape(cfg)      # None for a factory: check_factory_rows finds its depth
     depth = shape.n_layers if shape else None
     settings_of = {n: row_settings(cfg, BY_NAME[n], documents, depth) for n in names}
-    reasons = {n: why for n in names if (why := skip_reason(BY_NAME[n], devices, cfg.model.name))}
+    reasons = {n: why for n in names if (why := skip_reason(BY_NAME[n], devices, cfg.model.name)
+                                         or depth_reason(settings_of[n], depth))}
     if not is_preset(cfg.model.name):
         checked, unfit = check_factory_rows(
             cfg, {n: v for n, v in settings_of.items() if n not in reasons}, devices)
@@ -522,7 +547,8 @@ def followup(cfg: SpeedupConfig, done: list[dict]) -> list[Row]:
     variation = load_variation(base)
     if len(base["rounds"]) > 1 and variation is not None and variation <= cfg.experiment.quiet:
         return [plan_row(cfg, best, settings, picks=picks,
-                         baseline_train_s=[r["train_s"] for r in base["rounds"]])]
+                         baseline_train_s=[r["train_s"] for r in base["rounds"]],
+                         baseline_steps=[r["steps"] for r in base["rounds"]])]
     again = dataclasses.replace(BY_NAME["baseline"], name="baseline-again")
     return [plan_row(cfg, again, {}), plan_row(cfg, best, settings, picks=picks)]
 
@@ -537,13 +563,16 @@ def measure(run: RowRun) -> dict:
         return {}
     cfg, name, index, rounds = run.cfg, run.row.label, run.round, run.cfg.experiment.rounds
     if run.previous:        # the baseline (or baseline-again) trained just before, this round
-        base_s = run.previous[0]["round"]["train_s"]
+        base_s, base_steps = (run.previous[0]["round"][k] for k in ("train_s", "steps"))
     else:                   # the baseline itself (None), or a best row set against its rounds
-        base_s = run.row.fields.get("baseline_train_s", [None] * rounds)[index]
+        base_s, base_steps = (run.row.fields.get(f"baseline_{k}", [None] * rounds)[index]
+                              for k in ("train_s", "steps"))
     run_dir = os.path.join(run.run_dir, f"round-{index + 1}")
     changes = {"run.json": os.path.join(run_dir, "summary.json")}
     if base_s is not None:
         changes["run.target_seconds"] = round(cfg.experiment.time_cap * base_s, 3)
+    if run.row.settings.get("stacking.stages", 1) > 1:
+        changes["stacking.at"] = str(max(1, round(cfg.experiment.stack_share * base_steps)))
     if index and cfg.run.profile is not None:    # --profile traces its window in round 1
         changes["run.profile"] = None
     train_cfg = override(train_config(cfg, run.row.settings, run_dir), changes)
@@ -621,6 +650,8 @@ def technique_fields(summary: RunSummary) -> dict:
             "remat": done(summary, "remat", "policy", "none"),
             "scan_layers": done(summary, "remat", "scan_layers", False),
             "token_keep": done(summary, "token_drop", "keep", 1.0),
+            "stochastic_depth": done(summary, "stochastic_depth", "rate", 0.0),
+            "stages": done(summary, "stacking", "stages"),
             "sparsity": done(summary, "sparsity", "pattern", "none"),
             "sparsity_density": done(summary, "sparsity", "density"),
             "fp8": done(summary, "fp8", "note"), "fp8_gemms": done(summary, "fp8", "gemms"),
@@ -719,6 +750,8 @@ def explain(row: dict, base: dict) -> str:
                   f"shape(s), {row['compiles']} compiles ({row['compile_s']:.1f} s)")
     elif group == "precision":
         detail = f"; final loss scale {row['loss_scale']:g}, {row['skipped_steps']} skipped steps"
+    elif group == "depth" and row.get("stages"):
+        detail = "; depth " + ", ".join(f"{d} from step {s}" for s, d in row["stages"])
     elif group == "accumulation":
         detail = f"; {row['accumulate']} microbatches per step"
     elif group == "optimizer":

@@ -163,7 +163,7 @@ def test_every_row_runs_with_its_technique_on(corpus_path, tmp_path, capsys):
     out, run_dir = tmp_path / "speedup.json", tmp_path / "runs"
     code = speedup.main([
         "--scale", "cpu", "--cpu-devices", "2", "--data", corpus_path, "--d-model", "32",
-        "--n-layers", "1", "--n-heads", "2", "--max-seq-len", "128", "--seq-len", "128",
+        "--n-layers", "2", "--n-heads", "2", "--max-seq-len", "128", "--seq-len", "128",
         "--batch-size", "4", "--pad-multiple", "32", "--buckets", "3", "--train-tokens", "1500",
         "--warmup-steps", "2", "--log-every", "2", "--final-eval-batches", "2", "--rounds", "1",
         "--learning-rate", "3e-3", "--rows", "all", *EASY, "--cache-dir", str(tmp_path / "cache"), "--run-dir",
@@ -219,10 +219,18 @@ def test_every_row_runs_with_its_technique_on(corpus_path, tmp_path, capsys):
     assert rows["sparse-2:4"]["sparsity"] == "2:4" and rows["sparse-2:4"]["sparsity_density"] == 0.5
     assert rows["importance"]["settings"]["data.sampling"] == "loss"
     assert rows["token-drop"]["settings"]["token_drop.keep"] == 0.5
-    assert rows["token-drop"]["settings"]["token_drop.layers"] == "0:1"    # the last of 1
+    assert rows["token-drop"]["settings"]["token_drop.layers"] == "1:2"    # the last of 2
     assert rows["token-drop"]["token_keep"] == 0.5
     assert rows["token-drop"]["flops_per_token"] < base["flops_per_token"]
     assert rows["accumulate"]["temp_bytes"] < base["temp_bytes"]
+    # Depth: stochastic depth's rate; the stack row one layer, two after half the baseline's
+    # steps to the target (if it had not reached it by then).
+    assert rows["stochastic-depth"]["stochastic_depth"] == 0.2
+    assert rows["stack"]["settings"]["stacking.stages"] == 2
+    grown = max(1, round(0.5 * base["steps_to_target"]))
+    assert rows["stack"]["stages"][0] == [0, 1]
+    assert rows["stack"]["stages"][1:] in ([[grown, 2]], []) and \
+        (rows["stack"]["stages"][1:] or rows["stack"]["steps"] <= grown)
     assert rows["dp"]["mesh"]["data"] == 2 and rows["fsdp"]["mesh"]["fsdp"] == 2
     assert rows["fsdp"]["param_opt_bytes_per_device"] < base["param_opt_bytes_per_device"]
     # The best row ran with the settings of the rows it names.
@@ -298,11 +306,23 @@ def test_a_model_of_ones_own_skips_the_rows_it_cannot_run_with_the_reason(tmp_pa
     runnable = ("baseline", "dynamic", "bucket", "pack", "bf16", "fp16", "importance", "lion",
                 "lamb", "accumulate", "dp", "fsdp")
     assert [n for n, why in reasons.items() if why is None] == list(runnable)
-    for name in ("remat-full", "remat-attention", "token-drop"):
+    for name in ("remat-full", "remat-attention", "token-drop", "stochastic-depth", "stack"):
         assert "has no jaxaccel.nn.Stack" in reasons[name] and "\n" not in reasons[name], name
     assert reasons["token-drop"].endswith("[--token-keep / token_drop.keep]")
     assert "[--sparsity-targets / sparsity.targets]" in reasons["sparse-2:4"]
     assert "[--fp8-targets / fp8.targets]" in reasons["fp8"]
+
+
+def test_the_stack_row_needs_a_depth_it_can_halve():
+    assert speedup.depth_reason({"stacking.stages": 2}, 2) is None
+    assert speedup.depth_reason({}, 3) is None and speedup.depth_reason({"stacking.stages": 2},
+                                                                        None) is None
+    odd = speedup.depth_reason({"stacking.stages": 2}, 3)
+    assert "n_layers=3" in odd and odd.endswith("[--progressive-stack / stacking.stages]"), odd
+    answer = speedup.check_models({"config": flatten(to_dict(speedup.train_config(build(
+        speedup.SpeedupConfig, {"gpt.n_layers": 3}), {}, None))), "device_count": 1,
+        "rows": {"stack": {"stacking.stages": 2}}})
+    assert answer["rows"]["stack"]["reason"] == odd
 
 
 def test_a_model_of_ones_own_trains_its_rows(corpus_path, tmp_path, capsys):
@@ -423,9 +443,9 @@ def test_on_a_quiet_machine_the_best_row_is_set_against_the_baseline_rounds(
     own, and its time cap comes from them; the report says so."""
     out, run_dir = tmp_path / "speedup.json", tmp_path / "runs"
     code = speedup.main([
-        "--scale", "cpu", "--cpu-devices", "1", "--rows", "baseline,best", "--best", "pack",
+        "--scale", "cpu", "--cpu-devices", "1", "--rows", "baseline,best", "--best", "pack,stack",
         "--rounds", "2", "--quiet", "1", "--data", corpus_path, "--d-model", "32",
-        "--n-layers", "1", "--n-heads", "2", "--max-seq-len", "128", "--seq-len", "128",
+        "--n-layers", "2", "--n-heads", "2", "--max-seq-len", "128", "--seq-len", "128",
         "--batch-size", "4", "--pad-multiple", "32", "--train-tokens", "3000",
         "--warmup-steps", "2", "--log-every", "2", "--time-cap", "1000", *EASY,
         "--cache-dir", str(tmp_path / "cache"), "--run-dir", str(run_dir), "--json", str(out)])
@@ -439,9 +459,12 @@ def test_on_a_quiet_machine_the_best_row_is_set_against_the_baseline_rounds(
     assert best["baseline_train_s"] == seconds
     ratios = [b / r["train_s"] for b, r in zip(seconds, best["rounds"])]
     assert best["round_speedups"] == pytest.approx(ratios)
+    steps = [r["steps"] for r in base["rounds"]]
     for index, b in enumerate(seconds):     # the cap: --time-cap times that round's baseline
         config = (run_dir / "best" / f"round-{index + 1}" / "config.yaml").read_text()
         assert f"target_seconds: {round(1000 * b, 3)}" in config, config
+        # stacking grows after half the steps that round's baseline took to the target
+        assert f"at: '{max(1, round(0.5 * steps[index]))}'" in config, config
     assert "not trained again" in capsys.readouterr().out
 
 

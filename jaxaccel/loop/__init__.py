@@ -25,7 +25,8 @@ import time
 import jax
 from flax import nnx
 
-from jaxaccel import compile_cache, fp8, model as model_lib, precision, remat, techniques, trace
+from jaxaccel import (compile_cache, fp8, model as model_lib, nn, precision, remat, stacking,
+                      techniques, trace)
 from jaxaccel.checkpoint import CheckpointWriteError
 from jaxaccel.config import TrainConfig
 from jaxaccel.loader import abstract_batch
@@ -121,6 +122,9 @@ def preflight(cfg: TrainConfig, mesh_shape: dict):
                 cfg.mesh.strategy)
     if pipelined(cfg.mesh.strategy):
         check_layers(model, mesh_shape["stage"])
+    if cfg.stacking.stages > 1:     # a stack whose depth the stages halve
+        stacking.depths(len(nn.the_stack(model, "progressive stacking", "stacking.stages")[1]),
+                        cfg.stacking.stages)
     graphdef, state = nnx.split(model)
     apply = precision.cast(model_lib.make_apply(
         graphdef, segment_attention=cfg.data.batching == "pack"), cfg.policy())
