@@ -122,10 +122,10 @@ TECHNIQUES = [
               "layers (the last of a model under 3 layers)", {"token_drop.keep": 0.5}),
     Technique("sparse-2:4", "sparsity", "2:4 structured sparse weights (SR-STE); masked dense "
               "matmuls, no sparse kernel in jax", {"sparsity.pattern": "2:4"}),
-    Technique("stochastic-depth", "depth", "stochastic depth: block l of L skipped (not "
+    Technique("stochastic-depth", "stochastic depth", "stochastic depth: block l of L skipped (not "
               "computed) for a random set of rows at rate 0.2 l/L in training",
               {"stochastic_depth.rate": 0.2}),
-    Technique("stack", "depth", "progressive stacking: half the depth, doubled by stacking a "
+    Technique("stack", "stacking", "progressive stacking: half the depth, doubled by stacking a "
               "copy of the trained blocks after --stack-share of the baseline's steps to the "
               "target", {"stacking.stages": 2}),
     Technique("importance", "sampling", "importance sampling of documents by their last loss, "
@@ -144,8 +144,8 @@ TECHNIQUES = [
 BY_NAME = {t.name: t for t in TECHNIQUES}
 # The groups whose soonest row the best row combines; never sparsity: with no N:M sparse kernel
 # in jax, its masked weights multiply densely.
-GROUPS = ("padding", "precision", "remat", "attention", "token dropping", "depth",
-          "accumulation", "sharding", "optimizer", "sampling")
+GROUPS = ("padding", "precision", "remat", "attention", "token dropping", "stochastic depth",
+          "stacking", "accumulation", "sharding", "optimizer", "sampling")
 DEFAULT_ROWS = ("pack", "bf16", "remat-dots", "accumulate", "fsdp", "token-drop", "best")
 
 
@@ -750,7 +750,7 @@ def explain(row: dict, base: dict) -> str:
                   f"shape(s), {row['compiles']} compiles ({row['compile_s']:.1f} s)")
     elif group == "precision":
         detail = f"; final loss scale {row['loss_scale']:g}, {row['skipped_steps']} skipped steps"
-    elif group == "depth" and row.get("stages"):
+    elif group == "stacking" and row.get("stages"):
         detail = "; depth " + ", ".join(f"{d} from step {s}" for s, d in row["stages"])
     elif group == "accumulation":
         detail = f"; {row['accumulate']} microbatches per step"
