@@ -174,14 +174,17 @@ class SpeedupSettings:
                                       "steps the baseline took to the target in the same round",
                                  above=0, below=1)
     quiet: float = setting(0.005, "the best row is compared with the baseline's rounds, not with "
-                                  "the baseline trained again beside it, when the baseline's time "
-                                  "to target varied by at most this share between its rounds (a "
-                                  "quiet machine, as a GPU's is; 0: always train it again)",
-                           at_least=0)
+                                  "the baseline trained again beside it, when the baseline's "
+                                  "seconds per step varied by at most this share between its "
+                                  "rounds (a quiet machine, as a GPU's is; 0: always train it "
+                                  "again)", at_least=0)
     rounds: int = setting(2, "train every row this many times, afresh, the rows taking turns, so "
                              "that a change of the machine's load meets every row; a speedup is "
                              "the median of its rounds' and its spread their half-range (1: one "
                              "run each, no verdict)", at_least=1, at_most=20)
+    same_seed: bool = setting(False, "train every round from --seed (default: round k from --seed "
+                                     "+ k - 1, every row alike, so that the spread covers the "
+                                     "seed's luck in steps as well as the machine's load)")
     cpu_devices: int | None = setting(None, "on a CPU, devices each row's process sees "
                                             "(default: one per core); the sharding rows use "
                                             "them all")
@@ -568,7 +571,8 @@ def measure(run: RowRun) -> dict:
         base_s, base_steps = (run.row.fields.get(f"baseline_{k}", [None] * rounds)[index]
                               for k in ("train_s", "steps"))
     run_dir = os.path.join(run.run_dir, f"round-{index + 1}")
-    changes = {"run.json": os.path.join(run_dir, "summary.json")}
+    changes = {"run.json": os.path.join(run_dir, "summary.json"),
+               "run.seed": cfg.run.seed + (0 if cfg.experiment.same_seed else index)}
     if base_s is not None:
         changes["run.target_seconds"] = round(cfg.experiment.time_cap * base_s, 3)
     if run.row.settings.get("stacking.stages", 1) > 1:
@@ -637,8 +641,9 @@ def combine_rounds(cfg: SpeedupConfig, results: list[dict]) -> dict:
         time_to_target_s=statistics.median(r["train_s"] for r in reached) if reached else None,
         with_compile_s=(statistics.median(r["train_s"] + r["compile_s"] for r in reached)
                         if reached else None),
-        steps_to_target=reached[0]["steps"] if reached else None,
-        tokens_to_target=reached[0]["real_tokens"] if reached else None,
+        steps_to_target=statistics.median(r["steps"] for r in reached) if reached else None,
+        tokens_to_target=(statistics.median(r["real_tokens"] for r in reached)
+                          if reached else None),
         real_tokens_per_s=statistics.median(r["real_tokens_per_s"] for r in rounds),
         process_s=sum(r["process_s"] for r in rounds))
     return row
@@ -709,11 +714,12 @@ def verdict(ratios: list[float], margin: float = 0.0) -> str:
 
 
 def load_variation(row: dict) -> float | None:
-    """How much a row's own time to target varied between its rounds: half-range / median."""
-    times = [r["train_s"] for r in row.get("rounds", ())]
-    if row["status"] != "ran" or not times:
+    """How much the machine's speed varied between a row's rounds: the half-range of its
+    seconds per step over their median (its steps differ with the round's seed)."""
+    per_step = [r["train_s"] / max(r["steps"], 1) for r in row.get("rounds", ())]
+    if row["status"] != "ran" or not per_step:
         return None
-    return _half_range(times) / statistics.median(times)
+    return _half_range(per_step) / statistics.median(per_step)
 
 
 def _half_range(values: list[float]) -> float:
@@ -728,14 +734,20 @@ def _change(value, reference) -> str:
     return "n/a" if value is None or not reference else f"{value / reference - 1:+.0%}"
 
 
+def _per_round(row: dict, key: str) -> str:
+    """``80`` when every round took the same, else ``80 / 95`` (a round each)."""
+    values = [r[key] for r in row["rounds"]]
+    return " / ".join(f"{v:,}" for v in (values[:1] if len(set(values)) == 1 else values))
+
+
 def explain(row: dict, base: dict) -> str:
     """One line on what the row's technique did, from its measurements."""
     if row["status"] != "ran":
         return f"**{row['name']}** ({row['description']}): not run, {row['status']}."
     if row["reached"]:
         arrival = (f"reached {row['target']['bpb']:g} bits/byte in {row['time_to_target_s']:.1f} s "
-                   f"of training ({row['steps_to_target']} steps, "
-                   f"{row['tokens_to_target']:,} real tokens)")
+                   f"of training ({_per_round(row, 'steps')} steps, "
+                   f"{_per_round(row, 'real_tokens')} real tokens)")
     else:
         arrival = "did not reach the target in every round"
     speed = ("" if row["name"] == "baseline" or row.get("speedup") is None
@@ -767,8 +779,8 @@ def explain(row: dict, base: dict) -> str:
 
 COLUMNS = [
     ("name", "row", ""), ("time_to_target_s", "to target s", ".1f"),
-    ("with_compile_s", "+ compile s", ".1f"), ("steps_to_target", "steps", "d"),
-    ("tokens_to_target", "real tokens", ",d"), ("speedup", "sooner", ".2f"),
+    ("with_compile_s", "+ compile s", ".1f"), ("steps_to_target", "steps", ".0f"),
+    ("tokens_to_target", "real tokens", ",.0f"), ("speedup", "sooner", ".2f"),
     ("spread", "+-", ".2f"), ("verdict", "verdict", ""),
     ("real_tokens_per_s", "real tok/s", ",.0f"), ("padding_efficiency", "padding eff.", ".1%"),
     ("memory_mb", "step MB", ",.0f"), ("peak_mb", "peak MB", ",.0f"), ("mfu", "MFU", ".1%"),
@@ -809,18 +821,21 @@ def rounds_line(meta: dict) -> str:
         return ("Each row trained once, one after the other; a speedup compares moments of the "
                 "machine that may differ in load, and decides nothing (verdict: cannot tell; "
                 "--rounds N measures the spread).")
-    variation = meta["baseline_load_variation"] or 0.0
+    variation, steps = meta["baseline_load_variation"] or 0.0, meta["baseline_steps"] or []
+    seeds = (f"every round from seed {meta['seed']}" if meta["same_seed"] else
+             f"round k from seed {meta['seed']} + k - 1, every row alike")
     return (f"Each row trained to the target {meta['rounds']} times, afresh, the rows taking "
-            f"turns; a speedup is the median over the rounds of the baseline's time to target "
+            f"turns, {seeds}; a speedup is the median over the rounds of the baseline's time to target "
             f"over the row's in the same round, +- half their range; a row is faster or slower "
             f"only when every round says so by at least {meta['speed_margin']:.0%} (else: "
             f"cannot tell)"
             + (". The best row took turns with the baseline trained again"
                if meta["best_rounds"] else
-               f". The best row's rounds were set against the baseline's (it varied by no more "
-               f"than --quiet {meta['quiet']:.1%}, so it was not trained again)"
+               f". The best row's rounds were set against the baseline's (its seconds per step "
+               f"varied by no more than --quiet {meta['quiet']:.1%}, so it was not trained again)"
                if meta["best_quiet"] else "")
-            + f". The baseline's own time to target varied by +-{variation:.1%} between rounds.")
+            + f". The baseline's seconds per step varied by +-{variation:.1%} between rounds (the "
+            f"machine's load); its steps to the target were {' / '.join(map(str, steps))}.")
 
 
 # ---------------------------------------------------------------------------------------------
@@ -858,6 +873,8 @@ def meta(cfg: SpeedupConfig, rows: list[dict]) -> dict:
             "rounds": exp.rounds, "best_rounds": bool(best and best.get("baseline_again")),
             "best_quiet": bool(best and best.get("baseline_train_s")), "quiet": exp.quiet,
             "baseline_load_variation": load_variation(base) if base else None,
+            "baseline_steps": [r["steps"] for r in base.get("rounds", ())],
+            "same_seed": exp.same_seed,
             "all_rows_estimate": all_rows_estimate(rows)}
 
 

@@ -50,16 +50,23 @@ def test_the_report_line_of_a_row_says_how_much_sooner_only_when_it_arrived():
               "memory_bytes": 2**20, "loss_scale": 1.0, "skipped_steps": 0,
               "target": {"bpb": 3.7}, "round_speedups": [1.5, 1.7]}
     arrived = speedup.explain({**common, "name": "bf16", "description": "bf16",
-                               "reached": True, "time_to_target_s": 4.0, "steps_to_target": 9,
-                               "tokens_to_target": 900, "speedup": 1.6, "spread": 0.1,
-                               "verdict": "faster"}, base)
-    assert "reached 3.7 bits/byte in 4.0 s" in arrived
+                               "reached": True, "time_to_target_s": 4.0, "steps_to_target": 10,
+                               "tokens_to_target": 1000, "speedup": 1.6, "spread": 0.1,
+                               "verdict": "faster", "rounds": [
+                                   {"steps": 9, "real_tokens": 900},
+                                   {"steps": 11, "real_tokens": 1100}]}, base)
+    assert "reached 3.7 bits/byte in 4.0 s of training (9 / 11 steps, 900 / 1,100 real " \
+        "tokens)" in arrived        # each round's seed
     assert "1.60x +- 0.10 sooner (faster) than the baseline" in arrived
     missed = speedup.explain({**common, "name": "fp16", "description": "fp16",
                               "reached": False, "speedup": None, "spread": None,
                               "verdict": "not reached"}, base)
     assert "did not reach the target in every round;" in missed
     assert "than the baseline" not in missed and "-50%" in missed
+    same = speedup.explain({**common, "name": "fp16", "description": "fp16", "reached": True,
+                            "time_to_target_s": 4.0, "speedup": 1.6, "spread": 0.1,
+                            "rounds": [{"steps": 9, "real_tokens": 900}] * 2}, base)
+    assert "(9 steps, 900 real tokens)" in same
 
 
 def test_the_time_of_all_rows_is_estimated_unless_all_rows_ran():
@@ -416,12 +423,17 @@ def test_rows_train_afresh_each_round_and_the_best_row_with_the_baseline_again(
         assert row["status"] == "ran" and len(row["rounds"]) == 2
         first, second = row["rounds"]
         assert first["reached"] and second["reached"]
-        assert first["steps"] == second["steps"] and first["steps"] < 30  # ended at the target
+        assert max(first["steps"], second["steps"]) < 30    # ended at the target
         assert first["run_dir"].endswith("round-1") and second["run_dir"].endswith("round-2")
         assert row["time_to_target_s"] == pytest.approx(
             (first["train_s"] + second["train_s"]) / 2)
-    assert again["rounds"][0]["steps"] == base["rounds"][0]["steps"]   # the same run again
-    assert again["rounds"][0]["val_bpb"] == base["rounds"][0]["val_bpb"]
+    for index in range(2):      # round k: every row from seed k - 1, the baseline again alike
+        for name in ("baseline", "best", "baseline-again"):
+            config = (run_dir / name / f"round-{index + 1}" / "config.yaml").read_text()
+            assert f"  seed: {index}\n" in config, (name, config)
+        assert again["rounds"][index]["steps"] == base["rounds"][index]["steps"]
+        assert again["rounds"][index]["val_bpb"] == base["rounds"][index]["val_bpb"]
+    assert base["steps_to_target"] == (base["rounds"][0]["steps"] + base["rounds"][1]["steps"]) / 2
     ratios = [a["train_s"] / b["train_s"] for b, a in zip(best["rounds"], again["rounds"])]
     assert best["round_speedups"] == pytest.approx(ratios)
     assert best["speedup"] == pytest.approx(sum(ratios) / 2)
@@ -432,6 +444,8 @@ def test_rows_train_afresh_each_round_and_the_best_row_with_the_baseline_again(
     assert summary["target"]["reached"] and summary["target"]["bpb"] == 7.9
     printed = capsys.readouterr().out
     assert "round 2/2  best" in printed and "to the target 2 times" in printed
+    assert f"its steps to the target were {base['rounds'][0]['steps']} / " \
+        f"{base['rounds'][1]['steps']}" in printed
     report = (run_dir / "report.md").read_text()
     assert "time to quality" in report and "the experiment took" in report
 
@@ -444,7 +458,7 @@ def test_on_a_quiet_machine_the_best_row_is_set_against_the_baseline_rounds(
     out, run_dir = tmp_path / "speedup.json", tmp_path / "runs"
     code = speedup.main([
         "--scale", "cpu", "--cpu-devices", "1", "--rows", "baseline,best", "--best", "pack,stack",
-        "--rounds", "2", "--quiet", "1", "--data", corpus_path, "--d-model", "32",
+        "--rounds", "2", "--quiet", "1", "--same-seed", "--data", corpus_path, "--d-model", "32",
         "--n-layers", "2", "--n-heads", "2", "--max-seq-len", "128", "--seq-len", "128",
         "--batch-size", "4", "--pad-multiple", "32", "--train-tokens", "3000",
         "--warmup-steps", "2", "--log-every", "2", "--time-cap", "1000", *EASY,
@@ -465,6 +479,7 @@ def test_on_a_quiet_machine_the_best_row_is_set_against_the_baseline_rounds(
         assert f"target_seconds: {round(1000 * b, 3)}" in config, config
         # stacking grows after half the steps that round's baseline took to the target
         assert f"at: '{max(1, round(0.5 * steps[index]))}'" in config, config
+        assert "  seed: 0\n" in config, config         # --same-seed
     assert "not trained again" in capsys.readouterr().out
 
 
