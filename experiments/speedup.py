@@ -823,12 +823,13 @@ def rounds_line(meta: dict) -> str:
                 "--rounds N measures the spread).")
     variation, steps = meta["baseline_load_variation"] or 0.0, meta["baseline_steps"] or []
     seeds = (f"every round from seed {meta['seed']}" if meta["same_seed"] else
-             f"the rounds from seeds {', '.join(str(meta['seed'] + k) for k in range(meta['rounds']))}"
-             f" in turn, every row alike")
+             "the rounds from seeds " + ", ".join(str(meta["seed"] + k)
+                                                  for k in range(meta["rounds"]))
+             + " in turn, every row alike")
     return (f"Each row trained to the target {meta['rounds']} times, afresh, the rows taking "
-            f"turns, {seeds}; a speedup is the median over the rounds of the baseline's time to target "
-            f"over the row's in the same round, +- half their range; a row is faster or slower "
-            f"only when every round says so by at least {meta['speed_margin']:.0%} (else: "
+            f"turns, {seeds}; a speedup is the median over the rounds of the baseline's time to "
+            f"target over the row's in the same round, +- half their range; a row is faster or "
+            f"slower only when every round says so by at least {meta['speed_margin']:.0%} (else: "
             f"cannot tell)"
             + (". The best row took turns with the baseline trained again"
                if meta["best_rounds"] else

@@ -2,13 +2,14 @@
 "removing masked tokens"), for a causal language model whose blocks are an ``nn.Stack``.
 
 ``apply`` installs ``TokenDrop``, a block transform: in training the middle layers
-(``--token-drop-layers``, default ``L//4 .. L - L//4``) compute only ``K = kept_tokens(T, token_keep)`` of each row's T tokens (``keep * T``
-rounded to a multiple of ``MULTIPLE``: static, nothing recompiles). The kept tokens and their
-per-token arguments (rotary angles, segment ids) are gathered in sequence order, run through
-the middle layers and scattered back; the others skip them unchanged. The loss is on every
-token; evaluation runs every token through every layer. Rows never leave their device. A
-shallow stage of progressive stacking drops tokens in the middle half of its own depth (none
-under 3 layers), or in the named layers it has: a stage without any runs whole.
+(``--token-drop-layers``, default ``L//4 .. L - L//4``) compute only
+``K = kept_tokens(T, token_keep)`` of each row's T tokens (``keep * T`` rounded to a multiple
+of ``MULTIPLE``: static, nothing recompiles). The kept tokens and their per-token arguments
+(rotary angles, segment ids) are gathered in sequence order, run through the middle layers and
+scattered back; the others skip them unchanged. The loss is on every token; evaluation runs
+every token through every layer. Rows never leave their device. A shallow stage of progressive
+stacking drops tokens in the middle half of its own depth (none under 3 layers), or in the
+named layers it has: a stage without any runs whole.
 
 Padding is dropped first; ``K`` real tokens are drawn without replacement each step
 (``--token-drop-score``): ``random`` uniformly, ``loss`` weighted by ``TokenLoss``, a running
@@ -159,12 +160,13 @@ def apply(model, settings: TokenDropSettings, vocab_size: int,
     if settings.keep >= 1.0:
         return
     _, stack = nn.the_stack(model, "token dropping", "token_drop.keep")
-    depth = len(stack)
-    start, end = layer_range(settings.layers, full_layers or depth)    # checked on the whole
-    if settings.layers is None:
+    depth, whole = len(stack), full_layers or len(stack)
+    if settings.layers is None:         # the middle half of this stack's own depth
         start, end = layer_range(None, depth)
-    end = min(end, depth)
-    if start >= end and (full_layers or depth) == depth:
+    else:                               # checked against the whole model, cut to this stack
+        start, end = layer_range(settings.layers, whole)
+        end = min(end, depth)
+    if start >= end and whole == depth:
         raise ConfigError(
             f"token_keep={settings.keep} would drop no tokens: the default layers (the middle "
             f"half) of {depth} layers are none; name them with --token-drop-layers "

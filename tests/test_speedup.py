@@ -173,8 +173,8 @@ def test_every_row_runs_with_its_technique_on(corpus_path, tmp_path, capsys):
         "--n-layers", "2", "--n-heads", "2", "--max-seq-len", "128", "--seq-len", "128",
         "--batch-size", "4", "--pad-multiple", "32", "--buckets", "3", "--train-tokens", "1500",
         "--warmup-steps", "2", "--log-every", "2", "--final-eval-batches", "2", "--rounds", "1",
-        "--learning-rate", "3e-3", "--rows", "all", *EASY, "--cache-dir", str(tmp_path / "cache"), "--run-dir",
-        str(run_dir), "--json", str(out)])
+        "--learning-rate", "3e-3", "--rows", "all", *EASY, "--cache-dir", str(tmp_path / "cache"),
+        "--run-dir", str(run_dir), "--json", str(out)])
     assert code == 0
     result = json.loads(out.read_text())
     rows = {r["name"]: r for r in result["rows"]}
