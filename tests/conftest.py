@@ -1,8 +1,10 @@
 """Fixtures shared by the tests that train, and the run-wide compilation cache."""
 
+import contextlib
 import json
 import os
 import shutil
+import signal
 import subprocess
 import sys
 import tempfile
@@ -40,16 +42,45 @@ def pytest_sessionfinish(session):
         shutil.rmtree(CACHE_DIR, ignore_errors=True)
 
 
-def run_multidevice(path: str) -> None:
+def run_multidevice(path: str, part: int = 0, parts: int = 1) -> None:
     """Run the tests in ``path`` (under tests/multidevice) in a subprocess with 8 simulated CPU
-    devices, failing (not skipping) if any fails."""
+    devices, failing (not skipping) if any fails. With ``parts`` > 1, only the ``part``-th of
+    ``parts`` contiguous slices of the file's tests (in file order) runs, so that a file's
+    slices are tests of their own, each shorter, and together run every test of the file."""
     env = {**os.environ, "JAXACCEL_MULTIDEVICE": "1", "JAX_PLATFORMS": "cpu",
+           "JAXACCEL_MULTIDEVICE_PART": f"{part}/{parts}",
            "XLA_FLAGS": xla_flags("--xla_force_host_platform_device_count=8")}
     result = subprocess.run([sys.executable, "-m", "pytest", "-x", "-q", "-o", "addopts=",
                              "-p", "no:cacheprovider", path], cwd=REPO, env=env,
                             capture_output=True, text=True, timeout=900)
     assert result.returncode == 0, result.stdout[-6000:] + result.stderr[-3000:]
     assert " passed" in result.stdout and "skipped" not in result.stdout
+
+
+def _multidevice_slice(config, items):
+    """In a multidevice subprocess, keep the slice ``JAXACCEL_MULTIDEVICE_PART`` names."""
+    part, _, parts = os.environ.get("JAXACCEL_MULTIDEVICE_PART", "0/1").partition("/")
+    part, parts = int(part), int(parts)
+    if parts == 1:
+        return
+    start, stop = len(items) * part // parts, len(items) * (part + 1) // parts
+    config.hook.pytest_deselected(items=items[:start] + items[stop:])
+    items[:] = items[start:stop]
+
+
+@contextlib.contextmanager
+def terminal_signals():
+    """SIGINT and SIGTERM handled as in a terminal's foreground process while inside, whatever
+    this process was started with (``nohup make test &`` ignores SIGINT from the start, and a
+    child process inherits an ignored signal), then as they were before."""
+    before = {s: signal.getsignal(s) for s in (signal.SIGINT, signal.SIGTERM)}
+    signal.signal(signal.SIGINT, signal.default_int_handler)
+    signal.signal(signal.SIGTERM, signal.SIG_DFL)
+    try:
+        yield before
+    finally:
+        for s, handler in before.items():
+            signal.signal(s, handler)
 
 
 @pytest.fixture(scope="session")
@@ -76,6 +107,8 @@ def pytest_collection_modifyitems(session, config, items):
         name = os.path.basename(str(item.fspath))
         return LONGEST_FIRST.index(name) if name in LONGEST_FIRST else len(LONGEST_FIRST)
     items.sort(key=rank)      # stable: the order within a file and among the rest is kept
+    if os.environ.get("JAXACCEL_MULTIDEVICE") == "1":
+        _multidevice_slice(config, items)
 
 
 # tests/multidevice needs 8 simulated devices, set before JAX starts: tests/test_sharding.py runs

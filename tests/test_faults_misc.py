@@ -10,7 +10,7 @@ import subprocess
 import sys
 
 import pytest
-from conftest import REPO
+from conftest import REPO, terminal_signals
 from experiments import train as train_cli
 
 SMALL = ["--d-model", "32", "--n-layers", "2", "--n-heads", "4", "--max-seq-len", "32",
@@ -93,11 +93,12 @@ def test_a_signal_while_the_command_imports_its_modules_stops_it_cleanly(corpus_
     the ``experiments`` package is imported, before jax is (it takes seconds more). Should it
     come later, the command's own handler answers: one line, the signal's exit code, either
     way."""
-    child = subprocess.Popen(
-        [sys.executable, "-X", "importtime", "-m", "experiments.train", "--model", "tiny",
-         "--steps", "2", "--data", corpus_path, "--run-dir", str(tmp_path / "run"),
-         "--cache-dir", str(tmp_path / "cache"), "--no-progress"],
-        cwd=REPO, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    with terminal_signals() as before:     # the child starts with a terminal's dispositions
+        child = subprocess.Popen(
+            [sys.executable, "-X", "importtime", "-m", "experiments.train", "--model", "tiny",
+             "--steps", "2", "--data", corpus_path, "--run-dir", str(tmp_path / "run"),
+             "--cache-dir", str(tmp_path / "cache"), "--no-progress"],
+            cwd=REPO, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
     try:
         imported = []
         for line in child.stderr:
@@ -115,8 +116,11 @@ def test_a_signal_while_the_command_imports_its_modules_stops_it_cleanly(corpus_
     assert child.returncode == 128 + signum, (child.returncode, err)
     assert len(err) == 1 and err[0].startswith(f"stopped by {signum.name}"), err
     assert "Traceback" not in out and not out.strip(), out
-    # imported by a test (not run with -m), the package leaves the handlers as they are
-    assert signal.getsignal(signal.SIGINT) is signal.default_int_handler
+    # imported by this test's module (not run with -m), the package installed no handler:
+    # each is what a process starts with (a terminal's, or ignored under nohup), and is again
+    assert before[signal.SIGINT] in (signal.default_int_handler, signal.SIG_IGN)
+    assert before[signal.SIGTERM] in (signal.SIG_DFL, signal.SIG_IGN)
+    assert {s: signal.getsignal(s) for s in before} == before
 
 
 def test_a_closed_standard_output_stops_the_command_with_one_line(corpus_path, tmp_path):
