@@ -10,10 +10,14 @@ README.md (its headline section) describes the measure, the rows, the rounds and
 verdicts, the best combination and the report; docs/DESIGN.md how the experiment is declared on
 the experiments' harness (``experiments.common.Experiment``). Besides:
 
-- each round of a row runs ``python -m experiments.train`` in a process of its own, so the
-  device's peak memory, the compile counts and a failure belong to that row alone; on a CPU
-  every process sees ``--cpu-devices`` devices (the sharding rows split over them, the others
-  use the first), and ``--profile START:STOP`` traces those steps in every row's first round;
+- each round of a row runs what ``python -m experiments.train`` would, and on a GPU in a
+  process of its own, so that the device's peak memory and a failure belong to that row alone;
+  on a CPU (no peak memory) the rounds run one after another in one warm process
+  (``experiments.rows``), so that only its first row pays for the imports and JAX's start,
+  and a row that ends it leaves the next a new one (``--fresh-processes``: a process each);
+  every process sees ``--cpu-devices`` devices on a CPU (the sharding rows split over them,
+  the others use the first), and ``--profile START:STOP`` traces those steps in every row's
+  first round;
 - the padding rows size their batches (``bucket`` through a token budget) to hold the
   baseline's real tokens per step; the combination re-matches its padding row's batch after
   rounding the rows to the devices x microbatches;
@@ -55,7 +59,7 @@ SCALES = ("auto", "cpu", "gpu")
 # again), a few batches every few steps. The report draws every row's loss curve in one plot, so
 # the rows draw none of their own. A row's weights are not kept, so it writes no checkpoint: at
 # the gpu preset (85 M parameters) one would be about 0.9 GB, 3.5 s to write on a 2-core
-# machine (a state of that size, 2026-11-27), and --rows all runs about 40 row processes.
+# machine (a state of that size, 2026-11-27), and --rows all trains about 40 rows.
 DEFAULTS = {"run.save_checkpoints": False, "run.progress": False, "run.eval_batches": 4,
             "run.final_eval_batches": 4, "run.loss_plot": False}
 # CPU: a 2 x 128 model at seq_len 128 reaches 1 bit/byte below the stdlib corpus's unigram
@@ -188,6 +192,11 @@ class SpeedupSettings:
     cpu_devices: int | None = setting(None, "on a CPU, devices each row's process sees "
                                             "(default: one per core); the sharding rows use "
                                             "them all")
+    fresh_processes: bool = setting(False, "on a CPU, train each row's round in a process of "
+                                           "its own (default: one after another in one "
+                                           "process, so that only the first pays for the "
+                                           "imports and JAX's start; on a GPU always a process "
+                                           "each, whose peak memory is the row's)")
 
 
 SpeedupConfig = config_of(SpeedupSettings)
@@ -584,11 +593,17 @@ def measure(run: RowRun) -> dict:
     write_config(train_cfg, run_dir)
     argv = ["--config", os.path.join(run_dir, "config.yaml")]
     start = time.perf_counter()
-    with open(os.path.join(run_dir, "log.txt"), "w") as log:
+    log_path = os.path.join(run_dir, "log.txt")
+    with open(log_path, "w") as log:
         log.write(f"python -m experiments.train {' '.join(argv)}\n")
-        log.flush()
-        returncode, stderr = run_child([sys.executable, "-m", "experiments.train", *argv],
-                                       row_environment(cfg.experiment.cpu_devices), log)
+    env = row_environment(cfg.experiment.cpu_devices)
+    if cfg.experiment.fresh_processes or devices_of(cfg)["platform"] != "cpu":
+        with open(log_path, "a") as log:
+            returncode, stderr = run_child([sys.executable, "-m", "experiments.train", *argv],
+                                           env, log)
+    else:
+        returncode, stderr = ROWS.run(argv, log_path, env)
+    with open(log_path, "a") as log:
         log.write(stderr)
     seconds = time.perf_counter() - start
     label = f"round {index + 1}/{rounds}  " if rounds > 1 else ""
@@ -680,6 +695,72 @@ def run_child(argv: list[str], env: dict, log) -> tuple[int, str]:
             child.kill()
             child.wait()
     return child.returncode, stderr
+
+
+class RowProcess:
+    """The warm process that trains the rows one after another (``experiments.rows``): started
+    for the first row, and again for the next one after a row that ended it (a crash, a
+    signal) or that needs another environment; ``close``d when the experiment ends. A
+    SIGINT/SIGTERM is passed on to it, as ``run_child`` does to a row's own process."""
+
+    def __init__(self):
+        self.child, self.env = None, None
+
+    def run(self, argv: list[str], log_path: str, env: dict) -> tuple[int, str]:
+        """Train the row ``python -m experiments.train ARGV`` would, its output appended to
+        ``log_path``: ``(exit code, stderr)``."""
+        if self.child is None or self.child.poll() is not None or env != self.env:
+            self.close()
+            self.child = subprocess.Popen(
+                [sys.executable, "-m", "experiments.rows"], env=env, stdin=subprocess.PIPE,
+                stdout=subprocess.PIPE, stderr=subprocess.DEVNULL, text=True, process_group=0)
+            self.env = env
+        err_path = log_path + ".stderr"
+        request = {"argv": argv, "stdout": log_path, "stderr": err_path}
+        answer = ""
+        try:
+            with passing_signals_to(self.child.send_signal):
+                if stop_requested():        # the signal came while the row was being set up
+                    self.child.send_signal(signal.Signals[stop_requested()])
+                try:
+                    self.child.stdin.write(json.dumps(request) + "\n")
+                    self.child.stdin.flush()
+                    answer = self.child.stdout.readline()
+                except BrokenPipeError:     # it had ended (a signal between rows)
+                    pass
+        except BaseException:               # a second Ctrl-C: stop it, and do not wait long
+            self.close(kill=True)
+            raise
+        stderr = ""
+        if os.path.exists(err_path):
+            with open(err_path) as f:
+                stderr = f.read()
+            os.remove(err_path)
+        if answer.strip():
+            return int(answer), stderr
+        returncode = self.child.wait()      # it died in the row: its code, as run_child's
+        self.child = None
+        return returncode, stderr
+
+    def close(self, kill: bool = False):
+        if self.child is None:
+            return
+        if not kill and self.child.poll() is None:
+            self.child.stdin.close()        # the end of its input: it exits
+            try:
+                self.child.wait(timeout=60)
+            except subprocess.TimeoutExpired:
+                kill = True
+        if kill and self.child.poll() is None:
+            self.child.kill()
+        self.child.wait()
+        for pipe in (self.child.stdin, self.child.stdout):
+            if pipe and not pipe.closed:
+                pipe.close()
+        self.child = None
+
+
+ROWS = RowProcess()
 
 
 def _last_line(text: str) -> str:
@@ -960,7 +1041,8 @@ EXPERIMENT = Experiment(
     defaults=preset, fixed=FIXED, prepare=prepare, check=check, measure=measure,
     rounds=lambda cfg: cfg.experiment.rounds, combine=combine_rounds, followup=followup,
     compare=compare_rows, conclude=conclude, tables=lambda cfg, rows, meta: [
-        (None, table_rows(rows), COLUMNS)], notes=notes, meta=meta, plot=plot, report=report)
+        (None, table_rows(rows), COLUMNS)], notes=notes, meta=meta, plot=plot, report=report,
+    finish=lambda cfg, shared: ROWS.close())
 main = main_of(EXPERIMENT)
 
 if __name__ == "__main__":
