@@ -42,13 +42,16 @@ def pytest_sessionfinish(session):
         shutil.rmtree(CACHE_DIR, ignore_errors=True)
 
 
-def run_multidevice(path: str, part: int = 0, parts: int = 1) -> None:
+def run_multidevice(path: str, part: int = 0, parts: int = 1, *, tests=(), others_than=()):
     """Run the tests in ``path`` (under tests/multidevice) in a subprocess with 8 simulated CPU
-    devices, failing (not skipping) if any fails. With ``parts`` > 1, only the ``part``-th of
-    ``parts`` contiguous slices of the file's tests (in file order) runs, so that a file's
-    slices are tests of their own, each shorter, and together run every test of the file."""
+    devices, failing (not skipping) if any fails or none runs. A long file runs in parts, each a
+    test of its own: ``tests`` (function names) runs only those, ``others_than`` every test but
+    those; with ``parts`` > 1, only the ``part``-th of ``parts`` contiguous slices of the
+    file's tests (in file order) runs."""
+    select = (f"only:{','.join(tests)}" if tests else
+              f"except:{','.join(others_than)}" if others_than else f"slice:{part}/{parts}")
     env = {**os.environ, "JAXACCEL_MULTIDEVICE": "1", "JAX_PLATFORMS": "cpu",
-           "JAXACCEL_MULTIDEVICE_PART": f"{part}/{parts}",
+           "JAXACCEL_MULTIDEVICE_SELECT": select,
            "XLA_FLAGS": xla_flags("--xla_force_host_platform_device_count=8")}
     result = subprocess.run([sys.executable, "-m", "pytest", "-x", "-q", "-o", "addopts=",
                              "-p", "no:cacheprovider", path], cwd=REPO, env=env,
@@ -57,15 +60,18 @@ def run_multidevice(path: str, part: int = 0, parts: int = 1) -> None:
     assert " passed" in result.stdout and "skipped" not in result.stdout
 
 
-def _multidevice_slice(config, items):
-    """In a multidevice subprocess, keep the slice ``JAXACCEL_MULTIDEVICE_PART`` names."""
-    part, _, parts = os.environ.get("JAXACCEL_MULTIDEVICE_PART", "0/1").partition("/")
-    part, parts = int(part), int(parts)
-    if parts == 1:
-        return
-    start, stop = len(items) * part // parts, len(items) * (part + 1) // parts
-    config.hook.pytest_deselected(items=items[:start] + items[stop:])
-    items[:] = items[start:stop]
+def _multidevice_select(config, items):
+    """In a multidevice subprocess, keep the tests ``JAXACCEL_MULTIDEVICE_SELECT`` names."""
+    how, _, what = os.environ.get("JAXACCEL_MULTIDEVICE_SELECT", "slice:0/1").partition(":")
+    if how == "slice":
+        part, parts = map(int, what.split("/"))
+        start, stop = len(items) * part // parts, len(items) * (part + 1) // parts
+        keep = items[start:stop]
+    else:
+        names = set(what.split(","))
+        keep = [item for item in items if (item.originalname in names) == (how == "only")]
+    config.hook.pytest_deselected(items=[item for item in items if item not in keep])
+    items[:] = keep
 
 
 @contextlib.contextmanager
@@ -108,7 +114,7 @@ def pytest_collection_modifyitems(session, config, items):
         return LONGEST_FIRST.index(name) if name in LONGEST_FIRST else len(LONGEST_FIRST)
     items.sort(key=rank)      # stable: the order within a file and among the rest is kept
     if os.environ.get("JAXACCEL_MULTIDEVICE") == "1":
-        _multidevice_slice(config, items)
+        _multidevice_select(config, items)
 
 
 # tests/multidevice needs 8 simulated devices, set before JAX starts: tests/test_sharding.py runs

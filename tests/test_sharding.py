@@ -155,8 +155,24 @@ def test_distributed_settings_are_checked():
             initialize_distributed(f"127.0.0.1:{taken.getsockname()[1]}", 2, 0)
 
 
-def test_eight_device_suite():
-    """Every strategy against one device, the memory targets, checkpoints across meshes and the
-    techniques under fsdp and tp (tests/multidevice/test_strategies.py), on 8 simulated CPU
-    devices."""
-    run_multidevice("tests/multidevice/test_strategies.py")
+# The 8-device suite (tests/multidevice/test_strategies.py) in parts of about equal time, each a
+# process of its own: every strategy against one device, the memory targets, checkpoints across
+# meshes and the techniques under fsdp and tp. The last part runs every test the others do not.
+PARTS = [("test_every_strategy_trains_like_one_device",),
+         ("test_explicit_axes_train_like_one_device",
+          "test_the_sorted_sum_embedding_trains_like_one_device"),
+         ("test_training_loop_resumes_on_another_mesh",),
+         ("test_sharding_experiment_writes_every_row",),
+         ("test_fp8_and_nm_sparsity_train_on_fsdp_tp_like_one_device",),
+         ("test_token_dropping_and_importance_sampling_train_on_fsdp_like_one_device",
+          "test_pallas_attention_runs_per_shard_under_fsdp_and_tp")]
+
+
+@pytest.mark.parametrize("tests", [*PARTS, None], ids=[p[0][5:30] for p in PARTS] + ["rest"])
+def test_eight_device_suite(tests):
+    """A part of the 8-device suite, on 8 simulated CPU devices."""
+    if tests is None:
+        run_multidevice("tests/multidevice/test_strategies.py",
+                        others_than=[name for part in PARTS for name in part])
+    else:
+        run_multidevice("tests/multidevice/test_strategies.py", tests=tests)

@@ -165,23 +165,45 @@ def test_a_verdict_needs_every_round_on_one_side_of_one():
     assert base["verdict"] is None and base["speedup"] == 1
 
 
-def test_every_row_runs_with_its_technique_on(corpus_path, tmp_path, capsys):
-    """The whole experiment at a minute scale, two simulated CPU devices for the sharding rows."""
+# Every row of --rows all, in parts that each run the whole experiment (the baseline, a few rows
+# and its report) at a minute scale, two simulated CPU devices for the sharding rows. The depth
+# rows need two layers, the others run on one.
+ROW_PARTS = {
+    "padding": ("dynamic", "bucket", "pack"),
+    "precision": ("bf16", "fp16", "flash", "fp8"),
+    "remat": tuple(f"remat-{policy}" for policy in ("full", "dots", "attention", "mlp",
+                                                     "offload")),
+    "layers": ("token-drop", "sparse-2:4", "stochastic-depth", "stack"),
+    "optimizers": ("importance", "lion", "lamb", "accumulate"),
+    "sharding": ("dp", "fsdp", "best"),
+}
+TWO_LAYERS = ("layers",)
+
+
+def test_the_parts_hold_every_row_once():
+    parts = [name for names in ROW_PARTS.values() for name in names]
+    assert sorted(parts) == sorted(speedup.parse_rows("all")[1:])         # all but baseline
+    assert speedup.parse_rows("all") == [t.name for t in speedup.TECHNIQUES]
+
+
+def run_rows(part, corpus_path, tmp_path, capsys):
+    """The experiment with the baseline and ``ROW_PARTS[part]``: its result and printed text,
+    after the checks that hold for every part."""
     out, run_dir = tmp_path / "speedup.json", tmp_path / "runs"
     code = speedup.main([
         "--scale", "cpu", "--cpu-devices", "2", "--data", corpus_path, "--d-model", "32",
-        "--n-layers", "2", "--n-heads", "2", "--max-seq-len", "128", "--seq-len", "128",
-        "--batch-size", "4", "--pad-multiple", "32", "--buckets", "3", "--train-tokens", "1500",
-        "--warmup-steps", "2", "--log-every", "2", "--final-eval-batches", "2", "--rounds", "1",
-        "--learning-rate", "3e-3", "--rows", "all", *EASY, "--cache-dir", str(tmp_path / "cache"),
-        "--run-dir", str(run_dir), "--json", str(out)])
+        "--n-layers", "2" if part in TWO_LAYERS else "1", "--n-heads", "2", "--max-seq-len",
+        "128", "--seq-len", "128", "--batch-size", "4", "--pad-multiple", "64", "--buckets",
+        "2", "--train-tokens", "1500", "--warmup-steps", "2", "--log-every", "2",
+        "--final-eval-batches", "2", "--rounds", "1", "--learning-rate", "3e-3", "--rows",
+        ",".join(ROW_PARTS[part]), *EASY, "--cache-dir", str(tmp_path / "cache"), "--run-dir",
+        str(run_dir), "--json", str(out)])
     assert code == 0
     result = json.loads(out.read_text())
     rows = {r["name"]: r for r in result["rows"]}
-    assert list(rows) == [t.name for t in speedup.TECHNIQUES]
+    assert list(rows) == [t.name for t in speedup.TECHNIQUES
+                          if t.name == "baseline" or t.name in ROW_PARTS[part]]
     assert result["meta"]["target_bpb"] == 7.9 and result["meta"]["rounds"] == 1
-    assert rows["flash"]["status"] == "skipped: needs a GPU"
-    assert rows["fp8"]["status"].startswith("skipped: needs a GPU with FP8 tensor cores")
     ran = {name: r for name, r in rows.items() if name not in ("flash", "fp8")}
     for name, r in ran.items():
         assert r["status"] == "ran", (name, r["status"])
@@ -196,68 +218,12 @@ def test_every_row_runs_with_its_technique_on(corpus_path, tmp_path, capsys):
             assert r["verdict"] == "not reached" and r["time_to_target_s"] is None
     base = rows["baseline"]
     assert base["speedup"] == 1 and base["batching"] == "fixed" and base["reached"]
-    assert base["mesh"] == {"stage": 1, "data": 1, "fsdp": 1, "tensor": 1} and base["precision"] == "fp32"
-    # Padding: each strategy's shapes and efficiency.
-    assert rows["dynamic"]["batching"] == "dynamic" and rows["dynamic"]["shapes"] > 1
-    assert 1 < rows["bucket"]["shapes"] <= 3
-    assert rows["pack"]["shapes"] == 1
-    for name in ("bucket", "pack"):
-        assert rows[name]["padding_efficiency"] > base["padding_efficiency"], name
-    # Precision: the compute dtype, and fp16's dynamic loss scale at work.
-    assert rows["bf16"]["precision"] == "bf16" and rows["bf16"]["temp_bytes"] < base["temp_bytes"]
-    assert rows["fp16"]["precision"] == "fp16" and rows["fp16"]["loss_scale"] > 1
-    # Remat: every policy keeps fewer temporaries than none.
-    for policy in ("full", "dots", "attention", "mlp", "offload"):
-        row = rows[f"remat-{policy}"]
-        assert row["remat"] == policy and row["temp_bytes"] < base["temp_bytes"], policy
-    # Optimizers, accumulation, sharding.
-    assert rows["lion"]["optimizer_state_bytes"] / base["optimizer_state_bytes"] == \
-        pytest.approx(0.5, abs=1e-3)   # one moment instead of two (and a few counters)
-    assert rows["lamb"]["optimizer"] == "lamb" and rows["lamb"]["val_bpb"] != base["val_bpb"]
-    # --learning-rate (the cpu preset's: 1.5e-3) is the AdamW rows'; an optimizer row takes its
-    # own defaults.
-    assert speedup.preset(["--scale", "cpu"])["optimizer.learning_rate"] == 1.5e-3
-    assert base["learning_rate"] == rows["pack"]["learning_rate"] == 3e-3
-    for name in ("lion", "lamb"):
-        assert rows[name]["learning_rate"] == pytest.approx(DEFAULTS[name].learning_rate), name
-        assert rows[name]["weight_decay"] == pytest.approx(DEFAULTS[name].weight_decay), name
-    assert rows["accumulate"]["accumulate"] == 2
-    assert rows["sparse-2:4"]["settings"]["sparsity.pattern"] == "2:4"
-    assert rows["sparse-2:4"]["sparsity"] == "2:4" and rows["sparse-2:4"]["sparsity_density"] == 0.5
-    assert rows["importance"]["settings"]["data.sampling"] == "loss"
-    assert rows["token-drop"]["settings"]["token_drop.keep"] == 0.5
-    assert rows["token-drop"]["settings"]["token_drop.layers"] == "1:2"    # the last of 2
-    assert rows["token-drop"]["token_keep"] == 0.5
-    assert rows["token-drop"]["flops_per_token"] < base["flops_per_token"]
-    assert rows["accumulate"]["temp_bytes"] < base["temp_bytes"]
-    # Depth: stochastic depth's rate; the stack row one layer, two after half the baseline's
-    # steps to the target (if it had not reached it by then).
-    assert rows["stochastic-depth"]["stochastic_depth"] == 0.2
-    assert rows["stack"]["settings"]["stacking.stages"] == 2
-    grown = max(1, round(0.5 * base["steps_to_target"]))
-    assert rows["stack"]["stages"][0] == [0, 1]
-    assert rows["stack"]["stages"][1:] in ([[grown, 2]], []) and \
-        (rows["stack"]["stages"][1:] or rows["stack"]["steps"] <= grown)
-    assert rows["dp"]["mesh"]["data"] == 2 and rows["fsdp"]["mesh"]["fsdp"] == 2
-    assert rows["fsdp"]["param_opt_bytes_per_device"] < base["param_opt_bytes_per_device"]
-    # The best row ran with the settings of the rows it names.
-    best = rows["best"]
-    combined = speedup.combine({n: rows[n]["settings"] for n in result["meta"]["best"]},
-                               result["meta"]["best"], 2)
-    batch_keys = ("data.batch_size", "data.tokens_per_batch")
-    assert {k: v for k, v in best["settings"].items() if k not in batch_keys} == \
-        {k: v for k, v in combined.items() if k not in batch_keys}
-    # Every row validates on the same batches.
-    assert len({r["val_tokens"] for r in ran.values()}) == 1
-    summary_keys = {"data.batching": "batching", "precision.policy": "precision",
-                    "remat.policy": "remat", "optimizer.name": "optimizer",
-                    "mesh.strategy": "sharding"}
-    for name in result["meta"]["best"]:
-        for key, value in rows[name]["settings"].items():
-            if key in summary_keys:
-                assert best[summary_keys[key]] == value, (name, key)
+    assert base["mesh"] == {"stage": 1, "data": 1, "fsdp": 1, "tensor": 1}
+    assert base["precision"] == "fp32"
+    assert len({r["val_tokens"] for r in ran.values()}) == 1    # the same validation batches
     assert result["meta"]["scale"] == "cpu" and result["meta"]["device_count"] == 2
-    assert result["meta"]["targets"][0].startswith("CPU target")
+    assert result["meta"]["targets"][0].startswith(
+        "CPU target" if "best" in rows else "no best combination ran")
     report = (run_dir / "report.md").read_text()
     assert "| row" in report and report.count("\n- **") == len(rows)
     for plot in ("time_to_target.png", "tokens_per_s.png", "memory.png", "loss_curves.png"):
@@ -265,10 +231,126 @@ def test_every_row_runs_with_its_technique_on(corpus_path, tmp_path, capsys):
     # loss_curves.png draws every row's curve, so no row draws its own (run.loss_plot).
     row_dirs = [r["run_dir"] for r in rows.values() if r["status"] == "ran"]
     assert row_dirs and not any(os.path.exists(os.path.join(d, "loss.png")) for d in row_dirs)
+    printed = capsys.readouterr().out
+    assert "| row" in printed
+    return rows, result, printed
+
+
+def test_the_padding_rows_run_with_their_strategy(corpus_path, tmp_path, capsys):
+    rows, _, _ = run_rows("padding", corpus_path, tmp_path, capsys)
+    base = rows["baseline"]
+    assert rows["dynamic"]["batching"] == "dynamic" and rows["dynamic"]["shapes"] > 1
+    assert 1 < rows["bucket"]["shapes"] <= 2
+    assert rows["pack"]["shapes"] == 1
+    for name in ("bucket", "pack"):
+        assert rows[name]["padding_efficiency"] > base["padding_efficiency"], name
+    assert base["learning_rate"] == rows["pack"]["learning_rate"] == 3e-3   # --learning-rate
     assert rows["pack"]["command"] == (f"python -m experiments.train --config "
                                        f"{rows['pack']['run_dir']}/config.yaml")
-    printed = capsys.readouterr().out
-    assert "| row" in printed and "best = " in printed
+
+
+def test_the_precision_rows_compute_in_their_dtype(corpus_path, tmp_path, capsys):
+    """The compute dtype, and fp16's dynamic loss scale at work; flash and fp8 need a GPU."""
+    rows, _, _ = run_rows("precision", corpus_path, tmp_path, capsys)
+    base = rows["baseline"]
+    assert rows["bf16"]["precision"] == "bf16" and rows["bf16"]["temp_bytes"] < base["temp_bytes"]
+    assert rows["fp16"]["precision"] == "fp16" and rows["fp16"]["loss_scale"] > 1
+    assert rows["flash"]["status"] == "skipped: needs a GPU"
+    assert rows["fp8"]["status"].startswith("skipped: needs a GPU with FP8 tensor cores")
+
+
+def test_every_remat_row_keeps_fewer_temporaries(corpus_path, tmp_path, capsys):
+    rows, _, _ = run_rows("remat", corpus_path, tmp_path, capsys)
+    for policy in ("full", "dots", "attention", "mlp", "offload"):
+        row = rows[f"remat-{policy}"]
+        assert row["remat"] == policy and row["temp_bytes"] < rows["baseline"]["temp_bytes"], \
+            policy
+
+
+def test_the_layer_and_depth_rows_run_with_their_technique(corpus_path, tmp_path, capsys):
+    """Sparsity, token dropping (in the last of two layers), stochastic depth's rate, and the
+    stack row: one layer, two after half the baseline's steps to the target (if it had not
+    reached it by then)."""
+    rows, _, _ = run_rows("layers", corpus_path, tmp_path, capsys)
+    base = rows["baseline"]
+    assert rows["sparse-2:4"]["settings"]["sparsity.pattern"] == "2:4"
+    assert rows["sparse-2:4"]["sparsity"] == "2:4" and rows["sparse-2:4"]["sparsity_density"] == 0.5
+    assert rows["token-drop"]["settings"]["token_drop.keep"] == 0.5
+    assert rows["token-drop"]["settings"]["token_drop.layers"] == "1:2"    # the last of 2
+    assert rows["token-drop"]["token_keep"] == 0.5
+    assert rows["token-drop"]["flops_per_token"] < base["flops_per_token"]
+    assert rows["stochastic-depth"]["stochastic_depth"] == 0.2
+    assert rows["stack"]["settings"]["stacking.stages"] == 2
+    grown = max(1, round(0.5 * base["steps_to_target"]))
+    assert rows["stack"]["stages"][0] == [0, 1]
+    assert rows["stack"]["stages"][1:] in ([[grown, 2]], []) and \
+        (rows["stack"]["stages"][1:] or rows["stack"]["steps"] <= grown)
+
+
+def test_the_optimizer_rows_take_their_own_defaults(corpus_path, tmp_path, capsys):
+    """--learning-rate (the cpu preset's: 1.5e-3) is the AdamW rows'; an optimizer row takes
+    its own defaults. Lion keeps one moment instead of two; accumulation fewer temporaries."""
+    rows, _, _ = run_rows("optimizers", corpus_path, tmp_path, capsys)
+    base = rows["baseline"]
+    assert rows["lion"]["optimizer_state_bytes"] / base["optimizer_state_bytes"] == \
+        pytest.approx(0.5, abs=1e-3)   # one moment instead of two (and a few counters)
+    assert rows["lamb"]["optimizer"] == "lamb" and rows["lamb"]["val_bpb"] != base["val_bpb"]
+    assert speedup.preset(["--scale", "cpu"])["optimizer.learning_rate"] == 1.5e-3
+    assert base["learning_rate"] == rows["accumulate"]["learning_rate"] == 3e-3
+    for name in ("lion", "lamb"):
+        assert rows[name]["learning_rate"] == pytest.approx(DEFAULTS[name].learning_rate), name
+        assert rows[name]["weight_decay"] == pytest.approx(DEFAULTS[name].weight_decay), name
+    assert rows["accumulate"]["accumulate"] == 2
+    assert rows["accumulate"]["temp_bytes"] < base["temp_bytes"]
+    assert rows["importance"]["settings"]["data.sampling"] == "loss"
+
+
+def test_the_sharding_rows_and_the_best_row(corpus_path, tmp_path, capsys):
+    """dp and fsdp over both devices; the best row ran with the settings of the rows it names."""
+    rows, result, printed = run_rows("sharding", corpus_path, tmp_path, capsys)
+    base = rows["baseline"]
+    assert rows["dp"]["mesh"]["data"] == 2 and rows["fsdp"]["mesh"]["fsdp"] == 2
+    assert rows["fsdp"]["param_opt_bytes_per_device"] < base["param_opt_bytes_per_device"]
+    best = rows["best"]
+    combined = speedup.combine({n: rows[n]["settings"] for n in result["meta"]["best"]},
+                               result["meta"]["best"], 2)
+    batch_keys = ("data.batch_size", "data.tokens_per_batch")
+    assert {k: v for k, v in best["settings"].items() if k not in batch_keys} == \
+        {k: v for k, v in combined.items() if k not in batch_keys}
+    summary_keys = {"data.batching": "batching", "precision.policy": "precision",
+                    "remat.policy": "remat", "optimizer.name": "optimizer",
+                    "mesh.strategy": "sharding"}
+    for name in result["meta"]["best"]:
+        for key, value in rows[name]["settings"].items():
+            if key in summary_keys:
+                assert best[summary_keys[key]] == value, (name, key)
+    assert "best = " in printed
+
+
+def test_the_warm_row_process_answers_each_row_and_outlives_a_row_that_kills_it(
+        corpus_path, tmp_path):
+    """Rows run one after another in one process (``RowProcess``), each with its exit code and
+    its own stderr, its output appended to its log; a row that ends the process is its exit
+    code, and the next row starts a new one."""
+    rows, env = speedup.RowProcess(), speedup.row_environment(1)
+    log = tmp_path / "row.log"
+    log.write_text("python -m experiments.train ...\n")
+    try:
+        assert rows.run(["--steps", "0"], str(log), env) == (
+            2, "error: steps must be at least 1, got 0 [--steps / run.steps]\n")
+        first = rows.child.pid
+        assert rows.run(["--help"], str(log), env)[0] == 0 and rows.child.pid == first
+        assert log.read_text().startswith("python -m experiments.train ...\nusage:")
+        dies = tmp_path / "dies.py"
+        dies.write_text("import os\n\n\ndef make(*args, **kwargs):\n    os._exit(3)\n")
+        code, _ = rows.run(["--model", f"{dies}:make", "--data", corpus_path, "--steps", "1",
+                            "--run-dir", str(tmp_path / "run"), "--cache-dir",
+                            str(tmp_path / "cache")], str(log), env)
+        assert code == 3 and rows.child is None
+        assert rows.run(["--steps", "0"], str(log), env)[0] == 2 and rows.child.pid != first
+    finally:
+        rows.close()
+    assert rows.child is None
 
 
 NO_STACK = """
@@ -499,7 +581,7 @@ def test_the_target_is_the_unigram_entropy_less_the_gap_and_a_missed_one_is_one_
         corpus_path, "--d-model", "32", "--n-layers", "1", "--n-heads", "2", "--max-seq-len",
         "128", "--seq-len", "128", "--batch-size", "4", "--train-tokens", "800",
         "--target-bpb", "0.5", "--eval-every", "2", "--cache-dir", str(tmp_path / "cache"),
-        "--run-dir", str(tmp_path / "runs")])
+        "--fresh-processes", "--run-dir", str(tmp_path / "runs")])
     err = capsys.readouterr().err.strip().splitlines()
     assert code == 1 and len(err) == 1 and "did not reach the target 0.5" in err[0], err
     assert "--target-gap" in err[0] and not (tmp_path / "runs" / "pack").exists()

@@ -27,7 +27,7 @@ from jaxaccel.train import lm_train_step
 assert jax.device_count() == 8, "run with XLA_FLAGS=--xla_force_host_platform_device_count=8"
 
 # The one-hot embedding, as on a GPU (a CPU's auto is the gather; its case is below).
-CFG = {"gpt.d_model": 64, "gpt.n_layers": 2, "gpt.n_heads": 8, "model.max_seq_len": 32,
+CFG = {"gpt.d_model": 32, "gpt.n_layers": 1, "gpt.n_heads": 8, "model.max_seq_len": 32,
        "gpt.embedding": "one_hot"}
 VOCAB = 128
 
@@ -82,18 +82,26 @@ def single_losses():
     return losses_on(single_device_mesh())[0]
 
 
-# Every strategy with Auto axes; with Explicit ones, the strategies that use each mesh axis. The
-# last one embeds with the plain gather (a CPU's auto): its gradient sums the same rows.
-@pytest.mark.parametrize("strategy, axis_types, how", [
-    *((strategy, "auto", "one_hot") for strategy in STRATEGIES if not pipelined(strategy)),
-    ("tp", "explicit", "one_hot"), ("fsdp+tp", "explicit", "one_hot"),
-    ("dp+fsdp", "explicit", "gather")])
-def test_every_strategy_trains_like_one_device(strategy, axis_types, how, single_losses):
+def trains_like_one_device(strategy, axis_types, embedding, single_losses):
     mesh = make_mesh(mesh_shape(strategy, 8), axis_types)
-    losses, state = losses_on(mesh, config(embedding=how))
+    losses, state = losses_on(mesh, config(embedding=embedding))
     np.testing.assert_allclose(losses, single_losses, rtol=1e-5)
     kernel = state.params["blocks"]["layers"][0]["mlp"]["w_in"]["kernel"][...]
     assert kernel.sharding.mesh.shape == mesh.shape
+
+
+@pytest.mark.parametrize("strategy", [s for s in STRATEGIES if not pipelined(s)])
+def test_every_strategy_trains_like_one_device(strategy, single_losses):
+    """With Auto axes (the default)."""
+    trains_like_one_device(strategy, "auto", "one_hot", single_losses)
+
+
+# The last one embeds with the plain gather (a CPU's auto): its gradient sums the same rows.
+@pytest.mark.parametrize("strategy, embedding", [
+    ("tp", "one_hot"), ("fsdp+tp", "one_hot"), ("dp+fsdp", "gather")])
+def test_explicit_axes_train_like_one_device(strategy, embedding, single_losses):
+    """With Explicit axes, the strategies that use each mesh axis."""
+    trains_like_one_device(strategy, "explicit", embedding, single_losses)
 
 
 @pytest.mark.parametrize("strategy, axis_types", [("dp+fsdp", "explicit"), ("fsdp+tp", "auto")])
@@ -159,18 +167,19 @@ def test_checkpoint_restores_across_meshes(tmp_path):
         restored, _, step = checkpointer.restore(target, config={})
         assert step == 2
         jax.tree.map(np.testing.assert_array_equal, jax.device_get(restored), expected)
-        kernel = restored.params["blocks"]["layers"][1]["attn"]["wq"]["kernel"][...]
+        kernel = restored.params["blocks"]["layers"][0]["attn"]["wq"]["kernel"][...]
         assert kernel.sharding == \
-            shardings.params["blocks"]["layers"][1]["attn"]["wq"]["kernel"]
+            shardings.params["blocks"]["layers"][0]["attn"]["wq"]["kernel"]
     checkpointer.close()
 
 
 def loop_config(corpus_path, run_dir, **overrides):
     """A small run's TrainConfig; ``overrides`` by field path, e.g. ``{"mesh.shape": ...}``."""
     return build(values={
-        "data.path": corpus_path, "gpt.d_model": 64, "gpt.n_layers": 2, "gpt.n_heads": 8,
+        "data.path": corpus_path, "gpt.d_model": 32, "gpt.n_layers": 1, "gpt.n_heads": 8,
         "model.max_seq_len": 32, "data.batch_size": 8, "run.steps": 4, "run.log_every": 1,
         "run.eval_every": 0, "run.checkpoint_every": 0, "run.eval_batches": 2,
+        "run.final_eval_batches": 2,
         "run.progress": False, "run.run_dir": str(run_dir),
         "data.cache_dir": str(run_dir) + "-cache", **overrides})
 
@@ -184,7 +193,8 @@ def train_losses(summary):
 def test_training_loop_resumes_on_another_mesh(corpus_path, tmp_path):
     """A run on a dp+fsdp mesh, and the same run split: its first half pipelined (fsdp+pp, 1F1B),
     its checkpoint resumed on one device without stages. The losses agree step by step."""
-    common = {"remat.scan_layers": True, "optimizer.accumulate": 2, "data.batch_size": 16}
+    common = {"remat.scan_layers": True, "optimizer.accumulate": 2, "data.batch_size": 16,
+              "gpt.n_layers": 2}                                  # a layer for each stage
     whole = train(loop_config(corpus_path, tmp_path / "whole", **common, **{
         "mesh.strategy": "dp+fsdp", "mesh.shape": "data=2,fsdp=4"}))
     assert whole.mesh == {"stage": 1, "data": 2, "fsdp": 4, "tensor": 1}
@@ -220,7 +230,7 @@ def test_token_dropping_and_importance_sampling_train_on_fsdp_like_one_device(co
     """The kept tokens are gathered and scattered within each batch row, so rows split over fsdp
     never exchange them; the per-id loss buffer and the rows' scores are global sums, so the
     draws and the losses agree with one device's."""
-    common = {"token_drop.keep": 0.5, "token_drop.layers": "1:2",
+    common = {"token_drop.keep": 0.5, "token_drop.layers": "0:1",
               "token_drop.score": "loss", "data.batching": "fixed",
               "data.sampling": "loss", "run.steps": 6}
     one = train(loop_config(corpus_path, tmp_path / "one", **common, **{"mesh.num_devices": 1}))
@@ -250,7 +260,7 @@ def test_pallas_attention_runs_per_shard_under_fsdp_and_tp():
 def test_sharding_experiment_writes_every_row(corpus_path, tmp_path):
     from experiments import sharding
     out = tmp_path / "sharding.json"
-    code = sharding.main(["--data", corpus_path, "--d-model", "64", "--n-layers", "4",
+    code = sharding.main(["--data", corpus_path, "--d-model", "32", "--n-layers", "4",
                           "--max-seq-len", "32", "--seq-len", "32", "--batch-size", "8",
                           "--steps", "2", "--strategies", "fsdp,fsdp+pp",
                           "--pipeline-schedules", "1f1b", "--pipeline-microbatches", "4",
