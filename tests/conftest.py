@@ -37,9 +37,15 @@ def xla_flags(*flags: str) -> str:
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
 
+# The stdlib corpus's cache, also shared by the workers for this run alone: the first load reads
+# the standard library (seconds), the others map the cached tokens.
+CORPUS_CACHE_DIR = os.path.join(tempfile.gettempdir(), f"jaxaccel-test-corpus-{RUN_ID}")
+
+
 def pytest_sessionfinish(session):
     if not hasattr(session.config, "workerinput"):     # the controller, after every worker
         shutil.rmtree(CACHE_DIR, ignore_errors=True)
+        shutil.rmtree(CORPUS_CACHE_DIR, ignore_errors=True)
 
 
 def run_multidevice(path: str, part: int = 0, parts: int = 1, *, tests=(), others_than=()):

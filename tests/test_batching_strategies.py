@@ -8,6 +8,7 @@ import numpy as np
 import pytest
 from hypothesis import assume, given, settings
 from hypothesis import strategies as st
+from conftest import CORPUS_CACHE_DIR
 
 from jaxaccel import data
 from jaxaccel.corpus import load_corpus
@@ -262,7 +263,7 @@ def test_bucket_dp_uses_at_most_the_lengths_there_are():
 
 @pytest.fixture(scope="module")
 def stdlib_documents():
-    return load_corpus("stdlib").train
+    return load_corpus("stdlib", cache_dir=CORPUS_CACHE_DIR).train
 
 
 def test_bucket_dp_beats_powers_of_two_on_the_stdlib(stdlib_documents):

@@ -4,6 +4,7 @@ import json
 
 import numpy as np
 import pytest
+from conftest import CORPUS_CACHE_DIR
 
 from jaxaccel import corpus as corpus_lib
 from jaxaccel.corpus import load_corpus
@@ -12,8 +13,8 @@ from jaxaccel.tokenizer import BOS_ID, EOS_ID, ByteTokenizer
 
 
 @pytest.fixture(scope="module")
-def stdlib_cache(tmp_path_factory):
-    return str(tmp_path_factory.mktemp("corpus_cache"))
+def stdlib_cache():
+    return CORPUS_CACHE_DIR        # the run's, which test_batching_strategies.py shares
 
 
 @pytest.fixture(scope="module")
