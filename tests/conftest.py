@@ -42,8 +42,13 @@ REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 CORPUS_CACHE_DIR = os.path.join(tempfile.gettempdir(), f"jaxaccel-test-corpus-{RUN_ID}")
 
 
+# The process that started the run: the folders are removed when it ends, not when a pytest
+# of tests/multidevice that it started ends (the same run's folders, by the inherited id).
+OWNER = os.environ.setdefault("JAXACCEL_TEST_OWNER", str(os.getpid()))
+
+
 def pytest_sessionfinish(session):
-    if not hasattr(session.config, "workerinput"):     # the controller, after every worker
+    if OWNER == str(os.getpid()):       # the controller, after every worker
         shutil.rmtree(CACHE_DIR, ignore_errors=True)
         shutil.rmtree(CORPUS_CACHE_DIR, ignore_errors=True)
 
