@@ -1,15 +1,16 @@
 """The warm process in which ``experiments.speedup`` trains its rows, one after another.
 
 ``python -m experiments.rows`` reads one row per line of its standard input, as JSON
-``{"argv": [...], "stdout": PATH, "stderr": PATH}``, trains it as ``python -m experiments.train
-ARGV >>stdout 2>stderr`` would (the same ``main``, its output to those files) and writes the
-row's exit code as a line of its own standard output. Only the first row pays for the imports
-and JAX's start (2-4 s a row on a CPU). It ends with its input, after a row that a signal cut
+``{"module": NAME, "argv": [...], "stdout": PATH, "stderr": PATH}``, runs it as ``python -m
+NAME ARGV >>stdout 2>stderr`` would (that module's ``main``, its output to those files) and
+writes the row's exit code as a line of its own standard output. Only the first row pays for
+the imports and JAX's start (2-4 s a row on a CPU). It ends with its input, after a row that a signal cut
 (the signal stops the experiment), or at once on a signal between rows (the ``experiments``
 package's start-up handlers). Not a command of its own: speedup starts it (``RowProcess``).
 """
 
 import gc
+import importlib
 import json
 import os
 import sys
@@ -50,9 +51,9 @@ def run_row(main, request: dict) -> int:
 
 
 def serve(requests, answers) -> None:
-    from experiments import train
     for line in requests:
-        code = run_row(train.main, json.loads(line))
+        request = json.loads(line)
+        code = run_row(importlib.import_module(request["module"]).main, request)
         answers.write(f"{code}\n")
         answers.flush()
         if code in STOPPED:

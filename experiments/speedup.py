@@ -716,7 +716,8 @@ class RowProcess:
                 stdout=subprocess.PIPE, stderr=subprocess.DEVNULL, text=True, process_group=0)
             self.env = env
         err_path = log_path + ".stderr"
-        request = {"argv": argv, "stdout": log_path, "stderr": err_path}
+        request = {"module": "experiments.train", "argv": argv, "stdout": log_path,
+                   "stderr": err_path}
         answer = ""
         try:
             with passing_signals_to(self.child.send_signal):
