@@ -92,25 +92,64 @@ def test_scanned_equals_unrolled(name, extra):
     np.testing.assert_allclose(np.asarray(scanned), np.asarray(unrolled), rtol=1e-5, atol=1e-5)
 
 
-# Each technique trains (finite losses, the technique reported) on both models; several share
-# a run to keep the suite short.
+# Each technique trains (finite losses, the technique reported) on both models. Several share a
+# run to keep the suite short, and the runs serve the tests after them too: "layers" saves the
+# checkpoints that "blocks" fine-tunes with LoRA and adapters (``run.init_from``), that the
+# old-format test rewrites, and (on the foreign model) that the round trip resumes against.
+# "layers" and "blocks" train one-block models (``ONE_BLOCK``; a second block was a third of their
+# compiles): the techniques act on each block alike, and scanned equals unrolled over two blocks
+# above; "init" grows two blocks from one (progressive stacking).
 RUNS = {
     "layers": {"precision.policy": "fp8", "sparsity.pattern": "2:4", "sparsity.every": 1,
-               "init.scheme": "rezero", "remat.policy": "mlp"},
+               "init.scheme": "rezero", "remat.policy": "mlp", "run.checkpoint_every": 2},
+    # LoRA and adapters on the "layers" run's weights; ReZero as that run had it (its gates are
+    # part of the weights a fine-tune starts from).
     "blocks": {"remat.scan_layers": True, "remat.policy": "attention",
                "stochastic_depth.rate": 0.5, "token_drop.keep": 0.5,
-               "token_drop.layers": "1:2", "token_drop.score": "loss",
-               "optimizer.accumulate": 2},
+               "token_drop.layers": "0:1", "token_drop.score": "loss",
+               "optimizer.accumulate": 2, "lora.rank": 2, "adapters.dim": 4,
+               "init.scheme": "rezero"},
     "init": {"init.scheme": "tfixup", "precision.policy": "fp16", "data.batching": "pack",
              "stacking.stages": 2},
 }
+ONE_BLOCK = {"gpt": {"gpt.n_layers": 1}, "foreign": {"model.args": "depth: 1"}}
+# The foreign model's "layers" run is also the uninterrupted run of the checkpoint round trip:
+# 4 steps, a checkpoint every 2, and token dropping's running losses in its state.
+ROUND_TRIP = {"token_drop.keep": 0.5, "token_drop.layers": "0:1", "token_drop.score": "loss",
+              "run.steps": 4}
+
+
+def run_config(name, run, corpus_path=None, tmp_path=None):
+    """The config of ``RUNS[run]`` on model ``name``, in ``tmp_path``."""
+    extra = {} if run == "init" else ONE_BLOCK[name]
+    if (name, run) == ("foreign", "layers"):
+        extra = {**extra, **ROUND_TRIP}
+    return config(name, corpus_path, tmp_path, **RUNS[run], **extra)
+
+
+@pytest.fixture(scope="module")
+def trained(corpus_path, tmp_path_factory):
+    """``trained(name, run)``: the summary of ``RUNS[run]`` on model ``name``, trained once, when
+    a test first asks for it ("blocks" trains "layers" first: it starts from its weights)."""
+    root = tmp_path_factory.mktemp("runs")
+    summaries = {}
+
+    def get(name, run):
+        if (name, run) not in summaries:
+            cfg = run_config(name, run, corpus_path, root / f"{name}-{run}")
+            if run == "blocks":
+                cfg = override(cfg, {"run.init_from": get(name, "layers").run_dir})
+            summaries[name, run] = train(cfg)
+        return summaries[name, run]
+    return get
 
 
 @pytest.mark.parametrize("name", MODELS)
 @pytest.mark.parametrize("run", RUNS)
-def test_every_technique_trains(name, run, corpus_path, tmp_path):
-    summary = train(config(name, corpus_path, tmp_path, **RUNS[run]))
-    assert summary.steps == 2 and np.isfinite(summary.val_loss) and summary.val_tokens > 0
+def test_every_technique_trains(name, run, trained):
+    summary = trained(name, run)
+    assert summary.steps == run_config(name, run).run.steps
+    assert np.isfinite(summary.val_loss) and summary.val_tokens > 0
     assert summary.diverged_at_step is None
     done = summary.techniques
     if run == "layers":
@@ -122,31 +161,23 @@ def test_every_technique_trains(name, run, corpus_path, tmp_path):
         assert done["init"] == "tfixup" and [d for _, d in done["stacking"]["stages"]] == [1, 2]
 
 
-@pytest.fixture(scope="module")
-def base_runs(corpus_path, tmp_path_factory):
-    """A short run of each model, with a checkpoint at every step."""
-    root = tmp_path_factory.mktemp("base")
-    return {name: train(config(name, corpus_path, root / name, **{"run.checkpoint_every": 1}))
-            for name in MODELS}
-
-
 @pytest.mark.parametrize("name", MODELS)
-def test_lora_and_adapters_train_only_their_weights(name, base_runs, corpus_path, tmp_path):
-    tuned = train(config(name, corpus_path, tmp_path, **{
-        "lora.rank": 2, "adapters.dim": 4, "run.init_from": base_runs[name].run_dir}))
+def test_lora_and_adapters_train_only_their_weights(name, trained):
+    """The "blocks" run, LoRA and adapters on the "layers" run's weights, trains fewer
+    parameters than the model has."""
+    tuned = trained(name, "blocks")
+    assert tuned.techniques["lora"]["init_from"] == trained(name, "layers").run_dir
     assert 0 < tuned.trainable_params < tuned.params
     assert np.isfinite(tuned.val_loss)
 
 
-def test_checkpoint_round_trip_with_technique_state(corpus_path, tmp_path):
+def test_checkpoint_round_trip_with_technique_state(trained, corpus_path, tmp_path):
     """A run of the foreign model paused and resumed ends bitwise where an uninterrupted one
     does, FP8 histories, N:M masks and token dropping's running losses included (jaxaccel's
-    GPT: tests/test_loop.py)."""
-    settings = {"precision.policy": "fp8", "sparsity.pattern": "2:4", "sparsity.every": 1,
-                "token_drop.keep": 0.5, "token_drop.layers": "1:2", "token_drop.score": "loss",
-                "run.steps": 4, "run.checkpoint_every": 2}
-    whole = train(config("foreign", corpus_path, tmp_path / "a", **settings))
-    paused = config("foreign", corpus_path, tmp_path / "b", **settings)
+    GPT: tests/test_loop.py). The uninterrupted run is the foreign model's "layers" run."""
+    whole = trained("foreign", "layers")
+    paused = run_config("foreign", "layers", corpus_path, tmp_path)
+    assert paused.run.steps == 4 and paused.run.checkpoint_every == 2
     assert train(override(paused, {"run.stop_at": "2"})).stopped_at == 2
     resumed = train(override(paused, {"run.resume": True}))
     assert resumed.val_loss == whole.val_loss
@@ -154,16 +185,18 @@ def test_checkpoint_round_trip_with_technique_state(corpus_path, tmp_path):
     def losses(run_dir):
         with open(os.path.join(run_dir, "metrics.jsonl")) as f:
             return [r["loss"] for r in map(json.loads, f) if r["kind"] == "train"]
+    assert len(losses(whole.run_dir)) == 4
     assert losses(resumed.run_dir) == losses(whole.run_dir)
 
 
-def test_an_old_checkpoint_is_one_line(base_runs, tmp_path):
+def test_an_old_checkpoint_is_one_line(trained, tmp_path):
     import shutil
 
     from jaxaccel.checkpoint import Checkpointer
     copy = tmp_path / "old"
-    shutil.copytree(os.path.join(base_runs["gpt"].run_dir, "checkpoints"), copy)
-    meta = copy / "2" / "meta" / "metadata"
+    shutil.copytree(os.path.join(trained("gpt", "layers").run_dir, "checkpoints"), copy)
+    latest = max(int(p.name) for p in copy.iterdir() if p.name.isdigit())
+    meta = copy / str(latest) / "meta" / "metadata"
     record = json.loads(meta.read_text())
     record.pop("format")
     meta.write_text(json.dumps(record))
@@ -171,8 +204,11 @@ def test_an_old_checkpoint_is_one_line(base_runs, tmp_path):
         Checkpointer(str(copy)).restore(None, config={})
 
 
-def test_sharded_equals_one_device():
-    run_multidevice("tests/multidevice/test_any_model.py")
+@pytest.mark.parametrize("part", range(4))
+def test_sharded_equals_one_device(part):
+    """tests/multidevice/test_any_model.py on 8 simulated devices, in 4 parts (a process each,
+    about 15 s of CPU; in 3 the first part took 23 s)."""
+    run_multidevice("tests/multidevice/test_any_model.py", part, 4)
 
 
 # ---------------------------------------------------------------------------------------------

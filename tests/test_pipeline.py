@@ -144,7 +144,9 @@ def test_a_pipeline_that_cannot_run_is_one_clear_error(make_error, message, fiel
     assert "--" not in str(info.value) or field == "remat.scan_layers"
 
 
-def test_eight_device_pipeline_suite():
+@pytest.mark.parametrize("part", range(4))
+def test_eight_device_pipeline_suite(part):
     """Both schedules composed with dp, fsdp and tp against one device, bf16 with loss scaling
-    and remat in the stages, and the memory targets, on 8 simulated CPU devices."""
-    run_multidevice("tests/multidevice/test_pipeline.py")
+    and remat in the stages, and the memory targets, on 8 simulated CPU devices: one test of
+    the file per part (a process each; two of them together took 25-30 s of CPU)."""
+    run_multidevice("tests/multidevice/test_pipeline.py", part, 4)
