@@ -14,6 +14,12 @@ from jaxaccel.metrics import read_metrics, truncate_metrics
 SMALL = ["--d-model", "32", "--n-layers", "2", "--n-heads", "4", "--max-seq-len", "32",
          "--seq-len", "32", "--batch-size", "4", "--eval-every", "0", "--final-eval-batches",
          "1", "--no-progress"]
+# This file's runs: SMALL with one layer and a constant learning rate after the warmup, so that
+# runs of any length compile the same programs (the run-wide compilation cache serves them after
+# the first), and no loss plot (about 0.2 s a run). What the tests check depends on none of them.
+FAST = ["--d-model", "32", "--n-layers", "1", "--n-heads", "4", "--max-seq-len", "32",
+        "--seq-len", "32", "--batch-size", "4", "--eval-every", "0", "--final-eval-batches", "1",
+        "--no-progress", "--schedule", "constant", "--no-loss-plot"]
 
 
 def test_unwritable_outputs_are_one_line_before_any_work(corpus_path, tmp_path, capsys):
@@ -22,7 +28,7 @@ def test_unwritable_outputs_are_one_line_before_any_work(corpus_path, tmp_path, 
     for flags, message in ((["--run-dir", str(blocker / "run")], "is not a directory"),
                            (["--run-dir", str(tmp_path / "r"), "--json",
                              str(tmp_path / "missing" / "s.json")], "create it first")):
-        code = train_cli.main([*SMALL, "--data", corpus_path, "--steps", "2", *flags])
+        code = train_cli.main([*FAST, "--data", corpus_path, "--steps", "2", *flags])
         err = capsys.readouterr().err.strip().splitlines()
         assert code == 2 and len(err) == 1 and message in err[0], err
     assert not (tmp_path / "r").exists()
@@ -30,7 +36,7 @@ def test_unwritable_outputs_are_one_line_before_any_work(corpus_path, tmp_path, 
 
 def test_a_killed_run_resumes_with_each_step_once_in_its_metrics(corpus_path, tmp_path, capsys):
     run_dir = tmp_path / "run"
-    base = [*SMALL, "--data", corpus_path, "--steps", "4", "--log-every", "1",
+    base = [*FAST, "--data", corpus_path, "--steps", "4", "--log-every", "1",
             "--checkpoint-every", "2", "--run-dir", str(run_dir),
             "--cache-dir", str(tmp_path / "cache")]
     assert train_cli.main(base) == 0
@@ -78,7 +84,7 @@ def test_skipped_inputs_are_counted_and_named_when_nothing_is_left(tmp_path, cap
     empty = tmp_path / "empty"
     empty.mkdir()
     (empty / "binary.bin").write_bytes(b"\xff\xfe\x00\x81")
-    code = train_cli.main([*SMALL, "--data", str(empty), "--run-dir", str(tmp_path / "r"),
+    code = train_cli.main([*FAST, "--data", str(empty), "--run-dir", str(tmp_path / "r"),
                            "--cache-dir", str(tmp_path / "cache")])
     err = capsys.readouterr().err.strip().splitlines()
     assert code == 2 and "(skipped: 1 files not UTF-8 text)" in err[0], err
@@ -86,7 +92,7 @@ def test_skipped_inputs_are_counted_and_named_when_nothing_is_left(tmp_path, cap
 
 def test_keep_checkpoints_and_keep_every_steps(corpus_path, tmp_path, capsys):
     run_dir = tmp_path / "run"
-    assert train_cli.main([*SMALL, "--data", corpus_path, "--steps", "6", "--checkpoint-every",
+    assert train_cli.main([*FAST, "--data", corpus_path, "--steps", "6", "--checkpoint-every",
                            "1", "--keep-checkpoints", "1", "--keep-every-steps", "4",
                            "--run-dir", str(run_dir), "--cache-dir",
                            str(tmp_path / "cache")]) == 0
@@ -99,7 +105,7 @@ def test_resume_refuses_a_changed_corpus(tmp_path, capsys):
     data.mkdir()
     for i in range(60):
         (data / f"doc{i}.txt").write_text(f"document number {i} says something\n" * 4)
-    base = [*SMALL, "--data", str(data), "--steps", "2", "--run-dir", str(tmp_path / "run"),
+    base = [*FAST, "--data", str(data), "--steps", "2", "--run-dir", str(tmp_path / "run"),
             "--cache-dir", str(tmp_path / "cache")]
     assert train_cli.main(base) == 0
     (data / "new.txt").write_text("a document added after the run\n" * 4)
@@ -109,20 +115,34 @@ def test_resume_refuses_a_changed_corpus(tmp_path, capsys):
     assert len(err) == 1 and "data.corpus_fingerprint=" in err[0], err
 
 
-def test_resuming_a_finished_run_says_no_steps_ran(corpus_path, tmp_path, capsys):
-    base = [*SMALL, "--data", corpus_path, "--steps", "2", "--run-dir", str(tmp_path / "run"),
-            "--cache-dir", str(tmp_path / "cache")]
-    assert train_cli.main(base) == 0
+def finished_args(corpus_path, tmp_path):
+    """A run of 2 steps logged every step, into ``tmp_path / "run"``."""
+    return [*FAST, "--data", corpus_path, "--steps", "2", "--log-every", "1",
+            "--run-dir", str(tmp_path / "run"), "--cache-dir", str(tmp_path / "cache")]
+
+
+@pytest.fixture(scope="module")
+def finished(corpus_path, tmp_path_factory):
+    """The folder of a finished run (``finished_args``); a test copies it to its own
+    ``tmp_path / "run"``."""
+    tmp_path = tmp_path_factory.mktemp("finished")
+    assert train_cli.main(finished_args(corpus_path, tmp_path)) == 0
+    return tmp_path / "run"
+
+
+def test_resuming_a_finished_run_says_no_steps_ran(finished, corpus_path, tmp_path, capsys):
+    shutil.copytree(finished, tmp_path / "run")
+    base = finished_args(corpus_path, tmp_path)
     capsys.readouterr()
     assert train_cli.main([*base, "--resume"]) == 0
     out = capsys.readouterr().out
     assert "no steps ran: the run had reached its last step" in out and "nan" not in out
 
 
-def test_resume_with_more_steps_extends_a_finished_run(corpus_path, tmp_path, capsys):
-    base = [*SMALL, "--data", corpus_path, "--run-dir", str(tmp_path / "run"),
-            "--cache-dir", str(tmp_path / "cache"), "--log-every", "1"]
-    assert train_cli.main([*base, "--steps", "2"]) == 0
+def test_resume_with_more_steps_extends_a_finished_run(finished, corpus_path, tmp_path,
+                                                      capsys):
+    shutil.copytree(finished, tmp_path / "run")
+    base = finished_args(corpus_path, tmp_path)      # its --steps 2: the later flags win
     capsys.readouterr()
     assert train_cli.main([*base, "--steps", "1", "--resume"]) == 2
     assert "steps=1 is below the checkpoint's step 2" in capsys.readouterr().err
@@ -170,7 +190,7 @@ def test_a_checkpoint_that_cannot_be_written_is_one_line_and_keeps_the_last(
         monkeypatch.setattr(ocp.CheckpointManager, "save", failing_save)
         monkeypatch.setattr(ocp.CheckpointManager, "wait_until_finished", failing_wait)
         run_dir = tmp_path / mode
-        args = [*SMALL, "--data", corpus_path, "--steps", "8", "--checkpoint-every", "3",
+        args = [*FAST, "--data", corpus_path, "--steps", "8", "--checkpoint-every", "3",
                 "--run-dir", str(run_dir), "--cache-dir", str(tmp_path / "cache"), *flags]
         assert train_cli.main(args) == 2
         err = capsys.readouterr().err.strip().splitlines()
@@ -192,7 +212,7 @@ def test_a_bpe_run_keeps_its_tokenizer_reports_bits_per_byte_and_resumes(corpus_
     from jaxaccel.corpus import load_corpus
     from jaxaccel.export import export
     run_dir, summary_path = tmp_path / "run", tmp_path / "s.json"
-    base = [*SMALL, "--data", corpus_path, "--tokenizer", "bpe:300", "--steps", "4",
+    base = [*FAST, "--data", corpus_path, "--tokenizer", "bpe:300", "--steps", "4",
             "--checkpoint-every", "2", "--run-dir", str(run_dir), "--cache-dir",
             str(tmp_path / "cache"), "--json", str(summary_path)]
     assert train_cli.main([*base, "--stop-at", "2"]) == 0

@@ -10,7 +10,7 @@ import pytest
 
 from experiments import train as train_cli
 from jaxaccel import compile_cache
-from tests.test_run_files import SMALL
+from tests.test_run_files import FAST
 
 finish = importlib.import_module("jaxaccel.loop.finish")    # the package's finish() hides it
 
@@ -38,7 +38,7 @@ def test_a_repeated_run_reads_its_compiles_from_the_cache(corpus_path, tmp_path,
     hits = []
     jax.monitoring.register_event_listener(
         lambda event, **kw: hits.append(event) if event.endswith("cache_hits") else None)
-    args = [*SMALL, "--data", corpus_path, "--steps", "2", "--cache-dir", str(tmp_path / "c"),
+    args = [*FAST, "--data", corpus_path, "--steps", "2", "--cache-dir", str(tmp_path / "c"),
             "--compilation-cache", str(tmp_path / "xla"), "--seed", "12345"]
     assert train_cli.main([*args, "--run-dir", str(tmp_path / "a")]) == 0
     first = len(hits)
@@ -73,7 +73,7 @@ def test_an_unwritable_cache_is_one_warning_and_the_run_goes_on(corpus_path, tmp
                                                                 restore_cache):
     blocker = tmp_path / "a-file"
     blocker.write_text("x")
-    assert train_cli.main([*SMALL, "--data", corpus_path, "--steps", "1", "--cache-dir",
+    assert train_cli.main([*FAST, "--data", corpus_path, "--steps", "1", "--cache-dir",
                            str(tmp_path / "c"), "--compilation-cache", str(blocker / "xla"),
                            "--run-dir", str(tmp_path / "r")]) == 0
     err = [line for line in capsys.readouterr().err.splitlines() if "compilation cache" in line]

@@ -2,6 +2,7 @@
 stacking, LoRA and adapters; each against its paper's formula or an exact reference."""
 
 import json
+import math
 import os
 
 import chex
@@ -166,17 +167,23 @@ def test_stochastic_depth_rates_rows_and_flop_share():
     assert sd.kept_fraction(0.0, 4, 16) == 1.0
 
 
+def jitted_apply_of(cfg):
+    """``apply_of(cfg)`` compiled whole (one compile, not one per operation run eagerly)."""
+    return jax.jit(apply_of(cfg))
+
+
 def test_stochastic_depth_is_the_identity_at_evaluation_in_both_layouts():
     cfg, plain = small({"stochastic_depth.rate": 0.5}), small()
+    apply, plain_apply = jitted_apply_of(cfg), jitted_apply_of(plain)
     params = init_params(cfg)
-    chex.assert_trees_all_equal(apply_of(cfg)(params, batch()), apply_of(plain)(params, batch()))
+    chex.assert_trees_all_equal(apply(params, batch()), plain_apply(params, batch()))
     key = jax.random.PRNGKey(3)
-    trained = apply_of(cfg)(params, batch(rows=8), key)
-    assert not jnp.allclose(trained, apply_of(plain)(params, batch(rows=8)))
+    trained = apply(params, batch(rows=8), key)
+    assert not jnp.allclose(trained, plain_apply(params, batch(rows=8)))
     # The scanned layout skips the same rows of the same layers.
     scanned_cfg = small({"stochastic_depth.rate": 0.5, "remat.scan_layers": True})
     stacked = init_params(small({"remat.scan_layers": True}))
-    scanned = apply_of(scanned_cfg)(stacked, batch(rows=8), key)
+    scanned = jitted_apply_of(scanned_cfg)(stacked, batch(rows=8), key)
     np.testing.assert_allclose(trained, scanned, atol=2e-5)
 
 
@@ -274,22 +281,52 @@ def test_grow_copies_the_blocks_and_their_optimizer_state(scan):
     np.testing.assert_allclose(run_blocks(grown_model, x_BTD, batch()), twice, atol=1e-5)
 
 
-def test_progressive_run_resumes_mid_stage_bitwise(corpus_path, tmp_path):
-    def cfg(name, **extra):
-        base = small_config(corpus_path, tmp_path, name, steps=9, checkpoint_every=0,
-                            eval_every=0, **extra)
-        # unrolled: grown blocks are copies in separate buffers (the scanned layout is
-        # experiments.depth's test)
-        return override(base, {"gpt.n_layers": 4, "stacking.stages": 3})
+def progressive_config(corpus_path, tmp_path, name, **extra):
+    """A run of 9 steps growing a 4-layer model in 3 stages (1, 2, then 4 layers), unrolled:
+    grown blocks are copies in separate buffers (the scanned layout is experiments.depth's
+    test). It drops tokens too (keep 0.5 in layers 1:3, the loss score), which the stacked
+    stages must carry through each growth (``jaxaccel.token_drop``)."""
+    base = small_config(corpus_path, tmp_path, name, steps=9, checkpoint_every=0, eval_every=0,
+                        **extra)
+    return override(base, {"gpt.n_layers": 4, "stacking.stages": 3, "token_drop.keep": 0.5,
+                           "token_drop.layers": "1:3", "token_drop.score": "loss"})
 
-    whole = train(cfg("whole"))
+
+@pytest.fixture(scope="module")
+def progressive(corpus_path, tmp_path_factory):
+    """(folder, summary) of the progressive run uninterrupted (``progressive_config``)."""
+    tmp_path = tmp_path_factory.mktemp("progressive")
+    return tmp_path, train(progressive_config(corpus_path, tmp_path, "whole"))
+
+
+def test_progressive_run_grows_its_model_in_stages(progressive):
+    """The stages (first step, depth), one compile each, a "stack" record at each growth."""
+    _, whole = progressive
     assert whole.techniques["stacking"]["stages"] == [[0, 1], [3, 2], [6, 4]]
     assert whole.steps == 9 and whole.compiles == 3
     records = [json.loads(line) for line in open(os.path.join(whole.run_dir, "metrics.jsonl"))]
     assert [(r["step"], r["n_layers"]) for r in records if r["kind"] == "stack"] == [(3, 2), (6, 4)]
-    cut = train(cfg("cut"), should_stop=lambda step: step == 4)      # inside the second stage
+
+
+def test_token_dropping_trains_through_progressive_stacking(progressive):
+    """The progressive run drops tokens with the loss score (its buffer carried through both
+    growths) and trains every stage; the shallow one of 1 layer runs whole (which layers each
+    stage drops in: test_token_drop's stage test)."""
+    _, whole = progressive
+    assert whole.steps == 9 and math.isfinite(whole.val_loss)
+    assert whole.techniques["stacking"]["stages"] == [[0, 1], [3, 2], [6, 4]]
+    assert whole.techniques["token_drop"]["score"] == "loss"
+
+
+def test_progressive_run_resumes_mid_stage_bitwise(progressive, corpus_path):
+    """Cut inside the second stage, resumed: the run restores the grown model (and the token
+    loss buffer), grows it again, and ends bitwise as the uninterrupted run (the
+    ``progressive`` fixture's)."""
+    tmp_path, whole = progressive
+    cut = train(progressive_config(corpus_path, tmp_path, "cut"),
+                should_stop=lambda step: step == 4)
     assert cut.interrupted == "requested" and cut.steps == 4
-    resumed = train(cfg("cut", resume=True))
+    resumed = train(progressive_config(corpus_path, tmp_path, "cut", resume=True))
     assert resumed.steps == 9 and resumed.techniques["stacking"]["stages"] == [[4, 2], [6, 4]]
     chex.assert_trees_all_equal(final_state(whole.run_dir, 9), final_state(resumed.run_dir, 9))
 
@@ -325,7 +362,8 @@ def test_lora_merged_weights_give_the_same_logits(scan):
 
 @pytest.mark.parametrize("values", [{"lora.rank": 4}, {"lora.rank": 2, "adapters.dim": 4}])
 def test_frozen_base_is_bitwise_unchanged_and_has_no_optimizer_state(values):
-    cfg = small(values)
+    """One layer (nothing checked depends on the depth); the gradients compiled (jit)."""
+    cfg = small(values, n_layers=1)
     params = init_params(cfg)
     trainable = nn.trainable(params)
     optimizer = optax.adamw(1e-2)
@@ -348,8 +386,8 @@ def test_frozen_base_is_bitwise_unchanged_and_has_no_optimizer_state(values):
     loss_fn = lambda t: jnp.mean(apply(grads.combine(t, frozen), batch()) ** 2)  # noqa
     grad_fn = grads.value_and_grad(lambda p, b, k: (jnp.mean(apply(p, b) ** 2), {}),
                                    trainable=trainable)
-    (_, _), got = grad_fn(params, batch(), None)
-    chex.assert_trees_all_close(got, jax.grad(loss_fn)(train_part), atol=1e-6)
+    (_, _), got = jax.jit(grad_fn)(params, batch(), None)
+    chex.assert_trees_all_close(got, jax.jit(jax.grad(loss_fn))(train_part), atol=1e-6)
 
 
 @pytest.mark.parametrize("values,message,field", [
@@ -373,22 +411,26 @@ def test_bad_model_settings_are_one_clear_error(values, message, field):
 
 
 def test_fine_tune_from_a_run_and_bad_runs(corpus_path, tmp_path, capsys):
-    base = train(small_config(corpus_path, tmp_path, "base", steps=4, eval_every=0))
-    common = [*SMALL_MODEL, "--data", corpus_path, "--seq-len", "32", "--batch-size", "4",
+    """LoRA on a one-layer run's weights (--init-from): the base is kept bit for bit, only the
+    adapters train; runs that cannot be its base, or settings it cannot take, are one line."""
+    base = train(small_config(corpus_path, tmp_path, "base", steps=4, eval_every=0,
+                              n_layers=1))
+    common = ["--d-model", "32", "--n-layers", "1", "--n-heads", "4", "--max-seq-len", "32",
+              "--data", corpus_path, "--seq-len", "32", "--batch-size", "4",
               "--steps", "3", "--eval-every", "0", "--no-progress", "--final-eval-batches", "2",
               "--cache-dir", str(tmp_path / "cache")]
     assert train_main([*common, "--run-dir", str(tmp_path / "lora"), "--lora-rank", "2",
                        "--init-from", base.run_dir, "--json", str(tmp_path / "lora.json")]) == 0
     summary = json.load(open(tmp_path / "lora.json"))
     assert summary["techniques"]["lora"]["init_from"] == base.run_dir
-    assert summary["trainable_params"] == 2 * 2 * 2 * 32 * 2     # layers x (q, v) x (A + B)
+    assert summary["trainable_params"] == 1 * 2 * 2 * 32 * 2     # layers x (q, v) x (A + B)
     tuned = flat(final_state(str(tmp_path / "lora"), 3)["params"])
     start = flat(final_state(base.run_dir, 4)["params"])
     trained = {k: v for k, v in tuned.items() if "lora_" in k}
     frozen = {k.replace("/base/", "/"): v for k, v in tuned.items() if "lora_" not in k}
     assert sorted(frozen) == sorted(start)
     chex.assert_trees_all_equal(frozen, start)                  # the base, bit for bit
-    assert len(trained) == 2 * 2 * 2
+    assert len(trained) == 1 * 2 * 2
     capsys.readouterr()
     for args, message in [
         (["--n-layers", "4", "--init-from", base.run_dir], "trained another model shape"),

@@ -1,7 +1,8 @@
 """Token dropping (``jaxaccel.token_drop``): keep 1 is the plain model bit for bit, the kept tokens
 run the middle layers as the kept subset alone would, the dropped ones pass them unchanged, the
 running loss buffer follows its rule and is not trained, the FLOPs accounting matches XLA's, bad
-settings are one line, and ``experiments.token_drop`` runs."""
+settings are one line, and ``experiments.token_drop`` runs. (Token dropping through progressive
+stacking is checked on tests/test_techniques.py's progressive run.)"""
 
 import json
 import math
@@ -291,23 +292,6 @@ def test_a_shallow_stacking_stage_drops_in_its_middle_or_in_the_named_layers_it_
     with pytest.raises(ConfigError, match="n_layers=4"):        # named beyond the whole model
         techniques.abstract(small({"token_drop.keep": 0.5, "token_drop.layers": "1:5",
                                    "stacking.stages": 2}), depth=2)
-
-
-def test_token_dropping_trains_through_progressive_stacking(corpus_path, tmp_path):
-    """A stacked run with token dropping (the loss score's buffer carried through the growth)
-    trains both stages; the shallow one of 1 layer runs whole."""
-    out = tmp_path / "summary.json"
-    assert train_main([
-        "--data", corpus_path, "--d-model", "32", "--n-layers", "2", "--n-heads", "2",
-        "--max-seq-len", "32", "--seq-len", "32", "--batch-size", "4", "--steps", "4",
-        "--warmup-steps", "1", "--final-eval-batches", "1", "--progressive-stack", "2",
-        "--stack-at", "2", "--token-keep", "0.5", "--token-drop-layers", "1:2",
-        "--token-drop-score", "loss", "--no-progress", "--run-dir", str(tmp_path / "run"),
-        "--cache-dir", str(tmp_path / "cache"), "--json", str(out)]) == 0
-    summary = json.loads(out.read_text())
-    assert summary["steps"] == 4 and math.isfinite(summary["val_loss"])
-    assert summary["techniques"]["stacking"]["stages"] == [[0, 1], [2, 2]]
-    assert summary["techniques"]["token_drop"]["score"] == "loss"
 
 
 @pytest.mark.parametrize("values, message", [

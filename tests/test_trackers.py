@@ -33,10 +33,11 @@ def read_events(run_dir):
 
 def test_tensorboard_holds_the_runs_metrics(corpus_path, tmp_path):
     cfg = build(values={
-        "gpt.d_model": 32, "gpt.n_layers": 2, "gpt.n_heads": 4, "model.max_seq_len": 32,
+        "gpt.d_model": 32, "gpt.n_layers": 1, "gpt.n_heads": 4, "model.max_seq_len": 32,
         "data.path": corpus_path, "data.seq_len": 32, "data.batch_size": 4, "run.steps": 4,
         "run.eval_every": 0, "run.log_every": 2, "run.checkpoint_every": 0,
         "run.final_eval_batches": 1, "run.progress": False, "run.trackers": "tensorboard",
+        "run.loss_plot": False,
         "run.run_dir": str(tmp_path / "run"), "data.cache_dir": str(tmp_path / "cache")})
     summary = train(cfg)
     with open(os.path.join(summary.run_dir, "metrics.jsonl")) as f:
