@@ -11,7 +11,7 @@ from jaxaccel.corpus import load_corpus
 def test_a_small_corpus_is_generated_tokenized_and_loaded(corpus_path, tmp_path, capsys):
     out, work = tmp_path / "cs.json", tmp_path / "work"
     code = corpus_scale.main([
-        "--corpus-mb", "2", "--tokenizers", "bytes,bpe:300", "--loader-batches", "5",
+        "--corpus-mb", "1", "--tokenizers", "bytes,bpe:300", "--loader-batches", "5",
         "--seq-len", "64", "--batch-size", "4", "--work-dir", str(work),
         "--cache-dir", str(tmp_path / "bpe"), "--bpe-data", corpus_path, "--keep",
         "--json", str(out)])
@@ -32,13 +32,13 @@ def test_a_small_corpus_is_generated_tokenized_and_loaded(corpus_path, tmp_path,
         assert row["batches"] == 5 and 0 < row["real_tokens"] <= 5 * 4 * 64
         assert row["tokens_per_s"] > 0 and row["vs_memory"] > 0
     corpus = work / "corpus.jsonl"
-    assert abs(corpus.stat().st_size - 2 * 2**20) < 0.1 * 2 * 2**20
+    assert abs(corpus.stat().st_size - 2**20) < 0.1 * 2**20
     assert result["meta"]["corpus"]["bytes"] == corpus.stat().st_size
     assert all(json.loads(line)["text"] for line in corpus.open())
     assert "| tokenizer" in capsys.readouterr().out
     # Kept: the next run reuses the corpus; without --keep it deletes only the caches.
     assert corpus_scale.main([
-        "--corpus-mb", "2", "--tokenizers", "bytes", "--loader-batches", "2", "--seq-len", "64",
+        "--corpus-mb", "1", "--tokenizers", "bytes", "--loader-batches", "2", "--seq-len", "64",
         "--batch-size", "4", "--work-dir", str(work)]) == 0
     assert "(reused)" in capsys.readouterr().out
     assert corpus.is_file() and not (work / "cache-0-bytes").exists()
@@ -47,8 +47,8 @@ def test_a_small_corpus_is_generated_tokenized_and_loaded(corpus_path, tmp_path,
 
 def test_the_corpus_is_deterministic_and_copies_differ(tmp_path):
     a, b = tmp_path / "a.jsonl", tmp_path / "b.jsonl"
-    corpus_scale.generate_corpus(str(a), 3 * 2**20, seed=1)
-    corpus_scale.generate_corpus(str(b), 3 * 2**20, seed=1)
+    corpus_scale.generate_corpus(str(a), 2**20, seed=1)
+    corpus_scale.generate_corpus(str(b), 2**20, seed=1)
     assert a.read_bytes() == b.read_bytes()
     files = corpus_scale.stdlib_files()
     text = open(files[0], encoding="utf-8").read()

@@ -60,11 +60,17 @@ def rel_err(x, ref):
     return float(np.max(np.abs(np.asarray(x, np.float64) - ref)) / max(np.max(np.abs(ref)), 1.0))
 
 
+def forward_backward(segment_ids, causal, **options):
+    """``(q, k, v, d_out) -> (out, (dq, dk, dv))``, jitted: inputs of one shape compile once."""
+    def fn(q, k, v, d_out):
+        out, vjp = jax.vjp(lambda q, k, v: flash_attention(
+            q, k, v, causal=causal, segment_ids=segment_ids, **options), q, k, v)
+        return out, vjp(d_out)
+    return jax.jit(fn)
+
+
 def run(q, k, v, d_out, segment_ids, causal, **options):
-    fn = jax.jit(lambda q, k, v: flash_attention(q, k, v, causal=causal, segment_ids=segment_ids,
-                                                 **options))
-    out, vjp = jax.vjp(fn, q, k, v)
-    return out, vjp(d_out)
+    return forward_backward(segment_ids, causal, **options)(q, k, v, d_out)
 
 
 # (B, T, H, K, E, causal, segment layout, block_q, block_k): T = 1, odd, not a multiple of any
@@ -197,12 +203,13 @@ def test_the_interpreter_poisons_outputs_and_the_kernel_writes_them_all():
                              out_shape=jax.ShapeDtypeStruct(x.shape, x.dtype), interpret=True)(x)
     assert np.all(np.asarray(control[:16]) == 1) and np.all(np.isnan(np.asarray(control[16:])))
 
+    # The kernel writes every element it returns: the float32 cases above compare each one with
+    # the reference, this layout at T = 37 among them (a NaN the interpreter left would fail
+    # them). Here: the forward's log-sum-exp is written at the padded length too.
     rng = np.random.default_rng(8)
-    q, k, v, d_out = inputs(rng, 2, 21, 4, 2, 32, jnp.float32)
+    q, k, v, _ = inputs(rng, 2, 21, 4, 2, 32, jnp.float32)
     seg = segments(rng, 2, 21, "packed")
     plan_args = dict(causal=True, segment_ids=seg, block_q=16, block_k=16)
-    out, grads = run(q, k, v, d_out, seg, True, block_q=16, block_k=16)
-    assert all(np.isfinite(np.asarray(x)).all() for x in (out, *grads))
     lse = _padded_lse(q, k, v, **plan_args)
     assert lse.shape == (2, 4, 32) and not np.isnan(np.asarray(lse)).any()
 
@@ -250,24 +257,24 @@ def test_skipped_tiles_are_never_read():
     T, opts = 64, dict(block_q=16, block_k=16)
     q, k, v, d_out = inputs(rng, 1, T, 2, 1, 32, jnp.float32)
     # Causal: keys 48.. are read only by the last query tile; queries 0..15 only by key tile 0.
-    out, (dq, _, _) = run(q, _nan_rows(k, slice(48, T)), _nan_rows(v, slice(48, T)), d_out,
-                          None, True, **opts)
+    causal = forward_backward(None, True, **opts)
+    out, (dq, _, _) = causal(q, _nan_rows(k, slice(48, T)), _nan_rows(v, slice(48, T)), d_out)
     ref_out, (ref_dq, _, _) = reference_attention(q, k, v, None, True, d_out)
     assert rel_err(out[:, :48], ref_out[:, :48]) < 1e-5
     assert rel_err(dq[:, :48], ref_dq[:, :48]) < 1e-5
-    _, (_, dk, dv) = run(_nan_rows(q, slice(0, 16)), k, v, _nan_rows(d_out, slice(0, 16)), None,
-                         True, **opts)
+    _, (_, dk, dv) = causal(_nan_rows(q, slice(0, 16)), k, v, _nan_rows(d_out, slice(0, 16)))
     _, (_, ref_dk, ref_dv) = reference_attention(q, k, v, None, True, d_out)
     assert rel_err(dk[:, 16:], ref_dk[:, 16:]) < 1e-5
     assert rel_err(dv[:, 16:], ref_dv[:, 16:]) < 1e-5
     # Segments: document 1 fills tiles 0-1, document 2 tiles 2-3 (not causal).
     seg = np.repeat(np.array([[1, 2]], np.int32), 32, axis=1)
     first = slice(0, 32)
-    out, (dq, _, _) = run(q, _nan_rows(k, first), _nan_rows(v, first), d_out, seg, False, **opts)
+    two_documents = forward_backward(seg, False, **opts)
+    out, (dq, _, _) = two_documents(q, _nan_rows(k, first), _nan_rows(v, first), d_out)
     ref_out, (ref_dq, _, _) = reference_attention(q, k, v, seg, False, d_out)
     assert rel_err(out[:, 32:], ref_out[:, 32:]) < 1e-5
     assert rel_err(dq[:, 32:], ref_dq[:, 32:]) < 1e-5
-    _, (_, dk, dv) = run(_nan_rows(q, first), k, v, _nan_rows(d_out, first), seg, False, **opts)
+    _, (_, dk, dv) = two_documents(_nan_rows(q, first), k, v, _nan_rows(d_out, first))
     _, (_, ref_dk, ref_dv) = reference_attention(q, k, v, seg, False, d_out)
     assert rel_err(dk[:, 32:], ref_dk[:, 32:]) < 1e-5
     assert rel_err(dv[:, 32:], ref_dv[:, 32:]) < 1e-5
@@ -276,8 +283,9 @@ def test_skipped_tiles_are_never_read():
 def test_gradients_are_deterministic():
     rng = np.random.default_rng(10)
     q, k, v, d_out = inputs(rng, 1, 40, 4, 1, 32, jnp.float32)
-    first = run(q, k, v, d_out, None, True, block_q=16, block_k=16)[1]
-    second = run(q, k, v, d_out, None, True, block_q=16, block_k=16)[1]
+    fn = forward_backward(None, True, block_q=16, block_k=16)     # one program, run twice
+    first = fn(q, k, v, d_out)[1]
+    second = fn(q, k, v, d_out)[1]
     for a, b in zip(first, second):
         np.testing.assert_array_equal(a, b)
 
@@ -352,7 +360,7 @@ def test_model_trains_the_same_with_pallas_as_with_xla():
              "positions": positions, "weights": (seg > 0).astype(np.float32)}
     losses = {}
     for impl in ("xla", "pallas"):
-        cfg = build(values={"gpt.d_model": 64, "gpt.n_layers": 2, "gpt.n_heads": 2,
+        cfg = build(values={"gpt.d_model": 64, "gpt.n_layers": 1, "gpt.n_heads": 2,
                             "gpt.n_kv_heads": 1, "model.max_seq_len": 24, "gpt.attention": impl})
         optimizer = optax.adam(1e-2)
         graphdef, params = nnx.split(techniques.build(cfg, jax.random.PRNGKey(0)))

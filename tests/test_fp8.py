@@ -18,7 +18,7 @@ from jaxaccel.config import build
 from jaxaccel.errors import ConfigError
 from jaxaccel.loop import train, train_step_of
 from jaxaccel.state import init_state
-from tests.test_loop import final_state, small_config
+from tests.test_loop import final_state
 from tests.test_techniques import batch, build_model, flat, small
 
 E4M3_EPS = 2.0 ** -3          # float8 e4m3: 3 mantissa bits; e5m2: 2
@@ -106,7 +106,7 @@ def wq_of(graphdef, params, scan):
 @pytest.mark.parametrize("scan", [False, True])
 def test_the_step_records_amaxes_and_never_trains_the_histories(scan):
     cfg = small({"precision.policy": "fp8", "remat.scan_layers": scan,
-                 "optimizer.accumulate": 2})
+                 "optimizer.accumulate": 2}, d_model=32, n_layers=2)
     state, step, graphdef = fp8_step(cfg)
     model = nnx.merge(graphdef, state.params)
     wrapped = surgery.wrappers(model, fp8.Fp8)
@@ -130,9 +130,17 @@ def test_the_step_records_amaxes_and_never_trains_the_histories(scan):
 
 
 def test_fp8_training_follows_bf16_and_the_histories_resume_bitwise(corpus_path, tmp_path):
-    def cfg(name, policy, **extra):
-        return small_config(corpus_path, tmp_path, name, steps=6, checkpoint_every=0,
-                            eval_every=0, precision=policy, **extra)
+    def cfg(name, policy, resume=False):
+        """A 6-step run of one block 32 wide, checkpointed only where it ends or is stopped;
+        one final evaluation batch, no plot."""
+        return build(values={
+            "gpt.d_model": 32, "gpt.n_layers": 1, "gpt.n_heads": 4, "model.max_seq_len": 32,
+            "data.path": corpus_path, "data.seq_len": 32, "data.batch_size": 4,
+            "run.steps": 6, "optimizer.warmup_steps": 2, "run.eval_every": 0,
+            "run.final_eval_batches": 1, "run.log_every": 2, "run.checkpoint_every": 0,
+            "run.progress": False, "run.loss_plot": False, "precision.policy": policy,
+            "run.resume": resume, "run.run_dir": str(tmp_path / name),
+            "data.cache_dir": str(tmp_path / "cache")})
 
     # FP8 follows from the policy alone (the old model.fp8 field is read and dropped).
     assert build(values={"precision.policy": "fp8"}).policy().fp8

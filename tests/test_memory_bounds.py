@@ -130,13 +130,14 @@ def test_a_remat_probe_out_of_memory_names_the_experiments_setting(capsys, monke
     real = remat.compile_step
 
     def compile_step(step, state, rows, seq_len):
-        if rows > 2:
+        if rows > 1:
             raise JaxRuntimeError("RESOURCE_EXHAUSTED: Out of memory while trying to allocate")
         return real(step, state, rows, seq_len)
 
+    # Batch 1: the row's one real compile; the search's first probe beyond it runs out.
     monkeypatch.setattr(remat, "compile_step", compile_step)
     code = remat.main(["--policies", "none", "--no-scan-rows", "--n-layers", "1", "--d-model",
-                       "32", "--n-heads", "2", "--seq-len", "16", "--batch-size", "2",
+                       "32", "--n-heads", "2", "--seq-len", "16", "--batch-size", "1",
                        "--timed-steps", "1", "--max-batch-limit", "64"])
     line = one_line(capsys)
     assert code == 2 and "--max-batch-limit" in line and "--accumulate" not in line

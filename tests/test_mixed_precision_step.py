@@ -1,5 +1,7 @@
 """The precision policy and loss scaling inside the real train step."""
 
+import functools
+import json
 import os
 import subprocess
 import sys
@@ -82,11 +84,25 @@ def fresh_state(loss_scale, optimizer):
                       loss_scale=loss_scale)
 
 
+# The optimizer of the tests that run the plain model under a policy; ``policy_step`` jits each
+# policy's step once for them all, so that a step they share compiles once.
+OPTIMIZER = make_optimizer("adamw", total_steps=30, warmup_steps=3)
+
+
+@functools.cache
+def policy_step(name):
+    """The jitted train step of the plain model under the policy ``name``, with OPTIMIZER."""
+    return jax.jit(lm_train_step(apply_of(), OPTIMIZER, policy=POLICIES[name]))
+
+
 @pytest.mark.parametrize("accumulate", [1, 2])
 def test_overflow_skips_the_step_bitwise_and_halves_the_scale(accumulate):
+    """An inf gradient skips the step bitwise and halves the scale; then the scale grows after
+    exactly growth_interval (3) finite steps, not before."""
     optimizer = make_optimizer("adamw", total_steps=10, warmup_steps=0)
     step = jax.jit(lm_train_step(poisoned_apply(), optimizer, accumulate=accumulate))
-    state = fresh_state(DynamicLossScale.create(initial_scale=2.0**10), optimizer)
+    state = fresh_state(DynamicLossScale.create(initial_scale=2.0**10, growth_interval=3),
+                        optimizer)
     state, _ = step(state, batch_with_poison(0))            # one normal step first
     before = jax.tree.map(np.array, state)
     state, metrics = step(state, batch_with_poison(1, rows=[3]))
@@ -96,9 +112,15 @@ def test_overflow_skips_the_step_bitwise_and_halves_the_scale(accumulate):
     assert int(state.loss_scale.skipped_steps) == 1 and int(metrics["skipped_steps"]) == 1
     assert int(state.loss_scale.growth_tracker) == 0
     assert float(metrics["loss_scale"]) == 2.0**10        # the scale this step ran with
-    state, _ = step(state, batch_with_poison(2))            # and training goes on
+    scales = []
+    for seed in range(2, 6):                                # and training goes on
+        state, _ = step(state, batch_with_poison(seed))
+        scales.append(float(state.loss_scale.scale))
     assert not np.array_equal(head(state.params), head(before.params))
     assert int(state.loss_scale.skipped_steps) == 1
+    # The scale grows after exactly growth_interval finite steps (once a test of its own, with
+    # the unpoisoned model: a batch without poison runs the same numbers).
+    assert scales == [2.0**9, 2.0**9, 2.0**10, 2.0**10]
 
 
 def test_static_scale_also_skips_and_no_scale_only_counts():
@@ -114,27 +136,19 @@ def test_static_scale_also_skips_and_no_scale_only_counts():
     assert int(new.loss_scale.skipped_steps) == 1
 
 
-def test_scale_grows_after_exactly_growth_interval_finite_steps():
-    optimizer = make_optimizer("adamw", total_steps=10, warmup_steps=0)
-    step = jax.jit(lm_train_step(apply_of(), optimizer))
-    state = fresh_state(DynamicLossScale.create(initial_scale=4.0, growth_interval=3), optimizer)
-    scales = []
-    for seed in range(4):
-        state, _ = step(state, random_batch(seed))
-        scales.append(float(state.loss_scale.scale))
-    assert scales == [4.0, 4.0, 8.0, 8.0]
-
-
 def test_loss_scaling_scales_the_backward_pass_and_unscales_the_gradients():
     params = init_params(CFG, jax.random.PRNGKey(0))
     grad_fn = grads.value_and_grad(lm_loss(apply_of()))
     batch = random_batch(7, pad=2)
     key = jax.random.PRNGKey(0)
-    (loss, _), plain = jax.jit(grad_fn)(params, batch, key)
-    _, scaled = jax.jit(lambda *a: grad_fn(*a, scale=2.0**16))(params, batch, key)
-    scale = DynamicLossScale.create(2.0**16)
-    (scaled_loss, aux), unscaled, next_scale = jax.jit(loss_scaled(grad_fn))(params, batch, key,
-                                                                             scale)
+
+    @jax.jit        # the three gradient functions in one compile
+    def all_three(params, batch, key, scale):
+        return (grad_fn(params, batch, key), grad_fn(params, batch, key, scale=2.0**16),
+                loss_scaled(grad_fn)(params, batch, key, scale))
+
+    ((loss, _), plain), (_, scaled), ((scaled_loss, aux), unscaled, next_scale) = all_three(
+        params, batch, key, DynamicLossScale.create(2.0**16))
     assert float(scaled_loss) == float(loss)               # the reported loss is unscaled
     assert bool(aux["grads_finite"]) and int(next_scale.growth_tracker) == 1
     for a, b in zip(jax.tree.leaves(unscaled), jax.tree.leaves(plain)):
@@ -146,34 +160,31 @@ def test_loss_scaling_scales_the_backward_pass_and_unscales_the_gradients():
 
 
 def test_policy_computes_in_half_precision_and_keeps_float32_masters():
-    optimizer = make_optimizer("adamw", total_steps=10, warmup_steps=0)
     apply_fn = apply_of()
     for name, dtype in (("bf16", "bf16"), ("fp16", "f16")):
-        train_step = lm_train_step(apply_fn, optimizer, policy=POLICIES[name])
-        state = fresh_state(NoLossScale.create(), optimizer)
-        text = str(jax.make_jaxpr(train_step)(state, random_batch(0)))
+        scale = DynamicLossScale.create() if name == "fp16" else NoLossScale.create()
+        state = fresh_state(scale, OPTIMIZER)
+        traced = policy_step(name).trace(state, random_batch(0))    # the step's own jaxpr
+        text = str(traced.jaxpr)
         dots = [line for line in text.splitlines() if "dot_general" in line]
         assert dots and sum(f":{dtype}[" in line.split("=")[0] for line in dots) >= 0.5 * len(dots)
-        new, metrics = jax.jit(train_step)(state, random_batch(0))
+        new, metrics = policy_step(name)(state, random_batch(0))
         assert all(x.dtype == jnp.float32 for x in jax.tree.leaves(new.params))
         assert metrics["loss"].dtype == jnp.float32
         eval_sums = jax.jit(lm_eval_step(apply_fn, POLICIES[name]))(new, random_batch(1))
         assert eval_sums["loss_sum"].dtype == jnp.float32
-    fp32_text = str(jax.make_jaxpr(lm_train_step(apply_fn, optimizer))(
-        fresh_state(NoLossScale.create(), optimizer), random_batch(0)))
+    fp32_text = str(jax.make_jaxpr(lm_train_step(apply_fn, OPTIMIZER))(
+        fresh_state(NoLossScale.create(), OPTIMIZER), random_batch(0)))
     assert ":bf16[" not in fp32_text and ":f16[" not in fp32_text
 
 
 def test_bf16_and_fp16_losses_track_float32():
-    optimizer = make_optimizer("adamw", total_steps=30, warmup_steps=3)
-    apply_fn = apply_of()
     losses = {}
     for name in ("fp32", "bf16", "fp16"):
         scale = DynamicLossScale.create() if name == "fp16" else NoLossScale.create()
-        state = fresh_state(scale, optimizer)
-        step = jax.jit(lm_train_step(apply_fn, optimizer, policy=POLICIES[name]))
+        state = fresh_state(scale, OPTIMIZER)
         for i in range(30):
-            state, metrics = step(state, random_batch(i % 3))
+            state, metrics = policy_step(name)(state, random_batch(i % 3))
         losses[name] = float(metrics["loss"])
         assert int(state.loss_scale.skipped_steps) == 0
     assert losses["fp32"] < 3.5
@@ -184,9 +195,8 @@ def test_bf16_and_fp16_losses_track_float32():
 def test_fp16_overflow_backs_off_until_steps_are_finite():
     """A scale far too large for float16 overflows for real; the scale backs off to a working
     one, and the skipped steps change nothing."""
-    optimizer = make_optimizer("adamw", total_steps=40, warmup_steps=0)
-    step = jax.jit(lm_train_step(apply_of(), optimizer, policy=POLICIES["fp16"]))
-    state = fresh_state(DynamicLossScale.create(initial_scale=2.0**40), optimizer)
+    step = policy_step("fp16")          # the step of the test above
+    state = fresh_state(DynamicLossScale.create(initial_scale=2.0**40), OPTIMIZER)
     initial = jax.tree.map(np.array, state.params)
     state, _ = step(state, random_batch(0))
     chex.assert_trees_all_equal(state.params, initial)
@@ -199,10 +209,11 @@ def test_fp16_overflow_backs_off_until_steps_are_finite():
 
 
 TWO_DEVICE_SCRIPT = textwrap.dedent("""
+    import json
     import jax, numpy as np
     from jax.sharding import Mesh, NamedSharding, PartitionSpec as P
     from jaxaccel.optim import make_optimizer
-    from jaxaccel.precision import DynamicLossScale
+    from jaxaccel.precision import DynamicLossScale, all_finite
     from jaxaccel.train import lm_train_step
     from tests.test_mixed_precision_step import batch_with_poison, fresh_state, poisoned_apply
     mesh = Mesh(np.array(jax.devices()), ("data",))
@@ -224,10 +235,33 @@ TWO_DEVICE_SCRIPT = textwrap.dedent("""
     same = [bool(np.array_equal(s.data, np.asarray(state.params["head"]["kernel"][...])))
             for s in kernel.addressable_shards]
     print("unchanged", all(same), len(same))
+
+    # all_finite and adjust alone (tests/test_precision.py's units), on sharded gradients.
+    g = np.random.default_rng(8).standard_normal((8, 4)).astype(np.float32)
+    g[6, 2] = np.inf
+    grads = jax.device_put(g, NamedSharding(mesh, P("data")))
+
+    def check(grads, scale):
+        finite = all_finite(grads)
+        return finite, scale.adjust(finite)
+
+    check = jax.jit(check, out_shardings=NamedSharding(mesh, P()))
+    finite, scale = check(grads, DynamicLossScale.create(initial_scale=1024.0))
+    shards = lambda a: sorted(a.addressable_shards, key=lambda s: s.device.id)
+    print("units", json.dumps({
+        "devices": len(jax.devices()),
+        "shard_finite": [bool(np.isfinite(s.data).all()) for s in shards(grads)],
+        "finite": [bool(s.data) for s in shards(finite)],
+        "scale": [float(s.data) for s in shards(scale.scale)],
+        "skipped": [int(s.data) for s in shards(scale.skipped_steps)],
+    }))
 """)
 
 
 def test_two_devices_agree_on_skipping_when_only_one_sees_an_inf():
+    """Two devices, one of which alone sees the inf: the real train step skips on both and both
+    halve the scale; and ``all_finite`` with ``adjust`` alone agree on both (one subprocess for
+    the two checks, moved here from tests/test_precision.py, which needs two devices too)."""
     env = {**os.environ, "XLA_FLAGS": xla_flags("--xla_force_host_platform_device_count=2"),
            "PYTHONPATH": os.pathsep.join([REPO, os.path.join(REPO, "tests")]),
            "JAX_PLATFORMS": "cpu"}
@@ -240,6 +274,9 @@ def test_two_devices_agree_on_skipping_when_only_one_sees_an_inf():
     assert sorted(line for line in lines if line.startswith("skipped")) == \
         ["skipped 0 1", "skipped 1 1"]
     assert "unchanged True 2" in lines
+    (units,) = [json.loads(line[len("units "):]) for line in lines if line.startswith("units ")]
+    assert units == {"devices": 2, "shard_finite": [True, False], "finite": [False, False],
+                     "scale": [512.0, 512.0], "skipped": [1, 1]}
 
 
 def test_param_dtype_is_the_dtype_parameters_are_stored_in():

@@ -58,7 +58,7 @@ def test_shapes_dtypes_and_parameter_count(mlp, tie, kv):
     embed = cfg.vocab_size * cfg.d_model
     norms = (2 * cfg.n_layers + 1) * cfg.d_model
     assert count_params(state) == matmul_params(cfg) + norms + (0 if tie else embed)
-    logits = apply(state, batch_of(np.ones((2, 16))))
+    logits = jax.jit(apply)(state, batch_of(np.ones((2, 16))))
     assert logits.shape == (2, 16, 64) and logits.dtype == jnp.float32
 
 
