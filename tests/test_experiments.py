@@ -9,30 +9,45 @@ import pytest
 from experiments import attention, optimizers, padding, precision, remat
 
 
-def test_padding_experiment_writes_every_row(corpus_path, tmp_path, capsys):
+def test_padding_experiment_trains_rows_matched_to_fixed_padding(corpus_path, tmp_path, capsys):
+    """Fixed padding, the baseline, and bucketing, the strategy whose batch the experiment
+    matches through a token budget and whose batches take several shapes, train: each compiles
+    once per shape and not after its warm-up, and the table, plot and JSON compare them. What
+    the experiment does for every strategy before training (each one's batch matched to fixed
+    padding's, its shapes and padding) is the next test's, on all four; training in dynamic and
+    pack batching (every shape compiled in warm-up, never after; pack's one shape and padding):
+    test_loop.py's test_every_shape_compiles_in_warm_up_and_never_after. Every row evaluates
+    the same validation batches (one evaluation program for both), and bucketing has two
+    buckets (each shape is a compile)."""
     out = tmp_path / "padding.json"
     code = padding.main([
         "--data", corpus_path, "--d-model", "32", "--n-layers", "1", "--n-heads", "2",
-        "--max-seq-len", "32", "--seq-len", "32", "--batch-size", "4", "--pad-multiple", "8",
-        "--buckets", "3", "--train-tokens", "400", "--final-eval-batches", "2", "--no-progress", "--run-dir",
+        "--max-seq-len", "32", "--seq-len", "32", "--batch-size", "4", "--pad-multiple", "16",
+        "--buckets", "2", "--strategies", "fixed,bucket", "--train-tokens", "200",
+        "--final-eval-batches", "1", "--eval-batch-size", "4", "--no-progress", "--run-dir",
         str(tmp_path / "runs"), "--cache-dir", str(tmp_path / "cache"), "--json", str(out)])
     assert code == 0
     result = json.loads(out.read_text())
     rows = {row["strategy"]: row for row in result["rows"]}
-    assert list(rows) == ["fixed", "dynamic", "bucket", "pack"]
+    assert list(rows) == ["fixed", "bucket"]
     for row in rows.values():
         for key in ("padding_efficiency", "shapes", "compiles", "compile_s", "real_tokens_per_s",
                     "wall_s", "val_loss", "speedup_vs_fixed"):
             assert row[key] is not None, key
         assert row["compiles"] == row["shapes"] and row["compiles_after_warmup"] == 0
-    assert rows["fixed"]["speedup_vs_fixed"] == 1.0 and rows["pack"]["shapes"] == 1
-    assert rows["pack"]["padding_efficiency"] > rows["fixed"]["padding_efficiency"]
+    assert rows["fixed"]["speedup_vs_fixed"] == 1.0 and rows["fixed"]["shapes"] == 1
+    assert rows["bucket"]["shapes"] > 1                             # a compile per shape
+    assert rows["bucket"]["padding_efficiency"] > rows["fixed"]["padding_efficiency"]
+    assert rows["bucket"]["batch"].endswith(" tokens")              # the matched token budget
     assert result["meta"]["seq_len"] == 32
     assert (tmp_path / "runs" / "padding.png").stat().st_size > 1000
     assert "| strategy" in capsys.readouterr().out
 
 
 def test_padding_plan_only_reports_whole_epochs(corpus_path, tmp_path):
+    """Every strategy (all four by default), its batch matched to fixed padding's real tokens
+    (pack: fewer, fuller rows; bucket: a token budget), and a whole epoch's shapes and
+    padding."""
     out = tmp_path / "plan.json"
     code = padding.main([
         "--data", corpus_path, "--max-seq-len", "32", "--seq-len", "32", "--batch-size", "4",
@@ -40,26 +55,50 @@ def test_padding_plan_only_reports_whole_epochs(corpus_path, tmp_path):
         str(tmp_path / "cache"), "--json", str(out)])
     assert code == 0
     rows = {row["strategy"]: row for row in json.loads(out.read_text())["rows"]}
+    assert list(rows) == ["fixed", "dynamic", "bucket", "pack"]
+    assert rows["fixed"]["batch"] == rows["dynamic"]["batch"] == "4 rows"
+    assert rows["bucket"]["batch"].endswith(" tokens") and rows["pack"]["batch"] in ("2 rows",
+                                                                                     "3 rows")
     assert rows["pack"]["epoch_padding_efficiency"] > rows["bucket"]["epoch_padding_efficiency"] \
         > rows["fixed"]["epoch_padding_efficiency"]
     assert rows["fixed"]["shapes"] == rows["pack"]["shapes"] == 1
-    assert 1 < rows["bucket"]["shapes"] <= 3
+    assert 1 < rows["bucket"]["shapes"] <= 3 and 1 < rows["dynamic"]["shapes"] <= 4
     assert all(row["loader_tokens_per_s"] > 0 for row in rows.values())
 
 
-def test_optimizers_experiment_runs_both_tables(corpus_path, tmp_path, capsys):
+def test_optimizers_experiment_plans_every_row_and_runs_both_tables(corpus_path, tmp_path,
+                                                                    capsys):
+    """The plan of table 1 for three optimizers and table 2 for the default large-batch
+    optimizers (adamw, lamb) under both scaling rules; then both tables run on a subset that
+    has each kind of row: a different optimizer's state (lion), and the scaling rules on the
+    large batch (adamw). Each optimizer's own update is tested in test_optim.py. Every row
+    evaluates the same validation batches (one evaluation program for all)."""
+    from experiments.common import parse_config
+
+    common = ["--data", corpus_path, "--d-model", "32", "--n-layers", "1", "--n-heads", "2",
+              "--max-seq-len", "32", "--seq-len", "32", "--batch-size", "2", "--train-tokens",
+              "320", "--warmup-steps", "4", "--large-batch-factor", "4", "--final-eval-batches",
+              "1", "--eval-batch-size", "2", "--no-progress", "--cache-dir",
+              str(tmp_path / "cache")]
+    cfg = parse_config(optimizers.EXPERIMENT, [*common, "--optimizers", "adamw,lion,lamb",
+                                               "--run-dir", str(tmp_path / "plan")])
+    plan = optimizers.rows(cfg)
+    assert [(r.fields["optimizer"], r.fields["batch_size"], r.fields["lr_scaling"])
+            for r in plan] == [
+        ("adamw", 2, "none"), ("lion", 2, "none"), ("lamb", 2, "none"),
+        ("adamw", 8, "linear"), ("adamw", 8, "sqrt"), ("lamb", 8, "linear"), ("lamb", 8, "sqrt")]
+    optimizers.check(cfg, plan)                 # every planned row's config and model are valid
+    assert {r.settings["optimizer.warmup_steps"] for r in plan if r.fields["batch_size"] == 8} \
+        == {1}                                  # the warmup covers the same tokens
+
     out = tmp_path / "optimizers.json"
     code = optimizers.main([
-        "--data", corpus_path, "--d-model", "32", "--n-layers", "1", "--n-heads", "2",
-        "--max-seq-len", "32", "--seq-len", "32", "--batch-size", "2", "--train-tokens", "640",
-        "--warmup-steps", "4", "--large-batch-factor", "4", "--optimizers", "adamw,lion,lamb",
-        "--no-progress", "--run-dir", str(tmp_path / "runs"), "--cache-dir",
-        str(tmp_path / "cache"), "--json", str(out)])
+        *common, "--optimizers", "adamw,lion", "--large-batch-optimizers", "adamw",
+        "--run-dir", str(tmp_path / "runs"), "--json", str(out)])
     assert code == 0
     rows = json.loads(out.read_text())["rows"]
     assert [(r["optimizer"], r["batch_size"], r["lr_scaling"]) for r in rows] == [
-        ("adamw", 2, "none"), ("lion", 2, "none"), ("lamb", 2, "none"),
-        ("adamw", 8, "linear"), ("adamw", 8, "sqrt"), ("lamb", 8, "linear"), ("lamb", 8, "sqrt")]
+        ("adamw", 2, "none"), ("lion", 2, "none"), ("adamw", 8, "linear"), ("adamw", 8, "sqrt")]
     for row in rows:
         for key in ("val_loss", "tokens_per_s", "state_bytes"):
             assert row[key] is not None and row[key] > 0, key
@@ -73,31 +112,40 @@ def test_optimizers_experiment_runs_both_tables(corpus_path, tmp_path, capsys):
     assert "Table 1" in out_text and "Table 2" in out_text
 
 
-def test_precision_experiment_runs_every_row_and_the_probe(corpus_path, tmp_path, capsys,
-                                                           monkeypatch):
+PRECISION_ARGS = ["--d-model", "32", "--n-layers", "1", "--n-heads", "2", "--max-seq-len", "32",
+                  "--seq-len", "32", "--batch-size", "2", "--train-tokens", "320",
+                  "--final-eval-batches", "1", "--no-progress"]
+
+
+def test_precision_experiment_plans_every_row_and_probes_the_fp32_run(corpus_path, tmp_path,
+                                                                      capsys, monkeypatch):
+    """Every row's settings as planned (policy, loss scaling, float32 matmul precision), each
+    checked as a run checks it; then the fp32 row alone trains and the underflow probe runs at
+    its initial and trained parameters. The rows' comparison is the next test's."""
+    from experiments.common import check_rows, parse_config
+
+    cfg = parse_config(precision.EXPERIMENT, ["--data", corpus_path, "--run-dir",
+                                              str(tmp_path / "plan")])
+    plan = precision.rows(cfg)
+    settings = {r.label: tuple(r.settings[k] for k in precision.FIXED) for r in plan}
+    assert settings == {
+        "fp32": ("fp32", "none", "highest"), "tf32": ("fp32", "none", "default"),
+        "bf16": ("bf16", "none", "default"), "fp16": ("fp16", "dynamic", "default"),
+        "fp16-noscale": ("fp16", "none", "default"), "fp8": ("fp8", "none", "default")}
+    assert all(r.fields["matmul_precision"] == settings[r.label][2] for r in plan)
+    check_rows(cfg, plan, {})
+
     out = tmp_path / "precision.json"
     monkeypatch.chdir(tmp_path)   # a relative --run-dir, as users pass it
     code = precision.main([
-        "--data", corpus_path, "--d-model", "32", "--n-layers", "1", "--n-heads", "2",
-        "--max-seq-len", "32", "--seq-len", "32", "--batch-size", "2", "--train-tokens", "320",
-        "--probe-batch-size", "4", "--probe-accumulate", "1,1024", "--no-progress",
-        "--run-dir", "runs",
+        "--data", corpus_path, *PRECISION_ARGS, "--precisions", "fp32",
+        "--probe-batch-size", "4", "--probe-accumulate", "1,1024", "--run-dir", "runs",
         "--cache-dir", str(tmp_path / "cache"), "--json", str(out)])
     assert code == 0
     result = json.loads(out.read_text())
-    rows = {r["precision"]: r for r in result["rows"]}
-    assert list(rows) == ["fp32", "tf32", "bf16", "fp16", "fp16-noscale", "fp8"]
-    for row in rows.values():
-        for key in ("step_s", "real_tokens_per_s", "memory_bytes", "val_loss", "skipped_steps",
-                    "speedup_vs_fp32"):
-            assert row[key] is not None, key
-    assert rows["fp32"]["speedup_vs_fp32"] == 1.0
-    assert rows["fp16"]["policy"] == "fp16" and rows["fp16"]["loss_scale"] > 1
-    assert rows["fp16-noscale"]["loss_scale"] == 1 and rows["bf16"]["policy"] == "bf16"
-    assert rows["fp32"]["matmul_precision"] == "highest"
-    assert rows["fp8"]["policy"] == "fp8" and "emulated" in rows["fp8"]["fp8"]
-    assert rows["fp8"]["speedup_vs_bf16"] > 0 and rows["bf16"]["speedup_vs_bf16"] is None
-    assert abs(rows["fp8"]["val_loss_vs_bf16"]) < 0.05
+    [fp32] = result["rows"]
+    assert fp32["precision"] == "fp32" and fp32["policy"] == "fp32"
+    assert fp32["matmul_precision"] == "highest" and fp32["speedup_vs_fp32"] == 1.0
     probe = {(p["params"], p["accumulate"], p["case"]): p
              for p in result["meta"]["underflow_probe"]}
     assert len(probe) == 2 * 2 * 2
@@ -109,6 +157,37 @@ def test_precision_experiment_runs_every_row_and_the_probe(corpus_path, tmp_path
         assert scaled["scale"] > 1024
     assert (tmp_path / "runs" / "precision.png").stat().st_size > 1000
     assert "Underflow probe" in capsys.readouterr().out
+
+
+def test_precision_experiment_compares_the_rows_with_fp32_and_fp8_with_bf16(corpus_path,
+                                                                           tmp_path, capsys,
+                                                                           monkeypatch):
+    """fp32, bf16 and fp8 train and compare: every row with fp32, fp8 with bf16. The other rows
+    are the same runs under other settings (the plan above), each a run tested elsewhere: tf32
+    is fp32 under the default matmul precision, the setting every other test's run trains with;
+    fp16 with dynamic loss scaling is test_loop.py's fp16 run (its scale grows); fp16-noscale
+    is fp16 on no loss scale, which reports a scale of 1 as bf16 does here. The underflow probe
+    is the test above's, so it does not run again here."""
+    monkeypatch.setattr(precision, "underflow_probe", lambda cfg, trained: [])
+    out = tmp_path / "precision.json"
+    code = precision.main([
+        "--data", corpus_path, *PRECISION_ARGS, "--precisions", "fp32,bf16,fp8",
+        "--run-dir", str(tmp_path / "runs"), "--cache-dir", str(tmp_path / "cache"),
+        "--json", str(out)])
+    assert code == 0
+    rows = {r["precision"]: r for r in json.loads(out.read_text())["rows"]}
+    assert list(rows) == ["fp32", "bf16", "fp8"]
+    for row in rows.values():
+        for key in ("step_s", "real_tokens_per_s", "memory_bytes", "val_loss", "skipped_steps",
+                    "speedup_vs_fp32"):
+            assert row[key] is not None, key
+    assert rows["fp32"]["speedup_vs_fp32"] == 1.0 and rows["fp32"]["matmul_precision"] == "highest"
+    assert rows["bf16"]["loss_scale"] == 1 and rows["bf16"]["policy"] == "bf16"
+    assert rows["fp8"]["policy"] == "fp8" and "emulated" in rows["fp8"]["fp8"]
+    assert rows["fp8"]["speedup_vs_bf16"] > 0 and rows["bf16"]["speedup_vs_bf16"] is None
+    assert abs(rows["fp8"]["val_loss_vs_bf16"]) < 0.05
+    assert (tmp_path / "runs" / "precision.png").stat().st_size > 1000
+    assert "| precision" in capsys.readouterr().out
 
 
 def test_remat_experiment_measures_every_row(tmp_path, capsys):

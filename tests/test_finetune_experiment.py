@@ -13,13 +13,16 @@ from tests.test_loop import small_config
 
 @pytest.fixture(scope="module")
 def base_run(corpus_path, tmp_path_factory):
+    """The base: one layer (test_generate.py's sample run has this config: in one pytest run
+    they compile the same programs)."""
     tmp = tmp_path_factory.mktemp("base")
-    return train(small_config(corpus_path, tmp, "base", steps=4, eval_every=0)).run_dir
+    return train(small_config(corpus_path, tmp, "base", steps=4, eval_every=0,
+                              n_layers=1)).run_dir
 
 
 def common(corpus_path, tmp_path):
     return ["--data", corpus_path, "--seq-len", "32", "--batch-size", "4", "--steps", "3",
-            "--no-progress", "--final-eval-batches", "2", "--lora-rank", "2",
+            "--no-progress", "--final-eval-batches", "1", "--lora-rank", "2",
             "--adapter-dim", "4", "--cache-dir", str(tmp_path / "cache")]
 
 
@@ -31,8 +34,8 @@ def test_every_row_from_one_run(base_run, corpus_path, tmp_path, capsys):
     assert list(rows) == ["base", "full", "lora", "adapters"]
     full, lora, adapters = rows["full"], rows["lora"], rows["adapters"]
     assert full["trainable_params"] == full["params"] and full["state_share"] == 1.0
-    assert lora["trainable_params"] == 2 * 2 * 2 * 32 * 2          # layers, q+v, A+B
-    assert adapters["trainable_params"] == 2 * 2 * 2 * 32 * 4       # layers, branches, down+up
+    assert lora["trainable_params"] == 1 * 2 * 2 * 32 * 2          # layers, q+v, A+B
+    assert adapters["trainable_params"] == 1 * 2 * 2 * 32 * 4       # layers, branches, down+up
     for row in (lora, adapters):
         assert row["state_share"] < 0.1 and row["vs_full"] is not None
     # The merged export, read back from disk, gives the LoRA model's validation loss.

@@ -19,7 +19,8 @@ from jaxaccel.tokenizer import ByteTokenizer
 
 
 def forward(model, ids_BT):
-    return make_apply(nnx.graphdef(model))(nnx.state(model), sequence_batch(ids_BT))
+    """The training forward pass's logits (jitted, as a step runs it: one compile)."""
+    return jax.jit(make_apply(nnx.graphdef(model)))(nnx.state(model), sequence_batch(ids_BT))
 
 
 def build(options: dict, *, vocab_size=64, max_seq_len=16, **shape):
@@ -116,10 +117,13 @@ def test_sampling_rules():
 
 @pytest.fixture(scope="module")
 def trained_run(corpus_path, tmp_path_factory):
+    """A small run (the config of test_finetune_experiment.py's base run: in one pytest run
+    they compile the same programs)."""
     from jaxaccel.loop import train
     from tests.test_loop import small_config
     tmp = tmp_path_factory.mktemp("sample")
-    return train(small_config(corpus_path, tmp, "base", steps=2, eval_every=0)).run_dir
+    return train(small_config(corpus_path, tmp, "base", steps=4, eval_every=0,
+                              n_layers=1)).run_dir
 
 
 def test_sample_command(trained_run, tmp_path, capsys):
@@ -128,7 +132,7 @@ def test_sample_command(trained_run, tmp_path, capsys):
             "--num-samples", "2", "--seed", "3", "--json", str(out)]
     assert main(args) == 0
     text = capsys.readouterr().out
-    assert "--- sample 1 (step 2 of" in text and "decode tok/s" in text
+    assert "--- sample 1 (step 4 of" in text and "decode tok/s" in text
     result = json.load(open(out))
     row = result["rows"][0]
     assert row["prompt_tokens"] == 7 and row["new_tokens"] == 12 and row["decode_tok_s"] > 0

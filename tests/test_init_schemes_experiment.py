@@ -10,9 +10,11 @@ from experiments.init_schemes import main
 
 
 def common(corpus_path, tmp_path):
-    return ["--data", corpus_path, "--d-model", "32", "--n-layers", "2", "--n-heads", "4",
+    """A model of one layer (each scheme's scaling by depth: tests/test_techniques.py), four
+    steps, one final validation batch."""
+    return ["--data", corpus_path, "--d-model", "32", "--n-layers", "1", "--n-heads", "4",
             "--max-seq-len", "32", "--seq-len", "32", "--batch-size", "4", "--steps", "4",
-            "--final-eval-batches", "2", "--no-progress", "--cache-dir", str(tmp_path / "cache")]
+            "--final-eval-batches", "1", "--no-progress", "--cache-dir", str(tmp_path / "cache")]
 
 
 def test_every_scheme_and_rate_with_the_reference(corpus_path, tmp_path, capsys):

@@ -137,11 +137,13 @@ def test_savings_and_bad_settings():
 
 
 def test_the_experiment_compares_patterns_with_dense(corpus_path, tmp_path, capsys):
+    """Dense and 2:4 rows, on one layer (what is checked of the rows holds at any depth; the
+    savings' own figures: test_savings_and_bad_settings); then a bad pattern is one line."""
     from experiments.sparsity import main
     out = tmp_path / "sparsity.json"
-    common = ["--data", corpus_path, "--d-model", "32", "--n-layers", "2", "--n-heads", "4",
+    common = ["--data", corpus_path, "--d-model", "32", "--n-layers", "1", "--n-heads", "4",
               "--max-seq-len", "32", "--seq-len", "32", "--batch-size", "4", "--steps", "4",
-              "--final-eval-batches", "2", "--no-progress", "--sparsity-every", "2",
+              "--final-eval-batches", "1", "--no-progress", "--sparsity-every", "2",
               "--cache-dir", str(tmp_path / "cache")]
     assert main([*common, "--patterns", "2:4", "--run-dir", str(tmp_path / "s"),
                  "--json", str(out)]) == 0
