@@ -39,9 +39,15 @@ def init_sharded_state(make_params, optimizer, seed: int, loss_scale, mesh,
                        policy: Policy | None = None, *, axis_rules=None, args=()):
     """The initial TrainState of the model ``make_params(key, *args) -> nnx.State`` builds,
     created in its shards over ``mesh``, and the shardings (a TrainState of NamedShardings)."""
-    lowered, shardings = lower_init(make_params, optimizer, seed, loss_scale, mesh, None, policy,
-                                    axis_rules=axis_rules, args=args)
-    return lowered.compile()(jax.random.PRNGKey(seed), *args), shardings
+    make_state, _, shardings = state_maker(make_params, optimizer, seed, loss_scale, mesh,
+                                           policy, axis_rules, args)
+    return create_state(make_state, shardings, seed, args), shardings
+
+
+def create_state(make_state, shardings, seed: int, args=()):
+    """The state ``make_state`` (of ``state_maker``) makes, created in ``shardings``."""
+    return lower_state(make_state, shardings, seed, args).compile()(jax.random.PRNGKey(seed),
+                                                                    *args)
 
 
 def lower_init(make_params, optimizer, seed: int, loss_scale, mesh, platform: str | None,
@@ -50,11 +56,14 @@ def lower_init(make_params, optimizer, seed: int, loss_scale, mesh, platform: st
     default backend's), no device of it needed, and the state's shardings."""
     make_state, _, shardings = state_maker(make_params, optimizer, seed, loss_scale, mesh,
                                            policy, axis_rules, args)
+    return lower_state(make_state, shardings, seed, args, platform), shardings
+
+
+def lower_state(make_state, shardings, seed: int, args=(), platform: str | None = None):
     with jax_config.threefry_gpu_kernel_lowering(True):
-        lowered = jax.jit(make_state, out_shardings=shardings).trace(
+        return jax.jit(make_state, out_shardings=shardings).trace(
             jax.random.PRNGKey(seed), *args).lower(
                 lowering_platforms=None if platform is None else (platform,))
-    return lowered, shardings
 
 
 def abstract_sharded_state(make_params, optimizer, seed: int, loss_scale, mesh,
@@ -66,14 +75,13 @@ def abstract_sharded_state(make_params, optimizer, seed: int, loss_scale, mesh,
 
 
 def state_maker(make_params, optimizer, seed, loss_scale, mesh, policy, axis_rules, args=()):
-    key = jax.random.PRNGKey(seed)
-    trainable = nn.trainable(jax.eval_shape(make_params, key, *args))
-
+    """``(make_state(key, *args), its state's shapes, their shardings)``: traced once here for
+    the shapes; ``create_state`` makes the state."""
     def make_state(key, *args):
-        return init_state(make_params(key, *args), optimizer, seed, loss_scale, policy,
-                          trainable)
+        params = make_params(key, *args)
+        return init_state(params, optimizer, seed, loss_scale, policy, nn.trainable(params))
 
-    abstract_state = jax.eval_shape(make_state, key, *args)
+    abstract_state = jax.eval_shape(make_state, jax.random.PRNGKey(seed), *args)
     shardings = state_shardings(mesh, abstract_state,
                                 param_shardings(mesh, abstract_state.params, axis_rules))
     return make_state, abstract_state, shardings

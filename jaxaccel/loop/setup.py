@@ -31,7 +31,7 @@ from jaxaccel.report import dump_json
 from jaxaccel.sampling import SampledStream, lag as sampling_lag
 from jaxaccel.sharding import batch_shards, batch_sharding, format_mesh, param_shardings, \
     parse_axis_rules
-from jaxaccel.state import abstract_sharded_state, init_sharded_state
+from jaxaccel.state import create_state, state_maker
 
 RUNS_ROOT = "runs"
 LOCK_FILE = "run.lock"      # in the run directory: held (flock) by the run writing it
@@ -129,9 +129,9 @@ def set_up(cfg, mesh, mesh_shape, full_model, run_dir: str) -> Setup:
         base = (jax.device_put(weights, param_shardings(mesh, weights, rules)),)
     # The steps are compiled, and their memory checked, from the state's shapes before the
     # state is made: a run that cannot fit is refused before it allocates anything large.
-    init_args = (techniques.variables(cfg, depth), optimizer, cfg.run.seed,
-                 cfg.make_loss_scale(), mesh, cfg.policy())
-    shapes, shardings = abstract_sharded_state(*init_args, axis_rules=rules, args=base)
+    make_state, shapes, shardings = state_maker(techniques.variables(cfg, depth), optimizer,
+                                                cfg.run.seed, cfg.make_loss_scale(), mesh,
+                                                cfg.policy(), rules, base)
     shapes = jax.tree.map(lambda s, x: jax.tree.map(
         lambda a: jax.ShapeDtypeStruct(a.shape, a.dtype, sharding=s), x), shardings, shapes)
     batch_layout = batch_sharding(mesh)
@@ -147,7 +147,7 @@ def set_up(cfg, mesh, mesh_shape, full_model, run_dir: str) -> Setup:
                            stream.global_shapes, eval_batch_size)
     startup["compile"] = time.perf_counter() - begin
     begin = time.perf_counter()
-    state, shardings = init_sharded_state(*init_args, axis_rules=rules, args=base)
+    state = create_state(make_state, shardings, cfg.run.seed, base)
     jax.block_until_ready(state)
     startup["init"] = time.perf_counter() - begin
     resume_config = {**resume_settings(full_cfg, stream_args, total_steps, multiple),
