@@ -115,8 +115,9 @@ def corpus_path(tmp_path_factory):
 
 # The files that take longest run first: pytest-xdist (--dist loadfile) hands files to its two
 # workers in collection order, and a long file started last leaves the other worker idle.
-LONGEST_FIRST = ("test_speedup.py", "test_sharding.py", "test_any_model.py", "test_readme.py",
-                 "test_experiments.py", "test_loop.py", "test_pipeline.py", "test_distributed.py")
+LONGEST_FIRST = ("test_sharding.py", "test_speedup.py", "test_any_model.py", "test_experiments.py",
+                 "test_pipeline.py", "test_techniques.py", "test_readme.py", "test_remat.py",
+                 "test_loop.py", "test_flash_attention.py")
 
 
 def pytest_collection_modifyitems(session, config, items):
