@@ -1,6 +1,8 @@
 """Smoke tests of the experiment modules at a scale of seconds: structure, not figures."""
 
+import contextlib
 import importlib.util
+import io
 import json
 
 import jax
@@ -69,11 +71,16 @@ def test_padding_plan_only_reports_whole_epochs(corpus_path, tmp_path):
 def test_optimizers_experiment_plans_every_row_and_runs_both_tables(corpus_path, tmp_path,
                                                                     capsys):
     """The plan of table 1 for three optimizers and table 2 for the default large-batch
-    optimizers (adamw, lamb) under both scaling rules; then both tables run on a subset that
-    has each kind of row: a different optimizer's state (lion), and the scaling rules on the
-    large batch (adamw). Each optimizer's own update is tested in test_optim.py. Every row
-    evaluates the same validation batches (one evaluation program for all)."""
+    optimizers (adamw, lamb) under both scaling rules, each row's learning rate as its run
+    resolves it; then both tables run on a subset that has each kind of row: a different
+    optimizer's state (lion), and a scaling rule on the large batch (adamw, linear). A run
+    under the sqrt rule reports its scaled learning rate in test_loop.py (pack batching's
+    run: Lion scaled from 2 to 8 rows); each optimizer's own update is tested in
+    test_optim.py. Every row evaluates the same validation batches (one evaluation program
+    for all)."""
     from experiments.common import parse_config
+    from jaxaccel.config import override
+    from jaxaccel.optim import build_optimizer
 
     common = ["--data", corpus_path, "--d-model", "32", "--n-layers", "1", "--n-heads", "2",
               "--max-seq-len", "32", "--seq-len", "32", "--batch-size", "2", "--train-tokens",
@@ -90,22 +97,33 @@ def test_optimizers_experiment_plans_every_row_and_runs_both_tables(corpus_path,
     optimizers.check(cfg, plan)                 # every planned row's config and model are valid
     assert {r.settings["optimizer.warmup_steps"] for r in plan if r.fields["batch_size"] == 8} \
         == {1}                                  # the warmup covers the same tokens
+    planned_lr = {}
+    for r in plan:
+        row_cfg = override(cfg, r.settings)
+        assert row_cfg.data.batch_size == r.fields["batch_size"]
+        planned_lr[r.fields["optimizer"], r.fields["batch_size"], r.fields["lr_scaling"]] = \
+            build_optimizer(row_cfg.optimizer, batch_rows=row_cfg.data.batch_size,
+                            total_steps=10)[2]["learning_rate"]
+    for name in ("adamw", "lamb"):
+        assert planned_lr[name, 8, "linear"] == pytest.approx(4 * planned_lr[name, 2, "none"])
+        assert planned_lr[name, 8, "sqrt"] == pytest.approx(2 * planned_lr[name, 2, "none"])
 
     out = tmp_path / "optimizers.json"
     code = optimizers.main([
         *common, "--optimizers", "adamw,lion", "--large-batch-optimizers", "adamw",
-        "--run-dir", str(tmp_path / "runs"), "--json", str(out)])
+        "--scalings", "linear", "--run-dir", str(tmp_path / "runs"), "--json", str(out)])
     assert code == 0
     rows = json.loads(out.read_text())["rows"]
     assert [(r["optimizer"], r["batch_size"], r["lr_scaling"]) for r in rows] == [
-        ("adamw", 2, "none"), ("lion", 2, "none"), ("adamw", 8, "linear"), ("adamw", 8, "sqrt")]
+        ("adamw", 2, "none"), ("lion", 2, "none"), ("adamw", 8, "linear")]
     for row in rows:
         for key in ("val_loss", "tokens_per_s", "state_bytes"):
             assert row[key] is not None and row[key] > 0, key
     by = {(r["optimizer"], r["lr_scaling"]): r for r in rows}
     assert by["lion", "none"]["state_bytes"] < 0.6 * by["adamw", "none"]["state_bytes"]
     assert by["adamw", "linear"]["learning_rate"] == pytest.approx(4 * by["adamw", "none"]["learning_rate"])
-    assert by["adamw", "sqrt"]["learning_rate"] == pytest.approx(2 * by["adamw", "none"]["learning_rate"])
+    assert by["adamw", "linear"]["learning_rate"] == pytest.approx(
+        planned_lr["adamw", 8, "linear"])            # the run trains at the planned rate
     assert by["adamw", "linear"]["steps"] < by["adamw", "none"]["steps"]
     assert (tmp_path / "runs" / "optimizers.png").stat().st_size > 1000
     out_text = capsys.readouterr().out
@@ -117,11 +135,29 @@ PRECISION_ARGS = ["--d-model", "32", "--n-layers", "1", "--n-heads", "2", "--max
                   "--final-eval-batches", "1", "--no-progress"]
 
 
+@pytest.fixture(scope="module")
+def precision_run(corpus_path, tmp_path_factory):
+    """One run of the experiment for the two tests below: fp32, bf16 and fp8 train and compare,
+    then the underflow probe runs at the fp32 run's initial and trained parameters. A relative
+    --run-dir, as users pass it. Its directory, JSON and printed text."""
+    tmp_path = tmp_path_factory.mktemp("precision")
+    out, text = tmp_path / "precision.json", io.StringIO()
+    with pytest.MonkeyPatch.context() as patch, contextlib.redirect_stdout(text):
+        patch.chdir(tmp_path)
+        code = precision.main([
+            "--data", corpus_path, *PRECISION_ARGS, "--precisions", "fp32,bf16,fp8",
+            "--probe-batch-size", "4", "--probe-accumulate", "1,1024", "--run-dir", "runs",
+            "--cache-dir", str(tmp_path / "cache"), "--json", str(out)])
+    assert code == 0
+    return tmp_path, json.loads(out.read_text()), text.getvalue()
+
+
 def test_precision_experiment_plans_every_row_and_probes_the_fp32_run(corpus_path, tmp_path,
-                                                                      capsys, monkeypatch):
+                                                                      precision_run):
     """Every row's settings as planned (policy, loss scaling, float32 matmul precision), each
-    checked as a run checks it; then the fp32 row alone trains and the underflow probe runs at
-    its initial and trained parameters. The rows' comparison is the next test's."""
+    checked as a run checks it; then (the run above) the fp32 row trains and the underflow
+    probe runs at its initial and trained parameters. The rows' comparison is the next
+    test's."""
     from experiments.common import check_rows, parse_config
 
     cfg = parse_config(precision.EXPERIMENT, ["--data", corpus_path, "--run-dir",
@@ -135,15 +171,8 @@ def test_precision_experiment_plans_every_row_and_probes_the_fp32_run(corpus_pat
     assert all(r.fields["matmul_precision"] == settings[r.label][2] for r in plan)
     check_rows(cfg, plan, {})
 
-    out = tmp_path / "precision.json"
-    monkeypatch.chdir(tmp_path)   # a relative --run-dir, as users pass it
-    code = precision.main([
-        "--data", corpus_path, *PRECISION_ARGS, "--precisions", "fp32",
-        "--probe-batch-size", "4", "--probe-accumulate", "1,1024", "--run-dir", "runs",
-        "--cache-dir", str(tmp_path / "cache"), "--json", str(out)])
-    assert code == 0
-    result = json.loads(out.read_text())
-    [fp32] = result["rows"]
+    run_root, result, text = precision_run
+    fp32 = result["rows"][0]
     assert fp32["precision"] == "fp32" and fp32["policy"] == "fp32"
     assert fp32["matmul_precision"] == "highest" and fp32["speedup_vs_fp32"] == 1.0
     probe = {(p["params"], p["accumulate"], p["case"]): p
@@ -155,27 +184,19 @@ def test_precision_experiment_plans_every_row_and_probes_the_fp32_run(corpus_pat
         assert big["flushed_to_zero"] > 0.2 and scaled["flushed_to_zero"] < 0.01
         assert scaled["relative_error"] < 0.05 < big["relative_error"]
         assert scaled["scale"] > 1024
-    assert (tmp_path / "runs" / "precision.png").stat().st_size > 1000
-    assert "Underflow probe" in capsys.readouterr().out
+    assert (run_root / "runs" / "precision.png").stat().st_size > 1000
+    assert "Underflow probe" in text
 
 
-def test_precision_experiment_compares_the_rows_with_fp32_and_fp8_with_bf16(corpus_path,
-                                                                           tmp_path, capsys,
-                                                                           monkeypatch):
-    """fp32, bf16 and fp8 train and compare: every row with fp32, fp8 with bf16. The other rows
-    are the same runs under other settings (the plan above), each a run tested elsewhere: tf32
-    is fp32 under the default matmul precision, the setting every other test's run trains with;
-    fp16 with dynamic loss scaling is test_loop.py's fp16 run (its scale grows); fp16-noscale
-    is fp16 on no loss scale, which reports a scale of 1 as bf16 does here. The underflow probe
-    is the test above's, so it does not run again here."""
-    monkeypatch.setattr(precision, "underflow_probe", lambda cfg, trained: [])
-    out = tmp_path / "precision.json"
-    code = precision.main([
-        "--data", corpus_path, *PRECISION_ARGS, "--precisions", "fp32,bf16,fp8",
-        "--run-dir", str(tmp_path / "runs"), "--cache-dir", str(tmp_path / "cache"),
-        "--json", str(out)])
-    assert code == 0
-    rows = {r["precision"]: r for r in json.loads(out.read_text())["rows"]}
+def test_precision_experiment_compares_the_rows_with_fp32_and_fp8_with_bf16(precision_run):
+    """fp32, bf16 and fp8 train and compare (the run above): every row with fp32, fp8 with
+    bf16. The other rows are the same runs under other settings (the plan above), each a run
+    tested elsewhere: tf32 is fp32 under the default matmul precision, the setting every other
+    test's run trains with; fp16 with dynamic loss scaling is test_loop.py's fp16 run (its
+    scale grows); fp16-noscale is fp16 on no loss scale, which reports a scale of 1 as bf16
+    does here."""
+    _, result, text = precision_run
+    rows = {r["precision"]: r for r in result["rows"]}
     assert list(rows) == ["fp32", "bf16", "fp8"]
     for row in rows.values():
         for key in ("step_s", "real_tokens_per_s", "memory_bytes", "val_loss", "skipped_steps",
@@ -186,15 +207,17 @@ def test_precision_experiment_compares_the_rows_with_fp32_and_fp8_with_bf16(corp
     assert rows["fp8"]["policy"] == "fp8" and "emulated" in rows["fp8"]["fp8"]
     assert rows["fp8"]["speedup_vs_bf16"] > 0 and rows["bf16"]["speedup_vs_bf16"] is None
     assert abs(rows["fp8"]["val_loss_vs_bf16"]) < 0.05
-    assert (tmp_path / "runs" / "precision.png").stat().st_size > 1000
-    assert "| precision" in capsys.readouterr().out
+    assert "| precision" in text
 
 
 def test_remat_experiment_measures_every_row(tmp_path, capsys):
+    """Both layouts of both policies, of one block with SGD (the quickest steps to compile):
+    the rows' figures do not depend on the depth or the optimizer."""
     out = tmp_path / "remat.json"
     code = remat.main([
-        "--d-model", "32", "--n-layers", "2", "--n-heads", "4", "--max-seq-len", "32",
-        "--seq-len", "32", "--batch-size", "1", "--timed-steps", "1", "--policies", "none,full",
+        "--d-model", "32", "--n-layers", "1", "--n-heads", "4", "--max-seq-len", "32",
+        "--optimizer", "sgd", "--seq-len", "32", "--batch-size", "1", "--timed-steps", "1",
+        "--policies", "none,full",
         "--max-batch-limit", "1", "--json", str(out)])
     assert code == 0
     result = json.loads(out.read_text())
@@ -211,7 +234,7 @@ def test_remat_experiment_measures_every_row(tmp_path, capsys):
     assert rows[1]["temp_bytes"] < rows[0]["temp_bytes"]
     assert rows[1]["flops"] > rows[0]["flops"]
     assert result["meta"]["memory_budget"] == rows[0]["total_bytes"]
-    assert result["meta"]["n_layers"] == 2 and result["meta"]["unrolled_over_scanned_compile_s"]
+    assert result["meta"]["n_layers"] == 1 and result["meta"]["unrolled_over_scanned_compile_s"]
     assert "| remat" in capsys.readouterr().out
 
 
