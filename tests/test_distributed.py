@@ -26,7 +26,7 @@ def test_an_unreachable_coordinator_times_out_with_one_line():
         wait_for_port("127.0.0.1", free_port(), 1)
     result = subprocess.run(
         [sys.executable, "-m", "experiments.train", "--coordinator", f"127.0.0.1:{free_port()}",
-         "--num-processes", "2", "--process-id", "1", "--distributed-timeout", "2"],
+         "--num-processes", "2", "--process-id", "1", "--distributed-timeout", "1"],
         cwd=REPO, capture_output=True, text=True, timeout=120)
     assert result.returncode == 2
     assert result.stderr.strip().count("\n") == 0
@@ -97,29 +97,30 @@ TINY = ["--d-model", "16", "--n-layers", "1", "--n-heads", "2", "--max-seq-len",
 def test_two_processes_train_together_like_one(corpus_path, tmp_path):
     """Two processes under jax.distributed (gloo), each with one CPU device and its own half of
     every batch, train FSDP over both and report the losses of one process on one device (the
-    single-device run, the reference, runs in this process: a process of its own is not what
-    is checked)."""
+    single-device run, the reference, runs in this process while they start and train: a
+    process of its own is not what is checked)."""
     from experiments.train import main as train_main
 
     common = ["--data", corpus_path, *TINY, "--steps", "4", "--checkpoint-every", "2",
               "--sharding", "fsdp", "--cache-dir", str(tmp_path / "cache")]
     env = {**os.environ, "JAX_PLATFORMS": "cpu", "XLA_FLAGS": xla_flags()}
     port = free_port()
+    logs = [tmp_path / f"{i}.log" for i in range(2)]    # files: no pipe fills while we train
     procs = [subprocess.Popen(
         [sys.executable, "-m", "experiments.train", *common, "--coordinator", f"127.0.0.1:{port}",
          "--num-processes", "2", "--process-id", str(i), "--distributed-timeout", "60",
          "--run-dir", str(tmp_path / "two"), "--json", str(tmp_path / f"{i}.json")],
-        cwd=REPO, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+        cwd=REPO, env=env, stdout=open(logs[i], "w"), stderr=subprocess.STDOUT, text=True)
         for i in range(2)]
     try:
-        for proc in procs:
-            out, _ = proc.communicate(timeout=240)
-            assert proc.returncode == 0, out[-4000:]
+        assert train_main([*common, "--run-dir", str(tmp_path / "one"),
+                           "--json", str(tmp_path / "one.json")]) == 0
+        for proc, log in zip(procs, logs):
+            proc.wait(timeout=240)
+            assert proc.returncode == 0, log.read_text()[-4000:]
     finally:
         for proc in procs:
             proc.kill()
-    assert train_main([*common, "--run-dir", str(tmp_path / "one"),
-                       "--json", str(tmp_path / "one.json")]) == 0
 
     def losses(name):
         with open(tmp_path / name) as f:
