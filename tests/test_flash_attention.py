@@ -281,8 +281,10 @@ def test_skipped_tiles_are_never_read():
 
 
 def test_gradients_are_deterministic():
+    """Four query tiles and two query heads on each key/value head add into every dK and dV.
+    The shapes and options of the causal program above: the compilation cache serves it."""
     rng = np.random.default_rng(10)
-    q, k, v, d_out = inputs(rng, 1, 40, 4, 1, 32, jnp.float32)
+    q, k, v, d_out = inputs(rng, 1, 64, 2, 1, 32, jnp.float32)
     fn = forward_backward(None, True, block_q=16, block_k=16)     # one program, run twice
     first = fn(q, k, v, d_out)[1]
     second = fn(q, k, v, d_out)[1]
