@@ -274,8 +274,8 @@ def test_remat_and_scan_flags_reach_the_run(corpus_path, tmp_path):
 
 
 def test_memory_budget_chooses_the_policy_of_the_run(corpus_path, tmp_path):
-    """The budget's plan replaces the configured policy. The blocks scanned as in the test
-    above: its run's programs (its step is the plan's full row) are the compilation cache's."""
+    """The budget's plan, which compiles the step under every policy, replaces the configured
+    policy; the blocks scanned as in the test above."""
     summary = train(small_run(corpus_path, tmp_path, **{
         "remat.policy": "full", "remat.scan_layers": True, "run.memory_budget": 10**12,
         "run.steps": 2}))
