@@ -166,6 +166,9 @@ def underflow_probe(cfg: PrecisionConfig, trained_params) -> list[dict]:
     grad32 = probe_grad_fn(model, "fp32")
     grad16 = probe_grad_fn(model, "fp16")
     initial = nnx.state(techniques.build(fp32_cfg, jax.random.PRNGKey(cfg.run.seed)))
+    # on the host, as the initial variables are: the gradient functions compile once for both
+    # (the trained run's arrays come back laid out on its mesh, another program's inputs)
+    trained_params = None if trained_params is None else jax.device_get(trained_params)
     flat = lambda tree: np.concatenate([np.ravel(x) for x in jax.tree.leaves(tree)])  # noqa: E731
     rows = []
     for label, params in (("initial", initial), ("trained", trained_params)):
