@@ -13,6 +13,33 @@ from jaxaccel.optim import DEFAULTS
 
 # Rows reach this target at their first evaluations: the tests check the wiring, not learning.
 EASY = ["--target-bpb", "7.9", "--eval-every", "2"]
+# Every experiment of this file trains on these settings, so that a program one compiled (a
+# step is compiled for its shapes, learning rate and schedule) is the next one's, from the
+# run-wide compilation cache: the baseline compiles once for the file, and the rounds tests'
+# rows (the pack row's program, the two-layer stage of pack + stack) are served by it and by
+# the padding part. A constant schedule leaves the number of steps (--train-tokens) out of the
+# programs; two layers, which the depth rows need, compile about as fast as one.
+SHARED = ["--scale", "cpu", "--cpu-devices", "2", "--max-seq-len", "128", "--seq-len", "128",
+          "--batch-size", "4", "--pad-multiple", "64", "--buckets", "2", "--warmup-steps", "2",
+          "--schedule", "constant", "--learning-rate", "3e-3", "--log-every", "2",
+          "--final-eval-batches", "2"]
+GPT = ["--d-model", "32", "--n-layers", "2", "--n-heads", "2"]
+
+
+@pytest.fixture(scope="module", autouse=True)
+def one_row_process():
+    """The experiments of this module take turns in one warm row process (``speedup.ROWS``):
+    each experiment's ``finish``, which closes it, is left to the module's end, so that only
+    the first pays for the process's imports and JAX's start (2-3 s each). At the end it is
+    closed as ``finish`` closes it, and none is left."""
+    finish = speedup.EXPERIMENT.finish
+    speedup.EXPERIMENT.finish = None
+    try:
+        yield
+    finally:
+        speedup.EXPERIMENT.finish = finish
+        finish(None, None)
+    assert speedup.ROWS.child is None
 
 
 def _row(name, speedup_, verdict="faster"):
@@ -165,9 +192,31 @@ def test_a_verdict_needs_every_round_on_one_side_of_one():
     assert base["verdict"] is None and base["speedup"] == 1
 
 
+# The first experiment of the file: its baseline (which misses the target) compiles the
+# baseline's programs into the run-wide cache for every experiment after it.
+def test_the_target_is_the_unigram_entropy_less_the_gap_and_a_missed_one_is_one_line(
+        corpus_path, tmp_path, capsys):
+    from jaxaccel.corpus import load_corpus
+    cfg = build(speedup.SpeedupConfig, {"data.path": corpus_path})
+    corpus = load_corpus(corpus_path)
+    resolved = speedup.resolve_target(cfg, corpus)
+    assert resolved.run.target_bpb == pytest.approx(corpus.unigram_bits_per_byte() - 1.0,
+                                                     abs=1e-4)
+    with pytest.raises(ConfigError, match="target_gap"):
+        speedup.resolve_target(build(speedup.SpeedupConfig, {"experiment.target_gap": 99.0}),
+                               corpus)
+    code = speedup.main([
+        *SHARED, *GPT, "--rows", "pack", "--rounds", "1", "--data", corpus_path,
+        "--train-tokens", "800", "--target-bpb", "0.5", "--eval-every", "2", "--cache-dir",
+        str(tmp_path / "cache"), "--fresh-processes", "--run-dir", str(tmp_path / "runs")])
+    err = capsys.readouterr().err.strip().splitlines()
+    assert code == 1 and len(err) == 1 and "did not reach the target 0.5" in err[0], err
+    assert "--target-gap" in err[0] and not (tmp_path / "runs" / "pack").exists()
+
+
 # Every row of --rows all, in parts that each run the whole experiment (the baseline, a few rows
-# and its report) at a minute scale, two simulated CPU devices for the sharding rows. The depth
-# rows need two layers, the others run on one.
+# and its report) at a minute scale, two simulated CPU devices for the sharding rows, two layers
+# for the depth rows.
 ROW_PARTS = {
     "padding": ("dynamic", "bucket", "pack"),
     "precision": ("bf16", "fp16", "flash", "fp8"),
@@ -177,7 +226,6 @@ ROW_PARTS = {
     "optimizers": ("importance", "lion", "lamb", "accumulate"),
     "sharding": ("dp", "fsdp", "best"),
 }
-TWO_LAYERS = ("layers",)
 
 
 def test_the_parts_hold_every_row_once():
@@ -191,13 +239,9 @@ def run_rows(part, corpus_path, tmp_path, capsys):
     after the checks that hold for every part."""
     out, run_dir = tmp_path / "speedup.json", tmp_path / "runs"
     code = speedup.main([
-        "--scale", "cpu", "--cpu-devices", "2", "--data", corpus_path, "--d-model", "32",
-        "--n-layers", "2" if part in TWO_LAYERS else "1", "--n-heads", "2", "--max-seq-len",
-        "128", "--seq-len", "128", "--batch-size", "4", "--pad-multiple", "64", "--buckets",
-        "2", "--train-tokens", "1500", "--warmup-steps", "2", "--log-every", "2",
-        "--final-eval-batches", "2", "--rounds", "1", "--learning-rate", "3e-3", "--rows",
-        ",".join(ROW_PARTS[part]), *EASY, "--cache-dir", str(tmp_path / "cache"), "--run-dir",
-        str(run_dir), "--json", str(out)])
+        *SHARED, *GPT, "--data", corpus_path, "--train-tokens", "1500", "--rounds", "1",
+        "--rows", ",".join(ROW_PARTS[part]), *EASY, "--cache-dir", str(tmp_path / "cache"),
+        "--run-dir", str(run_dir), "--json", str(out)])
     assert code == 0
     result = json.loads(out.read_text())
     rows = {r["name"]: r for r in result["rows"]}
@@ -422,11 +466,9 @@ def test_a_model_of_ones_own_trains_its_rows(corpus_path, tmp_path, capsys):
     out, run_dir = tmp_path / "speedup.json", tmp_path / "runs"
     code = speedup.main([
         "--model", f"{tiny_lm}:make", "--model-args", "width: 32", "--rows",
-        "baseline,flash,token-drop", "--scale", "cpu", "--cpu-devices", "1", "--data",
-        corpus_path, "--max-seq-len", "128", "--seq-len", "128", "--batch-size", "4",
-        "--train-tokens", "1000", "--warmup-steps", "2", "--log-every", "2",
-        "--final-eval-batches", "2", "--rounds", "1", *EASY, "--cache-dir",
-        str(tmp_path / "cache"), "--run-dir", str(run_dir), "--json", str(out)])
+        "baseline,flash,token-drop", *SHARED, "--data", corpus_path, "--train-tokens", "1000",
+        "--rounds", "1", *EASY, "--cache-dir", str(tmp_path / "cache"), "--run-dir",
+        str(run_dir), "--json", str(out)])
     assert code == 0
     result = json.loads(out.read_text())
     rows = {r["name"]: r for r in result["rows"]}
@@ -484,12 +526,10 @@ def test_rows_train_afresh_each_round_and_the_best_row_with_the_baseline_again(
     which learns as the baseline did."""
     out, run_dir = tmp_path / "speedup.json", tmp_path / "runs"
     code = speedup.main([
-        "--scale", "cpu", "--cpu-devices", "1", "--rows", "baseline,best", "--best", "pack",
-        "--rounds", "2", "--quiet", "0", "--data", corpus_path, "--d-model", "32", "--n-layers", "1",
-        "--n-heads", "2", "--max-seq-len", "128", "--seq-len", "128", "--batch-size", "4",
-        "--pad-multiple", "32", "--train-tokens", "3000", "--warmup-steps", "2",
-        "--log-every", "2", "--time-cap", "1000", *EASY, "--cache-dir", str(tmp_path / "cache"),
-        "--profile", "1:2", "--run-dir", str(run_dir), "--json", str(out)])
+        *SHARED, *GPT, "--rows", "baseline,best", "--best", "pack", "--rounds", "2", "--quiet",
+        "0", "--data", corpus_path, "--train-tokens", "3000", "--time-cap", "1000", *EASY,
+        "--cache-dir", str(tmp_path / "cache"), "--profile", "1:2", "--run-dir", str(run_dir),
+        "--json", str(out)])
     assert code == 0
     result = json.loads(out.read_text())
     rows = {r["name"]: r for r in result["rows"]}
@@ -539,12 +579,10 @@ def test_on_a_quiet_machine_the_best_row_is_set_against_the_baseline_rounds(
     own, and its time cap comes from them; the report says so."""
     out, run_dir = tmp_path / "speedup.json", tmp_path / "runs"
     code = speedup.main([
-        "--scale", "cpu", "--cpu-devices", "1", "--rows", "baseline,best", "--best", "pack,stack",
-        "--rounds", "2", "--quiet", "1", "--same-seed", "--data", corpus_path, "--d-model", "32",
-        "--n-layers", "2", "--n-heads", "2", "--max-seq-len", "128", "--seq-len", "128",
-        "--batch-size", "4", "--pad-multiple", "32", "--train-tokens", "3000",
-        "--warmup-steps", "2", "--log-every", "2", "--time-cap", "1000", *EASY,
-        "--cache-dir", str(tmp_path / "cache"), "--run-dir", str(run_dir), "--json", str(out)])
+        *SHARED, *GPT, "--rows", "baseline,best", "--best", "pack,stack", "--rounds", "2",
+        "--quiet", "1", "--same-seed", "--data", corpus_path, "--train-tokens", "3000",
+        "--time-cap", "1000", *EASY, "--cache-dir", str(tmp_path / "cache"), "--run-dir",
+        str(run_dir), "--json", str(out)])
     assert code == 0
     result = json.loads(out.read_text())
     rows = {r["name"]: r for r in result["rows"]}
@@ -563,25 +601,3 @@ def test_on_a_quiet_machine_the_best_row_is_set_against_the_baseline_rounds(
         assert f"at: '{max(1, round(0.5 * steps[index]))}'" in config, config
         assert "  seed: 0\n" in config, config         # --same-seed
     assert "not trained again" in capsys.readouterr().out
-
-
-def test_the_target_is_the_unigram_entropy_less_the_gap_and_a_missed_one_is_one_line(
-        corpus_path, tmp_path, capsys):
-    from jaxaccel.corpus import load_corpus
-    cfg = build(speedup.SpeedupConfig, {"data.path": corpus_path})
-    corpus = load_corpus(corpus_path)
-    resolved = speedup.resolve_target(cfg, corpus)
-    assert resolved.run.target_bpb == pytest.approx(corpus.unigram_bits_per_byte() - 1.0,
-                                                     abs=1e-4)
-    with pytest.raises(ConfigError, match="target_gap"):
-        speedup.resolve_target(build(speedup.SpeedupConfig, {"experiment.target_gap": 99.0}),
-                               corpus)
-    code = speedup.main([
-        "--scale", "cpu", "--cpu-devices", "1", "--rows", "pack", "--rounds", "1", "--data",
-        corpus_path, "--d-model", "32", "--n-layers", "1", "--n-heads", "2", "--max-seq-len",
-        "128", "--seq-len", "128", "--batch-size", "4", "--train-tokens", "800",
-        "--target-bpb", "0.5", "--eval-every", "2", "--cache-dir", str(tmp_path / "cache"),
-        "--fresh-processes", "--run-dir", str(tmp_path / "runs")])
-    err = capsys.readouterr().err.strip().splitlines()
-    assert code == 1 and len(err) == 1 and "did not reach the target 0.5" in err[0], err
-    assert "--target-gap" in err[0] and not (tmp_path / "runs" / "pack").exists()
