@@ -156,15 +156,19 @@ def test_distributed_settings_are_checked():
 
 
 # The 8-device suite (tests/multidevice/test_strategies.py) in parts of about equal time, each a
-# process of its own: every strategy against one device, the memory targets, checkpoints across
-# meshes and the techniques under fsdp and tp. The last part runs every test the others do not.
-PARTS = [("test_every_strategy_trains_like_one_device",),
+# process of its own: every strategy against one device (with the checkpoint and memory tests
+# that read the states it trains), the explicit axes and embeddings, the loop resumed on another
+# mesh, the experiment, FP8 and sparsity, the grouped-query heads scanned and with Pallas
+# against one reference. The last part runs every test the others do not.
+PARTS = [("test_every_strategy_trains_like_one_device",
+          "test_fsdp_stores_an_eighth_of_parameters_and_optimizer_state_per_device",
+          "test_checkpoint_restores_across_meshes"),
          ("test_explicit_axes_train_like_one_device",
           "test_the_sorted_sum_embedding_trains_like_one_device"),
          ("test_training_loop_resumes_on_another_mesh",),
          ("test_sharding_experiment_writes_every_row",),
          ("test_fp8_and_nm_sparsity_train_on_fsdp_tp_like_one_device",),
-         ("test_token_dropping_and_importance_sampling_train_on_fsdp_like_one_device",
+         ("test_scanned_layers_and_grouped_query_heads_under_tp_with_explicit_axes",
           "test_pallas_attention_runs_per_shard_under_fsdp_and_tp")]
 
 

@@ -2,6 +2,7 @@
 subprocess with ``--xla_force_host_platform_device_count=8``; it fails (not skips) elsewhere."""
 
 import dataclasses
+import functools
 import json
 import os
 
@@ -21,7 +22,7 @@ from jaxaccel.model import make_apply
 from jaxaccel.optim import make_optimizer
 from jaxaccel.sharding import (STRATEGIES, batch_sharding, bytes_per_device, make_mesh,
                                mesh_shape, pipelined, replicated)
-from jaxaccel.state import init_sharded_state
+from jaxaccel.state import abstract_sharded_state, init_sharded_state
 from jaxaccel.train import lm_train_step
 
 assert jax.device_count() == 8, "run with XLA_FLAGS=--xla_force_host_platform_device_count=8"
@@ -82,9 +83,20 @@ def single_losses():
     return losses_on(single_device_mesh())[0]
 
 
-def trains_like_one_device(strategy, axis_types, embedding, single_losses):
+def trained(strategy, axis_types="auto", embedding="one_hot"):
+    """``losses_on`` the strategy's default mesh over 8 devices: (losses, final state, mesh),
+    once per process: the checkpoint and memory tests read the states these tests train."""
+    return _trained(strategy, axis_types, embedding)
+
+
+@functools.cache
+def _trained(strategy, axis_types, embedding):
     mesh = make_mesh(mesh_shape(strategy, 8), axis_types)
-    losses, state = losses_on(mesh, config(embedding=embedding))
+    return *losses_on(mesh, config(embedding=embedding)), mesh
+
+
+def trains_like_one_device(strategy, axis_types, embedding, single_losses):
+    losses, state, mesh = trained(strategy, axis_types, embedding)
     np.testing.assert_allclose(losses, single_losses, rtol=1e-5)
     kernel = state.params["blocks"]["layers"][0]["mlp"]["w_in"]["kernel"][...]
     assert kernel.sharding.mesh.shape == mesh.shape
@@ -116,21 +128,24 @@ def test_the_sorted_sum_embedding_trains_like_one_device(strategy, axis_types, s
     np.testing.assert_allclose(losses, single_losses[:3], rtol=1e-5)
 
 
+@functools.cache
+def grouped_query_losses():
+    """3 steps of the GPT with 4 key-value heads (of 8), unrolled, XLA attention, on one device:
+    the reference of the scanned (1 layer: the same parameters and losses) and Pallas tests."""
+    return losses_on(single_device_mesh(), config(attention="xla", n_kv_heads=4), steps=3)[0]
+
+
 def test_scanned_layers_and_grouped_query_heads_under_tp_with_explicit_axes():
     cfg = config({"remat.scan_layers": True}, n_kv_heads=4)
-    reference = losses_on(single_device_mesh(), cfg, steps=3)[0]
     mesh = make_mesh({"data": 2, "fsdp": 1, "tensor": 4}, "explicit")
-    np.testing.assert_allclose(losses_on(mesh, cfg, steps=3)[0], reference, rtol=1e-5)
+    np.testing.assert_allclose(losses_on(mesh, cfg, steps=3)[0], grouped_query_losses(),
+                               rtol=1e-5)
 
 
 def test_fsdp_stores_an_eighth_of_parameters_and_optimizer_state_per_device():
-    cfg = config(d_model=128, n_heads=4, n_kv_heads=4)
-    states = {}
-    for strategy in ("dp", "fsdp"):
-        mesh = make_mesh(mesh_shape(strategy, 8))
-        with jax.set_mesh(mesh):
-            state, _ = init_sharded_state(techniques.variables(cfg), OPTIMIZER, 0, None, mesh)
-        states[strategy] = bytes_per_device((state.params, state.opt_state))
+    """Of the states trained above on 8 devices (the same shapes and shards as at the start)."""
+    states = {strategy: bytes_per_device((state.params, state.opt_state))
+              for strategy in ("dp", "fsdp") for _, state, _ in [trained(strategy)]}
     assert states["fsdp"] <= states["dp"] / 8 * 1.05, states
 
 
@@ -144,28 +159,40 @@ def test_tp_over_four_devices_keeps_a_quarter_of_the_mlp_activations():
     assert 0.2 <= four / one <= 0.3, (one, four)
 
 
+def abstract_target(mesh):
+    """The shapes of ``config()``'s state in its shardings over ``mesh`` (nothing computed):
+    what the checkpoint restores into, as ``Checkpointer.restore`` reads its target."""
+    with jax.set_mesh(mesh):
+        state, shardings = abstract_sharded_state(techniques.variables(config()), OPTIMIZER, 1,
+                                                  None, mesh)
+    leaves, tree = jax.tree.flatten(state)
+    placed = jax.tree.leaves(shardings)
+    assert len(placed) == len(leaves)
+    return tree.unflatten([jax.ShapeDtypeStruct(leaf.shape, leaf.dtype, sharding=sharding)
+                           for leaf, sharding in zip(leaves, placed)]), shardings
+
+
 def test_checkpoint_restores_across_meshes(tmp_path):
-    saved_mesh = make_mesh({"data": 2, "fsdp": 4, "tensor": 1})
-    _, state = losses_on(saved_mesh, steps=2)
+    """The state dp+fsdp trained above (data=2, fsdp=4), saved and restored on three other
+    meshes."""
+    _, state, saved_mesh = trained("dp+fsdp")
+    assert dict(saved_mesh.shape) == {"stage": 1, "data": 2, "fsdp": 4, "tensor": 1}
     expected = jax.device_get(state)
     checkpointer = Checkpointer(str(tmp_path / "ckpt"))
     compiles = []
     jax.monitoring.register_event_duration_secs_listener(
         lambda event, seconds, **_: compiles.append(event)
         if event.endswith("backend_compile_duration") else None)
-    checkpointer.save(2, state, loader_position={"epoch": 0, "batch": 2}, config={})
+    checkpointer.save(5, state, loader_position={"epoch": 0, "batch": 5}, config={})
     # Each replicated array is written whole by one replica: orbax's default split them among
     # the replicas with a compiled slicing program each (seconds per save on this mesh).
     assert compiles == [], f"the save compiled {len(compiles)} programs"
     for shape, devices in (({"data": 4, "fsdp": 2, "tensor": 1}, None),
                            ({"data": 1, "fsdp": 2, "tensor": 4}, None),
                            ({"data": 1, "fsdp": 1, "tensor": 1}, jax.devices()[:1])):
-        mesh = make_mesh(shape, devices=devices)
-        with jax.set_mesh(mesh):
-            target, shardings = init_sharded_state(techniques.variables(config()), OPTIMIZER, 1,
-                                                   None, mesh)
+        target, shardings = abstract_target(make_mesh(shape, devices=devices))
         restored, _, step = checkpointer.restore(target, config={})
-        assert step == 2
+        assert step == 5
         jax.tree.map(np.testing.assert_array_equal, jax.device_get(restored), expected)
         kernel = restored.params["blocks"]["layers"][0]["attn"]["wq"]["kernel"][...]
         assert kernel.sharding == \
@@ -174,14 +201,15 @@ def test_checkpoint_restores_across_meshes(tmp_path):
 
 
 def loop_config(corpus_path, run_dir, **overrides):
-    """A small run's TrainConfig; ``overrides`` by field path, e.g. ``{"mesh.shape": ...}``."""
+    """A small run's TrainConfig, which saves no checkpoint (but a run resumed from);
+    ``overrides`` by field path, e.g. ``{"mesh.shape": ...}``."""
     return build(values={
         "data.path": corpus_path, "gpt.d_model": 32, "gpt.n_layers": 1, "gpt.n_heads": 8,
         "model.max_seq_len": 32, "data.batch_size": 8, "run.steps": 4, "run.log_every": 1,
-        "run.eval_every": 0, "run.checkpoint_every": 0, "run.eval_batches": 2,
-        "run.final_eval_batches": 2,
-        "run.progress": False, "run.run_dir": str(run_dir),
-        "data.cache_dir": str(run_dir) + "-cache", **overrides})
+        "run.eval_every": 0, "run.checkpoint_every": 0, "run.eval_batches": 1,
+        "run.final_eval_batches": 1,
+        "run.save_checkpoints": False, "run.progress": False, "run.run_dir": str(run_dir),
+        "data.cache_dir": os.path.join(os.path.dirname(corpus_path), "cache"), **overrides})
 
 
 def train_losses(summary):
@@ -192,7 +220,9 @@ def train_losses(summary):
 
 def test_training_loop_resumes_on_another_mesh(corpus_path, tmp_path):
     """A run on a dp+fsdp mesh, and the same run split: its first half pipelined (fsdp+pp, 1F1B),
-    its checkpoint resumed on one device without stages. The losses agree step by step."""
+    its checkpoint resumed on the dp+fsdp mesh, without stages (the whole run's compiled steps,
+    from the compilation cache; restoring onto one device is the checkpoint test's). The losses
+    agree step by step."""
     common = {"remat.scan_layers": True, "optimizer.accumulate": 2, "data.batch_size": 16,
               "gpt.n_layers": 2}                                  # a layer for each stage
     whole = train(loop_config(corpus_path, tmp_path / "whole", **common, **{
@@ -201,12 +231,13 @@ def test_training_loop_resumes_on_another_mesh(corpus_path, tmp_path):
     assert whole.compiles == 1 and "pipeline" not in whole.techniques
     first = train(loop_config(corpus_path, tmp_path / "split", **common, **{
         "mesh.strategy": "fsdp+pp", "mesh.shape": "stage=2,fsdp=4",
-        "mesh.pipeline_schedule": "1f1b"}), should_stop=lambda step: step == 2)
+        "mesh.pipeline_schedule": "1f1b", "run.save_checkpoints": True}),
+        should_stop=lambda step: step == 2)
     assert first.interrupted == "requested" and first.mesh["stage"] == 2
     assert first.techniques["pipeline"] == {"schedule": "1f1b", "bubble": pytest.approx(1 / 3)}
     second = train(loop_config(corpus_path, tmp_path / "split", **common, **{
-        "mesh.num_devices": 1, "run.resume": True}))
-    assert second.steps == 4 and second.mesh["stage"] == 1
+        "mesh.strategy": "dp+fsdp", "mesh.shape": "data=2,fsdp=4", "run.resume": True}))
+    assert second.steps == 4 and second.mesh == whole.mesh
     np.testing.assert_allclose(train_losses(second), train_losses(whole), rtol=1e-5)
     assert second.val_loss == pytest.approx(whole.val_loss, rel=1e-5)
 
@@ -251,28 +282,32 @@ def test_pallas_attention_runs_per_shard_under_fsdp_and_tp():
     """The Pallas kernel, which XLA cannot split, runs through shard_map on each device's rows
     and heads, and trains as the XLA attention does on one device."""
     pallas = config(attention="pallas", n_kv_heads=4)
-    reference = losses_on(single_device_mesh(), config(attention="xla", n_kv_heads=4),
-                          steps=2)[0]
     mesh = make_mesh({"data": 1, "fsdp": 4, "tensor": 2}, "explicit")
-    np.testing.assert_allclose(losses_on(mesh, pallas, steps=2)[0], reference, rtol=1e-5)
+    np.testing.assert_allclose(losses_on(mesh, pallas, steps=2)[0], grouped_query_losses()[:2],
+                               rtol=1e-5)
 
 
 def test_sharding_experiment_writes_every_row(corpus_path, tmp_path):
+    """The single row and a pipelined one (4 stages of fsdp=2). A strategy without stages
+    adds no check of the experiment's own: its mesh is mesh_shape's (test_sharding.py), its
+    memory bytes_per_device's of init_sharded_state's state (the fsdp test above), its loss
+    one device's (test_every_strategy_trains_like_one_device)."""
     from experiments import sharding
     out = tmp_path / "sharding.json"
     code = sharding.main(["--data", corpus_path, "--d-model", "32", "--n-layers", "4",
                           "--max-seq-len", "32", "--seq-len", "32", "--batch-size", "8",
-                          "--steps", "2", "--strategies", "fsdp,fsdp+pp",
+                          "--steps", "2", "--strategies", "fsdp+pp",
                           "--pipeline-schedules", "1f1b", "--pipeline-microbatches", "4",
-                          "--cache-dir",
-                          str(tmp_path / "cache"), "--json", str(out)])
+                          "--cache-dir", os.path.join(os.path.dirname(corpus_path), "cache"),
+                          "--json", str(out)])
     assert code == 0
     rows = {row["strategy"]: row for row in json.loads(out.read_text())["rows"]}
-    assert list(rows) == ["single", "fsdp", "fsdp+pp (1f1b)"]
-    assert rows["fsdp"]["mesh"] == "1,1,8,1"
+    assert list(rows) == ["single", "fsdp+pp (1f1b)"]
+    assert rows["single"]["mesh"] == "1,1,1,1"
     assert rows["fsdp+pp (1f1b)"]["mesh"] == "4,1,2,1"
     assert rows["fsdp+pp (1f1b)"]["bubble"] == pytest.approx(3 / 7)
     assert rows["fsdp+pp (1f1b)"]["blocks_fraction"] <= 0.25 * 1.05
+    # the blocks split over 4 stages x 2 (fsdp), the embedding and head over fsdp alone
     single_bytes = rows["single"]["param_opt_bytes_per_device"]
-    assert rows["fsdp"]["param_opt_bytes_per_device"] < single_bytes / 7
+    assert rows["fsdp+pp (1f1b)"]["param_opt_bytes_per_device"] < single_bytes / 4
     assert all(row["loss_diff_vs_single"] < 1e-5 for row in rows.values())
