@@ -7,9 +7,9 @@ tuning sweep, below).
     python -m experiments.attention --seq-lens 64,128 --head-dims 64 --heads 2 --impls xla,pallas
     python -m experiments.attention --tune            # a GPU: writes jaxaccel/kernels/tuned.json
 
-The implementations and layouts: README, "Flash attention". Off the GPU the Pallas kernels run
-interpreted: the table checks that they work, it measures no speed. A packed row counts its
-dense shape's FLOPs (``meta``'s "flops"), so its TFLOP/s compares speed at equal shape.
+The implementations and layouts: docs/TRAINING.md, "Flash attention". Off the GPU the Pallas
+kernels run interpreted: the table checks that they work, it measures no speed. A packed row
+counts its dense shape's FLOPs (``meta``'s "flops"), so its TFLOP/s compares speed at equal shape.
 """
 
 import dataclasses

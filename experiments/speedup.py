@@ -6,7 +6,7 @@ the model to the same quality, here.
     python -m experiments.speedup --rows all         # every technique row
     python -m experiments.speedup --rows pack,bf16,best --json speedup.json
 
-README.md (its headline section) describes the measure, the rows, the rounds and their
+docs/HEADLINE.md describes the measure, the rows, the rounds and their
 verdicts, the best combination and the report; docs/DESIGN.md how the experiment is declared on
 the experiments' harness (``experiments.common.Experiment``). Besides:
 
