@@ -202,8 +202,12 @@ class RunConfig:
     run_dir: str | None = setting(None, "run directory (default: a new runs/train-<time>; with "
                                         "resume, the latest one)")
     resume: bool = setting(False, "continue the run in run_dir from its latest checkpoint")
-    checkpoint_every: int = setting(100, "save an orbax checkpoint every N steps (and at the "
-                                         "end; 0: only at the end)", at_least=0)
+    checkpoint_every: int = setting(0, "also save an orbax checkpoint every N steps (0: by "
+                                       "checkpoint_minutes only)", at_least=0)
+    checkpoint_minutes: float = setting(
+        10.0, "save an orbax checkpoint once N minutes have passed since the last one (or the "
+        "start), and at the end and at a signal (0: by checkpoint_every only). By time, a save "
+        "costs the same share of a run whatever its step takes", at_least=0)
     save_checkpoints: bool = setting(True, "write orbax checkpoints (off: none at all, not at "
                                            "the end nor at a signal, so the run cannot be "
                                            "resumed: a measurement whose weights are not kept)")

@@ -442,6 +442,22 @@ def test_partial_evaluation_spreads_its_batches_over_the_split():
     assert sorted(seen) == list(range(1, 21))
 
 
+def test_a_checkpoint_is_due_by_steps_or_by_minutes_since_the_last(monkeypatch):
+    from jaxaccel.loop import run as run_phase
+    from jaxaccel.config import RunConfig
+    monkeypatch.setattr(run_phase.time, "monotonic", lambda: 1000.0)
+    due = run_phase.checkpoint_due
+    by_time = RunConfig(checkpoint_every=0, checkpoint_minutes=10)
+    assert not due(by_time, 7, saved_at=1000.0 - 599)
+    assert due(by_time, 7, saved_at=1000.0 - 600)
+    by_steps = RunConfig(checkpoint_every=5, checkpoint_minutes=0)
+    assert [s for s in range(1, 13) if due(by_steps, s, saved_at=0.0)] == [5, 10]
+    both = RunConfig(checkpoint_every=5, checkpoint_minutes=10)
+    assert due(both, 5, saved_at=1000.0) and due(both, 6, saved_at=0.0)
+    assert not due(both, 6, saved_at=1000.0)
+    assert RunConfig().checkpoint_every == 0 and RunConfig().checkpoint_minutes == 10
+
+
 def test_a_log_step_fetches_the_window_before_so_the_device_queue_never_drains(
         whole, tmp_path, monkeypatch):
     """At log step k the loop writes the window that ended at the log step before (done on the

@@ -39,6 +39,7 @@ class Progress:
     recent_batches: list = dataclasses.field(default_factory=list)  # run.time_step's batches
     target: dict | None = None  # run.target_bpb reached: the step, real tokens, training seconds
     last_eval: tuple | None = None      # (step, loss, tokens) of the last periodic evaluation
+    saved_at: float | None = None       # time.monotonic() of the last checkpoint (or start)
 
 
 def run_steps(run: Setup, steps, should_stop=None, previous: Progress | None = None,
@@ -99,6 +100,7 @@ def run_steps(run: Setup, steps, should_stop=None, previous: Progress | None = N
         run.checkpointer.save(step, state, loader_position=position(),
                               config=run.resume_config, history=kept)
 
+    saved_at = previous.saved_at if previous else time.monotonic()
     watch.start()
     with stop_on_signals() as received, closed_on_error(feed, writer):
         for step in range(start, end):
@@ -143,13 +145,14 @@ def run_steps(run: Setup, steps, should_stop=None, previous: Progress | None = N
                                   f"at step {done}", progress)
                 watch.start()
             stop = stop_asked(received, should_stop, done)
-            if jax.process_count() > 1:     # every process stops at the same step, or none
+            due = checkpoint_due(cfg.run, done, saved_at)
+            if jax.process_count() > 1:     # every process stops (and saves) at the same step
                 at_log = done % max(cfg.run.log_every, 1) == 0 or done == end
-                stop = agreed_stop(stop) if at_log else None
-            if cfg.run.save_checkpoints and (
-                    (cfg.run.checkpoint_every and done % cfg.run.checkpoint_every == 0) or stop):
+                stop, due = agreed(stop, due) if at_log else (None, False)
+            if cfg.run.save_checkpoints and (due or stop):
                 watch.pause(state)
                 save(done)
+                saved_at = time.monotonic()
                 watch.start()
             if reached:
                 break
@@ -174,7 +177,15 @@ def run_steps(run: Setup, steps, should_stop=None, previous: Progress | None = N
     report = (profiler.report if profiler is not None else None) or (
         previous.profile if previous is not None else None)
     return Progress(state, first_step, totals, history, watch.seconds, waited, interrupted,
-                    writer, final_position, report, list(recent), reached, last_eval)
+                    writer, final_position, report, list(recent), reached, last_eval, saved_at)
+
+
+def checkpoint_due(settings, step: int, saved_at: float) -> bool:
+    """Whether a checkpoint is due after ``step``: every ``checkpoint_every`` steps, or once
+    ``checkpoint_minutes`` have passed since the last one (``saved_at``, time.monotonic())."""
+    every, minutes = settings.checkpoint_every, settings.checkpoint_minutes
+    return bool((every and step % every == 0)
+                or (minutes and time.monotonic() - saved_at >= 60 * minutes))
 
 
 @contextlib.contextmanager
@@ -232,15 +243,24 @@ STOP_REQUESTED = -1      # ``should_stop`` asked for the stop (a signal: its num
 
 
 def agreed_stop(local: int | None) -> int | None:
-    """The stop all processes agree on (a collective, at log steps) from each one's ``local``
-    reason: the highest signal any received, else ``STOP_REQUESTED`` from any, else None; so
-    SIGTERM to one host (a preemption notice) stops all at one step, with a checkpoint."""
+    """The stop all processes agree on (``agreed``'s first half)."""
+    return agreed(local)[0]
+
+
+def agreed(local: int | None, save_due: bool = False) -> tuple[int | None, bool]:
+    """The stop and the checkpoint all processes agree on (a collective, at log steps) from each
+    one's ``local`` reason to stop and ``save_due``: the highest signal any received, else
+    ``STOP_REQUESTED`` from any, else None; so SIGTERM to one host (a preemption notice) stops
+    all at one step, with a checkpoint. A checkpoint is due where it is due on any host (their
+    clocks differ)."""
     from jax.experimental import multihost_utils
 
-    codes = np.asarray(multihost_utils.process_allgather(np.int32(local or 0))).reshape(-1)
-    if (codes > 0).any():
-        return int(codes.max())
-    return STOP_REQUESTED if (codes == STOP_REQUESTED).any() else None
+    codes = np.asarray(multihost_utils.process_allgather(
+        np.array([local or 0, int(save_due)], np.int32))).reshape(-1, 2)
+    stops, due = codes[:, 0], bool(codes[:, 1].any())
+    if (stops > 0).any():
+        return int(stops.max()), due
+    return (STOP_REQUESTED if (stops == STOP_REQUESTED).any() else None), due
 
 
 def grow_run(run: Setup, progress: Progress) -> Setup:
