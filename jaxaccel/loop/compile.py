@@ -71,9 +71,9 @@ def sharded_steps(cfg, model, optimizer, schedule, shardings, mesh):
     layout, whole = batch_sharding(mesh), replicated(mesh)
     train_step = CompiledFn(train_step_of(cfg, model, optimizer, schedule),
                             in_shardings=(shardings, layout), out_shardings=(shardings, whole),
-                            donate_argnums=0)
+                            donate_argnums=0, keyed_by=(1,))
     eval_step = CompiledFn(eval_step_of(cfg, model), in_shardings=(shardings, layout),
-                           out_shardings=whole)
+                           out_shardings=whole, keyed_by=(1,))
     return train_step, eval_step
 
 

@@ -50,15 +50,17 @@ def announce(cfg, line: str, progress=None):
         print(line, flush=True)
 
 
+LAST_ONLY = ("grad_norm", "update_norm", "loss_scale", "skipped_steps", "learning_rate")
+
+
 def log_window(writer, step, window, totals, seconds, progress, bits_per_nat: float
                 ) -> list[tuple[float, float]]:
     """Write the mean metrics of the last steps (``totals``, the run's real tokens and positions,
     and ``seconds`` so far); return their (loss, tokens) per step."""
-    fetched = jax.device_get(window)
-    last = fetched[-1]
-    losses = np.array([m["loss"] for m in fetched], dtype=np.float64)
-    tokens = np.array([m["real_tokens"] for m in fetched], dtype=np.float64)
-    padded = np.array([m["padded_tokens"] for m in fetched], dtype=np.float64)
+    # one transfer for what is needed: three scalars a step, the last step's others
+    per_step, last = jax.device_get(([(m["loss"], m["real_tokens"], m["padded_tokens"])
+                                      for m in window], {k: window[-1][k] for k in LAST_ONLY}))
+    losses, tokens, padded = np.array(per_step, dtype=np.float64).reshape(-1, 3).T
     totals["real"] += int(tokens.sum())
     totals["positions"] += int(tokens.sum() + padded.sum())
     tokens_per_s = totals["real"] / max(seconds, 1e-9)
