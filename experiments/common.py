@@ -1,6 +1,9 @@
 """What the experiment modules share: the command-line wrapper, list flags, JSON, loss curves,
 batch sizes matched across batching strategies, and what an experiment reads of any model (its
-GPT shape if it is a preset, its stack's depth, what each technique did in a run's summary)."""
+GPT shape if it is a preset, its stack's depth, what each technique did in a run's summary).
+
+This module imports no jax (nor flax, orbax), so that an experiment whose own imports are as
+light answers ``--help`` fast; what trains or measures imports jax where it runs."""
 
 import contextlib
 import dataclasses
@@ -15,7 +18,6 @@ import threading
 import time
 from typing import Callable
 
-import jax
 import numpy as np
 
 from jaxaccel.config import TrainConfig, describe_error, override, parse
@@ -23,8 +25,8 @@ from jaxaccel.data import DataStream
 from jaxaccel.errors import ConfigError
 from jaxaccel.hardware import FINAL_EVAL_NOTE, out_of_memory
 from jaxaccel.metrics import plot_curves, read_metrics, token_curve
-from jaxaccel.model import is_preset
 from jaxaccel.report import dump_json, format_table
+from jaxaccel.sections import describe, is_preset, preset
 
 
 def command(config_cls=TrainConfig):
@@ -104,6 +106,7 @@ PEER_LOST = 3       # exit code: another process of a multi-process run failed
 def peer_lost(error: BaseException) -> bool:
     """A collective that failed because another process of the run went away (gloo's
     connection closed by the peer, the coordination service's heartbeat or barrier errors)."""
+    import jax
     if not jax.distributed.is_initialized():
         return False
     text = str(error)       # a JaxRuntimeError from a step, a ValueError from an all-gather
@@ -291,6 +294,7 @@ def parse_list(text: str, field: str, *, valid=None, kind=str, within=None,
 def median_seconds(fn, args, warmup: int, iters: int) -> float:
     """The median wall time of ``iters`` calls ``fn(*args)`` after ``warmup`` untimed ones, each
     ended with ``block_until_ready`` (a signal stops between calls)."""
+    import jax
     for _ in range(warmup):
         jax.block_until_ready(fn(*args))
     seconds = []
@@ -304,6 +308,7 @@ def median_seconds(fn, args, warmup: int, iters: int) -> float:
 
 def environment() -> dict:
     """The device, jax version and date that every result's meta records."""
+    import jax
     return {"device": jax.devices()[0].device_kind, "jax_version": jax.__version__,
             "date": time.strftime("%Y-%m-%d")}
 
@@ -404,12 +409,11 @@ def parse_experiment(argv, cls, *, defaults: dict, **kwargs):
 
 def gpt_shape(cfg):
     """The resolved shape (``gpt.GPTConfig``) of a config's GPT preset; None for a factory."""
-    from jaxaccel import gpt
     if not is_preset(cfg.model.name):
         return None
     given = {k: v for k, v in dataclasses.asdict(cfg.gpt).items() if v is not None}
-    return gpt.preset(cfg.model.name, vocab_size=cfg.model.vocab_size,
-                      max_seq_len=cfg.model.max_seq_len, **given)
+    return preset(cfg.model.name, vocab_size=cfg.model.vocab_size,
+                  max_seq_len=cfg.model.max_seq_len, **given)
 
 
 def stack_depth(cfg) -> int | None:
@@ -418,6 +422,7 @@ def stack_depth(cfg) -> int | None:
     shape = gpt_shape(cfg)
     if shape is not None:
         return shape.n_layers
+    import jax
     from jaxaccel import model as model_lib, nn
     model = model_lib.abstract(lambda: model_lib.build(cfg.model, cfg.gpt,
                                                        jax.random.PRNGKey(0)))
@@ -711,7 +716,6 @@ def shared_meta(cfg, unused: dict = ()) -> dict:
     experiment does not use)."""
     if not isinstance(cfg, TrainConfig):
         return {}
-    from jaxaccel.model import describe
     meta = {"model": describe(cfg.model, cfg.gpt), "data": cfg.data.path,
             "batching": cfg.data.batching, "seq_len": cfg.seq_len,
             "batch_size": cfg.data.batch_size, "steps": cfg.run.steps,
@@ -834,7 +838,6 @@ def same_eval_batches(cfg):
 
 def shared_run(cfg) -> str:
     """What every row of a training experiment shares, in words (the header's start)."""
-    from jaxaccel.model import describe
     return (f"{describe(cfg.model, cfg.gpt)} model, {length(cfg)} per row on the same batches "
             f"(batch {cfg.batch_rows()} x seq_len {cfg.seq_len}, {cfg.data.batching} batching)")
 

@@ -38,10 +38,9 @@ from experiments.common import (Experiment, Row, config_of, eval_curve, first_re
                                 main_of, parse_list, plot_eval_curves, relative,
                                 same_eval_batches, shared_run, stack_depth,
                                 technique)
-from jaxaccel import stacking
 from jaxaccel.config import setting
 from jaxaccel.errors import ConfigError
-from jaxaccel.model import describe
+from jaxaccel.sections import describe
 
 # The issue's targets, reported against (not asserted).
 SD_TARGET_RATE = 0.2         # stochastic depth at this rate ...
@@ -77,6 +76,7 @@ def row(label: str, directory: str, kind: str, rate: float = 0.0, stages: int = 
 def rows(cfg: DepthConfig) -> list[Row]:
     """The baseline, a row per rate and per stage count; every setting checked before any
     training (one ConfigError line otherwise, naming this experiment's flag where it has one)."""
+    from jaxaccel import stacking       # imports jax: not at the top, so that --help is fast
     exp, steps = cfg.experiment, cfg.run.steps
     rates = parse_list(exp.stochastic_depth_rates, "experiment.stochastic_depth_rates",
                        kind=float, within=rate, example="0.2,0.5")

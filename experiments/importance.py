@@ -33,8 +33,7 @@ from experiments.common import (Experiment, Row, config_of, eval_curve, first_re
 from jaxaccel.config import setting
 from jaxaccel.errors import ConfigError
 from jaxaccel.metrics import BITS_PER_NAT
-from jaxaccel.model import describe
-from jaxaccel.sampling import SAMPLING
+from jaxaccel.sections import SAMPLING, describe
 
 TARGET_SHARE = 0.90     # a sampler reaches uniform's final val loss within this share of tokens
 

@@ -30,8 +30,7 @@ from experiments.common import (Experiment, Row, config_of, main_of, parse_list,
                                 plot_loss_curves)
 from jaxaccel.config import setting
 from jaxaccel.errors import ConfigError
-from jaxaccel.init import SCHEMES
-from jaxaccel.model import describe
+from jaxaccel.sections import INIT_SCHEMES as SCHEMES, describe
 
 
 @dataclasses.dataclass

@@ -21,8 +21,7 @@ from experiments.common import (Experiment, Row, check_rows, check_run_root, con
                                 main_of, parse_list)
 from jaxaccel.config import setting
 from jaxaccel.errors import ConfigError
-from jaxaccel.model import describe
-from jaxaccel.optim import LR_SCALING, OPTIMIZERS
+from jaxaccel.sections import LR_SCALING, OPTIMIZERS, describe
 
 
 @dataclasses.dataclass

@@ -38,19 +38,21 @@ import statistics
 import subprocess
 import sys
 import time
+from typing import TYPE_CHECKING
 
 from experiments.common import (PARENT_PID, Experiment, Row, RowRun, Unmeasurable, check_stop,
                                 config_of, first, gpt_shape, main_of, matched_batch, parse_list,
                                 passing_signals_to, plot_loss_curves, stack_depth,
                                 stop_requested, technique as done)
-from jaxaccel import stacking
 from jaxaccel.config import TrainConfig, build, describe_error, flatten, override, setting, \
     to_dict, write_config
 from jaxaccel.corpus import corpus_of
 from jaxaccel.errors import ConfigError
-from jaxaccel.loop import RunSummary
-from jaxaccel.model import describe, is_preset
 from jaxaccel.report import bar_chart
+from jaxaccel.sections import describe, is_preset
+
+if TYPE_CHECKING:       # for the annotations only: jaxaccel.loop imports jax
+    from jaxaccel.loop import RunSummary
 
 SCALES = ("auto", "cpu", "gpu")
 
@@ -320,6 +322,7 @@ def row_settings(cfg: SpeedupConfig, technique: Technique, documents,
 def depth_reason(settings: dict, depth: int | None) -> str | None:
     """Why a row's progressive stacking cannot halve a preset's ``depth`` (a factory's model is
     checked by ``check_models``)."""
+    from jaxaccel import stacking       # imports jax: not at the top, so that --help is fast
     if settings.get("stacking.stages", 1) > 1 and depth is not None:
         try:
             stacking.depths(depth, settings["stacking.stages"])
@@ -616,6 +619,7 @@ def measure(run: RowRun) -> dict:
                                f"(see {run_dir}/log.txt)")
         print(f"  {label}{name:<16} {failure}", flush=True)
         return {"status": failure}
+    from jaxaccel.loop import RunSummary    # imports jax: not at the top, so that --help is fast
     summary = RunSummary.read(os.path.join(run_dir, "summary.json"))
     reached = bool((summary.target or {}).get("reached"))
     if base_s is None and not reached:
@@ -664,7 +668,7 @@ def combine_rounds(cfg: SpeedupConfig, results: list[dict]) -> dict:
     return row
 
 
-def technique_fields(summary: RunSummary) -> dict:
+def technique_fields(summary: "RunSummary") -> dict:
     """What a row's run did with each technique (the summary's ``techniques``), as its keys."""
     return {"attention": done(summary, "attention"),
             "remat": done(summary, "remat", "policy", "none"),

@@ -26,7 +26,7 @@ from jaxaccel.config import setting
 from jaxaccel.corpus import corpus_of
 from jaxaccel.errors import ConfigError
 from jaxaccel.metrics import plot_curves, read_metrics, token_curve
-from jaxaccel.model import describe
+from jaxaccel.sections import describe
 from jaxaccel.tokenizer import parse_spec
 
 

@@ -11,18 +11,22 @@ model of one's own, ``--model FILE.py:FUNCTION`` (README, "Your own model"). Wri
 (the resolved settings: ``--config`` repeats the run), command.txt, metrics.jsonl,
 checkpoints/ and loss.png into the run directory. Bits per byte count every target token: each
 byte, and the end-of-document token once per document.
+
+This module imports jax (with ``jaxaccel.loop``) only when it trains, so that ``--help`` is fast.
 """
 
 import dataclasses
 import sys
+from typing import TYPE_CHECKING
 
 from experiments.common import DIVERGED, command, dump_json, exit_code, train_until_stopped
 from jaxaccel.config import parse
-from jaxaccel.loop import RunSummary
-from jaxaccel.profiling import ProfileReport, format_report
+
+if TYPE_CHECKING:       # for the annotations only: jaxaccel.loop imports jax
+    from jaxaccel.loop import RunSummary
 
 
-def format_summary(s: RunSummary) -> str:
+def format_summary(s: "RunSummary") -> str:
     """The run's summary as aligned lines for the terminal."""
     mfu = f"{s.mfu:.1%}" if s.mfu is not None else "n/a (device peak unknown)"
     rows = [
@@ -85,7 +89,7 @@ def _startup_line(startup: dict) -> str:
     return line
 
 
-def _techniques(s: RunSummary) -> str:
+def _techniques(s: "RunSummary") -> str:
     """The survey techniques the run used, for the model line."""
     t, parts = s.techniques, []
     if "init" in t:
@@ -126,7 +130,7 @@ def _fp8(fp8: dict | None) -> str:
     return f" ({fp8['note']}){gemms}"
 
 
-def _pipeline(s: RunSummary) -> str:
+def _pipeline(s: "RunSummary") -> str:
     pipe = s.techniques.get("pipeline")
     if not pipe:
         return ""
@@ -138,7 +142,7 @@ def _mesh(shape: dict) -> str:
     return ",".join(f"{axis}={size}" for axis, size in shape.items())
 
 
-def _remat_line(s: RunSummary) -> str:
+def _remat_line(s: "RunSummary") -> str:
     """The remat policy and layout, and with a memory budget each policy's compiled figures."""
     remat = s.techniques.get("remat") or {}
     line = f"{remat.get('policy', 'none')}{', scanned layers' if remat.get('scan_layers') else ''}"
@@ -155,7 +159,7 @@ def _remat_line(s: RunSummary) -> str:
     return line
 
 
-def _resume_command(s: RunSummary) -> str:
+def _resume_command(s: "RunSummary") -> str:
     return (f"python -m experiments.train --config {s.run_dir}/config.yaml --resume "
             f"--run-dir {s.run_dir}")
 
@@ -180,6 +184,7 @@ def main(argv=None) -> int:
     else:
         print(format_summary(summary))
     if summary.profile:
+        from jaxaccel.profiling import ProfileReport, format_report
         print(format_report(ProfileReport(**summary.profile)))
     if cfg.run.json:
         dump_json(cfg.run.json, dataclasses.asdict(summary))

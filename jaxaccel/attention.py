@@ -21,9 +21,8 @@ import jax.numpy as jnp
 
 from jaxaccel.errors import ConfigError
 from jaxaccel.kernels import check_shapes, flash_attention
+from jaxaccel.sections import ATTENTION_IMPLEMENTATIONS as IMPLEMENTATIONS  # declared without jax
 from jaxaccel.sharding import per_shard
-
-IMPLEMENTATIONS = ("xla", "cudnn", "pallas", "auto")
 
 
 def attention_mask(T: int, S: int, *, causal: bool, segment_ids_q=None, segment_ids_kv=None):

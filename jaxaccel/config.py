@@ -2,12 +2,15 @@
 
 A ``TrainConfig`` has a section per concern (``model``: a GPT preset or one's own factory;
 ``gpt``: the preset's fields; ``data``, ``optimizer``, ``precision``, ``mesh``, ``run``) and one
-per technique, declared in its module; an experiment's config adds ``experiment``. In ``parse``
-every field is a flag (``--seq-len`` sets ``data.seq_len``), values coming from, lowest first:
-the field's default, the experiment's ``defaults``, ``--config FILE.yaml`` (sections of fields),
-then ``section.field=value`` overrides and flags. ``ConfigError`` names the field,
+per technique, declared in ``jaxaccel.sections``; an experiment's config adds ``experiment``. In
+``parse`` every field is a flag (``--seq-len`` sets ``data.seq_len``), values coming from, lowest
+first: the field's default, the experiment's ``defaults``, ``--config FILE.yaml`` (sections of
+fields), then ``section.field=value`` overrides and flags. ``ConfigError`` names the field,
 ``describe_error`` adds its flag. Flat flags, not tyro's or draccus's nested ones
 (``--data.seq-len``): every recorded command uses them.
+
+This module imports no jax (nor flax, orbax), so that ``--help`` is fast; what checks a config
+against the devices and techniques imports them where it runs.
 """
 
 import argparse
@@ -20,24 +23,16 @@ import typing
 
 import yaml
 
-from jaxaccel import gpt as gpt_lib
 from jaxaccel.data import STRATEGIES
 from jaxaccel.errors import ConfigError
-from jaxaccel.fp8 import Fp8Settings
-from jaxaccel.init import InitSettings
-from jaxaccel.lora import AdapterSettings, LoRASettings
-from jaxaccel.model import ModelConfig, is_preset
-from jaxaccel.optim import LR_SCALING, OPTIMIZERS, SCHEDULES, describe_defaults
-from jaxaccel.pipeline import SCHEDULES as PIPELINE_SCHEDULES
-from jaxaccel.precision import LOSS_SCALE_KINDS, get_policy, make_loss_scale
-from jaxaccel.remat import RematSettings
-from jaxaccel.sampling import SAMPLING
+from jaxaccel.sections import (LOSS_SCALE_KINDS, LR_SCALING, MESH_AXIS_TYPES, OPTIMIZERS,
+                               PIPELINE_SCHEDULES, PRESET_TOKENIZERS, PRESETS, SAMPLING,
+                               SCHEDULES, SHARDING_STRATEGIES, AdapterSettings, Fp8Settings,
+                               GPTSettings, InitSettings, LoRASettings, ModelConfig,
+                               RematSettings, SparsitySettings, StackingSettings,
+                               StochasticDepthSettings, TokenDropSettings, describe_defaults,
+                               is_preset, preset)
 from jaxaccel.settings import FLOAT_RANGE, INT_LIMIT, INT_RANGE, Range, setting
-from jaxaccel.sharding import AXIS_TYPES, STRATEGIES as SHARDING_STRATEGIES, parse_axis_rules
-from jaxaccel.sparsity import SparsitySettings
-from jaxaccel.stacking import StackingSettings
-from jaxaccel.stochastic_depth import StochasticDepthSettings
-from jaxaccel.token_drop import TokenDropSettings
 from jaxaccel.tokenizer import TOKENIZER_HELP, vocab_of as tokenizer_vocab
 
 MATMUL_PRECISIONS = ("default", "high", "highest")
@@ -171,7 +166,7 @@ class MeshConfig:
                                             "(default: all devices of all processes)", at_least=1)
     axis_types: str = setting("auto", "mesh axis types: auto (XLA completes the shardings) or "
                                       "explicit (shardings are part of every array's type)",
-                              flag="mesh_axis_types", choices=tuple(AXIS_TYPES))
+                              flag="mesh_axis_types", choices=MESH_AXIS_TYPES)
     coordinator: str | None = setting(None, "HOST:PORT of process 0: train over several "
                                             "processes (hosts) with jax.distributed")
     num_processes: int | None = setting(None, "number of processes (with coordinator)", at_least=1)
@@ -301,7 +296,7 @@ class TrainConfig:
     """Every setting of a training run, by section (module docstring)."""
 
     model: ModelConfig = _section(ModelConfig)
-    gpt: gpt_lib.GPTSettings = _section(gpt_lib.GPTSettings)
+    gpt: GPTSettings = _section(GPTSettings)
     data: DataConfig = _section(DataConfig)
     optimizer: OptimizerConfig = _section(OptimizerConfig)
     precision: PrecisionConfig = _section(PrecisionConfig)
@@ -338,10 +333,12 @@ class TrainConfig:
         return options["batch_size"] or max(1, options["tokens_per_batch"] // self.seq_len)
 
     def policy(self):
+        from jaxaccel.precision import get_policy
         return get_policy(self.precision.policy)
 
     def make_loss_scale(self):
         """The run's initial loss-scale state from the precision section."""
+        from jaxaccel.precision import make_loss_scale
         p = self.precision
         return make_loss_scale(
             p.loss_scale, self.policy(), initial_scale=p.init_scale,
@@ -352,6 +349,7 @@ class TrainConfig:
         """ConfigError naming the field unless every field is in range (``check_ranges``) and
         the settings fit together (each technique's own: ``jaxaccel.techniques.check``)."""
         from jaxaccel import profiling, techniques, trackers
+        from jaxaccel.sharding import parse_axis_rules
         check_ranges(self)
         if self.run.profile is not None:
             profiling.parse_window(self.run.profile)
@@ -599,20 +597,20 @@ RENAMED = {"model.preset": "model.name", "model.fp8": None,
 
 def _resolve_model(model: ModelConfig, data: "DataConfig", gpt_settings):
     """The model section with context and vocabulary resolved, the data section's tokenizer."""
-    preset = is_preset(model.name)
-    if preset and model.name not in gpt_lib.PRESETS:
+    is_gpt = is_preset(model.name)
+    if is_gpt and model.name not in PRESETS:
         raise ConfigError(f"unknown model {model.name!r}: give a preset "
-                          f"({', '.join(gpt_lib.PRESETS)}) or a factory FILE.py:FUNCTION or "
+                          f"({', '.join(PRESETS)}) or a factory FILE.py:FUNCTION or "
                           f"package.module:FUNCTION", field="model.name")
-    context = model.max_seq_len or (gpt_lib.PRESETS[model.name].max_seq_len if preset
+    context = model.max_seq_len or (PRESETS[model.name].max_seq_len if is_gpt
                                     else data.seq_len or 256)
-    spec = data.tokenizer or (gpt_lib.PRESET_TOKENIZERS.get(model.name, "bytes") if preset
+    spec = data.tokenizer or (PRESET_TOKENIZERS.get(model.name, "bytes") if is_gpt
                               else "bytes")
     vocab = max(tokenizer_vocab(spec), model.vocab_size or 0)
     model = dataclasses.replace(model, max_seq_len=context, vocab_size=vocab)
-    if preset and gpt_settings is not None:
+    if is_gpt and gpt_settings is not None:
         given = {k: v for k, v in dataclasses.asdict(gpt_settings).items() if v is not None}
-        gpt_lib.preset(model.name, vocab_size=vocab, max_seq_len=context, **given)
+        preset(model.name, vocab_size=vocab, max_seq_len=context, **given)
     return model, dataclasses.replace(data, tokenizer=spec)
 
 

@@ -24,12 +24,12 @@ import jax
 import jax.numpy as jnp
 from jax.sharding import PartitionSpec
 
+from jaxaccel.sections import (EMBEDDING_METHODS as METHODS,     # declared without jax
+                               ONE_HOT_MAX_VOCAB)
 from jaxaccel.sharding import (COMPUTE_RULES, constrain, einsum, logical_spec, take_rows,
                                target_device)
 
-ONE_HOT_MAX_VOCAB = 2048
 SKIP_SCOPE = "jaxaccel_embedding"   # jaxaccel.trace leaves it out of the FLOPs
-METHODS = ("auto", "one_hot", "sorted_sum", "gather")
 
 
 def method(vocab_size: int, on: str | None = None, dtype=jnp.float32) -> str:

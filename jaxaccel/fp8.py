@@ -21,25 +21,18 @@ away and ran bfloat16 (BENCHMARKS.md). Off GPUs the float8 product runs emulated
 not its speed.
 """
 
-import dataclasses
 import functools
 
 import jax
 import jax.numpy as jnp
 
 from jaxaccel import nn, surgery
-from jaxaccel.settings import setting
+from jaxaccel.sections import Fp8Settings     # declared without jax
 from jaxaccel.sharding import constrain, einsum, refuse_pipeline
 
 E4M3, E5M2 = jnp.float8_e4m3fn, jnp.float8_e5m2
 HISTORY = 16             # steps of amax history a scale looks back over
 INPUT, WEIGHT, GRAD = 0, 1, 2
-
-
-@dataclasses.dataclass
-class Fp8Settings:
-    targets: str = setting("blocks", "with --precision fp8, the layers whose matmuls run in "
-                                     "float8: " + surgery.TARGETS_HELP, flag="fp8_targets")
 
 
 def amax(x) -> jax.Array:

@@ -6,146 +6,23 @@ axes (``out_sharding``, ``sharding.LogicalDot``) so the mesh alone makes it data
 or tensor parallel. ``make`` is its factory (``--model tiny|small|medium|gpt2``).
 """
 
-import dataclasses
-
 import jax
 import jax.numpy as jnp
 from flax import nnx
 
 from jaxaccel import embedding, nn
-from jaxaccel.attention import IMPLEMENTATIONS, dot_product_attention
-from jaxaccel.errors import ConfigError
-from jaxaccel.settings import setting
+from jaxaccel.attention import dot_product_attention
+# The shape, presets and gpt section, declared without jax (sections); re-exported as gpt's own.
+from jaxaccel.sections import (MLP_KINDS, PRESET_TOKENIZERS, PRESETS, GPTConfig, GPTSettings,
+                               default_d_ff, preset)
 from jaxaccel.sharding import LogicalDot, check_divides, constrain
-from jaxaccel.tokenizer import ByteTokenizer
 
-MLP_KINDS = ("swiglu", "gelu")
 ACTIVATION_AXES = ("batch", "seq", "embed")
 Q_AXES = ("batch", "seq", "heads", "head_dim")
 KV_AXES = ("batch", "seq", "kv_heads", "head_dim")
 # Short names of the GPT's linear layers, for the layer techniques' --*-targets.
 ALIASES = {"q": "attn/wq", "k": "attn/wk", "v": "attn/wv", "o": "attn/wo", "in": "mlp/w_in",
            "gate": "mlp/w_gate", "out": "mlp/w_out"}
-
-
-@dataclasses.dataclass(frozen=True)
-class GPTConfig:
-    """The GPT's architecture. ``n_kv_heads`` and ``d_ff`` default from the others."""
-
-    vocab_size: int = ByteTokenizer().padded_vocab_size
-    d_model: int = 256
-    n_layers: int = 4
-    n_heads: int = 4
-    n_kv_heads: int | None = None
-    d_ff: int | None = None
-    max_seq_len: int = 256
-    mlp: str = "swiglu"
-    tie_embeddings: bool = False
-    rope_base: float = 10_000.0
-    dropout: float = 0.0
-    attention: str = "xla"
-    embedding: str = "auto"
-
-    def __post_init__(self):
-        if self.n_kv_heads is None:
-            object.__setattr__(self, "n_kv_heads", self.n_heads)
-        if self.d_ff is None:
-            object.__setattr__(self, "d_ff", default_d_ff(self.d_model, self.mlp))
-        self.validate()
-
-    @property
-    def head_dim(self) -> int:
-        return self.d_model // self.n_heads
-
-    def validate(self):
-        """ConfigError on an inconsistent shape, naming the setting that fixes it."""
-        for name in ("vocab_size", "d_model", "n_layers", "n_heads", "n_kv_heads", "d_ff",
-                     "max_seq_len"):
-            if getattr(self, name) < 1:
-                section = "model" if name in ("vocab_size", "max_seq_len") else "gpt"
-                raise ConfigError(f"{name} must be positive, got {getattr(self, name)}",
-                                  field=f"{section}.{name}")
-        if self.d_model % self.n_heads:
-            raise ConfigError(f"n_heads={self.n_heads} does not divide d_model={self.d_model}; "
-                              f"choose n_heads dividing d_model", field="gpt.n_heads")
-        if self.n_heads % self.n_kv_heads:
-            raise ConfigError(f"n_kv_heads={self.n_kv_heads} does not divide n_heads="
-                              f"{self.n_heads}; choose n_kv_heads dividing n_heads",
-                              field="gpt.n_kv_heads")
-        if self.head_dim % 2:
-            raise ConfigError(f"head_dim={self.head_dim} (d_model/n_heads) is odd, rotary "
-                              f"embedding needs it even; change d_model or n_heads",
-                              field="gpt.n_heads")
-        for name, value, choices in (("mlp", self.mlp, MLP_KINDS),
-                                     ("attention", self.attention, IMPLEMENTATIONS),
-                                     ("embedding", self.embedding, embedding.METHODS)):
-            if value not in choices:
-                raise ConfigError(f"unknown {name} {value!r}; choose one of {', '.join(choices)}",
-                                  field=f"gpt.{name}")
-        if not 0.0 <= self.dropout < 1.0:
-            raise ConfigError(f"dropout must be in [0, 1), got {self.dropout}", field="gpt.dropout")
-
-
-def default_d_ff(d_model: int, mlp: str) -> int:
-    """4*d for GELU; for SwiGLU 8/3*d rounded up to a multiple of 64 (about the same parameters)."""
-    if mlp == "gelu":
-        return 4 * d_model
-    return -(-(8 * d_model // 3) // 64) * 64
-
-
-PRESETS = {
-    "tiny": GPTConfig(d_model=256, n_layers=4, n_heads=4, max_seq_len=256),
-    "small": GPTConfig(d_model=768, n_layers=12, n_heads=12, max_seq_len=1024, mlp="gelu"),
-    "medium": GPTConfig(d_model=1024, n_layers=24, n_heads=16, max_seq_len=1024, mlp="gelu"),
-    # GPT-2 124M: small's shape with GPT-2's vocabulary size, 50,257 padded to 50,304.
-    "gpt2": GPTConfig(vocab_size=50304, d_model=768, n_layers=12, n_heads=12, max_seq_len=1024,
-                      mlp="gelu"),
-}
-# The tokenizer a preset trains with unless one is given (else bytes).
-PRESET_TOKENIZERS = {"gpt2": "bpe:50257"}
-
-
-@dataclasses.dataclass
-class GPTSettings:
-    """The ``gpt`` section: the preset's architecture fields a run changes (None: the preset's)."""
-
-    d_model: int | None = setting(None, "model width", at_least=1)
-    n_layers: int | None = setting(None, "number of transformer blocks", at_least=1)
-    n_heads: int | None = setting(None, "attention heads; must divide d_model", at_least=1)
-    n_kv_heads: int | None = setting(None, "key/value heads (grouped-query; default n_heads); "
-                                           "must divide n_heads", at_least=1)
-    d_ff: int | None = setting(None, "MLP inner width (default 4*d for gelu, ~8/3*d for swiglu)",
-                               at_least=1)
-    mlp: str | None = setting(None, "MLP kind", choices=MLP_KINDS)
-    tie_embeddings: bool | None = setting(None, "share the input embedding with the output head")
-    rope_base: float | None = setting(None, "rotary embedding base", above=1)
-    dropout: float | None = setting(None, "residual dropout rate (0 = off)", at_least=0, below=1)
-    attention: str | None = setting(
-        None, "attention implementation: xla, cudnn (NVIDIA GPUs), pallas (our flash attention "
-              "kernel; interpreted, slowly, off the GPU) or auto (on an NVIDIA GPU: pallas for "
-              "packed rows and short sequences, cudnn above; else xla)",
-        choices=IMPLEMENTATIONS)
-    embedding: str | None = setting(
-        None, "token embedding lookup: auto (on GPUs one_hot up to "
-              f"{embedding.ONE_HOT_MAX_VOCAB} ids, else sorted_sum; on a CPU gather for a float32 "
-              "table, sorted_sum for a 16-bit one), one_hot, sorted_sum or gather; see "
-              "experiments.embedding", choices=embedding.METHODS)
-
-
-def preset(name: str, **overrides) -> GPTConfig:
-    """A preset's config with the non-None ``overrides``; ``n_kv_heads`` and ``d_ff`` are
-    re-derived unless given, so ``n_heads=8`` alone stays valid."""
-    if name not in PRESETS:
-        raise ConfigError(f"unknown model preset {name!r}; choose one of {', '.join(PRESETS)} "
-                          f"or give a factory FILE.py:FUNCTION", field="model.name")
-    fields = dataclasses.asdict(PRESETS[name])
-    overrides = {k: v for k, v in overrides.items() if v is not None}
-    if "n_heads" in overrides:
-        fields["n_kv_heads"] = None
-    if "d_model" in overrides or "mlp" in overrides:
-        fields["d_ff"] = None
-    fields.update(overrides)
-    return GPTConfig(**fields)
 
 
 def make(vocab_size: int, max_seq_len: int, *, rngs: nnx.Rngs, preset_name: str = "tiny",

@@ -1,9 +1,9 @@
 """What the device can do: peak FLOP/s for model FLOPs utilisation, and its memory use (and
-whether an error is its running out)."""
+whether an error is its running out). It imports jax only in the functions that ask a device, so
+that a command's ``--help`` (``experiments.common``) imports none.
+"""
 
 import os
-
-import jax
 
 # Dense bf16 tensor-core peaks in FLOP/s from the vendors' data sheets (SXM parts).
 PEAK_BF16_FLOPS = {"H200": 989e12, "H100": 989e12, "A100": 312e12}
@@ -11,12 +11,14 @@ PEAK_BF16_FLOPS = {"H200": 989e12, "H100": 989e12, "A100": 312e12}
 
 def peak_flops(device=None) -> float | None:
     """The device's dense bf16 peak, or None where it is not known (CPUs, other GPUs)."""
+    import jax
     device = device or jax.devices()[0]
     kind = getattr(device, "device_kind", "")
     return next((flops for name, flops in PEAK_BF16_FLOPS.items() if name in kind), None)
 
 
 def describe(device=None) -> str:
+    import jax
     device = device or jax.devices()[0]
     return f"{jax.device_count()} x {device.device_kind} ({device.platform})"
 
@@ -24,6 +26,7 @@ def describe(device=None) -> str:
 def peak_memory_bytes(device=None) -> int | None:
     """Peak bytes in use on the device since start, where the backend reports it (GPUs do);
     by default on this process's first device."""
+    import jax
     device = device or jax.local_devices()[0]
     stats = device.memory_stats() if hasattr(device, "memory_stats") else None
     return stats.get("peak_bytes_in_use") if stats else None
@@ -32,6 +35,7 @@ def peak_memory_bytes(device=None) -> int | None:
 def memory_limit_bytes(device=None) -> int | None:
     """The bytes XLA may allocate on the device (its ``bytes_limit``), where the backend reports
     it (GPUs and TPUs do; the CPU does not); by default on this process's first device."""
+    import jax
     device = device or jax.local_devices()[0]
     stats = device.memory_stats() if hasattr(device, "memory_stats") else None
     return int(stats["bytes_limit"]) if stats and stats.get("bytes_limit") else None
@@ -61,6 +65,7 @@ def device_memory_bytes(device=None) -> int:
     """The bytes one device can hold: its ``memory_limit_bytes`` where the backend reports it;
     on the CPU, which reports none, the host's available memory (``host_memory_bytes``) shared
     by this process's devices."""
+    import jax
     limit = memory_limit_bytes(device)
     if limit is not None:
         return limit

@@ -16,7 +16,6 @@ the outputs of the ``--gate-targets`` layers. Draws are keyed by path without th
 (``canonical``), so scanned and unrolled stacks start alike.
 """
 
-import dataclasses
 import zlib
 
 import jax
@@ -25,29 +24,10 @@ from flax import nnx
 
 from jaxaccel import nn, surgery
 from jaxaccel.errors import ConfigError
-from jaxaccel.settings import setting
+from jaxaccel.sections import INIT_SCHEMES as SCHEMES, InitSettings     # declared without jax
 
-SCHEMES = ("default", "rezero", "skipinit", "tfixup")
 NORMS = (nnx.RMSNorm, nnx.LayerNorm)
 INIT_KEY = 0x1417     # folded into the model's key for the scheme's own draws
-
-
-@dataclasses.dataclass
-class InitSettings:
-    scheme: str = setting("default", "initialisation scheme: default (the model's own), rezero "
-                                     "(a learned gate per block starting at 0), skipinit (a "
-                                     "learned multiplier per residual branch starting at 0) or "
-                                     "tfixup (Xavier weights scaled by (9L)^-1/4, for training "
-                                     "without warmup); the last three drop the blocks' norms",
-                          flag="init", choices=SCHEMES)
-    gates: str | None = setting(None, "rezero, skipinit: the layers that end each residual "
-                                      "branch, whose outputs the gates multiply (default: the "
-                                      "model's; o,out for jaxaccel's GPT): "
-                                      + surgery.TARGETS_HELP, flag="gate_targets")
-    scaled: str | None = setting(None, "tfixup: the layers whose weights are scaled by "
-                                       "(9L)^-1/4 besides the embedding (default: the model's; "
-                                       "v,o,in,gate,out for jaxaccel's GPT; else blocks): "
-                                       + surgery.TARGETS_HELP, flag="tfixup_scaled")
 
 
 class Identity(nnx.Module):

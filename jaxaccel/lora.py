@@ -10,7 +10,6 @@ factors), ``merge`` folds them (and flax's ``nnx.LoRA``) back into W, same logit
 those (``nn.trainable``). Draws are keyed by layer path, so any order of techniques agrees.
 """
 
-import dataclasses
 import zlib
 
 import jax
@@ -19,31 +18,8 @@ from flax import nnx
 
 from jaxaccel import nn, surgery
 from jaxaccel.errors import ConfigError
-from jaxaccel.settings import setting
+from jaxaccel.sections import AdapterSettings, LoRASettings     # declared without jax
 from jaxaccel.sharding import constrain, matmul, refuse_pipeline
-
-
-@dataclasses.dataclass
-class LoRASettings:
-    rank: int = setting(0, "LoRA rank on the lora_targets layers; with it only the LoRA "
-                           "matrices (and adapters) train (0 = off)", flag="lora_rank",
-                        at_least=0, note="0 = off")
-    alpha: float = setting(16.0, "LoRA scale numerator: the update is (lora_alpha / lora_rank) "
-                                 "A B", flag="lora_alpha", above=0)
-    targets: str | None = setting(None, "layers that get LoRA (default: the model's, q,v for "
-                                        "jaxaccel's GPT; else blocks): " + surgery.TARGETS_HELP,
-                                  flag="lora_targets")
-
-
-@dataclasses.dataclass
-class AdapterSettings:
-    dim: int = setting(0, "bottleneck adapter width on the output of each adapter_targets "
-                          "layer; with it only the adapters (and LoRA) train (0 = off)",
-                       flag="adapter_dim", at_least=0, note="0 = off")
-    targets: str | None = setting(None, "layers whose outputs get an adapter (default: the "
-                                        "model's, o,out for jaxaccel's GPT: the end of each "
-                                        "residual branch): " + surgery.TARGETS_HELP,
-                                  flag="adapter_targets")
 
 
 def _key(key, path):

@@ -24,30 +24,7 @@ from flax import nnx
 
 from jaxaccel import gpt, nn
 from jaxaccel.errors import ConfigError
-from jaxaccel.settings import setting
-
-
-@dataclasses.dataclass
-class ModelConfig:
-    """The ``model`` section: which model, at which context and vocabulary."""
-
-    name: str = setting("tiny", "the model: a preset of jaxaccel's GPT (tiny, small, medium, "
-                                "gpt2; the gpt section changes its fields) or your own factory, "
-                                "FILE.py:FUNCTION or package.module:FUNCTION, called as "
-                                "FUNCTION(vocab_size, max_seq_len, rngs=nnx.Rngs(...), "
-                                "**model_args) and returning an nnx.Module (README, 'Your own "
-                                "model')", flag="model")
-    args: str | None = setting(None, "keyword arguments for the model's factory, as a YAML "
-                                     "mapping, e.g. 'width: 128, depth: 2'", flag="model_args")
-    max_seq_len: int | None = setting(None, "the model's context length (default: the "
-                                            "preset's; for a factory, seq_len or 256)",
-                                      at_least=1)
-    vocab_size: int | None = setting(None, "the model's vocabulary (set from the tokenizer)",
-                                     flag="", at_least=1)
-
-
-def is_preset(name: str) -> bool:
-    return ":" not in name
+from jaxaccel.sections import ModelConfig, describe, is_preset     # declared without jax
 
 
 def factory_args(cfg: ModelConfig) -> dict:
@@ -144,16 +121,6 @@ def build(cfg: ModelConfig, gpt_settings, key) -> nnx.Module:
         raise ConfigError(f"model {cfg.name}: the factory returned a {type(model).__name__}, "
                           f"not an nnx.Module", field="model.name")
     return model
-
-
-def describe(cfg: ModelConfig, gpt_settings=None) -> str:
-    """The preset's name (layers x width when the gpt section changes it), else the factory."""
-    given = {} if gpt_settings is None else {
-        k: v for k, v in dataclasses.asdict(gpt_settings).items() if v is not None}
-    if not is_preset(cfg.name) or not given:
-        return cfg.name
-    shape = gpt.preset(cfg.name, **given)
-    return f"{shape.n_layers}x{shape.d_model}"
 
 
 def abstract(make) -> nnx.Module:

@@ -9,7 +9,6 @@ lr * weight decay stays AdamW's); LAMB's, LARS's and SGD's are the best of a sho
 tiny model (BENCHMARKS.md).
 """
 
-import dataclasses
 import math
 import re
 
@@ -19,46 +18,8 @@ import optax
 from flax import nnx
 
 from jaxaccel.errors import ConfigError
-
-SCHEDULES = ("constant", "cosine", "linear", "rsqrt")
-LR_SCALING = ("none", "linear", "sqrt")
-
-# Lion takes AdamW's learning rate divided, and weight decay multiplied, by this factor.
-LION_FACTOR = 10.0
-
-
-@dataclasses.dataclass(frozen=True)
-class OptimizerDefaults:
-    """The settings an optimizer uses when the caller leaves them unset."""
-
-    learning_rate: float
-    weight_decay: float
-    b1: float | None = None       # first-moment (momentum) decay; None: the optimizer has none
-    b2: float | None = None       # second-moment decay
-    summary: str = ""
-
-
-_ADAMW_LR, _ADAMW_WD = 3e-3, 0.1
-DEFAULTS = {
-    "adamw": OptimizerDefaults(_ADAMW_LR, _ADAMW_WD, 0.9, 0.95, "Adam with decoupled weight decay"),
-    "lion": OptimizerDefaults(_ADAMW_LR / LION_FACTOR, _ADAMW_WD * LION_FACTOR, 0.9, 0.99,
-                              f"sign of interpolated momentum; lr {LION_FACTOR:g}x smaller and "
-                              f"weight decay {LION_FACTOR:g}x larger than AdamW's"),
-    "lamb": OptimizerDefaults(3e-2, 0.1, 0.9, 0.999,
-                              "Adam update rescaled per layer by ||w|| / ||update||"),
-    "lars": OptimizerDefaults(10.0, 1e-4, 0.9, None,
-                              "momentum SGD rescaled per layer by 0.001 ||w|| / ||g||"),
-    "sgd": OptimizerDefaults(0.1, 0.0, 0.9, None, "SGD with Nesterov momentum"),
-    "adafactor": OptimizerDefaults(_ADAMW_LR, 0.0, None, 0.8,
-                                   "factored second moments, no momentum, update clipping"),
-}
-OPTIMIZERS = tuple(DEFAULTS)
-
-
-def describe_defaults() -> str:
-    """One line per optimizer for ``--help``."""
-    return "; ".join(f"{name}: lr {d.learning_rate:g}, wd {d.weight_decay:g} ({d.summary})"
-                     for name, d in DEFAULTS.items())
+# The optimizers and their DEFAULTS, the schedules and scalings, declared without jax.
+from jaxaccel.sections import DEFAULTS, LR_SCALING, OPTIMIZERS, SCHEDULES
 
 
 def make_schedule(name: str, learning_rate: float, *, warmup_steps: int, total_steps: int,

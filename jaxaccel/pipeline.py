@@ -38,10 +38,10 @@ from jaxaccel import grads as grads_lib, nn
 from jaxaccel.errors import ConfigError
 from jaxaccel.model import join_at, parts as model_parts, split_at, stack_of
 from jaxaccel.precision import POLICIES, Policy
+from jaxaccel.sections import PIPELINE_SCHEDULES as SCHEDULES     # declared without jax
 from jaxaccel.sharding import constrain
 from jaxaccel.train import weighted_cross_entropy
 
-SCHEDULES = ("gpipe", "1f1b")
 AXIS = "stage"
 
 

@@ -24,6 +24,7 @@ import optax
 from flax import nnx, struct
 
 from jaxaccel.errors import ConfigError
+from jaxaccel.sections import LOSS_SCALE_KINDS     # declared without jax
 
 _DTYPES = {
     "float32": jnp.float32, "f32": jnp.float32, "fp32": jnp.float32,
@@ -238,9 +239,6 @@ class NoLossScale:
 
 
 LossScale = DynamicLossScale | StaticLossScale | NoLossScale
-LOSS_SCALE_KINDS = ("auto", "dynamic", "static", "none")
-
-
 def make_loss_scale(kind: str, policy: Policy, *, initial_scale: float = 2.0**16,
                     growth_factor: float = 2.0, backoff_factor: float = 0.5,
                     growth_interval: int = 2000, min_scale: float = 1.0,

@@ -12,30 +12,15 @@ tags). ``check_tags`` refuses a policy whose tags the model never uses (it would
 ``lax.scan``: one block to compile instead of n (``nn.Stack.scan``).
 """
 
-import dataclasses
-
 import jax
 
 from jaxaccel import nn
 from jaxaccel.errors import ConfigError
-from jaxaccel.settings import setting
+from jaxaccel.sections import RematSettings     # declared without jax
 
 _ATTENTION = (nn.QUERY, nn.KEY, nn.VALUE, nn.ATTENTION_OUT)
 POLICY_TAGS = {"attention": _ATTENTION, "mlp": (nn.MLP_IN, nn.MLP_GATE), "offload": _ATTENTION}
 REMAT_POLICIES = ("none", "full", "dots", "attention", "mlp", "offload")
-
-
-@dataclasses.dataclass
-class RematSettings:
-    policy: str = setting("none", "activations each block keeps for the backward pass: none "
-                                  "(all), full (only its input), dots (matmul outputs), attention "
-                                  "(the tensors tagged query/key/value/attention_out), mlp "
-                                  "(mlp_in/mlp_gate), offload (attention's, in pinned host "
-                                  "memory), save:NAME,NAME (tensors the model tagged so)",
-                          flag="remat")
-    scan_layers: bool = setting(False, "stack the blocks' variables and run them with one "
-                                       "lax.scan (one block to compile instead of n_layers)",
-                                flag="scan_layers")
 
 
 def tags(name: str) -> tuple[str, ...]:

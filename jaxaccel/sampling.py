@@ -34,9 +34,9 @@ import optax
 
 from jaxaccel.data import DataStream, fixed_rows, make_batch
 from jaxaccel.errors import ConfigError
+from jaxaccel.sections import SAMPLING     # declared without jax
 from jaxaccel.sharding import refuse_pipeline
 
-SAMPLING = ("uniform", "loss", "grad-norm")
 SCORE_KEYS = {"loss": "loss", "grad-norm": "grad_bound"}   # each score's row sums in aux["rows"]
 FETCH_LAG = 2       # the loop fetches a step's scores this many steps after it
 STREAM = 0x5A4D     # keeps the draws' random stream apart from the epochs' shuffles

@@ -23,18 +23,13 @@ from flax import nnx
 from jax.sharding import AxisType, NamedSharding, PartitionSpec
 
 from jaxaccel.errors import ConfigError
+# Which mesh axes each strategy spreads the work over, declared without jax.
+from jaxaccel.sections import SHARDING_STRATEGIES as STRATEGIES
 
 MESH_AXES = ("stage", "data", "fsdp", "tensor")
 BATCH_AXES = ("data", "fsdp")
+# jax's axis type of each of --mesh-axis-types' names (sections.MESH_AXIS_TYPES)
 AXIS_TYPES = {"auto": AxisType.Auto, "explicit": AxisType.Explicit}
-
-# Which mesh axes each strategy spreads the work over.
-STRATEGIES = {
-    "dp": ("data",), "fsdp": ("fsdp",), "tp": ("tensor",), "fsdp+tp": ("fsdp", "tensor"),
-    "dp+fsdp": ("data", "fsdp"), "pp": ("stage",), "dp+pp": ("data", "stage"),
-    "fsdp+pp": ("fsdp", "stage"), "tp+pp": ("tensor", "stage"),
-    "fsdp+tp+pp": ("fsdp", "tensor", "stage"),
-}
 # The sizes a strategy gives its secondary axes when the mesh sets none of its axes (each where
 # it divides the devices); the remaining devices go to its other axis (a pipeline's stages).
 DEFAULT_SIZES = {"fsdp+tp": {"tensor": 2}, "dp+fsdp": {"data": 2}, "dp+pp": {"data": 2},

@@ -12,7 +12,6 @@ kernels that XLA does not emit and jax 0.11.2 does not expose (``jax.experimenta
 no N:M format): the masked matmul runs dense, and ``savings`` counts what it would save.
 """
 
-import dataclasses
 import functools
 
 import jax
@@ -21,22 +20,8 @@ from flax import nnx
 
 from jaxaccel import nn, surgery
 from jaxaccel.errors import ConfigError
-from jaxaccel.settings import setting
+from jaxaccel.sections import SparsitySettings     # declared without jax
 from jaxaccel.sharding import refuse_pipeline
-
-
-@dataclasses.dataclass
-class SparsitySettings:
-    pattern: str = setting("none", "N:M structured sparsity of the sparsity_targets layers, "
-                                   "e.g. 2:4 (keep the 2 largest of every 4 input weights), "
-                                   "masks from the weights' magnitudes, SR-STE gradients (none = "
-                                   "off)", flag="sparsity")
-    every: int = setting(100, "recompute the N:M masks from the weights every this many steps",
-                         flag="sparsity_every", at_least=1)
-    decay: float = setting(2e-4, "SR-STE decay of the pruned weights (lambda_W; 0 = plain "
-                                 "straight-through)", flag="sparsity_decay", at_least=0)
-    targets: str = setting("blocks", "layers under N:M masks: " + surgery.TARGETS_HELP,
-                           flag="sparsity_targets")
 
 
 def parse_pattern(text: str) -> tuple[int, int]:

@@ -9,7 +9,6 @@ count and moments (copied with their blocks) and the loader carry over; a stage'
 holds the shallow state, so a resumed run rebuilds its step's depth (``depth_at``).
 """
 
-import dataclasses
 import re
 
 import jax
@@ -18,18 +17,8 @@ from flax import nnx
 
 from jaxaccel import nn
 from jaxaccel.errors import ConfigError
-from jaxaccel.settings import setting
+from jaxaccel.sections import StackingSettings     # declared without jax
 from jaxaccel.sharding import refuse_pipeline
-
-
-@dataclasses.dataclass
-class StackingSettings:
-    stages: int = setting(1, "progressive layer stacking: train in this many stages, the depth "
-                             "doubling after each up to the model's (1 = off)",
-                          flag="progressive_stack", at_least=1)
-    at: str | None = setting(None, "comma-separated steps at which progressive stacking doubles "
-                                   "the depth (default: equal shares of the steps)",
-                             flag="stack_at")
 
 
 def check(cfg) -> None:

@@ -11,24 +11,15 @@ of layers with equal counts); layer l's rows come from the step's key folded wit
 ``SKIP_KEY``. Pipeline strategies refuse it (it needs static layer indices).
 """
 
-import dataclasses
-
 import jax
 import jax.numpy as jnp
 
 from jaxaccel import nn
-from jaxaccel.settings import setting
+from jaxaccel.sections import StochasticDepthSettings     # declared without jax
 from jaxaccel.sharding import constrain, refuse_pipeline
 
 ACTIVATION_AXES = ("batch", "seq", "embed")
 SKIP_KEY = 0x5D       # folded into a layer's key for its rows (its dropout uses the key itself)
-
-
-@dataclasses.dataclass
-class StochasticDepthSettings:
-    rate: float = setting(0.0, "stochastic depth: the last block's skip rate P, block l of L "
-                               "skipped at l/L*P for a random set of rows, which it does not "
-                               "compute (0 = off)", flag="stochastic_depth", at_least=0, below=1)
 
 
 class StochasticDepth(nn.BlockTransform):

@@ -16,10 +16,7 @@ import re
 from flax import nnx
 
 from jaxaccel.errors import ConfigError
-
-TARGETS_HELP = ("comma-separated: blocks (every linear layer in the model's Stack), aliases the "
-                "model defines (jaxaccel's GPT: q, k, v, o, in, gate, out) or regular "
-                "expressions searched in a layer's path (blocks/layers/0/attn/wq)")
+from jaxaccel.sections import TARGETS_HELP     # what --*-targets take, declared without jax
 
 
 class Wrapper(nnx.Module):

@@ -23,7 +23,6 @@ The middle layers' matmuls shrink by K/T (attention scores by (K/T)^2), as the r
 and MFU see. Stochastic depth combines with it; pipeline strategies refuse it (``check``).
 """
 
-import dataclasses
 import math
 
 import jax
@@ -32,32 +31,16 @@ import optax
 
 from jaxaccel import nn
 from jaxaccel.errors import ConfigError
-from jaxaccel.settings import setting
+from jaxaccel.sections import (TOKEN_DROP_SCORES as SCORES,     # declared without jax
+                               TokenDropSettings)
 from jaxaccel.sharding import constrain, refuse_pipeline, take_rows
 
-SCORES = ("random", "loss")
 MULTIPLE = 8          # K, the kept tokens per row, is a multiple of this
 DECAY = 0.9           # the running loss per id: new = DECAY * old + (1 - DECAY) * batch mean
 SELECT_KEY = 0x70D    # folded into the step's model key for the choice of tokens
 MIN_LOSS = 1e-6       # the smallest weight a running loss gives its tokens (log of it is finite)
 ACTIVATION_AXES = ("batch", "seq", "embed")
 TOKEN_AXES = ("batch", "seq")
-
-
-@dataclasses.dataclass
-class TokenDropSettings:
-    keep: float = setting(1.0, "token dropping: share of each row's tokens the token_drop_layers "
-                               "compute in training, K = keep x seq_len rounded to a multiple of "
-                               "8; the others skip those layers unchanged, evaluation runs every "
-                               "token (1 = off)", flag="token_keep", above=0, at_most=1)
-    layers: str | None = setting(None, "token dropping: layers START:END (0-based, END excluded) "
-                                       "that see only the kept tokens (default: the middle half, "
-                                       "e.g. 3:9 of 12; a model of fewer than 3 layers must name "
-                                       "them)", flag="token_drop_layers")
-    score: str = setting("random", "token dropping: how the middle layers' tokens are drawn each "
-                                   "step: random (uniformly), or loss (weighted by the running "
-                                   "loss of the token's target id); padding is dropped first",
-                         flag="token_drop_score", choices=SCORES)
 
 
 def layer_range(text: str | None, n_layers: int | None) -> tuple[int, int]:

@@ -1,18 +1,42 @@
-"""Start-up: the persistent compilation cache (a repeated run compiles nothing anew), its
-settings and an unwritable folder, the start-up phases in the summary, the step timed alone
-(--time-step), and the initialisation taking its key as an argument."""
+"""Start-up: ``--help`` without jax, the persistent compilation cache (a repeated run compiles
+nothing anew), its settings and an unwritable folder, the start-up phases in the summary, the
+step timed alone (--time-step), and the initialisation taking its key as an argument."""
 
 import importlib
 import os
+import subprocess
+import sys
 
 import jax
 import pytest
 
+from conftest import REPO
 from experiments import train as train_cli
 from jaxaccel import compile_cache
 from tests.test_run_files import FAST
 
 finish = importlib.import_module("jaxaccel.loop.finish")    # the package's finish() hides it
+
+
+# The commands whose --help imports no jax, flax nor orbax; the other experiments' modules use
+# jax at their top (kernels, arrays, step functions of their own).
+LIGHT_COMMANDS = ("train", "speedup", "corpus_scale", "depth", "importance", "init_schemes",
+                  "optimizers", "padding", "sparsity", "tokenization")
+
+
+@pytest.mark.parametrize("name", LIGHT_COMMANDS)
+def test_the_help_imports_no_jax(name):
+    """``python -m experiments.train --help`` took 1.5 s, most of it importing jax, flax and
+    orbax; building the parser needs none of them (``jaxaccel.sections``). Checked by the
+    modules the command imported (-X importtime), not by its time."""
+    done = subprocess.run([sys.executable, "-X", "importtime", "-m", f"experiments.{name}",
+                           "--help"], cwd=REPO, capture_output=True, text=True, timeout=120)
+    assert done.returncode == 0 and done.stdout.startswith("usage:"), done.stderr[-2000:]
+    imported = {line.rsplit("|", 1)[-1].strip().partition(".")[0]
+                for line in done.stderr.splitlines() if line.startswith("import time:")}
+    assert "jaxaccel" in imported       # the listing is there to read
+    heavy = imported & {"jax", "flax", "orbax", "optax"}
+    assert not heavy, heavy
 
 
 @pytest.fixture
