@@ -152,7 +152,7 @@ BY_NAME = {t.name: t for t in TECHNIQUES}
 # in jax, its masked weights multiply densely.
 GROUPS = ("padding", "precision", "remat", "attention", "token dropping", "stochastic depth",
           "stacking", "accumulation", "sharding", "optimizer", "sampling")
-DEFAULT_ROWS = ("pack", "bf16", "remat-dots", "accumulate", "fsdp", "token-drop", "best")
+CORE_ROWS = ("pack", "bf16", "remat-dots", "accumulate", "fsdp", "token-drop", "best")
 
 
 @dataclasses.dataclass
@@ -162,8 +162,8 @@ class SpeedupSettings:
                               "minutes on 2 cores) or "
                               "gpu (GPT-2 small shape, seq_len 1024, batch 16, at most 3M real "
                               "tokens per row); auto: gpu when a GPU is visible", choices=SCALES)
-    rows: str = setting(",".join(DEFAULT_ROWS),
-                        "comma-separated rows (the baseline always runs), or all: "
+    rows: str = setting("all", "comma-separated rows (the baseline always runs), all (every "
+                               "row that can run here) or core (" + ",".join(CORE_ROWS) + "): "
                         + ", ".join(t.name for t in TECHNIQUES))
     best: str | None = setting(None, "comma-separated rows whose settings the best row combines "
                                   "(default: chosen from the measurements)")
@@ -275,6 +275,8 @@ def prepare(cfg: SpeedupConfig) -> SpeedupConfig:
 def parse_rows(text: str) -> list[str]:
     if text.strip() == "all":
         return [t.name for t in TECHNIQUES]
+    if text.strip() == "core":
+        return list(CORE_ROWS)
     return parse_list(text, "experiment.rows", valid=BY_NAME)
 
 
@@ -521,7 +523,25 @@ def rows(cfg: SpeedupConfig) -> list[Row]:
           f"{devices['device_kind']}; {len(techniques) + ('best' in names)} rows into "
           f"{cfg.run.run_dir}; target {cfg.run.target_bpb:g} validation bits per byte",
           flush=True)
-    return [plan_row(cfg, t, settings_of[t.name], reasons.get(t.name)) for t in techniques]
+    plan = [plan_row(cfg, t, settings_of[t.name], reasons.get(t.name)) for t in techniques]
+    PLANNED["rows"] = sum("status" not in row.fields for row in plan) + 2 * ("best" in names)
+    return plan
+
+
+# How many rows train a round (the best row and the baseline's again counted), for the time
+# the experiment announces after the baseline's first round.
+PLANNED = {"rows": 0}
+
+
+def announce_duration(cfg: SpeedupConfig, process_s: float, train_s: float):
+    """After the baseline's first round: about how long every round of every row takes at its
+    pace, and at most (each row capped at ``--time-cap`` times its training seconds)."""
+    rows, rounds = PLANNED["rows"], cfg.experiment.rounds
+    expected = rows * rounds * process_s
+    most = rows * rounds * (process_s + (cfg.experiment.time_cap - 1) * train_s)
+    print(f"  the baseline's round took {process_s:.0f} s: {rows} rows x {rounds} round(s) "
+          f"should take about {expected / 60:.0f} min, at most {most / 60:.0f} min",
+          flush=True)
 
 
 def check(cfg: SpeedupConfig, plan: list[Row]):
@@ -633,6 +653,8 @@ def measure(run: RowRun) -> dict:
              else f"gave up at step {summary.steps} after {summary.train_s:.1f} s "
                   f"(val {summary.val_bpb:.3f})")
     print(f"  {label}{name:<16} {where:<44} {ratio:>13}  ({seconds:.0f} s)", flush=True)
+    if name == "baseline" and index == 0:
+        announce_duration(cfg, seconds, summary.train_s)
     memory = summary.step_memory_bytes or {}
     record = {"reached": reached, "train_s": summary.train_s, "compile_s": summary.compile_s,
               "steps": summary.steps, "real_tokens": summary.real_tokens,
