@@ -116,7 +116,6 @@ def measure(row_run: RowRun) -> dict:
         config = yaml.safe_load(f)
     bare = json.loads(run([sys.executable, "-m", "experiments.bare", *flags, *data,
                            "--steps", str(steps),
-                           "--vocab-size", str(config["model"]["vocab_size"]),
                            "--max-seq-len", str(config["model"]["max_seq_len"]),
                            "--warmup-steps", str(config["optimizer"]["warmup_steps"]),
                            "--seq-len", str(config["data"]["seq_len"]

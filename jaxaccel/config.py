@@ -73,8 +73,10 @@ class DataConfig:
                                     "bucket)", at_least=1)
     pack_window: int | None = setting(None, "documents packed together per window (pack batching; "
                                             "default: the data module's)", at_least=1)
-    prefetch: int = setting(2, "batches the loader thread keeps ready on the devices",
-                            at_least=1, at_most=MAX_PREFETCH)
+    prefetch: int | None = setting(
+        None, "batches the loader thread keeps ready on the devices; 0: no thread, each batch "
+        "made when the step asks for it (default: 0 for one process on a CPU, whose device is "
+        "the host, else 2; 2 with importance sampling)", at_least=0, at_most=MAX_PREFETCH)
     sampling: str = setting(
         "uniform", "importance sampling of documents (fixed batching): uniform (off), loss "
         "(documents drawn by their last seen loss) or grad-norm (by a bound of their gradient "

@@ -1,7 +1,9 @@
 """Feeding the step: ``DevicePrefetcher``'s thread makes the next batches of a ``DataStream`` on
 the host, places them on the devices with the step's input sharding (one global array from each
 process's slice when there are several processes) and queues them, so the step finds its input
-waiting."""
+waiting. With ``depth=0`` there is no thread: each batch is made when the step asks for it, and
+on a CPU (one process) handed to the step as host arrays, whose call copies them to its device,
+the host's memory: at a 1 ms step the thread's placing and hand-over cost more than they hide."""
 
 import contextlib
 import queue
@@ -23,6 +25,15 @@ def place_batch(batch: dict, sharding=None) -> dict:
     return jax.device_put(batch, sharding)
 
 
+def prefetch_depth(data) -> int:
+    """``data.prefetch`` (a config's data section) resolved: as set, else 0 for one process on a
+    CPU without importance sampling, else 2."""
+    if data.prefetch is not None:
+        return data.prefetch
+    on_host = jax.process_count() == 1 and jax.default_backend() == "cpu"
+    return 0 if on_host and data.sampling == "uniform" else 2
+
+
 class DevicePrefetcher:
     """Iterator of ``(device batch, host counts)`` that stays ``depth`` batches ahead.
     ``position`` is the stream position after the last batch handed out (the thread runs ahead),
@@ -33,7 +44,13 @@ class DevicePrefetcher:
     def __init__(self, stream, *, sharding=None, depth: int = 2):
         self.position = stream.position
         self.wait_seconds = 0.0
-        self._queue = queue.Queue(maxsize=max(depth, 1))
+        self._stream, self._sharding, self._thread = stream, sharding, None
+        if depth == 0:
+            self._host = jax.process_count() == 1 and all(
+                d.platform == "cpu" for d in (sharding.device_set if sharding is not None
+                                              else jax.local_devices()))
+            return
+        self._queue = queue.Queue(maxsize=depth)
         self._stop = threading.Event()
         self._thread = threading.Thread(
             target=self._produce, args=(stream, sharding), daemon=True, name="prefetch")
@@ -59,6 +76,12 @@ class DevicePrefetcher:
 
     def __next__(self):
         start = time.perf_counter()
+        if self._thread is None:        # depth 0: made now, in this thread
+            batch = next(self._stream)
+            counts = batch_stats(batch)
+            self.position = self._stream.position
+            self.wait_seconds += time.perf_counter() - start
+            return (batch if self._host else place_batch(batch, self._sharding)), counts
         item = self._queue.get()
         self.wait_seconds += time.perf_counter() - start
         if item is self._END:
@@ -70,6 +93,8 @@ class DevicePrefetcher:
 
     def close(self):
         """Stop the thread and drop the batches it made ahead."""
+        if self._thread is None:
+            return
         self._stop.set()
         while self._thread.is_alive():
             with contextlib.suppress(queue.Empty):

@@ -120,7 +120,7 @@ def test_fuzz_numeric_fields_refuse_bad_values(cls):
     (["--dropout", "1"], "dropout must be"),
     (["--warmup-steps", "-1"], "warmup_steps must be at least 0"),
     (["--buckets", "1000000000"], "buckets must be an integer in [1, 1024]"),
-    (["--prefetch", "1000000000"], "prefetch must be an integer in [1, 64]"),
+    (["--prefetch", "1000000000"], "prefetch must be an integer in [0, 64]"),
     (["--steps", str(2**40)], "steps must be at most 2147483647"),
     (["--batching", "bucket", "--buckets", "100", "--seq-len", "64"], "exceeds seq_len=64"),
     (["--eval-batches", "0"], "eval_batches must be at least 1"),

@@ -21,7 +21,7 @@ def test_the_bare_script_trains_the_loops_step_on_the_same_batches(corpus_path, 
     losses = [r["loss"] for r in map(json.loads, open(run_dir / "metrics.jsonl"))
               if r["kind"] == "train"]
     out = subprocess.run([sys.executable, "-m", "experiments.bare", *TINY, *cache, "--steps", "3",
-                          "--vocab-size", "320", "--max-seq-len", "256", "--warmup-steps", "50"],
+                          "--max-seq-len", "256", "--warmup-steps", "50"],
                          capture_output=True, text=True, check=True).stdout
     bare = json.loads(out.strip().splitlines()[-1])
     assert bare["steps"] == 2 and bare["command_to_first_step"] > 0

@@ -6,11 +6,12 @@ import os
 import time
 
 import jax
+import numpy as np
 from flax import nnx
 
 from jaxaccel import hardware, lora, model as model_lib, precision, techniques, trace
 from jaxaccel.compiled import largest_memory_bytes
-from jaxaccel.loader import abstract_batch
+from jaxaccel.loader import abstract_batch, place_batch
 from jaxaccel.loop.console import announce
 from jaxaccel.loop.record import RunSummary
 from jaxaccel.loop.run import Progress, agreed_stop, recent_steps, run_eval, stop_asked, \
@@ -137,7 +138,9 @@ def _finish(run: Setup, compiled: list, progress: Progress, wall_start: float, n
                                      None if interrupted or paused else val_loss,
                                      final_step))
     if progress.recent_batches and not interrupted:     # last: it consumes the state
-        summary.step_alone = step_alone(steps, state, progress.recent_batches, tokens_per_s)
+        placed = [place_batch(b, run.batch_layout) if isinstance(b["inputs"], np.ndarray)
+                  else b for b in progress.recent_batches]     # on the device, as timed alone
+        summary.step_alone = step_alone(steps, state, placed, tokens_per_s)
     if jax.process_count() == 1:        # a signal in the last moments is said too
         summary.interrupted = interrupted or stop_name(stopped())
     return summary

@@ -14,7 +14,7 @@ import numpy as np
 from jaxaccel import nn, profiling, stacking, techniques
 from jaxaccel.config import to_dict
 from jaxaccel.data import batches
-from jaxaccel.loader import DevicePrefetcher, place_batch
+from jaxaccel.loader import DevicePrefetcher, place_batch, prefetch_depth
 from jaxaccel.loop.console import announce, log_window, note, progress_bar
 from jaxaccel.loop.compile import plan_remat
 from jaxaccel.loop.setup import Setup, open_stream
@@ -65,7 +65,8 @@ def run_steps(run: Setup, steps, should_stop=None, previous: Progress | None = N
     window = []         # the metrics of the steps since the last log step, not yet fetched
     late = []           # the last log step and its window: fetched at the next log step
     interrupted, reached, last_eval = None, None, None
-    feed = DevicePrefetcher(run.stream, sharding=run.batch_layout, depth=cfg.data.prefetch)
+    feed = DevicePrefetcher(run.stream, sharding=run.batch_layout,
+                            depth=prefetch_depth(cfg.data))
     progress = progress_bar(run.total_steps, first_step, cfg.run.progress)
 
     sampler = getattr(run.stream, "sampler", None)      # importance sampling's score table

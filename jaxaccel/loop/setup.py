@@ -24,6 +24,7 @@ from jaxaccel.config import check_json_outputs, check_writable, field_value, ove
 from jaxaccel.corpus import corpus_of
 from jaxaccel.data import DataStream
 from jaxaccel.errors import ConfigError
+from jaxaccel.loader import prefetch_depth
 from jaxaccel.loop.compile import check_scores, compiled_steps, eval_microbatches, plan_remat
 from jaxaccel.loop.console import announce, note
 from jaxaccel.loop.record import base_weights, run_environment
@@ -329,7 +330,7 @@ def open_stream(cfg, documents, stream_args: dict, position: dict | None = None)
     d = cfg.data
     return SampledStream(documents, position=position, sampling=d.sampling,
                          power=d.sampling_power, floor=d.sampling_floor,
-                         lag=sampling_lag(d.prefetch), **stream_args)
+                         lag=sampling_lag(prefetch_depth(d)), **stream_args)
 
 
 def resume_settings(cfg, stream_args: dict, total_steps: int, multiple: int) -> dict:
@@ -343,7 +344,7 @@ def resume_settings(cfg, stream_args: dict, total_steps: int, multiple: int) -> 
     settings.update({f"data.{k}": v for k, v in cfg.batching_options().items()},
                     **{"data.seq_len": stream_args["seq_len"], "run.steps": total_steps})
     if cfg.data.sampling != "uniform":          # the sampler's lag follows the prefetch depth
-        settings["data.prefetch"] = cfg.data.prefetch
+        settings["data.prefetch"] = prefetch_depth(cfg.data)
     if cfg.data.tokens_per_batch is not None:   # token budgets round batches to this multiple
         settings["data.batch_multiple"] = math.lcm(multiple, jax.process_count())
     return settings
