@@ -8,7 +8,9 @@ asynchronous save is written by a background thread that the next ``save``, ``wa
 where it can be (the folder writable, room for the state), else caught from orbax, whose own
 reports of that failure (absl log records, tensorstore's callbacks finding their event loop
 closed) are dropped, as the line says it all; the directory of a step is made in ``save``
-itself, so no background thread is left waiting for one that could not be made.
+itself, so no background thread is left waiting for one that could not be made. Orbax is
+imported when a checkpoint is first read or written, not before: a new run starts without it
+(about 0.15 s of a 1 ms step's start-up).
 """
 
 import contextlib
@@ -23,7 +25,6 @@ import sys
 import tempfile
 
 import jax
-import orbax.checkpoint as ocp
 
 from jaxaccel.errors import ConfigError
 
@@ -40,19 +41,26 @@ class Checkpointer:
         """Keeps the ``max_to_keep`` latest checkpoints and every one whose step is a multiple
         of ``keep_period`` (None: none); ``asynchronous`` writes saves in the background."""
         self.directory = os.path.abspath(directory)
+        os.makedirs(self.directory, exist_ok=True)
         _quiet_orbax_write_failures()
-        _whole_replicas()
-        self._manager = ocp.CheckpointManager(self.directory, options=ocp.CheckpointManagerOptions(
-            max_to_keep=max_to_keep, keep_period=keep_period or None,
-            enable_async_checkpointing=asynchronous, create=True,
-            # the step's directory made in save(): a folder that cannot be written fails there,
-            # not in a thread that the commit threads would wait for until orbax's timeout
-            async_options=ocp.options.AsyncOptions(create_directories_asynchronously=False)))
+        self._options = dict(max_to_keep=max_to_keep, keep_period=keep_period or None,
+                             enable_async_checkpointing=asynchronous)
         self._pending = None            # the step being written in the background
         self._closed = False
         self.saved_history = []
 
+    @functools.cached_property
+    def _manager(self):
+        ocp = _orbax()
+        return ocp.CheckpointManager(self.directory, options=ocp.CheckpointManagerOptions(
+            **self._options, create=True,
+            # the step's directory made in save(): a folder that cannot be written fails there,
+            # not in a thread that the commit threads would wait for until orbax's timeout
+            async_options=ocp.options.AsyncOptions(create_directories_asynchronously=False)))
+
     def latest_step(self) -> int | None:
+        if not any(name.isdigit() for name in os.listdir(self.directory)):
+            return None             # no step's directory: orbax need not be asked (nor imported)
         return self._manager.latest_step()
 
     def save(self, step: int, state, *, loader_position: dict, config: dict,
@@ -65,6 +73,7 @@ class Checkpointer:
         self._pending = step
         with _write_errors(self, step):
             _check_room(self.directory, state)
+            ocp = _orbax()
             self._manager.save(step, args=ocp.args.Composite(
                 state=ocp.args.StandardSave(state),
                 meta=ocp.args.JsonSave({"format": FORMAT, "loader_position": loader_position,
@@ -104,6 +113,7 @@ class Checkpointer:
             raise ConfigError(
                 f"checkpoint {where} was written with other settings: {', '.join(mismatched)}; "
                 f"resume with the same settings or start a new run_dir", field="run.run_dir")
+        ocp = _orbax()
         abstract = jax.tree.map(ocp.utils.to_shape_dtype_struct, target_state)
         state = self._read(step, state=ocp.args.StandardRestore(abstract))["state"]
         return state, meta["loader_position"], step
@@ -133,6 +143,7 @@ class Checkpointer:
 
     def _meta(self, step: int) -> tuple[dict | None, str | None]:
         """``(meta, None)`` of the checkpoint at ``step``, or ``(None, what is wrong)``."""
+        ocp = _orbax()
         try:
             meta = self._manager.restore(step, args=ocp.args.Composite(
                 meta=ocp.args.JsonRestore()))["meta"]
@@ -154,7 +165,7 @@ class Checkpointer:
     def _read(self, step: int, **items):
         """Restore ``items`` of the checkpoint at ``step``; one ConfigError line if unreadable."""
         try:
-            return self._manager.restore(step, args=ocp.args.Composite(**items))
+            return self._manager.restore(step, args=_orbax().args.Composite(**items))
         except Exception as e:
             reason = str(e).strip().splitlines()[0][:200] if str(e).strip() else ""
             raise ConfigError(
@@ -170,7 +181,8 @@ class Checkpointer:
         finally:
             if not self._closed:
                 self._closed = True
-                self._manager.close()
+                if "_manager" in self.__dict__:         # made (orbax imported) at first use
+                    self._manager.close()
 
 
 class CheckpointWriteError(ConfigError):
@@ -231,7 +243,15 @@ def _os_error(error: BaseException | None) -> OSError | None:
 
 
 @functools.cache
-def _whole_replicas():
+def _orbax():
+    """orbax.checkpoint, imported at the first checkpoint read or written, with jaxaccel's
+    handler of replicated arrays installed."""
+    import orbax.checkpoint as ocp
+    _whole_replicas(ocp)
+    return ocp
+
+
+def _whole_replicas(ocp):
     """Have orbax write each replicated array from one replica, whole (installed once per
     process, for every orbax save in it). Its default splits a replicated array among the
     replicas, compiling a slicing program per array and replica: saving 40 small arrays on an

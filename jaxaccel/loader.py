@@ -102,6 +102,12 @@ class DevicePrefetcher:
         self._thread.join()
 
 
+def abstract_key():
+    """A PRNG key's shape and dtype (``jax.random.PRNGKey``'s), to trace with: making a real
+    one compiles a program."""
+    return jax.ShapeDtypeStruct((2,), jax.numpy.uint32)
+
+
 def abstract_batch(shape: tuple[int, int], sharding=None) -> dict:
     """ShapeDtypeStructs of a Batch of ``shape`` = (batch size, length), for compiling ahead."""
     return {k: jax.ShapeDtypeStruct(shape, d, sharding=sharding) for k, d in BATCH_DTYPES.items()}

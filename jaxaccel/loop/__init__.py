@@ -29,7 +29,7 @@ from jaxaccel import (compile_cache, fp8, model as model_lib, nn, precision, rem
                       techniques, trace)
 from jaxaccel.checkpoint import CheckpointWriteError
 from jaxaccel.config import TrainConfig
-from jaxaccel.loader import abstract_batch
+from jaxaccel.loader import abstract_batch, abstract_key
 from jaxaccel.loop.compile import Steps, compile_steps, memory_budget_bytes, sharded_steps, \
     train_step_of
 from jaxaccel.loop.console import announce
@@ -130,7 +130,7 @@ def preflight(cfg: TrainConfig, mesh_shape: dict):
         graphdef, segment_attention=cfg.data.batching == "pack"), cfg.policy())
     rows = max(1, cfg.batch_rows() // cfg.optimizer.accumulate)
     jaxpr = jax.make_jaxpr(apply)(state, dict(abstract_batch((rows, min(cfg.seq_len, 64)))),
-                                  jax.random.PRNGKey(0))
+                                  abstract_key())
     remat.check_tags(cfg.remat.policy, trace.tags(jaxpr))
     warning = precision.float32_warning(trace.float32_matmuls(jaxpr), cfg.policy())
     if warning and jax.process_index() == 0:

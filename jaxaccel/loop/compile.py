@@ -11,7 +11,7 @@ from jaxaccel import hardware, nn, precision, techniques, trace
 from jaxaccel.compiled import CompiledFn, abstract, largest_memory_bytes
 from jaxaccel.config import override
 from jaxaccel.errors import ConfigError
-from jaxaccel.loader import abstract_batch
+from jaxaccel.loader import abstract_batch, abstract_key
 from jaxaccel.loop.console import announce
 from jaxaccel.model import eval_graphdef, is_preset, make_apply
 from jaxaccel.pipeline import pipeline_eval_fn, pipeline_grad_fn
@@ -113,7 +113,7 @@ def scores_bytes(cfg, model, rows: int) -> tuple[int, tuple, str]:
     apply = precision.cast(make_apply(graphdef, segment_attention=cfg.data.batching == "pack"),
                            cfg.policy())
     jaxpr = jax.make_jaxpr(apply)(state, dict(abstract_batch((rows, cfg.seq_len))),
-                                  jax.random.PRNGKey(0))
+                                  abstract_key())
     found = [(math.prod(v.aval.shape) * v.aval.dtype.itemsize, v.aval.shape, str(v.aval.dtype))
              for eqn, _ in trace.equations(jaxpr) if eqn.primitive.name == "dot_general"
              for v in eqn.outvars if cfg.seq_len > 1 and v.aval.shape.count(cfg.seq_len) >= 2]

@@ -11,7 +11,7 @@ from flax import nnx
 
 from jaxaccel import hardware, lora, model as model_lib, precision, techniques, trace
 from jaxaccel.compiled import largest_memory_bytes
-from jaxaccel.loader import abstract_batch, place_batch
+from jaxaccel.loader import abstract_batch, abstract_key, place_batch
 from jaxaccel.loop.console import announce
 from jaxaccel.loop.record import RunSummary
 from jaxaccel.loop.run import Progress, agreed_stop, recent_steps, run_eval, stop_asked, \
@@ -155,7 +155,7 @@ def flops_per_token(cfg, model) -> float:
         graphdef, segment_attention=cfg.data.batching == "pack"), cfg.policy())
     rows = max(1, cfg.batch_rows() // cfg.optimizer.accumulate)
     batch = dict(abstract_batch((rows, cfg.seq_len)))
-    flops = trace.training_flops(apply, state, batch, jax.random.PRNGKey(0))
+    flops = trace.training_flops(apply, state, batch, abstract_key())
     return flops / (rows * cfg.seq_len)
 
 
