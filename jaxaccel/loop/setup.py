@@ -1,6 +1,7 @@
 """Phase 1 of a run, set-up: the run directory, the data, the optimizer, the model's sharded
 state (with every technique applied), the checkpoint (restored on resume)."""
 
+import concurrent.futures
 import contextlib
 import dataclasses
 import errno
@@ -32,7 +33,7 @@ from jaxaccel.report import dump_json
 from jaxaccel.sampling import SampledStream, lag as sampling_lag
 from jaxaccel.sharding import batch_shards, batch_sharding, format_mesh, param_shardings, \
     parse_axis_rules
-from jaxaccel.state import create_state, state_maker
+from jaxaccel.state import lower_state, state_maker
 
 RUNS_ROOT = "runs"
 LOCK_FILE = "run.lock"      # in the run directory: held (flock) by the run writing it
@@ -144,11 +145,16 @@ def set_up(cfg, mesh, mesh_shape, full_model, run_dir: str) -> Setup:
     eval_batch_size = cfg.run.eval_batch_size or cfg.batch_rows()
     eval_batch_size = -(-eval_batch_size // eval_multiple) * eval_multiple
     begin = time.perf_counter()
-    steps = compiled_steps(cfg, model, optimizer, schedule, shardings, mesh, shapes,
-                           stream.global_shapes, eval_batch_size)
-    startup["compile"] = time.perf_counter() - begin
-    begin = time.perf_counter()
-    state = create_state(make_state, shardings, cfg.run.seed, base)
+    # The state's initialisation compiles on a thread of its own while the steps compile (XLA
+    # leaves the GIL while it compiles); it runs once the steps' memory has been checked.
+    init = lower_state(make_state, shardings, cfg.run.seed, base)
+    with concurrent.futures.ThreadPoolExecutor(1) as pool:
+        init = pool.submit(init.compile)
+        steps = compiled_steps(cfg, model, optimizer, schedule, shardings, mesh, shapes,
+                               stream.global_shapes, eval_batch_size)
+        startup["compile"] = time.perf_counter() - begin
+        begin = time.perf_counter()
+        state = init.result()(jax.random.PRNGKey(cfg.run.seed), *base)
     jax.block_until_ready(state)
     startup["init"] = time.perf_counter() - begin
     resume_config = {**resume_settings(full_cfg, stream_args, total_steps, multiple),
