@@ -24,6 +24,9 @@ from jaxaccel.sharding import param_shardings, state_shardings
 from jaxaccel.train import TrainState
 
 
+KEY = jax.ShapeDtypeStruct((2,), jnp.uint32)     # a PRNGKey's, to trace with (a real one compiles)
+
+
 def init_state(params, optimizer: optax.GradientTransformation, seed: int, loss_scale=None,
                policy: Policy | None = None, trainable=None) -> TrainState:
     """The state at step 0; the variables stored in ``policy.param_dtype`` when given; the
@@ -62,7 +65,7 @@ def lower_init(make_params, optimizer, seed: int, loss_scale, mesh, platform: st
 def lower_state(make_state, shardings, seed: int, args=(), platform: str | None = None):
     with jax_config.threefry_gpu_kernel_lowering(True):
         return jax.jit(make_state, out_shardings=shardings).trace(
-            jax.random.PRNGKey(seed), *args).lower(
+            KEY, *args).lower(
                 lowering_platforms=None if platform is None else (platform,))
 
 
@@ -81,7 +84,7 @@ def state_maker(make_params, optimizer, seed, loss_scale, mesh, policy, axis_rul
         params = make_params(key, *args)
         return init_state(params, optimizer, seed, loss_scale, policy, nn.trainable(params))
 
-    abstract_state = jax.eval_shape(make_state, jax.random.PRNGKey(seed), *args)
+    abstract_state = jax.eval_shape(make_state, KEY, *args)
     shardings = state_shardings(mesh, abstract_state,
                                 param_shardings(mesh, abstract_state.params, axis_rules))
     return make_state, abstract_state, shardings
