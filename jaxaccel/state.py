@@ -12,6 +12,8 @@ GPT-2 small took 3.8 s instead of 47.4 s. The optimizer's state covers what trai
 (``nn.trainable``: a filter on the variables' types).
 """
 
+import math
+
 import jax
 import jax.numpy as jnp
 import optax
@@ -49,8 +51,24 @@ def init_sharded_state(make_params, optimizer, seed: int, loss_scale, mesh,
 
 def create_state(make_state, shardings, seed: int, args=()):
     """The state ``make_state`` (of ``state_maker``) makes, created in ``shardings``."""
-    return lower_state(make_state, shardings, seed, args).compile()(jax.random.PRNGKey(seed),
-                                                                    *args)
+    return compile_init(lower_state(make_state, shardings, seed, args))(
+        jax.random.PRNGKey(seed), *args)
+
+
+# The initialisation runs once, so on a CPU a state of at most this many elements compiles it at
+# LLVM's optimisation level 0. Measured on the project's 2-core CPU (2026-11-28): a 1-layer
+# 32-wide GPT's compiled in 0.59 s instead of 1.24 (ran in 0.04 s either way), the tiny
+# preset's (10 M elements with AdamW's moments) in 1.21 s instead of 1.72, running 0.20 s
+# instead of 0.08; GPT-2 small's (370 M) would run 3.8 s instead of 0.73 for 0.9 s less compile.
+FAST_INIT_ELEMENTS = 2**25
+
+
+def compile_init(lowered):
+    """``lower_state``'s computation compiled (see ``FAST_INIT_ELEMENTS``)."""
+    elements = sum(math.prod(x.shape) for x in jax.tree.leaves(lowered.out_info))
+    if jax.default_backend() == "cpu" and elements <= FAST_INIT_ELEMENTS:
+        return lowered.compile(compiler_options={"xla_backend_optimization_level": 0})
+    return lowered.compile()
 
 
 def lower_init(make_params, optimizer, seed: int, loss_scale, mesh, platform: str | None,

@@ -87,11 +87,8 @@ def test_a_step_larger_than_host_memory_is_refused_before_the_state_is_made(
     host_memory(200_000)        # the batch and the scores fit; parameters + Adam do not
     setup = importlib.import_module("jaxaccel.loop.setup")
     made = []
-    class Lowered:      # the state's initialisation may compile, but never runs
-        def compile(self):
-            return lambda *args: made.append(1)
-
-    monkeypatch.setattr(setup, "lower_state", lambda *a, **k: Lowered())
+    # the state's initialisation may compile, but never runs
+    monkeypatch.setattr(setup, "compile_init", lambda lowered: lambda *args: made.append(1))
     assert train_cli.main(run_args(corpus_path, tmp_path)) == 2
     line = one_line(capsys)
     assert "the train step needs" in line and "this host has 200,000 available" in line

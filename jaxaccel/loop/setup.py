@@ -33,7 +33,7 @@ from jaxaccel.report import dump_json
 from jaxaccel.sampling import SampledStream, lag as sampling_lag
 from jaxaccel.sharding import batch_shards, batch_sharding, format_mesh, param_shardings, \
     parse_axis_rules
-from jaxaccel.state import lower_state, state_maker
+from jaxaccel.state import compile_init, lower_state, state_maker
 
 RUNS_ROOT = "runs"
 LOCK_FILE = "run.lock"      # in the run directory: held (flock) by the run writing it
@@ -149,7 +149,7 @@ def set_up(cfg, mesh, mesh_shape, full_model, run_dir: str) -> Setup:
     # leaves the GIL while it compiles); it runs once the steps' memory has been checked.
     init = lower_state(make_state, shardings, cfg.run.seed, base)
     with concurrent.futures.ThreadPoolExecutor(1) as pool:
-        init = pool.submit(init.compile)
+        init = pool.submit(compile_init, init)
         steps = compiled_steps(cfg, model, optimizer, schedule, shardings, mesh, shapes,
                                stream.global_shapes, eval_batch_size)
         startup["compile"] = time.perf_counter() - begin
