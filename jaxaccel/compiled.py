@@ -32,13 +32,16 @@ class CompiledFn:
         self.compile_seconds = 0.0
         self.last = None
 
+    def _lower(self, *args):
+        return self._jitted.lower(*args)
+
     def compile(self, *args):
         """The executable for these arguments' shapes, compiling it on first sight."""
         key = shape_key(args if self._keyed_by is None else [args[i] for i in self._keyed_by])
         executable = self._executables.get(key)
         if executable is None:
             start = time.perf_counter()
-            executable = self._jitted.lower(*args).compile()
+            executable = self._lower(*args).compile()
             self.compile_seconds += time.perf_counter() - start
             self.compiles += 1
             self._executables[key] = executable
@@ -52,6 +55,54 @@ class CompiledFn:
 
     def __call__(self, *args):
         return self.compile(*args)(*args)
+
+
+class StateStep(CompiledFn):
+    """A step ``fn(state, *rest) -> (state, out)`` compiled over the state's leaves, whose shapes
+    stay those of the first compile (``rest``'s choose the executable). A loop keeps the leaves
+    (``jax.tree.leaves(state)``) and calls ``on_leaves``, and rebuilds the state (``state_of``)
+    only when it needs it: Flax's variables are Python pytree nodes, and flattening and
+    rebuilding the state on each call took 0.13 ms of a 1 ms step (2026-11-28, the project's
+    2-core CPU). Called with the state, it is a ``CompiledFn``. The shardings are
+    ``(state's, rest's...)`` and ``(state's, out's)``; ``donate`` donates the state."""
+
+    def __init__(self, fn, *, in_shardings=None, out_shardings=None, donate: bool = False):
+        super().__init__(fn, keyed_by=(1,))
+        self._fn, self._treedef, self._flat = fn, None, None
+        self._shardings, self._donate = (in_shardings, out_shardings), donate
+
+    def _lower(self, state, *rest):
+        if self._flat is None:
+            treedef = self._treedef = jax.tree.structure(state)
+
+            def step(leaves, *rest):
+                new_state, out = self._fn(jax.tree.unflatten(treedef, leaves), *rest)
+                return jax.tree.leaves(new_state), out
+
+            step.__name__ = getattr(self._fn, "__name__", "step")
+            (ins, outs), kwargs = self._shardings, {}
+            if ins is not None:
+                kwargs["in_shardings"] = (jax.tree.leaves(ins[0]), *ins[1:])
+            if outs is not None:
+                kwargs["out_shardings"] = (jax.tree.leaves(outs[0]), *outs[1:])
+            self._flat = jax.jit(step, donate_argnums=0 if self._donate else (), **kwargs)
+        return self._flat.lower(jax.tree.leaves(state), *rest)
+
+    def on_leaves(self, leaves: list, *rest):
+        """``(the new state's leaves, out)`` from the state's ``leaves``."""
+        executable = self._executables.get(shape_key(rest))
+        if executable is None:
+            executable = self.compile(self.state_of(leaves), *rest)
+        self.last = executable
+        return executable(leaves, *rest)
+
+    def state_of(self, leaves: list):
+        return jax.tree.unflatten(self._treedef, leaves)
+
+    def __call__(self, state, *rest):
+        self.compile(state, *rest)      # once compiled, a lookup by the rest's shapes
+        leaves, out = self.on_leaves(jax.tree.leaves(state), *rest)
+        return self.state_of(leaves), out
 
 
 def abstract(tree):

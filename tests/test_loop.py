@@ -169,16 +169,16 @@ def test_sigterm_without_checkpoints_exits_saying_the_run_cannot_be_continued(
     after the first step (a real process's exit is the next test's, which reads these programs
     from the compilation cache)."""
     from jaxaccel import compiled
-    call, sent = compiled.CompiledFn.__call__, []
+    call, sent = compiled.StateStep.on_leaves, []
 
     def signal_after_the_first_step(self, *args):
         out = call(self, *args)
-        if not sent and len(args) == 2 and "targets" in args[1]:
+        if not sent:
             sent.append(True)
             signal.raise_signal(signal.SIGTERM)
         return out
 
-    monkeypatch.setattr(compiled.CompiledFn, "__call__", signal_after_the_first_step)
+    monkeypatch.setattr(compiled.StateStep, "on_leaves", signal_after_the_first_step)
     run_dir = tmp_path / "signalled"
     code = main([*SIGNALLED, "--data", corpus_path, "--run-dir", str(run_dir),
                  "--cache-dir", str(tmp_path / "cache"), "--no-save-checkpoints"])
@@ -465,19 +465,24 @@ def test_a_log_step_fetches_the_window_before_so_the_device_queue_never_drains(
     from jaxaccel import compiled
     from jaxaccel.loop import run as run_phase
     events = []
-    log_window, call = run_phase.log_window, compiled.CompiledFn.__call__
+    log_window, call = run_phase.log_window, compiled.StateStep.on_leaves
+    evaluate = compiled.CompiledFn.__call__
 
     def logged(writer, step, *args):
         events.append(("log", step))
         return log_window(writer, step, *args)
 
     def dispatched(self, *args):
-        if len(args) == 2 and "inputs" in args[1] and "targets" in args[1]:
-            events.append(("step", None))
+        events.append(("step", None))
         return call(self, *args)
 
+    def evaluated(self, *args):
+        events.append(("step", None))
+        return evaluate(self, *args)
+
     monkeypatch.setattr(run_phase, "log_window", logged)
-    monkeypatch.setattr(compiled.CompiledFn, "__call__", dispatched)
+    monkeypatch.setattr(compiled.StateStep, "on_leaves", dispatched)
+    monkeypatch.setattr(compiled.CompiledFn, "__call__", evaluated)
     cfg, _ = whole          # its 20 steps logged every 2, without evaluations and checkpoints
     train(like(cfg, tmp_path / "run", **{"run.eval_every": 0, "run.checkpoint_every": 0}))
     order = [step if kind == "log" else "s" for kind, step in events]

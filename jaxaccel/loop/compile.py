@@ -8,7 +8,7 @@ import jax
 from flax import nnx
 
 from jaxaccel import hardware, nn, precision, techniques, trace
-from jaxaccel.compiled import CompiledFn, abstract, largest_memory_bytes
+from jaxaccel.compiled import CompiledFn, StateStep, abstract, largest_memory_bytes
 from jaxaccel.config import override
 from jaxaccel.errors import ConfigError
 from jaxaccel.loader import abstract_batch, abstract_key
@@ -22,7 +22,7 @@ from jaxaccel.train import lm_eval_step, lm_train_step, make_train_step
 
 @dataclasses.dataclass
 class Steps:
-    train: CompiledFn
+    train: StateStep
     eval: CompiledFn
     warm_compiles: int
 
@@ -69,9 +69,9 @@ def sharded_steps(cfg, model, optimizer, schedule, shardings, mesh):
     """The train and eval steps as ``CompiledFn``s jitted over ``mesh``: the state in
     ``shardings`` (donated to the train step), the batch over data x fsdp, metrics replicated."""
     layout, whole = batch_sharding(mesh), replicated(mesh)
-    train_step = CompiledFn(train_step_of(cfg, model, optimizer, schedule),
-                            in_shardings=(shardings, layout), out_shardings=(shardings, whole),
-                            donate_argnums=0, keyed_by=(1,))
+    train_step = StateStep(train_step_of(cfg, model, optimizer, schedule),
+                           in_shardings=(shardings, layout), out_shardings=(shardings, whole),
+                           donate=True)
     eval_step = CompiledFn(eval_step_of(cfg, model), in_shardings=(shardings, layout),
                            out_shardings=whole, keyed_by=(1,))
     return train_step, eval_step

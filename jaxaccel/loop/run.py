@@ -47,6 +47,7 @@ def run_steps(run: Setup, steps, should_stop=None, previous: Progress | None = N
     """Train to the end of the run or of its stacking stage, continuing ``previous`` (the stages
     before); the start-up (``run.startup``) is timed to the first step from ``wall_start``."""
     cfg, state = run.cfg, run.state
+    leaves = jax.tree.leaves(state)     # what the step takes and gives (StateStep.on_leaves)
     train_bits = run.corpus.bits_per_byte(1.0, "train")    # bits per byte of a nat per token
     start = int(state.step)
     end = min(stacking.stage_end(start, run.total_steps, run.stack_ends), run.stop_step)
@@ -98,7 +99,7 @@ def run_steps(run: Setup, steps, should_stop=None, previous: Progress | None = N
         pending = [(float(loss), float(tokens)) for loss, tokens in
                    jax.device_get([(m["loss"], m["real_tokens"]) for m in window])]
         kept = (run.restored_history + history + pending)[-recent_steps(run.total_steps):]
-        run.checkpointer.save(step, state, loader_position=position(),
+        run.checkpointer.save(step, steps.train.state_of(leaves), loader_position=position(),
                               config=run.resume_config, history=kept)
 
     saved_at = previous.saved_at if previous else time.monotonic()
@@ -108,13 +109,13 @@ def run_steps(run: Setup, steps, should_stop=None, previous: Progress | None = N
             batch, _ = next(feed)
             recent.append(batch)
             if profiler is not None and profiler.starts(step):    # the trace's set-up and
-                watch.pause(state)                                  # read-back are not training
-                profiler.before(step, state)
+                watch.pause(leaves)                                 # read-back are not training
+                profiler.before(step, leaves)
                 watch.start()
-            state, metrics = steps.train(state, batch)
+            leaves, metrics = steps.train.on_leaves(leaves, batch)
             if profiler is not None and profiler.stops(step):
-                watch.pause(state)
-                profiler.after(step, state)
+                watch.pause(leaves)
+                profiler.after(step, leaves)
                 watch.start()
             if previous is None and step == start and wall_start is not None:
                 _time_first_step(run, metrics, wall_start, progress)
@@ -127,9 +128,10 @@ def run_steps(run: Setup, steps, should_stop=None, previous: Progress | None = N
                 late.append((done, window))
                 window = []
             if cfg.run.eval_every and done % cfg.run.eval_every == 0 and done < run.total_steps:
-                watch.pause(state)
+                watch.pause(leaves)
                 log_late()
-                loss, tokens = run_eval(run, steps, state, writer, done, cfg.run.eval_batches)
+                loss, tokens = run_eval(run, steps, steps.train.state_of(leaves), writer, done,
+                                        cfg.run.eval_batches)
                 bpb, last_eval = run.corpus.bits_per_byte(loss), (done, loss, tokens)
                 announce(cfg, f"eval at step {done}: loss {loss:.4f}, {bpb:.3f} bits per byte "
                               f"over {tokens:,} tokens", progress)
@@ -151,7 +153,7 @@ def run_steps(run: Setup, steps, should_stop=None, previous: Progress | None = N
                 at_log = done % max(cfg.run.log_every, 1) == 0 or done == end
                 stop, due = agreed(stop, due) if at_log else (None, False)
             if cfg.run.save_checkpoints and (due or stop):
-                watch.pause(state)
+                watch.pause(leaves)
                 save(done)
                 saved_at = time.monotonic()
                 watch.start()
@@ -160,7 +162,8 @@ def run_steps(run: Setup, steps, should_stop=None, previous: Progress | None = N
             if stop:
                 interrupted = stop_name(stop)
                 break
-        watch.pause(state)
+        watch.pause(leaves)
+        state = steps.train.state_of(leaves)
         log_late()
         if window:
             history += log_window(writer, int(state.step), window, totals, watch.seconds,
