@@ -66,9 +66,9 @@ class OverheadSettings:
 
 OverheadConfig = config_of(OverheadSettings, base=None)
 
-COLUMNS = [("shape", "shape", ""), ("loop", "loop steps/s", ",.1f"),
-           ("bare", "bare steps/s", ",.1f"), ("loop_share", "loop/bare", ".3f"),
-           ("alone", "alone steps/s", ",.1f"), ("start", "start s", ".2f"),
+COLUMNS = [("shape", "shape", ""), ("loop", "loop steps/s", ",.4g"),
+           ("bare", "bare steps/s", ",.4g"), ("loop_share", "loop/bare", ".3f"),
+           ("alone", "alone steps/s", ",.4g"), ("start", "start s", ".2f"),
            ("bare_start", "bare start s", ".2f"), ("start_ratio", "start ratio", ".2f"),
            ("target", "loop target", ".2f")]
 
