@@ -1,7 +1,7 @@
 """The experiments, each a command: ``python -m experiments.NAME``.
 
-Python imports this package before the experiment's module, whose imports (jax's above all)
-take seconds. Meanwhile a SIGINT (Ctrl-C) or SIGTERM stops the command at once: one line
+Python imports this package before the experiment's module, whose imports can take a second
+(jax's: most commands import it only once they have parsed their flags). Meanwhile a SIGINT (Ctrl-C) or SIGTERM stops the command at once: one line
 ``stopped by SIGINT during start-up ...`` on stderr and the shell's exit code for the signal
 (130, 143), as ``common.command`` gives, never a KeyboardInterrupt's traceback. The command's
 own handlers (``common.stop_on_signals``, ``loop.run.stop_on_signals``) replace these while it
