@@ -566,6 +566,7 @@ def test_rows_train_afresh_each_round_and_the_best_row_with_the_baseline_again(
     assert summary["target"]["reached"] and summary["target"]["bpb"] == 7.9
     printed = capsys.readouterr().out
     assert "round 2/2  best" in printed and "to the target 2 times" in printed
+    assert "3 rows x 2 round(s) should take about" in printed     # said after round 1's baseline
     assert f"its steps to the target were {base['rounds'][0]['steps']} / " \
         f"{base['rounds'][1]['steps']}" in printed
     report = (run_dir / "report.md").read_text()
