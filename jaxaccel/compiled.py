@@ -20,9 +20,9 @@ def shape_key(args) -> tuple:
 class CompiledFn:
     """``jax.jit(fn)`` compiled ahead of time for each new argument signature. With
     ``keyed_by`` (argument positions) only those arguments' shapes choose the executable: a
-    train step's state keeps its shapes, and flattening it on every call (Flax's variables are
-    Python pytree nodes) would cost a 1 ms step a tenth of its time; an argument outside
-    ``keyed_by`` whose shapes differ from the first compile's is JAX's own error."""
+    step's state keeps its shapes, and flattening it on every call (Flax's variables are Python
+    pytree nodes) costs a 1 ms step a tenth of its time; an argument outside ``keyed_by`` whose
+    shapes differ from the first compile's is JAX's own error."""
 
     def __init__(self, fn, *, keyed_by: tuple[int, ...] | None = None, **jit_kwargs):
         self._jitted = jax.jit(fn, **jit_kwargs)
@@ -100,8 +100,7 @@ class StateStep(CompiledFn):
         return jax.tree.unflatten(self._treedef, leaves)
 
     def __call__(self, state, *rest):
-        self.compile(state, *rest)      # once compiled, a lookup by the rest's shapes
-        leaves, out = self.on_leaves(jax.tree.leaves(state), *rest)
+        leaves, out = self.compile(state, *rest)(jax.tree.leaves(state), *rest)
         return self.state_of(leaves), out
 
 

@@ -21,12 +21,10 @@ from jax._src import config as jax_config     # the threefry lowering switch has
 
 from jaxaccel import nn
 from jaxaccel.grads import partition
+from jaxaccel.loader import abstract_key
 from jaxaccel.precision import NoLossScale, Policy
 from jaxaccel.sharding import param_shardings, state_shardings
 from jaxaccel.train import TrainState
-
-
-KEY = jax.ShapeDtypeStruct((2,), jnp.uint32)     # a PRNGKey's, to trace with (a real one compiles)
 
 
 def init_state(params, optimizer: optax.GradientTransformation, seed: int, loss_scale=None,
@@ -83,7 +81,7 @@ def lower_init(make_params, optimizer, seed: int, loss_scale, mesh, platform: st
 def lower_state(make_state, shardings, seed: int, args=(), platform: str | None = None):
     with jax_config.threefry_gpu_kernel_lowering(True):
         return jax.jit(make_state, out_shardings=shardings).trace(
-            KEY, *args).lower(
+            abstract_key(), *args).lower(
                 lowering_platforms=None if platform is None else (platform,))
 
 
@@ -102,7 +100,7 @@ def state_maker(make_params, optimizer, seed, loss_scale, mesh, policy, axis_rul
         params = make_params(key, *args)
         return init_state(params, optimizer, seed, loss_scale, policy, nn.trainable(params))
 
-    abstract_state = jax.eval_shape(make_state, KEY, *args)
+    abstract_state = jax.eval_shape(make_state, abstract_key(), *args)
     shardings = state_shardings(mesh, abstract_state,
                                 param_shardings(mesh, abstract_state.params, axis_rules))
     return make_state, abstract_state, shardings
