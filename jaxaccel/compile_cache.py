@@ -51,7 +51,11 @@ def enable(folder: str | None) -> str | None:
         reason = getattr(e, "strerror", None) or str(e)
         return (f"warning: compilation cache {folder} is not writable ({reason}); "
                 f"compiling without it (pass --compilation-cache DIR or off)")
-    if jax.config.jax_compilation_cache_dir != folder:
+    # JAX decides whether to use its cache at a process's first compile and keeps the answer:
+    # ask it again when the folder changes or the cache was off (an earlier run's "off" or
+    # unwritable folder would otherwise leave every later run of the process uncached).
+    if (not jax.config.jax_enable_compilation_cache
+            or jax.config.jax_compilation_cache_dir != folder):
         _reset()
     jax.config.update("jax_enable_compilation_cache", True)
     jax.config.update("jax_compilation_cache_dir", folder)

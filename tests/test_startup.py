@@ -8,6 +8,7 @@ import subprocess
 import sys
 
 import jax
+import jax.numpy as jnp
 import pytest
 
 from conftest import REPO
@@ -103,6 +104,25 @@ def test_an_unwritable_cache_is_one_warning_and_the_run_goes_on(corpus_path, tmp
     err = [line for line in capsys.readouterr().err.splitlines() if "compilation cache" in line]
     assert len(err) == 1 and err[0].startswith("warning: compilation cache") and \
         "compiling without it" in err[0], err
+
+
+def test_a_run_after_one_without_the_cache_uses_it_again(tmp_path, restore_cache):
+    """JAX decides at a process's first compile whether its cache is used and keeps the
+    answer: a run with the cache on after one with it off (or unwritable) must read and write
+    it again, not compile uncached for the rest of the process."""
+    events = []
+    jax.monitoring.register_event_listener(
+        lambda event, **kw: events.append(event.rsplit("/", 1)[-1]) if "cache_" in event
+        else None)
+    folder = str(tmp_path / "xla")
+    compile_cache.enable(folder)
+    compile_cache.enable(None)
+    jax.jit(lambda x: x * 3 + 1)(jnp.arange(5.0)).block_until_ready()     # decided: off
+    compile_cache.enable(folder)
+    for _ in range(2):      # a new function each time: only the disk cache can serve it
+        events.clear()
+        jax.jit(lambda x: x * 3 + 1)(jnp.arange(5.0)).block_until_ready()
+    assert events == ["cache_hits"] and os.listdir(tmp_path / "xla")
 
 
 def test_the_initialisation_takes_its_key_as_an_argument_and_hashes_in_a_gpu_kernel():
