@@ -24,12 +24,12 @@ from jax.sharding import AxisType, NamedSharding, PartitionSpec
 
 from jaxaccel.errors import ConfigError
 # Which mesh axes each strategy spreads the work over, declared without jax.
-from jaxaccel.sections import SHARDING_STRATEGIES as STRATEGIES
+from jaxaccel.sections import MESH_AXIS_TYPES, SHARDING_STRATEGIES as STRATEGIES
 
 MESH_AXES = ("stage", "data", "fsdp", "tensor")
 BATCH_AXES = ("data", "fsdp")
-# jax's axis type of each of --mesh-axis-types' names (sections.MESH_AXIS_TYPES)
-AXIS_TYPES = {"auto": AxisType.Auto, "explicit": AxisType.Explicit}
+# jax's axis type of each of --mesh-axis-types' names: auto -> AxisType.Auto, ...
+AXIS_TYPES = {name: getattr(AxisType, name.capitalize()) for name in MESH_AXIS_TYPES}
 # The sizes a strategy gives its secondary axes when the mesh sets none of its axes (each where
 # it divides the devices); the remaining devices go to its other axis (a pipeline's stages).
 DEFAULT_SIZES = {"fsdp+tp": {"tensor": 2}, "dp+fsdp": {"data": 2}, "dp+pp": {"data": 2},
