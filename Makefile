@@ -23,4 +23,4 @@ test: setup
 	$(VENV)/bin/python -m pytest -n 2 --dist loadfile $(ARGS)
 
 clean:
-	rm -rf $(VENV) runs .pytest_cache
+	rm -rf $(VENV) runs .pytest_cache .cache

@@ -12,12 +12,27 @@ import tempfile
 import numpy as np
 import pytest
 
+REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+
+# The process that started the run (pytest's controller): set before any worker or subprocess
+# starts, which inherit it.
+IS_OWNER = "JAXACCEL_TEST_OWNER" not in os.environ
+OWNER = os.environ.setdefault("JAXACCEL_TEST_OWNER", str(os.getpid()))
+
 # Many tests compile the same small programs again (a run, then its resumed half; every row of an
-# experiment subprocess): JAX's persistent compilation cache, shared by the test workers and
-# their subprocesses for this run only, serves the repeats. A hit is the executable XLA would
-# build for the same program and options, so nothing a test checks changes, only the time.
-RUN_ID = os.environ.get("PYTEST_XDIST_TESTRUNUID") or str(os.getpid())
-CACHE_DIR = os.path.join(tempfile.gettempdir(), f"jaxaccel-test-cache-{RUN_ID}")
+# experiment subprocess), and every run of the suite compiles what the last one did: JAX's
+# persistent compilation cache serves the repeats, shared by the test workers and their
+# subprocesses and kept in the checkout from one run to the next (.cache/xla-tests, ignored by
+# git; a second `make test` compiles only the programs a change made). A hit is the executable
+# XLA builds for the same program, options, XLA flags and jax version (the cache's key), so
+# nothing a test checks changes, only the time. The folder is emptied when it outgrows
+# CACHE_BYTES; `make clean` removes it; JAXACCEL_TEST_XLA_CACHE=DIR puts it elsewhere (an empty
+# folder: a cold run, as on a fresh clone).
+CACHE_DIR = os.environ.get("JAXACCEL_TEST_XLA_CACHE") or os.path.join(REPO, ".cache", "xla-tests")
+CACHE_BYTES = 512 * 2**20
+if IS_OWNER and os.path.isdir(CACHE_DIR):
+    if sum(e.stat().st_size for e in os.scandir(CACHE_DIR) if e.is_file()) > CACHE_BYTES:
+        shutil.rmtree(CACHE_DIR, ignore_errors=True)
 os.environ.setdefault("JAX_COMPILATION_CACHE_DIR", CACHE_DIR)
 os.environ.setdefault("JAX_PERSISTENT_CACHE_MIN_COMPILE_TIME_SECS", "0")
 
@@ -34,22 +49,16 @@ def xla_flags(*flags: str) -> str:
     return " ".join((*flags, FAST_COMPILE))
 
 
-REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-
-
-# The stdlib corpus's cache, also shared by the workers for this run alone: the first load reads
-# the standard library (seconds), the others map the cached tokens.
-CORPUS_CACHE_DIR = os.path.join(tempfile.gettempdir(), f"jaxaccel-test-corpus-{RUN_ID}")
-
-
-# The process that started the run: the folders are removed when it ends, not when a pytest
-# of tests/multidevice that it started ends (the same run's folders, by the inherited id).
-OWNER = os.environ.setdefault("JAXACCEL_TEST_OWNER", str(os.getpid()))
+# The stdlib corpus's cache, shared by the workers for this run alone: the first load reads the
+# standard library (seconds), the others map the cached tokens. Named by the controller's id,
+# which the workers inherit, so that the controller removes the folder they used.
+CORPUS_CACHE_DIR = os.path.join(tempfile.gettempdir(), f"jaxaccel-test-corpus-{OWNER}")
 
 
 def pytest_sessionfinish(session):
-    if OWNER == str(os.getpid()):       # the controller, after every worker
-        shutil.rmtree(CACHE_DIR, ignore_errors=True)
+    # the run's corpus folder goes when the controller ends (after every worker), not when a
+    # pytest of tests/multidevice that it started ends (the same run's folder, by the inherited id)
+    if OWNER == str(os.getpid()):
         shutil.rmtree(CORPUS_CACHE_DIR, ignore_errors=True)
 
 
