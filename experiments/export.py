@@ -3,7 +3,8 @@
     python -m experiments.export --run-dir runs/R --out exported/R [--format auto|native|llama]
 
 Reads the run's latest checkpoint and rebuilds its model, whatever it is (a GPT preset or the
-run's own factory; LoRA merged into the weights), and writes ``model.safetensors`` and
+run's own factory, where the run recorded it or ``--model`` says; LoRA merged into the weights),
+and writes ``model.safetensors`` and
 ``config.json`` into ``--out`` (new or empty; ``--overwrite`` replaces those files):
 ``LlamaForCausalLM``'s tensor names and config when the model is jaxaccel's GPT in Llama's shape
 (SwiGLU, untied head, RMSNorms; N:M masks folded into the weights; no branch gates, adapters or
@@ -32,6 +33,9 @@ from jaxaccel.export import FORMATS, ExportCheckError, export
 @dataclasses.dataclass
 class ExportSettings:
     run_dir: str | None = setting(None, "the training run to export (its directory)")
+    model: str | None = setting(None, "where the run's own model factory is now, FILE.py:FUNCTION "
+                                      "or package.module:FUNCTION, if it moved since the run "
+                                      "trained (default: the one the run recorded)")
     out: str | None = setting(None, "folder to write model.safetensors and config.json into "
                                     "(new or empty)")
     format: str = setting("auto", "llama (Hugging Face LlamaForCausalLM layout), native (our "
@@ -68,7 +72,8 @@ def main(argv=None) -> int:
             raise ConfigError(f"{field} is missing; name {what}", field=f"experiment.{field}")
     try:
         with settings_named():
-            result = export(exp.run_dir, exp.out, exp.format, overwrite=exp.overwrite)
+            result = export(exp.run_dir, exp.out, exp.format, overwrite=exp.overwrite,
+                            model=exp.model)
     except ExportCheckError as e:
         print(f"error: {e}", file=sys.stderr)
         return 1

@@ -5,7 +5,8 @@ offers one), tokens/s.
         --temperature 0.8 --top-k 40 --num-samples 2
 
 Reads the run's ``config.yaml`` and latest checkpoint and rebuilds its model, whatever it is (a
-GPT preset or the run's own factory; LoRA merged into the weights, evaluation mode, float32),
+GPT preset or the run's own factory, found where the run recorded it or, if it moved, where
+``--model`` says; LoRA merged into the weights, evaluation mode, float32),
 encodes the prompt with the run's own tokenizer (the file the run kept, bytes if it trained on
 bytes; after BOS, as training documents start), runs the prompt through the forward pass once
 (the prefill) and then the new tokens one at a time in a ``lax.fori_loop``
@@ -41,6 +42,9 @@ from jaxaccel.tokenizer import from_run as tokenizer_from_run
 @dataclasses.dataclass
 class SampleSettings:
     run_dir: str | None = setting(None, "the training run to sample from (its directory)")
+    model: str | None = setting(None, "where the run's own model factory is now, FILE.py:FUNCTION "
+                                      "or package.module:FUNCTION, if it moved since the run "
+                                      "trained (default: the one the run recorded)")
     prompt: str = setting("", "text the samples continue (after BOS; empty: from BOS alone)")
     max_new_tokens: int | None = setting(
         None, "new tokens per sample (default: the rest of the model's context)", at_least=1)
@@ -86,7 +90,7 @@ def sample(exp: SampleSettings) -> int:
     gen.read_run_config(exp.run_dir)          # one line for a wrong directory, before loading
     tokenizer = tokenizer_from_run(exp.run_dir)        # the file the run kept, else bytes
     prompt_T = tokenizer.encode(exp.prompt, bos=True, eos=False)
-    run_cfg, model, step = gen.load_run(exp.run_dir)
+    run_cfg, model, step = gen.load_run(exp.run_dir, exp.model)
     context = run_cfg.model.max_seq_len
     new_tokens = exp.max_new_tokens or context - len(prompt_T)
     gen.check_lengths(context, len(prompt_T), new_tokens)

@@ -31,6 +31,8 @@ from jaxaccel.errors import ConfigError
 
 # Version of what a checkpoint holds: 2, any NNX model's TrainState (1: jaxaccel's GPT's dict).
 FORMAT = 2
+# What a checkpoint that does not fit the model says to do, unless the caller knows better.
+FIX = "restore the model as it was when the run trained, or start a new run_dir"
 
 
 class Checkpointer:
@@ -87,10 +89,24 @@ class Checkpointer:
             self._manager.wait_until_finished()
         self._pending = None
 
-    def restore(self, target_state, *, config: dict, may_differ: tuple[str, ...] = ()):
+    def restore(self, target_state, *, config: dict, may_differ: tuple[str, ...] = (),
+                model: str = "the model given", fix: str = FIX, field: str = "run.run_dir"):
         """``(state, loader_position, step)`` of the latest checkpoint, in ``target_state``'s
         structure; ``saved_config`` then holds its settings. ConfigError if there is none, if it
-        has another ``config`` (``may_differ``'s keys aside) or cannot be read."""
+        has another ``config`` (``may_differ``'s keys aside), if its arrays do not fit
+        ``target_state`` (``check_fits``: ``model``, ``fix`` and ``field`` are its words) or it
+        cannot be read."""
+        step, meta = self.check_settings(config, may_differ)
+        self.check_fits(target_state, step, model=model, fix=fix, field=field)
+        ocp = _orbax()
+        abstract = jax.tree.map(ocp.utils.to_shape_dtype_struct, target_state)
+        state = self._read(step, state=ocp.args.StandardRestore(abstract))["state"]
+        return state, meta["loader_position"], step
+
+    def check_settings(self, config: dict, may_differ: tuple[str, ...] = ()) -> tuple:
+        """``(step, meta)`` of the latest checkpoint, after checking that there is one, in this
+        format, of the same ``config`` (``may_differ``'s keys aside): one ConfigError line if not.
+        ``saved_config`` and ``saved_history`` then hold what it recorded."""
         step = self.latest_step()
         if step is None:
             raise ConfigError(
@@ -113,10 +129,51 @@ class Checkpointer:
             raise ConfigError(
                 f"checkpoint {where} was written with other settings: {', '.join(mismatched)}; "
                 f"resume with the same settings or start a new run_dir", field="run.run_dir")
+        return step, meta
+
+    def check_fits(self, target_state, step: int, *, model: str = "the model given",
+                   fix: str = FIX, field: str = "run.run_dir"):
+        """One ``CheckpointMisfit`` line, before reading any array, if the checkpoint at
+        ``step`` holds arrays of other shapes than ``target_state`` (arrays or
+        ShapeDtypeStructs), or other arrays: the first few parameters with both shapes, their
+        count, ``model`` (what the state is of: ``"the model m.py:make"``) and ``fix``. Orbax's
+        own error for it reads as a damaged checkpoint; this one is readable and intact."""
+        saved = self._saved_shapes(step)
+        if saved is None or target_state is None:
+            return                  # no metadata to compare: the read itself says what fails
+        wanted = _shapes(_orbax().tree.serialize_tree(target_state, keep_empty_nodes=True))
+        groups = (({k: f"checkpoint {saved[k]}, model {wanted[k]}" for k in wanted
+                    if k in saved and saved[k] != wanted[k]}, ("differs", "differ"), "in shape"),
+                  ({k: "" for k in saved if k not in wanted}, ("is", "are"),
+                   "only in the checkpoint"),
+                  ({k: "" for k in wanted if k not in saved}, ("is", "are"), "only in the model"))
+        if not any(found for found, _, _ in groups):
+            return
+        named = [({_parameter(k): v for k, v in found.items() if k[:1] == ("params",)}, verb, what)
+                 for found, verb, what in groups]
+        noun = ("parameter", "parameters")
+        if not any(found for found, _, _ in named):     # the parameters fit, the rest does not
+            named = [({"/".join(k): v for k, v in found.items()}, verb, what)
+                     for found, verb, what in groups]
+            noun = ("array of the state", "arrays of the state")
+        parts = [f"{len(found)} {noun[len(found) > 1]} {verb[len(found) > 1]} {what} "
+                 f"({_first(found)})" for found, verb, what in named if found]
+        raise CheckpointMisfit(
+            f"checkpoint {os.path.join(self.directory, str(step))} does not fit {model}: "
+            f"{'; '.join(parts)}; it and every other checkpoint in {self.directory} are intact "
+            f"(nothing was changed): {fix}", field=field)
+
+    def _saved_shapes(self, step: int) -> dict | None:
+        """``{path: shape}`` of the arrays in the checkpoint at ``step`` from its metadata
+        (no array is read); None if the metadata cannot be read."""
         ocp = _orbax()
-        abstract = jax.tree.map(ocp.utils.to_shape_dtype_struct, target_state)
-        state = self._read(step, state=ocp.args.StandardRestore(abstract))["state"]
-        return state, meta["loader_position"], step
+        from etils import epath     # orbax's own path type, a dependency of orbax
+        try:
+            metadata = ocp.StandardCheckpointHandler().metadata(
+                epath.Path(os.path.join(self.directory, str(step), "state")))
+        except Exception:           # noqa: BLE001 - damaged: restoring says what and where
+            return None
+        return _shapes(getattr(metadata, "tree", metadata))
 
     def check_meta(self, step: int | None = None, *, field: str = "run.run_dir") -> dict | None:
         """The meta of the checkpoint at ``step`` (None: the latest; None if there is none).
@@ -183,6 +240,39 @@ class Checkpointer:
                 self._closed = True
                 if "_manager" in self.__dict__:         # made (orbax imported) at first use
                     self._manager.close()
+
+
+class CheckpointMisfit(ConfigError):
+    """A readable checkpoint whose arrays do not fit the model to restore (``check_fits``)."""
+
+
+def _shapes(tree) -> dict[tuple, tuple]:
+    """``{path: shape}`` of the arrays (or their metadata) in a tree of dicts and lists, as a
+    checkpoint stores them: a typed PRNG key as its key data (a threefry key: 2 more words)."""
+    flat = _orbax().tree.to_flat_dict(tree)
+    return {tuple(str(k) for k in key): _stored_shape(leaf) for key, leaf in flat.items()
+            if getattr(leaf, "shape", None) is not None}
+
+
+def _stored_shape(leaf) -> tuple:
+    dtype = getattr(leaf, "dtype", None)
+    if dtype is not None and jax.dtypes.issubdtype(dtype, jax.dtypes.prng_key):
+        return tuple(jax.eval_shape(jax.random.key_data, jax.ShapeDtypeStruct(
+            leaf.shape, dtype)).shape)
+    return tuple(leaf.shape)
+
+
+def _parameter(key: tuple) -> str:
+    """A parameter's path in the model (``blocks/layers/0/fc1/kernel``) from its path in a
+    checkpoint's state (``params/blocks/layers/0/fc1/kernel/value``)."""
+    return "/".join(key[1:-1] if key[-1] == "value" else key[1:])
+
+
+def _first(found: dict, count: int = 3) -> str:
+    """``path: shapes`` of the first ``count`` entries of ``found``, then how many more."""
+    shown = [f"{path}: {shapes}" if shapes else path for path, shapes in found.items()]
+    more = f"; and {len(shown) - count} more" if len(shown) > count else ""
+    return "; ".join(shown[:count]) + more
 
 
 class CheckpointWriteError(ConfigError):

@@ -30,8 +30,8 @@ from jaxaccel.sections import (LOSS_SCALE_KINDS, LR_SCALING, MESH_AXIS_TYPES, OP
                                SCHEDULES, SHARDING_STRATEGIES, AdapterSettings, Fp8Settings,
                                GPTSettings, InitSettings, LoRASettings, ModelConfig,
                                RematSettings, SparsitySettings, StackingSettings,
-                               StochasticDepthSettings, TokenDropSettings, describe_defaults,
-                               is_preset, preset)
+                               StochasticDepthSettings, TokenDropSettings, absolute_name,
+                               describe_defaults, is_preset, preset)
 from jaxaccel.settings import FLOAT_RANGE, INT_LIMIT, INT_RANGE, Range, setting
 from jaxaccel.tokenizer import TOKENIZER_HELP, vocab_of as tokenizer_vocab
 
@@ -656,10 +656,14 @@ def read_config_file(path: str) -> dict:
 
 def write_config(cfg, run_dir: str, command: str | None = None):
     """``config.yaml`` (the TrainConfig sections, not an experiment's) and ``command.txt`` into
-    ``run_dir``: ``python -m experiments.train --config run_dir/config.yaml`` repeats the run."""
+    ``run_dir``: ``python -m experiments.train --config run_dir/config.yaml`` repeats the run.
+    A factory's file is recorded by its absolute path: the run's model is found from any
+    directory (``experiments.sample``, ``export``, ``--init-from``)."""
     sections = {f.name for f in dataclasses.fields(TrainConfig)}
+    written = {k: v for k, v in to_dict(cfg).items() if k in sections}
+    written["model"] = {**written["model"], "name": absolute_name(cfg.model.name)}
     with open(os.path.join(run_dir, "config.yaml"), "w") as f:
-        yaml.safe_dump({k: v for k, v in to_dict(cfg).items() if k in sections}, f, sort_keys=False)
+        yaml.safe_dump(written, f, sort_keys=False)
     if command is not None:
         with open(os.path.join(run_dir, "command.txt"), "w") as f:
             f.write(command + "\n")

@@ -33,6 +33,7 @@ import numpy as np
 from jaxaccel import hf_tokenizer
 from jaxaccel.errors import ConfigError
 from jaxaccel.report import dump_json
+from jaxaccel.sections import absolute_name
 from jaxaccel.tokenizer import BYTE_OFFSET, RUN_FILES, from_run as tokenizer_from_run
 
 FORMATS = ("auto", "native", "llama")
@@ -349,9 +350,10 @@ def check_logits(model, context: int, forward, read, config_read, out_dir, tok) 
 
 
 def export(run_dir: str, out_dir: str, format: str = "auto", *,
-           overwrite: bool = False) -> Exported:
+           overwrite: bool = False, model: str | None = None) -> Exported:
     """Write the model of ``run_dir``'s latest checkpoint to ``out_dir`` in ``format`` (auto:
     llama if the model has that layout, else native) and check it by reading it back.
+    ``model``: the run's own factory where it is now, if it moved since the run trained.
     ConfigError, before anything is written, for a bad format or run directory, a non-empty
     out_dir (without ``overwrite``) or an unwritable one, and llama for a model without it."""
     from flax import nnx
@@ -369,7 +371,7 @@ def export(run_dir: str, out_dir: str, format: str = "auto", *,
         raise ConfigError(f"the model has no Hugging Face Llama layout: {blocked[0]}; export in "
                           f"format native instead, or retrain with {blocked[1]}", field="format")
     check_out_dir(out_dir, overwrite)
-    cfg, model, step = load_run(run_dir)
+    cfg, model, step = load_run(run_dir, model)
     tok = tokenizer_from_run(run_dir)
     chosen = format if format != "auto" else ("native" if blocker(cfg) else "llama")
     if chosen == "llama":
@@ -382,7 +384,8 @@ def export(run_dir: str, out_dir: str, format: str = "auto", *,
         # N:M masks change the product (``lora.merge``), where the factors stay.
         merged = not surgery.wrappers(model, lora.LoRA)
         settings = override(cfg, {"lora.rank": 0 if merged else cfg.lora.rank,
-                                  "run.init_from": None})
+                                  "run.init_from": None,
+                                  "model.name": absolute_name(cfg.model.name)})
         config = {"format": "jaxaccel", "train_config": to_dict(settings), "step": step,
                   "tokenizer": tokenizer_record(tok)}
         metadata = {"format": "jaxaccel"}

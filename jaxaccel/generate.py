@@ -238,17 +238,21 @@ def read_run_config(run_dir: str):
                           f"training run", field="run_dir") from None
 
 
-def load_run(run_dir: str):
+def load_run(run_dir: str, model: str | None = None):
     """``(config, model, step)`` of a training run's latest checkpoint: the model in evaluation
-    mode, in float32, with LoRA merged into its weights (``lora.merge``; adapters stay)."""
+    mode, in float32, with LoRA merged into its weights (``lora.merge``; adapters stay).
+    ``model``: the run's own factory ``FILE.py:FUNCTION`` where it is now, if it moved since
+    the run trained (``--model``; else the one the run recorded)."""
     from jaxaccel import lora
     from jaxaccel.loop import read_trained_run
 
     read_run_config(run_dir)
     try:
-        trained, model, step = read_trained_run(run_dir, field="run_dir")
-    except ConfigError as e:
-        raise ConfigError(str(e), field="run_dir") from None
+        trained, model, step = read_trained_run(run_dir, field="run_dir", model=model,
+                                                model_field="model")
+    except ConfigError as e:       # the run's own model (its file, its code): --model fixes it
+        raise ConfigError(str(e), field="model" if e.field in ("model", "model.name")
+                          else "run_dir") from None
     lora.merge(model)
     model.eval()
     graphdef, state = nnx.split(model)

@@ -8,6 +8,7 @@ says in one line what it lacks. Training works on pure functions of its ``nnx.St
 """
 
 import dataclasses
+import hashlib
 import importlib
 import importlib.util
 import inspect
@@ -24,7 +25,7 @@ from flax import nnx
 
 from jaxaccel import gpt, nn
 from jaxaccel.errors import ConfigError
-from jaxaccel.sections import ModelConfig, describe, is_preset     # declared without jax
+from jaxaccel.sections import ModelConfig, describe, factory_file, is_preset  # without jax
 
 
 def factory_args(cfg: ModelConfig) -> dict:
@@ -134,6 +135,70 @@ def abstract(make) -> nnx.Module:
 
     variables = jax.eval_shape(state)
     return nnx.merge(graph["def"], variables)
+
+
+# ---------------------------------------------------------------------------------------------
+# What a run records of its model's code, to find it again and to tell when it changed.
+
+def source_of(name: str) -> dict | None:
+    """What a run records of the factory ``name`` (None for a preset): ``file`` (absolute) and
+    ``sha256`` of its source; for ``package.module:FUNCTION`` also ``module``, and the file only
+    where the module is one."""
+    if is_preset(name):
+        return None
+    record, file = {}, factory_file(name)
+    if file is None:
+        record["module"] = name.rpartition(":")[0]
+        file = _module_file(record["module"])
+    if file is not None and os.path.isfile(file):
+        with open(file, "rb") as f:
+            record.update(file=os.path.abspath(file), sha256=hashlib.sha256(f.read()).hexdigest())
+    return record
+
+
+def _module_file(module: str) -> str | None:
+    """The file of an importable module (imported already: the model was built from it)."""
+    loaded = sys.modules.get(module)
+    if loaded is not None:
+        return getattr(loaded, "__file__", None)
+    try:
+        spec = importlib.util.find_spec(module)
+    except (ImportError, ValueError):
+        return None
+    return spec.origin if spec is not None and spec.has_location else None
+
+
+def source_changed(recorded: dict | None, name: str) -> bool:
+    """Whether the source of factory ``name`` differs from the one ``recorded`` (False when
+    either is unknown: a preset, a run recorded before sources were, a module without file)."""
+    now = source_of(name) or {}
+    return bool(recorded and recorded.get("sha256") and now.get("sha256")
+                and recorded["sha256"] != now["sha256"])
+
+
+def source_warning(recorded: dict | None, name: str, run_dir: str, *,
+                   flag: str | None = "--model") -> str | None:
+    """One warning line if the model ``name``'s source is not the one ``recorded`` by the run
+    in ``run_dir`` (its checkpoint still fits: it reads, but may not compute what it trained);
+    ``flag``: the one that points at another file, if any. None if the source is the same."""
+    if not source_changed(recorded, name):
+        return None
+    now = source_of(name)
+    moved = f" (it trained {recorded['file']})" if recorded.get("file") != now["file"] else ""
+    other = f", or point {flag} at the file the run trained with" if flag else ""
+    return (f"warning: model file {now['file']} is not the source run {run_dir} trained "
+            f"with{moved}: sha256 {recorded['sha256'][:12]} then, {now['sha256'][:12]} now; its "
+            f"checkpoint fits, but the model may not compute what it trained: restore the "
+            f"file{other}")
+
+
+def describe_source(name: str, recorded: dict | None) -> str:
+    """``the model NAME`` for a checkpoint's line, with a module's file, and whether the
+    source changed since the run ``recorded`` it."""
+    now = source_of(name) or {}
+    notes = ([f"file {now['file']}"] if "module" in now and "file" in now else []) + (
+        ["its source changed since the run trained"] if source_changed(recorded, name) else [])
+    return f"the model {name}" + (f" ({', '.join(notes)})" if notes else "")
 
 
 # ---------------------------------------------------------------------------------------------

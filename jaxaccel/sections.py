@@ -8,6 +8,7 @@ what is its own (``lora.LoRASettings``, ``gpt.PRESETS``, ``optim.OPTIMIZERS``, `
 """
 
 import dataclasses
+import os
 
 from jaxaccel.errors import ConfigError
 from jaxaccel.settings import setting
@@ -38,6 +39,20 @@ class ModelConfig:
 
 def is_preset(name: str) -> bool:
     return ":" not in name
+
+
+def factory_file(name: str) -> str | None:
+    """The file of a factory ``FILE.py:FUNCTION`` as given (None: a preset, or a factory
+    ``package.module:FUNCTION``)."""
+    where = name.rpartition(":")[0]
+    return where if not is_preset(name) and where.endswith(".py") else None
+
+
+def absolute_name(name: str) -> str:
+    """``name`` as a run records it: a factory's ``FILE.py`` made absolute, so that the run's
+    config finds the model from any directory (a preset or a module: unchanged)."""
+    file = factory_file(name)
+    return f"{os.path.abspath(file)}:{name.rpartition(':')[2]}" if file else name
 
 
 def describe(cfg: ModelConfig, gpt_settings=None) -> str:

@@ -3,7 +3,9 @@
 A run directory gets ``config.yaml``, ``command.txt``, ``environment.json``, ``metrics.jsonl``,
 ``checkpoints/``, ``run.lock`` (held while a run writes it), ``loss.png`` and, at the end,
 ``summary.json`` (the ``RunSummary``).
-``read_trained_run`` rebuilds a run's model from its latest checkpoint (``--init-from``).
+``read_trained_run`` rebuilds a run's model from its latest checkpoint (``--init-from``,
+``experiments.sample``, ``export``): its factory where the run recorded it (or where it is
+now), the checkpoint checked against the model's shapes, a changed source said.
 """
 
 import dataclasses
@@ -15,11 +17,12 @@ import time
 import jax
 from flax import nnx
 
-from jaxaccel import hardware, lora, nn, surgery, techniques
+from jaxaccel import hardware, lora, model as model_lib, nn, surgery, techniques
 from jaxaccel.checkpoint import Checkpointer
 from jaxaccel.config import TrainConfig, build, override, read_config_file, write_config
 from jaxaccel.errors import ConfigError
 from jaxaccel.optim import build_optimizer
+from jaxaccel.sections import factory_file, is_preset
 from jaxaccel.sharding import format_mesh
 from jaxaccel.state import init_state
 
@@ -123,33 +126,79 @@ def read_config(run_dir: str, field: str = "run.init_from") -> TrainConfig:
                           f"of a trained run", field=field) from None
 
 
-def read_trained_run(run_dir: str, field: str = "run.init_from"):
+def read_trained_run(run_dir: str, field: str = "run.init_from", *, model: str | None = None,
+                     model_field: str | None = None, fallback: str | None = None):
     """``(config, model, step)`` of a run directory: its config and its model (every technique
-    applied, at its final depth) with the variables of its latest checkpoint."""
-    trained = read_config(run_dir, field)
+    applied, at its final depth) with the variables of its latest checkpoint. ``model``: the
+    run's own factory where it is now (``--model`` of sample and export, ``model_field``),
+    instead of where the run recorded it; ``fallback``: the factory to use if the recorded
+    file is gone (a fine-tune's own). A checkpoint that does not fit the model is one line
+    naming the parameters that differ; a model whose source changed since, a warning line."""
+    trained = model_now(read_config(run_dir, field), run_dir, model, fallback,
+                        model_field, field)
     optimizer, _, _ = build_optimizer(trained.optimizer, batch_rows=trained.batch_rows(),
                                       total_steps=trained.run.steps)
     graphdef, variables = nnx.split(techniques.abstract(trained))
     template = jax.eval_shape(lambda v: init_state(
         v, optimizer, 0, trained.make_loss_scale(), trained.policy(), nn.trainable(v)),
         variables)
-    checkpointer = Checkpointer(os.path.join(run_dir, "checkpoints"))
+    name, checkpointer = trained.model.name, Checkpointer(os.path.join(run_dir, "checkpoints"))
     try:
         if checkpointer.latest_step() is None:      # its own line: not the run's --run-dir
             raise ConfigError(f"{run_dir} holds no finished checkpoint to take the weights "
                               f"from; pass a run that saved one (or finish it with --resume)",
                               field=field)
-        state, _, step = checkpointer.restore(template, config={})
+        recorded = checkpointer.check_meta(field=field)["config"].get("model.source")
+        file = (model_lib.source_of(name) or {}).get("file")
+        fix = (f"restore {file or 'the model'} as it was when the run trained, or "
+               + ("point --model at the file it trained with" if model_field else
+                  f"pass another run as {field.rpartition('.')[2]}"))
+        state, _, step = checkpointer.restore(template, config={},
+                                              model=model_lib.describe_source(name, recorded),
+                                              fix=fix, field=model_field or field)
     finally:
         checkpointer.close()
+    warning = model_lib.source_warning(recorded, name, run_dir,
+                                       flag="--model" if model_field else None)
+    if warning and jax.process_index() == 0:
+        print(warning, file=sys.stderr)
     return trained, nnx.merge(graphdef, state.params), step
+
+
+def model_now(trained: TrainConfig, run_dir: str, given: str | None, fallback: str | None,
+              model_field: str | None, field: str) -> TrainConfig:
+    """The trained run's config with its model where it is now: ``given`` (a factory, the
+    ``--model`` of ``model_field``) if any; else the recorded one, or ``fallback`` (said) if
+    its file is gone. One ConfigError line for a ``given`` preset or a run of a preset, or for
+    a recorded file that is gone (naming ``--model`` where the caller takes it, else ``field``)."""
+    name = trained.model.name
+    if given is not None:
+        if is_preset(name) or is_preset(given):
+            raise ConfigError(
+                f"run {run_dir} trained the model {name}; --model {given} points at where a "
+                f"run's own factory FILE.py:FUNCTION is now, " + (
+                    "which a preset does not need: leave it out" if is_preset(name) else
+                    "not at a preset: give the file"), field=model_field)
+        return override(trained, {"model.name": given})
+    file, function = factory_file(name), name.rpartition(":")[2]
+    if file is None or os.path.isfile(file):
+        return trained
+    if fallback is not None and not is_preset(fallback):
+        if jax.process_index() == 0:
+            print(f"note: run {run_dir} trained the model {name}, whose file is gone; its "
+                  f"checkpoint is read with this run's model {fallback}", file=sys.stderr)
+        return override(trained, {"model.name": fallback})
+    where = (f"pass --model FILE.py:{function} with where it is now" if model_field else
+             "put it back there")
+    raise ConfigError(f"run {run_dir} trained the model {name}, whose file {file} no longer "
+                      f"exists; {where}", field=model_field or field)
 
 
 def base_weights(run_dir: str, cfg: TrainConfig):
     """The weights a fine-tune of ``cfg`` starts from: the model of the run in ``run_dir``, its
     layer techniques merged or folded away (an ``nnx.State``); one clear line if shapes differ."""
     from jaxaccel import fp8, sparsity
-    trained_cfg, trained, _ = read_trained_run(run_dir)
+    trained_cfg, trained, _ = read_trained_run(run_dir, fallback=cfg.model.name)
     lora.merge(trained)                                 # flax's nnx.LoRA; ours below
     surgery.unwrap(trained, (sparsity.Sparse, fp8.Fp8, lora.Adapter, lora.LoRA))
     for _, stack in nn.stacks(trained):

@@ -17,7 +17,7 @@ import time
 
 import jax
 
-from jaxaccel import nn, stacking, techniques
+from jaxaccel import model as model_lib, nn, stacking, techniques
 from jaxaccel.checkpoint import Checkpointer
 from jaxaccel.config import check_json_outputs, check_writable, field_value, override, \
     stop_step, to_dict, write_config
@@ -31,6 +31,7 @@ from jaxaccel.loop.record import base_weights, run_environment
 from jaxaccel.optim import build_optimizer
 from jaxaccel.report import dump_json
 from jaxaccel.sampling import SampledStream, lag as sampling_lag
+from jaxaccel.sections import absolute_name, is_preset
 from jaxaccel.sharding import batch_shards, batch_sharding, format_mesh, param_shardings, \
     parse_axis_rules
 from jaxaccel.state import compile_init, lower_state, state_maker
@@ -136,8 +137,12 @@ def set_up(cfg, mesh, mesh_shape, full_model, run_dir: str) -> Setup:
                                                 cfg.policy(), rules, base)
     shapes = jax.tree.map(lambda s, x: jax.tree.map(
         lambda a: jax.ShapeDtypeStruct(a.shape, a.dtype, sharding=s), x), shardings, shapes)
-    batch_layout = batch_sharding(mesh)
     plan, full_cfg = None, cfg
+    resume_config = {**resume_settings(full_cfg, stream_args, total_steps, multiple),
+                     "data.corpus_fingerprint": corpus.fingerprint}
+    if cfg.run.resume:      # the checkpoint's settings and shapes, before any compile
+        restoring = check_resumed_model(cfg, checkpointer, resume_config, shapes, run_dir)
+    batch_layout = batch_sharding(mesh)
     if cfg.run.memory_budget is not None:
         cfg, model, plan = plan_remat(cfg, model, depth, optimizer, shapes, stream, batch_layout)
     eval_multiple = math.lcm(batch_shards(mesh_shape) * eval_microbatches(cfg),
@@ -157,12 +162,10 @@ def set_up(cfg, mesh, mesh_shape, full_model, run_dir: str) -> Setup:
         state = init.result()(jax.random.PRNGKey(cfg.run.seed), *base)
     jax.block_until_ready(state)
     startup["init"] = time.perf_counter() - begin
-    resume_config = {**resume_settings(full_cfg, stream_args, total_steps, multiple),
-                     "data.corpus_fingerprint": corpus.fingerprint}
     extended_from = None
     if cfg.run.resume:
         state, position, restored = checkpointer.restore(state, config=resume_config,
-                                                         may_differ=("run.steps",))
+                                                         **restoring)
         saved_steps = checkpointer.saved_config.get("run.steps", total_steps)
         if saved_steps != total_steps:
             if total_steps < restored:
@@ -199,6 +202,33 @@ def check_checkpoint_meta(cfg, checkpointer: Checkpointer):
             base.check_meta(field="run.init_from")
         finally:
             base.close()
+
+
+def check_resumed_model(cfg, checkpointer: Checkpointer, resume_config: dict, shapes,
+                        run_dir: str) -> dict:
+    """Before any work on resume: one ConfigError line if the latest checkpoint was written
+    with other settings, or if its arrays do not fit the state's ``shapes`` (the parameters
+    that differ, the model's file: the checkpoints are intact); else a warning line if the
+    model's source changed since. A factory's file may have moved (the same function, its
+    source compared). Returns ``Checkpointer.restore``'s keyword arguments for this run."""
+    saved = (checkpointer.check_meta() or {}).get("config", {}).get("model.name")
+    name = resume_config["model.name"]
+    moved = (saved is not None and not is_preset(saved) and not is_preset(name)
+             and saved.rpartition(":")[2] == name.rpartition(":")[2])
+    may_differ = ("run.steps", "model.source", *(("model.name",) if moved else ()))
+    step, meta = checkpointer.check_settings(resume_config, may_differ)
+    recorded = meta["config"].get("model.source")
+    file = (model_lib.source_of(name) or {}).get("file")
+    restoring = dict(may_differ=may_differ, model=model_lib.describe_source(name, recorded),
+                     fix=(f"restore {file} as it was when the run trained, or start a new "
+                          f"run_dir" if file else
+                          "restore the model as it was when the run trained, or start a new "
+                          "run_dir"))
+    checkpointer.check_fits(shapes, step, model=restoring["model"], fix=restoring["fix"])
+    warning = model_lib.source_warning(recorded, name, run_dir)
+    if warning and jax.process_index() == 0:
+        print(warning, file=sys.stderr)
+    return restoring
 
 
 @contextlib.contextmanager
@@ -337,6 +367,9 @@ def resume_settings(cfg, stream_args: dict, total_steps: int, multiple: int) -> 
     """The settings a checkpoint records and a resumed run must match, by field path."""
     settings = {f"{section}.{name}": value for section, fields in to_dict(cfg).items()
                 if section in RESUME_SECTIONS for name, value in fields.items()}
+    if not is_preset(cfg.model.name):   # where its factory is, and what its source was
+        settings.update({"model.name": absolute_name(cfg.model.name),
+                         "model.source": model_lib.source_of(cfg.model.name)})
     settings.update({path: field_value(cfg, path) for path in RESUME_FIELDS})
     if cfg.stacking.stages > 1:
         settings["stacking.at"] = stacking.boundaries(total_steps, cfg.stacking.stages,
