@@ -76,6 +76,12 @@ def rows(cfg: RematConfig) -> list[Row]:
     policies = parse_list(cfg.experiment.policies, "experiment.policies", valid=REMAT_POLICIES)
     if cfg.data.batch_size is None:
         raise ConfigError("this experiment takes a batch size in rows", field="data.batch_size")
+    accumulate = cfg.optimizer.accumulate
+    if cfg.experiment.max_batch_limit < accumulate:
+        raise ConfigError(f"max_batch_limit={cfg.experiment.max_batch_limit} is below "
+                          f"accumulate={accumulate}: the largest-batch search tries batches that "
+                          f"split into {accumulate} microbatches; pass --max-batch-limit of at "
+                          f"least {accumulate}", field="experiment.max_batch_limit")
     layouts = (False, True) if cfg.experiment.scan_rows else (False,)
     return [Row(f"{policy}, {layout}", {"remat.policy": policy, "remat.scan_layers": scan},
                 {"policy": policy, "scan_layers": scan, "layout": layout})
@@ -134,7 +140,9 @@ def measure(run: RowRun) -> dict:
             return totals[rows]
 
         budget = budget_of(exp, run.previous or [{"total_bytes": memory["total"]}])
-        max_batch = largest_batch(total_at, budget, limit=exp.max_batch_limit, hint=batch_size)
+        # a batch the step takes splits into --accumulate microbatches: only those are tried
+        max_batch = largest_batch(total_at, budget, limit=exp.max_batch_limit, hint=batch_size,
+                                  multiple=cfg.optimizer.accumulate)
     return {"temp_bytes": memory.get("temp"), "total_bytes": memory["total"],
             "host_bytes": memory.get("host_total"), "flops": flops(executable),
             "compile_s": compile_s, "step_s": statistics.median(seconds[1:]),
@@ -191,8 +199,11 @@ def notes(cfg: RematConfig, rows: list[dict], meta: dict) -> list[str]:
     if not rows:
         return []
     ratio, offload = meta["unrolled_over_scanned_compile_s"], meta["offload_note"]
+    accumulate = cfg.optimizer.accumulate
     return [f"\nmax batch: the largest batch whose compiled step fits {meta['memory_budget']:,} "
-            f"bytes. Scanned rows' FLOPs count one layer (XLA counts a loop body once).",
+            f"bytes" + (f", among those that split into --accumulate {accumulate} microbatches"
+                        if accumulate > 1 else "")
+            + ". Scanned rows' FLOPs count one layer (XLA counts a loop body once).",
             *([f"compile time, unrolled / scanned (none): {ratio:.1f}x"] if ratio else []),
             f"planner's choice for batch {cfg.data.batch_size} within the budget: "
             + "; ".join(f"{k}: {v or 'nothing fits'}" for k, v in meta["planner_choice"].items()),
