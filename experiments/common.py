@@ -749,6 +749,22 @@ def check_rows(cfg, plan: list[Row], flags: dict):
             raise ConfigError(str(e), field=flags.get(e.field, e.field)) from None
 
 
+def check_packing(cfg, row: Row, field: str = "data.batching"):
+    """A row that packs documents by its own batching (the run's is checked when the run starts,
+    naming --batching) needs a model whose call takes them apart: found only when the row
+    starts, it would come after the rows before it trained."""
+    from jaxaccel import techniques
+    from jaxaccel.model import call_arguments
+    if cfg.data.batching != "pack":
+        return
+    missing = {"positions", "segment_ids"} - call_arguments(techniques.abstract(cfg))
+    if missing:
+        raise ConfigError(f"model {cfg.model.name}: the row {row.label!r} packs several "
+                          f"documents in a row, so the model's call must take "
+                          f"{'= and '.join(sorted(missing))}= (and mask attention by segment); "
+                          f"add them, or leave that row out", field=field)
+
+
 def check_run_root(run_root: str, plan: list[Row]):
     """No row may land on an earlier run's checkpoints (found only after the rows before it
     trained), nor on another row's directory."""
