@@ -252,12 +252,19 @@ def check(cfg: AttentionConfig) -> AttentionConfig:
     exp = cfg.experiment
     parse_list(exp.impls, "experiment.impls", valid=IMPLS)
     parse_list(exp.seq_lens, "experiment.seq_lens", kind=int)
+    parse_list(exp.layouts, "experiment.layouts", valid=LAYOUTS)   # a typo before the memory
     head_dims = parse_list(exp.head_dims, "experiment.head_dims", kind=int)
     kv_heads = exp.kv_heads or exp.heads
     if kv_heads < 1 or exp.heads % kv_heads:
         raise ConfigError(f"kv_heads={kv_heads} does not divide heads={exp.heads}; choose "
                           f"kv_heads dividing heads", field="experiment.kv_heads")
-    check_memory(exp, max(head_dims))
+    if exp.tune and exp.tuning_file is None and interpreted():
+        raise ConfigError("tuning off the GPU times the Pallas interpreter; pass --tuning-file "
+                          "PATH to write that table elsewhere than the one GPUs read",
+                          field="experiment.tuning_file")
+    if exp.tune:
+        tune_grid(exp)
+    check_memory(exp, max(head_dims))       # last: it may compile
     return cfg
 
 
@@ -525,10 +532,6 @@ def tune(exp: AttentionSettings) -> int:
     head_dims = parse_list(exp.head_dims, "experiment.head_dims", kind=int)
     causal_modes, interpret = CAUSAL[exp.causal], interpreted()
     seq_lens = parse_list(exp.tune_seq_lens, "experiment.tune_seq_lens", kind=int)
-    if exp.tuning_file is None and interpret:
-        raise ConfigError("tuning off the GPU times the Pallas interpreter; pass --tuning-file "
-                          "PATH to write that table elsewhere than the one GPUs read",
-                          field="experiment.tuning_file")
     path = tuning.table_path() if exp.tuning_file is None else Path(exp.tuning_file)
     tuning.read_table(path)   # a table that is there must be one, before any work
     for D in head_dims:
