@@ -103,7 +103,7 @@ def test_probe_accumulate_beyond_the_probes_integers_is_refused_before_training(
 def test_the_largest_batch_search_tries_only_batches_that_split_into_microbatches():
     tried = []
 
-    def total_at(b):            # what compiling the accumulated step does at a batch it cannot split
+    def total_at(b):            # as compiling the accumulated step does at a batch it cannot split
         tried.append(b)
         if b % 4:
             raise ConfigError(f"batch of {b} rows does not split into 4 microbatches")
