@@ -245,37 +245,170 @@ def max_t_limit(exp: AttentionSettings) -> int:
 
 
 def check(cfg: AttentionConfig) -> AttentionConfig:
-    """The settings both modes read, before any work; a length whose q, k, v, cotangent, dq, dk
-    and dv (what any implementation needs) exceed the device's memory (on the CPU, the host's
-    available memory) is a ConfigError: a CPU running out of memory aborts, no error."""
+    """The settings both modes read, before any work; a length whose forward+backward needs more
+    than the device's memory (on the CPU, the host's available memory) is a ConfigError that
+    suggests a bound which fits (``check_memory``): a CPU running out of memory aborts, no
+    error."""
     exp = cfg.experiment
     parse_list(exp.impls, "experiment.impls", valid=IMPLS)
     parse_list(exp.seq_lens, "experiment.seq_lens", kind=int)
+    parse_list(exp.layouts, "experiment.layouts", valid=LAYOUTS)   # a typo before the memory
     head_dims = parse_list(exp.head_dims, "experiment.head_dims", kind=int)
     kv_heads = exp.kv_heads or exp.heads
     if kv_heads < 1 or exp.heads % kv_heads:
         raise ConfigError(f"kv_heads={kv_heads} does not divide heads={exp.heads}; choose "
                           f"kv_heads dividing heads", field="experiment.kv_heads")
+    if exp.tune and exp.tuning_file is None and interpreted():
+        raise ConfigError("tuning off the GPU times the Pallas interpreter; pass --tuning-file "
+                          "PATH to write that table elsewhere than the one GPUs read",
+                          field="experiment.tuning_file")
+    if exp.tune:
+        tune_grid(exp)
+    check_memory(exp, max(head_dims))       # last: it may compile
+    return cfg
+
+
+# The memory a row needs. XLA's attention keeps float32 T x T scores per row and head for the
+# backward pass (the probabilities and their gradient at least: 8 bytes a score; 16 measured),
+# so its need grows with T squared; the kernels' grows with T. The cheap bounds below decide
+# most shapes; between them XLA's compiled memory analysis of the row's own forward+backward
+# (compiled from abstract inputs: nothing is allocated) is the need.
+DENSE_IMPLS = ("xla",)
+SCORE_BYTES_AT_LEAST, SCORE_BYTES_AT_MOST = 8, 32
+IO_FACTOR_AT_MOST = 8       # the kernels' float32 working copies of q, k, v, out and gradients
+# The Pallas interpreter's bookkeeping per pair of query and key positions, whatever the heads
+# (about a byte per hundred pairs measured; none on a GPU): at most a byte per 16.
+KERNEL_PAIRS_PER_BYTE_AT_MOST = 16
+OVERHEAD_AT_MOST = 64 << 20
+
+
+@dataclasses.dataclass(frozen=True)
+class Need:
+    """What one forward+backward takes: its bytes, the implementation and whether the number is
+    a lower bound (no compile was needed to know it does not fit)."""
+
+    bytes: int
+    impl: str
+    at_least: bool = False
+
+
+def counted_impls(exp: AttentionSettings, T: int) -> list[str]:
+    """The implementations whose rows run at length ``T`` here (skipped ones allocate nothing);
+    ``--tune`` runs our kernel and XLA's reference."""
+    names = ("pallas", "xla") if exp.tune else parse_list(exp.impls, "experiment.impls",
+                                                          valid=IMPLS)
+    return [impl for impl in names if not skip_reason(exp, impl, T)]
+
+
+def need_bounds(exp: AttentionSettings, impl: str, batch: int, T: int, D: int) -> tuple[int, int]:
+    """(at least, at most) the bytes of one forward+backward of ``impl`` at ``batch`` x ``T``,
+    without compiling: q, k, v, the cotangent, dq, dk and dv, and XLA's score matrices."""
+    itemsize = jnp.dtype(DTYPES[exp.dtype]).itemsize
+    io = batch * T * D * (3 * exp.heads + 4 * (exp.kv_heads or exp.heads)) * itemsize
+    if impl in DENSE_IMPLS:
+        scores = batch * exp.heads * T * T
+        return (io + SCORE_BYTES_AT_LEAST * scores,
+                IO_FACTOR_AT_MOST * io + SCORE_BYTES_AT_MOST * scores + OVERHEAD_AT_MOST)
+    return io, (IO_FACTOR_AT_MOST * io + batch * T * T // KERNEL_PAIRS_PER_BYTE_AT_MOST
+                + OVERHEAD_AT_MOST)
+
+
+def compiled_need(exp: AttentionSettings, impl: str, batch: int, T: int, D: int) -> int | None:
+    """The bytes XLA allocates for one forward+backward of ``impl`` (arguments, outputs and
+    temporaries), from its compiled memory analysis; None where the backend gives none or the
+    implementation does not compile the shape (its row reports why)."""
+    from jaxaccel.compiled import memory_bytes
+
+    q = jax.ShapeDtypeStruct((batch, T, exp.heads, D), DTYPES[exp.dtype])
+    kv = jax.ShapeDtypeStruct((batch, T, exp.kv_heads or exp.heads, D), DTYPES[exp.dtype])
+    causal = CAUSAL[exp.causal][0]
+    try:
+        executable = fwdbwd_fn(attention_fn(impl, causal, interpreted())).lower(
+            q, kv, kv, q).compile()
+    except Exception:   # noqa: BLE001 - a shape the implementation refuses is its row's status
+        return None
+    return memory_bytes(executable).get("total")
+
+
+def need_of(exp: AttentionSettings, batch: int, T: int, D: int, have: int) -> Need:
+    """The largest need among the implementations that run at ``T``: a lower bound where one
+    already exceeds ``have``; else each one's upper bound where that fits, and its compiled
+    need where it does not (its lower bound where nothing was compiled)."""
+    bounds = {impl: need_bounds(exp, impl, batch, T, D) for impl in counted_impls(exp, T)}
+    beyond = [Need(low, impl, at_least=True) for impl, (low, _) in bounds.items() if low > have]
+    if beyond:
+        return max(beyond, key=lambda n: n.bytes)
+    needs = [Need(high if high <= have else compiled_need(exp, impl, batch, T, D) or low, impl)
+             for impl, (low, high) in bounds.items()]
+    return max(needs, key=lambda n: n.bytes, default=Need(0, "none"))
+
+
+def largest_fitting(need_at, have: int, below: int) -> int:
+    """The largest x < ``below`` (``below`` does not fit) with ``need_at(x) <= have``, to within
+    1 %; 0 if none does. ``need_at`` grows with x, as x to a power between 1 and 2: each guess
+    is on the line through log x and log need of the nearest x that fits and the nearest that
+    does not (before both are known, a power that undershoots), kept a sixteenth of the bracket
+    inside it so that every measurement narrows it."""
+    lo, hi, known = 0, below, {}
+    x = below - 1
+    for _ in range(24):
+        known[x] = need_at(x)
+        if known[x] <= have:
+            lo = x
+        else:
+            hi = x
+        if hi - lo <= max(1, lo // 100):
+            break
+        if lo and hi in known:
+            power = np.log(known[hi] / known[lo]) / np.log(hi / lo)
+            guess = lo * (have / known[lo]) ** (1 / min(max(power, 1.0), 2.0))
+            if guess - lo <= lo / 100:      # the crossing is within 1 % of lo
+                break
+        elif known[x] > have:           # shrinking: as if linear, which undershoots
+            guess = x * have / known[x]
+        else:                           # growing: as if quadratic, which undershoots
+            guess = x * (have / max(known[x], 1)) ** 0.5
+        margin = max(1, (hi - lo) // 16)
+        x = min(max(int(guess), lo + margin), hi - margin)
+    return lo
+
+
+def check_memory(exp: AttentionSettings, D: int):
+    """Every timed length at its batch, and the longest length the memory search may try at
+    batch 1, against the device's memory: beyond it, a ConfigError with the bound that fits."""
     have, owner = hardware.device_memory_bytes(), hardware.memory_owner()
-    D = max(head_dims)
-    token_bytes = D * (3 * exp.heads + 4 * kv_heads) * jnp.dtype(DTYPES[exp.dtype]).itemsize
     field = "experiment.tune_seq_lens" if exp.tune else "experiment.seq_lens"
     lengths = parse_list(getattr(exp, field.partition(".")[2]), field, kind=int)
     searched = [] if exp.tune or not max_t_limit(exp) else [max_t_limit(exp)]
     for T, batch, field in ([(T, batch_rows(exp, T), field) for T in lengths]
                             + [(T, 1, "experiment.max_t_limit") for T in searched]):
-        need = batch * T * token_bytes
-        if need > have:
-            flag = "--" + field.partition(".")[2].replace("_", "-")
-            fix = (f"pass {flag} of at most {have // token_bytes:,}" if batch == 1 else
-                   f"lower --batch (or --batch-tokens) or {flag}")
-            if batch > 1:
-                field = "experiment.batch" if exp.batch else "experiment.batch_tokens"
-            raise ConfigError(
-                f"T={T:,}: the inputs and outputs of one forward+backward ({batch:,} x {T:,} "
-                f"tokens, {exp.heads} heads, D={D}, {exp.dtype}) take {need:,} bytes, more than "
-                f"{owner} ({have:,}); {fix}", field=field)
-    return cfg
+        need = need_of(exp, batch, T, D, have)
+        if need.bytes <= have:
+            continue
+        fix, fix_field = memory_fix(exp, batch, T, D, have, field)
+        raise ConfigError(
+            f"T={T:,}: one forward+backward of {need.impl} attention ({batch:,} x {T:,} tokens, "
+            f"{exp.heads} heads, D={D}, {exp.dtype}) takes {'at least ' * need.at_least}"
+            f"{need.bytes:,} bytes, more than {owner} ({have:,}); {fix}", field=fix_field)
+
+
+def memory_fix(exp: AttentionSettings, batch: int, T: int, D: int, have: int,
+               field: str) -> tuple[str, str]:
+    """The fix of a length that does not fit, and its field: a smaller batch at this length if
+    one row fits, else the longest length that fits at batch 1 (measured, as the check does)."""
+    if batch > 1:
+        rows = largest_fitting(lambda b: need_of(exp, b, T, D, have).bytes, have, batch)
+        if rows and exp.batch:
+            return f"pass --batch of at most {rows:,}", "experiment.batch"
+        if rows:
+            return (f"pass --batch-tokens of at most {rows * T:,} ({rows:,} "
+                    f"row{'s' * (rows > 1)} of {T:,})", "experiment.batch_tokens")
+    longest = largest_fitting(lambda t: need_of(exp, 1, t, D, have).bytes, have, T)
+    flag = "--" + field.partition(".")[2].replace("_", "-")
+    if not longest:
+        return ("not even one token fits; lower --heads or --head-dims", "experiment.heads")
+    one_row = "" if field == "experiment.max_t_limit" or exp.batch == 1 else " with --batch 1"
+    return f"pass {flag} of at most {longest:,}{one_row}", field
 
 
 def rows(cfg: AttentionConfig) -> list[Row]:
@@ -399,10 +532,6 @@ def tune(exp: AttentionSettings) -> int:
     head_dims = parse_list(exp.head_dims, "experiment.head_dims", kind=int)
     causal_modes, interpret = CAUSAL[exp.causal], interpreted()
     seq_lens = parse_list(exp.tune_seq_lens, "experiment.tune_seq_lens", kind=int)
-    if exp.tuning_file is None and interpret:
-        raise ConfigError("tuning off the GPU times the Pallas interpreter; pass --tuning-file "
-                          "PATH to write that table elsewhere than the one GPUs read",
-                          field="experiment.tuning_file")
     path = tuning.table_path() if exp.tuning_file is None else Path(exp.tuning_file)
     tuning.read_table(path)   # a table that is there must be one, before any work
     for D in head_dims:

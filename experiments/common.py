@@ -264,8 +264,8 @@ def parse_list(text: str, field: str, *, valid=None, kind=str, within=None,
                example: str = "1024,2048") -> list:
     """The comma-separated items of the setting ``field``: names from ``valid``; or (``kind=int``)
     positive integers; or (``kind=float``) finite numbers, each ``within(value)`` if given (a
-    predicate with a ``__doc__`` saying what it wants, e.g. "in [0, 1)"). ConfigError naming
-    the field otherwise, with ``example`` as the fix."""
+    predicate with a ``__doc__`` saying what it wants, e.g. "in [0, 1)"), each item once.
+    ConfigError naming the field otherwise, with ``example`` as the fix."""
     items = [item.strip() for item in (text or "").split(",") if item.strip()]
     name = field.rpartition(".")[2]
     if kind in (int, float):
@@ -282,13 +282,25 @@ def parse_list(text: str, field: str, *, valid=None, kind=str, within=None,
         if bad:
             raise ConfigError(f"{name}: {bad[0]:g} is not {within.__doc__}; write e.g. "
                               f"{example}", field=field)
-        return values
+        return once(values, items, name, field)
     unknown = [item for item in items if valid is not None and item not in valid]
     if unknown or not items:
         raise ConfigError((f"unknown {name} {unknown}" if unknown else f"no {name} given")
                           + (f"; choose from {', '.join(valid)}" if valid is not None else
                              f"; write e.g. {example}"), field=field)
-    return items
+    return once(items, items, name, field)
+
+
+def once(values: list, items: list[str], name: str, field: str) -> list:
+    """``values``, each once; else ConfigError. A row listed twice would be measured twice, and
+    a training experiment's second run of it would land on the first one's checkpoints."""
+    for i, value in enumerate(values):
+        if value in values[:i]:
+            first = items[values.index(value)]
+            same = "" if first == items[i] else f" (as {first!r} and {items[i]!r})"
+            raise ConfigError(f"{name} lists {first}{same} twice; list each once",
+                              field=field)
+    return values
 
 
 def median_seconds(fn, args, warmup: int, iters: int) -> float:
@@ -737,9 +749,32 @@ def check_rows(cfg, plan: list[Row], flags: dict):
             raise ConfigError(str(e), field=flags.get(e.field, e.field)) from None
 
 
+def check_packing(cfg, row: Row, field: str = "data.batching"):
+    """A row that packs documents by its own batching (the run's is checked when the run starts,
+    naming --batching) needs a model whose call takes them apart: found only when the row
+    starts, it would come after the rows before it trained."""
+    from jaxaccel import techniques
+    from jaxaccel.model import call_arguments
+    if cfg.data.batching != "pack":
+        return
+    missing = {"positions", "segment_ids"} - call_arguments(techniques.abstract(cfg))
+    if missing:
+        raise ConfigError(f"model {cfg.model.name}: the row {row.label!r} packs several "
+                          f"documents in a row, so the model's call must take "
+                          f"{'= and '.join(sorted(missing))}= (and mask attention by segment); "
+                          f"add them, or leave that row out", field=field)
+
+
 def check_run_root(run_root: str, plan: list[Row]):
     """No row may land on an earlier run's checkpoints (found only after the rows before it
-    trained)."""
+    trained), nor on another row's directory."""
+    labels = {}
+    for row in plan:
+        if row.dirname in labels:
+            raise ConfigError(f"rows {labels[row.dirname]!r} and {row.label!r} would train into "
+                              f"one directory, {os.path.join(run_root, row.dirname)}; list each "
+                              f"row once")
+        labels[row.dirname] = row.label
     for row in plan:
         checkpoints = os.path.join(run_root, row.dirname, "checkpoints")
         if os.path.isdir(checkpoints) and os.listdir(checkpoints):

@@ -51,6 +51,10 @@ ImportanceConfig = config_of(ImportanceSettings)
 def rows(cfg: ImportanceConfig) -> list[Row]:
     """The samplers, uniform first."""
     names = parse_list(cfg.experiment.samplings, "experiment.samplings", valid=SAMPLING)
+    # The run's own check would suggest --sampling uniform, which this experiment sets per row.
+    if cfg.data.batching != "fixed" and set(names) - {"uniform"}:
+        raise ConfigError(f"importance sampling draws rows of fixed batching, not "
+                          f"{cfg.data.batching!r}; use --batching fixed", field="data.batching")
     if cfg.run.eval_every == 0 or cfg.run.eval_every % max(cfg.run.log_every, 1):
         raise ConfigError(f"log_every={cfg.run.log_every} must divide eval_every="
                           f"{cfg.run.eval_every} (> 0): the tokens seen at each evaluation come "

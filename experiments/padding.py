@@ -19,8 +19,9 @@ import dataclasses
 import sys
 import time
 
-from experiments.common import (Experiment, Row, config_of, first, length, main_of,
-                                matched_batch, parse_list, relative, summary_fields, train_row)
+from experiments.common import (Experiment, Row, check_packing, check_rows, check_run_root,
+                                config_of, first, length, main_of, matched_batch, parse_list,
+                                relative, summary_fields, train_row)
 from jaxaccel.config import TrainConfig, override, setting
 from jaxaccel.corpus import corpus_of
 from jaxaccel.data import STRATEGIES, DataStream, batch_stats, batches
@@ -48,6 +49,19 @@ def rows(cfg: PaddingConfig) -> list[Row]:
         raise ConfigError("this experiment takes fixed padding's batch size in rows",
                           field="data.batch_size")
     return [Row(s, {"data.batching": s}, {"strategy": s}, directory=s) for s in strategies]
+
+
+ROW_FLAGS = {"data.batching": "experiment.strategies"}
+
+
+def check(cfg: PaddingConfig, plan: list[Row]):
+    """The default check, a row's batching named as --strategies; when the rows train, the pack
+    row's model must take packed documents apart (``check_packing``)."""
+    check_rows(cfg, plan, ROW_FLAGS)
+    check_run_root(cfg.run.run_dir, plan)
+    if not cfg.experiment.plan_only:
+        for row in plan:
+            check_packing(override(cfg, row.settings), row, field=ROW_FLAGS["data.batching"])
 
 
 def batched(run) -> TrainConfig:
@@ -103,7 +117,8 @@ def plot(path: str, cfg: PaddingConfig, rows: list[dict]):
 
 
 EXPERIMENT = Experiment(
-    name="padding", doc=__doc__, config=PaddingConfig, rows=rows, measure=measure, plot=plot,
+    name="padding", doc=__doc__, config=PaddingConfig, rows=rows, check=check, measure=measure,
+    plot=plot,
     shared=lambda cfg: corpus_of(cfg.data).train,
     setup=lambda cfg: f"seq_len {cfg.seq_len}, {length(cfg)} per strategy",
     # data.batch_size is fixed padding's rows per batch (the others get the batch size, bucket

@@ -78,10 +78,27 @@ def rows(cfg: PrecisionConfig) -> list[Row]:
     if exp.probe_batch_size < 1:
         raise ConfigError(f"probe_batch_size must be at least 1, got {exp.probe_batch_size}",
                           field="experiment.probe_batch_size")
-    parse_list(exp.probe_accumulate, "experiment.probe_accumulate", kind=int)
+    probe_accumulates(exp)
     return [Row(name, dict(zip(FIXED, ROWS[name])),
                 {"precision": name, "matmul_precision": ROWS[name][2]}, directory=name)
             for name in names]
+
+
+# The probe's K multiplies the batch's token count inside a jitted computation, where a Python
+# integer is an int32: the largest K that computes.
+MAX_PROBE_ACCUMULATE = 2**31 - 1
+
+
+def probe_accumulates(exp: PrecisionSettings) -> list[int]:
+    """The K of --probe-accumulate, each at most ``MAX_PROBE_ACCUMULATE``: checked with the rows,
+    since the probe runs only after every row has trained."""
+    values = parse_list(exp.probe_accumulate, "experiment.probe_accumulate", kind=int,
+                        example="1,64,1024")
+    if max(values) > MAX_PROBE_ACCUMULATE:
+        raise ConfigError(f"probe_accumulate: K={max(values):,} is more than the probe can "
+                          f"compute (it enters the jitted probe as a 32-bit integer); pass K of "
+                          f"at most {MAX_PROBE_ACCUMULATE:,}", field="experiment.probe_accumulate")
+    return values
 
 
 def result(summary, run) -> dict:
@@ -174,8 +191,7 @@ def underflow_probe(cfg: PrecisionConfig, trained_params) -> list[dict]:
     for label, params in (("initial", initial), ("trained", trained_params)):
         if params is None:
             continue
-        for accumulate in parse_list(exp.probe_accumulate, "experiment.probe_accumulate",
-                                     kind=int):
+        for accumulate in probe_accumulates(exp):
             normalizer = tokens * accumulate
             with jax.default_matmul_precision("highest"):
                 reference, _ = grad32(params, batch, normalizer, NoLossScale.create())

@@ -33,15 +33,16 @@ from flax import nnx
 from experiments.common import (Experiment, Row, RowRun, check_stop, config_of, first,
                                 gpt_shape, main_of, parse_list, random_batch, relative,
                                 stack_depth)
-from jaxaccel import hardware, nn, techniques
+from jaxaccel import hardware, nn, techniques, trace
 from jaxaccel.compiled import abstract, flops, memory_bytes
 from jaxaccel.config import setting
 from jaxaccel.errors import ConfigError
+from jaxaccel.loader import abstract_batch, abstract_key
 from jaxaccel.loop import train_step_of
-from jaxaccel.model import describe
+from jaxaccel.model import describe, make_apply
 from jaxaccel.optim import build_optimizer
 from jaxaccel.planner import choose_policy, compile_step, largest_batch
-from jaxaccel.remat import REMAT_POLICIES
+from jaxaccel.remat import REMAT_POLICIES, check_tags, tags as policy_tags
 from jaxaccel.state import init_state
 
 
@@ -76,10 +77,39 @@ def rows(cfg: RematConfig) -> list[Row]:
     policies = parse_list(cfg.experiment.policies, "experiment.policies", valid=REMAT_POLICIES)
     if cfg.data.batch_size is None:
         raise ConfigError("this experiment takes a batch size in rows", field="data.batch_size")
+    accumulate = cfg.optimizer.accumulate
+    if cfg.experiment.max_batch_limit < accumulate:
+        raise ConfigError(f"max_batch_limit={cfg.experiment.max_batch_limit} is below "
+                          f"accumulate={accumulate}: the largest-batch search tries batches that "
+                          f"split into {accumulate} microbatches; pass --max-batch-limit of at "
+                          f"least {accumulate}", field="experiment.max_batch_limit")
     layouts = (False, True) if cfg.experiment.scan_rows else (False,)
     return [Row(f"{policy}, {layout}", {"remat.policy": policy, "remat.scan_layers": scan},
                 {"policy": policy, "scan_layers": scan, "layout": layout})
             for scan, layout in zip(layouts, ("unrolled", "scanned")) for policy in policies]
+
+
+def check(cfg: RematConfig, plan: list[Row]):
+    """Before any row is measured: every policy that keeps tagged tensors finds them in the
+    model's forward, traced once (``remat.check_tags``, as a run checks it); a model of one's own
+    without them would measure such a policy as ``full``, under its name."""
+    keeping = [row.fields["policy"] for row in plan if policy_tags(row.fields["policy"])]
+    if not keeping:
+        return
+    graphdef, state = nnx.split(techniques.abstract(cfg))
+    jaxpr = jax.make_jaxpr(make_apply(graphdef))(
+        state, dict(abstract_batch((1, min(cfg.seq_len, 64)))), abstract_key())
+    named = trace.tags(jaxpr)
+    for policy in dict.fromkeys(keeping):
+        try:
+            check_tags(policy, named)
+        except ConfigError:     # its fixes are a run's: name this experiment's
+            found = f"it names {', '.join(sorted(named))}" if named else "it tags no tensor"
+            raise ConfigError(
+                f"remat {policy} keeps the tensors tagged {', '.join(policy_tags(policy))}, but "
+                f"the model never tags them ({found}), so its row would measure full under the "
+                f"name {policy}; tag them with jaxaccel.nn.tag, or leave {policy} out of "
+                f"--policies", field="experiment.policies") from None
 
 
 def shared(cfg: RematConfig):
@@ -134,7 +164,9 @@ def measure(run: RowRun) -> dict:
             return totals[rows]
 
         budget = budget_of(exp, run.previous or [{"total_bytes": memory["total"]}])
-        max_batch = largest_batch(total_at, budget, limit=exp.max_batch_limit, hint=batch_size)
+        # a batch the step takes splits into --accumulate microbatches: only those are tried
+        max_batch = largest_batch(total_at, budget, limit=exp.max_batch_limit, hint=batch_size,
+                                  multiple=cfg.optimizer.accumulate)
     return {"temp_bytes": memory.get("temp"), "total_bytes": memory["total"],
             "host_bytes": memory.get("host_total"), "flops": flops(executable),
             "compile_s": compile_s, "step_s": statistics.median(seconds[1:]),
@@ -191,8 +223,11 @@ def notes(cfg: RematConfig, rows: list[dict], meta: dict) -> list[str]:
     if not rows:
         return []
     ratio, offload = meta["unrolled_over_scanned_compile_s"], meta["offload_note"]
+    accumulate = cfg.optimizer.accumulate
     return [f"\nmax batch: the largest batch whose compiled step fits {meta['memory_budget']:,} "
-            f"bytes. Scanned rows' FLOPs count one layer (XLA counts a loop body once).",
+            f"bytes" + (f", among those that split into --accumulate {accumulate} microbatches"
+                        if accumulate > 1 else "")
+            + ". Scanned rows' FLOPs count one layer (XLA counts a loop body once).",
             *([f"compile time, unrolled / scanned (none): {ratio:.1f}x"] if ratio else []),
             f"planner's choice for batch {cfg.data.batch_size} within the budget: "
             + "; ".join(f"{k}: {v or 'nothing fits'}" for k, v in meta["planner_choice"].items()),
@@ -201,7 +236,7 @@ def notes(cfg: RematConfig, rows: list[dict], meta: dict) -> list[str]:
 
 EXPERIMENT = Experiment(
     name="remat", doc=__doc__, config=RematConfig, rows=rows, setup=setup, trains=False,
-    defaults=DEFAULTS, fixed=FIXED, unused=UNUSED, shared=shared, measure=measure,
+    defaults=DEFAULTS, fixed=FIXED, unused=UNUSED, check=check, shared=shared, measure=measure,
     compare=compare, meta=meta, notes=notes,
     columns=[("layout", "layers", ""), ("policy", "remat", ""),
              ("temp_bytes", "temp bytes", ",d"), ("temp_vs_none", "temp vs none", ".0%"),

@@ -24,6 +24,7 @@ import sys
 from experiments.common import (Experiment, Row, config_of, main_of, parse_list, relative,
                                 shared_run, technique)
 from jaxaccel.config import setting
+from jaxaccel.errors import ConfigError
 
 
 @dataclasses.dataclass
@@ -38,6 +39,9 @@ SparsityConfig = config_of(SparsitySettings)
 def rows(cfg: SparsityConfig) -> list[Row]:
     """A dense row, then one per pattern."""
     patterns = parse_list(cfg.experiment.patterns, "experiment.patterns")
+    if "none" in patterns:      # it would train the dense row again, into the dense row's run
+        raise ConfigError("patterns lists none, the dense row, which always runs; list only N:M "
+                          "patterns, e.g. 2:4,1:4", field="experiment.patterns")
     return [Row("dense" if p == "none" else p, {"sparsity.pattern": p},
                 {"pattern": "dense" if p == "none" else p}, directory=p.replace(":", "-"))
             for p in ["none", *patterns]]

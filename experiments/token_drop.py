@@ -85,6 +85,8 @@ def rows(cfg: TokenDropConfig) -> list[Row]:
         raise ConfigError("log_every must be >= 1: the training step time is the median over "
                           "the logged windows", field="run.log_every")
 
+    check_kept(keeps, cfg.seq_len)
+
     def row(keep: float, score: str) -> Row:
         kept = token_drop.kept_tokens(cfg.seq_len, keep)
         return Row(f"keep {keep:g}" + (f" {score}" if keep < 1 else ""),
@@ -94,6 +96,32 @@ def rows(cfg: TokenDropConfig) -> list[Row]:
 
     return [row(1.0, "random")] + [row(keep, score) for keep in dict.fromkeys(keeps)
                                    for score in dict.fromkeys(scores)]
+
+
+def check_kept(keeps: list[float], seq_len: int):
+    """Every keep ratio drops tokens at ``seq_len``, and no two keep as many: K rounds (to a
+    multiple of ``token_drop.MULTIPLE`` in rows that long), so a ratio near 1 keeps the whole row
+    (a second keep 1 row under another name) and nearby ratios keep the same K (one row twice)."""
+    step = token_drop.MULTIPLE if seq_len >= token_drop.MULTIPLE else 1
+    rounding = ("K is keep x seq_len rounded" + f" to a multiple of {step}" * (step > 1))
+    kept = {}
+    for keep in keeps:
+        K = token_drop.kept_tokens(seq_len, keep)
+        if K >= seq_len:
+            most = (seq_len - 1) // step * step
+            if most < 1:
+                raise ConfigError(f"keep {keep:g} keeps all {seq_len} tokens of a row at "
+                                  f"seq_len {seq_len} ({rounding}, at least {step}), as every "
+                                  f"keep does; pass a longer --seq-len", field="data.seq_len")
+            raise ConfigError(f"keep {keep:g} keeps all {seq_len} tokens of a row at seq_len "
+                              f"{seq_len} ({rounding}): its row would be keep 1's; pass keeps "
+                              f"that keep at most {most} of them, or a longer --seq-len",
+                              field="experiment.keeps")
+        if K in kept:
+            raise ConfigError(f"keeps {kept[K]:g} and {keep:g} both keep {K} of {seq_len} "
+                              f"tokens ({rounding}): their rows would be one; list one of them",
+                              field="experiment.keeps")
+        kept[K] = keep
 
 
 def drop_layers(cfg) -> tuple[int, int]:

@@ -47,8 +47,9 @@ def rows(cfg: TokenizationConfig) -> list[Row]:
     specs = parse_list(cfg.experiment.tokenizers, "experiment.tokenizers")
     for spec in specs:
         parse_spec(spec)
-    return [Row(spec, {"data.tokenizer": spec}, {"tokenizer": spec},
-                directory=spec.replace(":", "-")) for spec in specs]
+    # each row's directory is its spec made one folder name (Row.dirname): a tokenizer file's
+    # path would put the row's run on that file
+    return [Row(spec, {"data.tokenizer": spec}, {"tokenizer": spec}) for spec in specs]
 
 
 def measure(run) -> dict:

@@ -36,8 +36,10 @@ def compile_step(train_step, abstract_state, batch_size: int, seq_len: int,
 
 
 def largest_batch(total_at, budget: int, *, limit: int = 4096, hint: int = 2,
-                  rounds: int = 6) -> int:
-    """The largest batch b <= limit with ``total_at(b) <= budget``; 0 if not even 1 fits.
+                  rounds: int = 6, multiple: int = 1) -> int:
+    """The largest batch b <= limit with ``total_at(b) <= budget``; 0 if not even 1 fits. With
+    ``multiple`` (the microbatch count: a batch must split into them) only its multiples are
+    tried, and b is one.
 
     Memory grows nearly affinely with the batch, so secant guesses find it in a few compiles:
     the line through the bytes at 1 and ``hint`` (a batch whose bytes are known saves a
@@ -46,6 +48,10 @@ def largest_batch(total_at, budget: int, *, limit: int = 4096, hint: int = 2,
     profile cannot stall it), each fitting guess followed by a probe of the next batch; after
     ``rounds`` guesses a binary search finishes. ``total_at`` is called once per batch.
     """
+    if multiple > 1:
+        return multiple * largest_batch(lambda units: total_at(units * multiple), budget,
+                                        limit=limit // multiple, hint=max(hint // multiple, 1),
+                                        rounds=rounds)
     known = {}
     lo, hi = 0, limit + 1     # lo fits (0: nothing yet); hi does not fit, or is past the limit
 
@@ -113,8 +119,8 @@ def plan_remat(make_step, abstract_state, *, seq_len: int, batch_size: int, budg
                 executables[b] = compile_step(step, abstract_state, b, seq_len, batch_sharding)
             return executables[b]
 
-        def total_at(units, compiled=compiled):
-            return memory_bytes(compiled(units * multiple))["total"]
+        def total_at(b, compiled=compiled):
+            return memory_bytes(compiled(b))["total"]
 
         at_batch = compiled(batch_size)
         memory = memory_bytes(at_batch)
@@ -127,9 +133,8 @@ def plan_remat(make_step, abstract_state, *, seq_len: int, batch_size: int, budg
             "total_bytes": memory["total"], "host_bytes": memory["host_total"],
             "flops": flops(at_batch), "step_s": (step_seconds or {}).get(policy),
             "fits": memory["total"] <= budget,
-            "max_batch": (largest_batch(total_at, budget, limit=limit // multiple,
-                                        hint=batch_size // multiple) * multiple
-                          if search else None),
+            "max_batch": (largest_batch(total_at, budget, limit=limit, hint=batch_size,
+                                        multiple=multiple) if search else None),
             "compiles": len(executables),
             "probed": {b: memory_bytes(e)["total"] for b, e in sorted(executables.items())}})
     policy, criterion = choose_policy(rows, budget, batch_size)
