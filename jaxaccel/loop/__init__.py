@@ -122,9 +122,9 @@ def preflight(cfg: TrainConfig, mesh_shape: dict):
                 cfg.mesh.strategy)
     if pipelined(cfg.mesh.strategy):
         check_layers(model, mesh_shape["stage"])
-    if cfg.stacking.stages > 1:     # a stack whose depth the stages halve
-        stacking.depths(len(nn.the_stack(model, "progressive stacking", "stacking.stages")[1]),
-                        cfg.stacking.stages)
+    if cfg.stacking.stages > 1:     # a stack whose depth the stages halve, grown by copies
+        stack = nn.the_stack(model, "progressive stacking", "stacking.stages")[1]
+        stacking.check_copies(stack, stacking.depths(len(stack), cfg.stacking.stages))
     graphdef, state = nnx.split(model)
     apply = precision.cast(model_lib.make_apply(
         graphdef, segment_attention=cfg.data.batching == "pack"), cfg.policy())
