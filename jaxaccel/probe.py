@@ -42,17 +42,29 @@ def check(model_cfg, gpt_settings, *, seq_len: int, packed: bool, seed: int) -> 
     _refuse_random_variables(model_cfg, gpt_settings)
     batches, changed = _batches(vocab, T, packed)
     key = jax.random.PRNGKey(seed)
+
+    def run(index_checks: bool):
+        return _compiled(jax.jit(_measure(model_cfg, gpt_settings, packed,
+                                          index_checks=index_checks)).lower(key, batches))(
+            key, batches)
+
     try:
-        found = _compiled(jax.jit(_measure(model_cfg, gpt_settings, packed)).lower(
-            key, batches))(key, batches)
+        try:
+            found = run(index_checks=True)
+        except (ConfigError, jax.errors.JaxRuntimeError):
+            raise
+        except Exception:       # noqa: BLE001 - checkify may not read a kernel (pallas_call)
+            found = run(index_checks=False)     # and a failure here is the model's own
     except (ConfigError, jax.errors.JaxRuntimeError):
         raise
     except Exception as e:      # noqa: BLE001 - the user's code: one line with where it failed
         raise ConfigError(f"model {name}: its first forward and backward on ids [{ROWS}, {T}] "
                           f"failed: {model_lib._describe(e)}", field="model.name") from None
-    _refuse_index(found.pop("index_error").get_exception(), name, T, model_cfg,
-                  lambda shape: _gather_line(jax.make_jaxpr(_measure(
-                      model_cfg, gpt_settings, packed, logits_only=True))(key, batches), shape))
+    if "index_error" in found:
+        _refuse_index(found.pop("index_error").get_exception(), name, T, model_cfg,
+                      lambda shape: _gather_line(jax.make_jaxpr(_measure(
+                          model_cfg, gpt_settings, packed, logits_only=True))(key, batches),
+                          shape))
     found = jax.device_get(found)
     if not found["logits_finite"]:
         where = _first_nan(_measure(model_cfg, gpt_settings, packed, logits_only=True), seed,
@@ -88,8 +100,10 @@ def _batches(vocab: int, T: int, packed: bool) -> tuple[dict, int]:
     return {"main": main, "a": a, "b": b}, changed
 
 
-def _measure(model_cfg, gpt_settings, packed: bool, *, logits_only: bool = False):
-    """``measure(key, batches) -> found`` (or, ``logits_only``, the logits alone)."""
+def _measure(model_cfg, gpt_settings, packed: bool, *, logits_only: bool = False,
+             index_checks: bool = True):
+    """``measure(key, batches) -> found`` (or, ``logits_only``, the logits alone); with
+    ``index_checks``, ``found["index_error"]`` is checkify's Error of the forward pass."""
 
     def measure(key, batches):
         model = model_lib.build(model_cfg, gpt_settings, key)
@@ -100,26 +114,35 @@ def _measure(model_cfg, gpt_settings, packed: bool, *, logits_only: bool = False
         if logits_only:
             return apply(state, main, step_key)
 
+        def forward(leaves, tree):
+            return apply(jax.tree.unflatten(tree, leaves), main, step_key)
+
         def loss(weights, rest):
             # the forward pass with index checks (checkify's, not on the backward's scatters);
             # its variables made inside checkify's trace, which reseeding them may then change
             leaves, tree = jax.tree.flatten(grads.combine(weights, rest))
+            if not index_checks:
+                logits = forward(leaves, tree)
+                return _token_loss(logits, main), (logits, None)
             index_error, logits = checkify.checkify(
-                lambda leaves: apply(jax.tree.unflatten(tree, leaves), main, step_key),
-                errors=checkify.index_checks)(leaves)
-            token_loss = optax.softmax_cross_entropy_with_integer_labels(
-                logits.astype(jnp.float32), main["targets"])
-            return token_loss.mean(), (logits, index_error)
+                lambda leaves: forward(leaves, tree), errors=checkify.index_checks)(leaves)
+            return _token_loss(logits, main), (logits, index_error)
 
         weights, _, rest = grads.partition(state, trainable)
         (_, (logits, index_error)), gradient = jax.value_and_grad(loss, has_aux=True)(weights,
                                                                                       rest)
-        return {"index_error": index_error, "logits_finite": jnp.isfinite(logits).all(),
+        return {**({"index_error": index_error} if index_checks else {}),
+                "logits_finite": jnp.isfinite(logits).all(),
                 "grad_finite": _per_variable(gradient, lambda g: jnp.isfinite(g).all()),
                 "grad_nonzero": _per_variable(gradient, lambda g: (g != 0).any()),
                 "moved": _moved(apply, state, batches)}
 
     return measure
+
+
+def _token_loss(logits, batch):
+    return optax.softmax_cross_entropy_with_integer_labels(logits.astype(jnp.float32),
+                                                           batch["targets"]).mean()
 
 
 def _per_variable(state, fn) -> dict:
