@@ -465,3 +465,31 @@ def test_the_probe_runs_for_own_models_only(monkeypatch):
     assert ran == []
     loop.preflight(model_cfg(TINY_LM, **{"model.args": "width: 16, depth: 1"}), {"data": 1})
     assert ran == [TINY_LM]
+
+
+def test_weights_too_many_for_one_device_skip_the_probe_and_say_so(monkeypatch, capsys):
+    monkeypatch.setattr(probe, "check", lambda *a, **k: pytest.fail("the probe ran"))
+    monkeypatch.setattr(loop.hardware, "memory_limit_bytes", lambda device=None: 1000)
+    loop.preflight(model_cfg(TINY_LM, **{"model.args": "width: 16, depth: 1"}), {"data": 1})
+    err = capsys.readouterr().err.strip().splitlines()
+    assert len(err) == 1 and "are not checked before the first step" in err[0], err
+
+
+def test_a_kernel_checkify_cannot_read_leaves_the_other_checks(monkeypatch, tmp_path):
+    """checkify may not read a kernel (a pallas_call): the probe runs without index checks."""
+    def unreadable(fn, errors=None):
+        raise NotImplementedError("no checkify rule")
+    monkeypatch.setattr(probe.checkify, "checkify", unreadable)
+    cfg = model_cfg(TINY_LM, **{"model.args": "width: 16, depth: 1"})
+    probe.check(cfg.model, cfg.gpt, seq_len=16, packed=False, seed=0)
+    spec = model_file(tmp_path, '''
+        class Frozen(LM):
+            def __call__(self, inputs, positions=None, segment_ids=None):
+                return jax.lax.stop_gradient(super().__call__(inputs, positions, segment_ids))
+
+        def make(vocab_size, max_seq_len, *, rngs):
+            return Frozen(vocab_size, max_seq_len, rngs=rngs)
+        ''') + ":make"
+    cfg = model_cfg(spec)
+    with pytest.raises(ConfigError, match="gets a gradient"):
+        probe.check(cfg.model, cfg.gpt, seq_len=16, packed=False, seed=0)
