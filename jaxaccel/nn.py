@@ -220,16 +220,19 @@ class Stack(nnx.Module):
         if self.scanned:
             return
         from jaxaccel.errors import ConfigError
-        for index, block in enumerate(self.layers):
-            why = block_difference(self.layers[0], block)
-            if why:       # scanned, block 0's code would run with this block's weights
-                raise ConfigError(
-                    f"scan_layers runs block 0's code for every block of the nn.Stack (pipeline "
-                    f"stages too), but block {index} differs from block 0: {why}; scanned, the "
-                    f"model would compute another function: give the stack blocks of one class "
-                    f"and structure, or leave scan_layers off", field="remat.scan_layers")
-        graphdef = nnx.graphdef(self.layers[0])
-        stacked = jax.tree.map(lambda *xs: jnp.stack(xs), *[nnx.state(b) for b in self.layers])
+        splits = [nnx.split(block) for block in self.layers]
+        graphdef, first = splits[0]
+        for index, (other, state) in enumerate(splits):
+            if other == graphdef and _shapes(state) == _shapes(first):
+                continue
+            why = block_difference(self.layers[0], self.layers[index]) or "its structure differs"
+            # scanned, block 0's code would run with this block's weights
+            raise ConfigError(
+                f"scan_layers runs block 0's code for every block of the nn.Stack (pipeline "
+                f"stages too), but block {index} differs from block 0: {why}; scanned, the model "
+                f"would compute another function: give the stack blocks of one class and "
+                f"structure, or leave scan_layers off", field="remat.scan_layers")
+        stacked = jax.tree.map(lambda *xs: jnp.stack(xs), *[state for _, state in splits])
         module = nnx.merge(graphdef, stacked)
         for _, variable in nnx.iter_graph(module):
             if isinstance(variable, nnx.Variable):
@@ -344,6 +347,9 @@ def block_difference(first, other) -> str | None:
     a few words, or None."""
     if type(other) is not type(first):
         return f"it is a {type(other).__name__}, not a {type(first).__name__}"
+    (graphdef, state), (other_graphdef, other_state) = nnx.split(first), nnx.split(other)
+    if other_graphdef == graphdef and _shapes(other_state) == _shapes(state):
+        return None
     theirs = dict(_parts(other))
     for path, (kind, shape) in _parts(first):
         name = "/".join(map(str, path))
@@ -357,6 +363,10 @@ def block_difference(first, other) -> str | None:
     if nnx.graphdef(other) != nnx.graphdef(first):
         return "a setting of its own differs (an attribute that is not an array)"
     return None
+
+
+def _shapes(state) -> list[tuple]:
+    return [(x.shape, x.dtype) for x in jax.tree.leaves(state)]
 
 
 def _parts(block) -> list[tuple[tuple, tuple]]:
