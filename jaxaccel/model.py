@@ -41,6 +41,11 @@ def factory_args(cfg: ModelConfig) -> dict:
     if not isinstance(args, dict) or not all(str(k).isidentifier() for k in args):
         raise ConfigError(f"model_args {cfg.args!r} is not a mapping of names to values; write "
                           f"e.g. 'width: 128, depth: 2'", field="model.args")
+    bare = [k for k, v in args.items() if v is None]
+    if bare:      # `width` or `width:` (YAML's null): a value left out, never meant as None
+        raise ConfigError(f"model_args {cfg.args!r} gives {bare[0]} no value; write "
+                          f"'{bare[0]}: VALUE', or leave {bare[0]} out for the factory's default",
+                          field="model.args")
     return args
 
 
@@ -108,6 +113,8 @@ def build(cfg: ModelConfig, gpt_settings, key) -> nnx.Module:
         raise ConfigError(f"model {cfg.name}: the factory does not take (vocab_size, "
                           f"max_seq_len, rngs=..., {', '.join(args) or 'no --model-args'}): {e}",
                           field="model.args" if args else "model.name") from None
+    if not is_preset(cfg.name):
+        _check_arg_types(factory, args, cfg.name)
     try:
         with nnx.use_eager_sharding(False):
             model = factory(cfg.vocab_size, cfg.max_seq_len, rngs=rngs, **args)
@@ -116,12 +123,63 @@ def build(cfg: ModelConfig, gpt_settings, key) -> nnx.Module:
     except Exception as e:      # noqa: BLE001 - the user's code: one line with where it failed
         if is_preset(cfg.name):
             raise
+        culprit = _culprit(factory, cfg, args)
+        if culprit is not None and f"keyword argument '{culprit}'" in str(e):
+            raise ConfigError(f"model {cfg.name}: model_args names {culprit}, which the factory "
+                              f"passes on to what does not take it ({_describe(e)}); check the "
+                              f"name, or leave it out", field="model.args") from None
+        if culprit is not None:
+            raise ConfigError(f"model {cfg.name}: model_args' {culprit}: {args[culprit]!r} is "
+                              f"not a value the factory takes (it raised {_describe(e)}, and "
+                              f"builds without {culprit}); give {culprit} another value, or "
+                              f"leave it out", field="model.args") from None
         raise ConfigError(f"model {cfg.name}: the factory raised {_describe(e)}",
                           field="model.name") from None
     if not isinstance(model, nnx.Module):
         raise ConfigError(f"model {cfg.name}: the factory returned a {type(model).__name__}, "
                           f"not an nnx.Module", field="model.name")
     return model
+
+
+# The --model-args value types a factory's annotation can be checked against before the call.
+PLAIN_TYPES = {int: (int,), float: (int, float), bool: (bool,), str: (str,)}
+
+
+def _check_arg_types(factory, args: dict, name: str) -> None:
+    """A ConfigError for a ``--model-args`` value of another plain type (int, float, bool,
+    str) than the factory's own parameter of that name is annotated with."""
+    try:
+        parameters = inspect.signature(factory, eval_str=True).parameters
+    except Exception:       # noqa: BLE001 - an annotation that does not evaluate: unchecked
+        return
+    for key, value in args.items():
+        wanted = getattr(parameters.get(key), "annotation", None)
+        if wanted in PLAIN_TYPES and not (isinstance(value, PLAIN_TYPES[wanted])
+                                          and not (isinstance(value, bool) and wanted is not bool)):
+            raise ConfigError(f"model {name}: model_args gives {key} {value!r}, a "
+                              f"{type(value).__name__}, but the factory's {key} is "
+                              f"{wanted.__name__}; give {key} a value of that type",
+                              field="model.args")
+
+
+def _culprit(factory, cfg: ModelConfig, args: dict) -> str | None:
+    """The ``--model-args`` name without which the factory builds, so the one its failure with
+    them comes from (a value of the wrong type, a name a ``**options`` factory passes on to what
+    does not take it), or None. Built abstractly: only the error path pays for it."""
+    for key in args:
+        rest = {k: v for k, v in args.items() if k != key}
+
+        def make(rest=rest):
+            with nnx.use_eager_sharding(False):
+                return nnx.state(factory(cfg.vocab_size, cfg.max_seq_len,
+                                         rngs=nnx.Rngs(0, params=1), **rest))
+        try:
+            inspect.signature(factory).bind(cfg.vocab_size, cfg.max_seq_len, rngs=None, **rest)
+            jax.eval_shape(make)
+        except Exception:       # noqa: BLE001 - it fails without this one too: not the cause
+            continue
+        return key
+    return None
 
 
 def abstract(make) -> nnx.Module:
@@ -215,9 +273,11 @@ def call_arguments(model) -> set[str]:
     return {"positions", "segment_ids"} & set(parameters)
 
 
-def check(model, name: str, *, vocab_size: int, packed: bool) -> None:
+def check(model, name: str, *, vocab_size: int, packed: bool, pipelined: bool = False) -> None:
     """A ConfigError if ``model`` cannot train as configured: its call must take the ids (packed
-    rows: with ``positions`` and ``segment_ids``) and give logits of the vocabulary's size."""
+    rows: with ``positions`` and ``segment_ids``) and give float logits of the vocabulary's size,
+    it must hold weights that train, and call each ``nn.Stack`` it has (once, for pipeline
+    stages, which cut the model at its stack)."""
     if not callable(model):
         raise ConfigError(f"model {name}: {type(model).__name__} has no __call__",
                           field="model.name")
@@ -228,13 +288,22 @@ def check(model, name: str, *, vocab_size: int, packed: bool) -> None:
                           f"mask attention by segment); add them, or use --batching fixed, "
                           f"dynamic or bucket", field="data.batching")
     graphdef, state = nnx.split(model)
+    _check_trainable(state, name)
     # rows the mesh in context splits over its batch axes (Explicit axes refuse an uneven split)
     mesh = jax.sharding.get_abstract_mesh()
     rows = max(2, 1 if mesh.empty else math.prod(mesh.shape.get(a, 1) for a in ("data", "fsdp")))
     batch = {k: jax.ShapeDtypeStruct((rows, 8), jnp.int32)
              for k in ("inputs", "positions", "segment_ids")}
+    called = []
+
+    def counted(stack, x, token_args):      # the stack runs as it would, counted
+        called.append(stack)
+        with nn.step(stack=None):
+            return stack(x, **token_args)
+
     try:
-        logits = jax.eval_shape(make_apply(graphdef, segment_attention=packed), state, batch)
+        with nn.step(stack=counted):
+            logits = jax.eval_shape(make_apply(graphdef, segment_attention=packed), state, batch)
     except ConfigError:
         raise
     except Exception as e:      # noqa: BLE001 - the user's code: one line with where it failed
@@ -242,9 +311,55 @@ def check(model, name: str, *, vocab_size: int, packed: bool) -> None:
                           f"{_describe(e)}", field="model.name") from None
     shape = getattr(logits, "shape", None)
     if shape != (rows, 8, vocab_size):
-        raise ConfigError(f"model {name}: ids [{rows}, 8] gave {shape or type(logits).__name__}, "
-                          f"not logits [{rows}, 8, {vocab_size}] (the tokenizer's padded "
-                          f"vocabulary, the factory's vocab_size)", field="model.name")
+        alone = "; return the logits alone" if isinstance(logits, (tuple, list)) else ""
+        raise ConfigError(f"model {name}: ids [{rows}, 8] gave {_what(logits)}, not logits "
+                          f"[{rows}, 8, {vocab_size}] (the tokenizer's padded vocabulary, the "
+                          f"factory's vocab_size){alone}", field="model.name")
+    if not jnp.issubdtype(logits.dtype, jnp.floating):
+        raise ConfigError(f"model {name}: its logits are {logits.dtype}, not a float dtype: the "
+                          f"loss would have no gradient and nothing would train; return the "
+                          f"head's output as it is (no cast to an integer type)",
+                          field="model.name")
+    _check_stack_calls(model, name, called, pipelined)
+
+
+def _what(value) -> str:
+    """What a forward pass gave instead of logits, in a few words."""
+    if isinstance(value, (tuple, list)):
+        inner = ", ".join(str(list(v.shape)) if hasattr(v, "shape") else type(v).__name__
+                          for v in value)
+        return f"a {type(value).__name__} ({inner})"
+    shape = getattr(value, "shape", None)
+    return str(shape) if shape is not None else type(value).__name__
+
+
+def _check_trainable(state, name: str) -> None:
+    """A ConfigError if nothing in ``state`` would train (``nn.trainable``: no ``nnx.Param``)."""
+    if sum(x.size for x in jax.tree.leaves(nnx.filter_state(state, nn.trainable(state)))):
+        return
+    held = sorted({("nnx." if type(v).__module__.startswith("flax") else "") + type(v).__name__
+                   for _, v in nnx.to_flat_state(state) if jnp.issubdtype(v.dtype, jnp.floating)})
+    raise ConfigError(f"model {name} has no nnx.Param, so nothing would train"
+                      + (f" (its weights are {', '.join(held)})" if held else "")
+                      + "; declare its weights as nnx.Param (as nnx.Linear and nnx.Embed do)",
+                      field="model.name")
+
+
+def _check_stack_calls(model, name: str, called: list, pipelined: bool) -> None:
+    """Every ``nn.Stack`` runs in the forward pass; pipeline stages need it run once."""
+    found = nn.stacks(model)
+    if len({id(s) for s in called}) < len(found):
+        where = (".".join(map(str, found[0][0])) if len(found) == 1 else
+                 f"one of its {len(found)}")
+        raise ConfigError(f"model {name} never calls its nn.Stack ({where}) in its forward pass: "
+                          f"those blocks would never train and block techniques would act on "
+                          f"nothing; call it once in __call__ (x = self.blocks(x, ...))",
+                          field="model.name")
+    if pipelined and len(called) > 1:
+        raise ConfigError(f"model {name} calls its nn.Stack {len(called)} times, but pipeline "
+                          f"stages run the stack once, between the model's code before and after "
+                          f"it: the staged model would compute another function; call it once, "
+                          f"or choose a strategy without pp", field="mesh.strategy")
 
 
 # ---------------------------------------------------------------------------------------------

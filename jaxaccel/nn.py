@@ -166,6 +166,9 @@ class BlockTransform(nnx.Module):
     to the block); ``span`` and ``run_span`` run a range of layers differently (token dropping)."""
 
     order = 0
+    # The setting that installs it, when it runs a block on part of x and puts the result back
+    # into x (each block must then keep x's shape): checked as the stack runs, one line naming it.
+    field = None
 
     def variant(self, layer: int, total: int, rows: int, training: bool):
         return None
@@ -216,12 +219,20 @@ class Stack(nnx.Module):
         ``lax.scan`` runs them: XLA compiles one block instead of n."""
         if self.scanned:
             return
-        graphdef = nnx.graphdef(self.layers[0])
-        states = [nnx.state(b) for b in self.layers]
-        try:
-            stacked = jax.tree.map(lambda *xs: jnp.stack(xs), *states)
-        except ValueError as e:
-            raise ValueError(f"scanned layers need blocks of one structure ({e})") from None
+        from jaxaccel.errors import ConfigError
+        splits = [nnx.split(block) for block in self.layers]
+        graphdef, first = splits[0]
+        for index, (other, state) in enumerate(splits):
+            if other == graphdef and _shapes(state) == _shapes(first):
+                continue
+            why = block_difference(self.layers[0], self.layers[index]) or "its structure differs"
+            # scanned, block 0's code would run with this block's weights
+            raise ConfigError(
+                f"scan_layers runs block 0's code for every block of the nn.Stack (pipeline "
+                f"stages too), but block {index} differs from block 0: {why}; scanned, the model "
+                f"would compute another function: give the stack blocks of one class and "
+                f"structure, or leave scan_layers off", field="remat.scan_layers")
+        stacked = jax.tree.map(lambda *xs: jnp.stack(xs), *[state for _, state in splits])
         module = nnx.merge(graphdef, stacked)
         for _, variable in nnx.iter_graph(module):
             if isinstance(variable, nnx.Variable):
@@ -309,6 +320,7 @@ class Stack(nnx.Module):
     def _layer_fn(self, graphdef, transforms, variant, key):
         """One layer as ``fn(state, x, token_args, index) -> x``, wrapped by the transforms."""
         scanned = self.scanned
+        field = next((t.field for t in transforms if t.field), None)
 
         def fn(state, x, token_args, index):
             block = nnx.merge(graphdef, state)
@@ -317,13 +329,73 @@ class Stack(nnx.Module):
                 _reseed(block, layer)
             reset = _LAYER_KEY.set(layer)
             try:
-                return block(x, **token_args)
+                out = block(x, **token_args)
             finally:
                 _LAYER_KEY.reset(reset)
+            if field and getattr(out, "shape", None) != x.shape:
+                _refuse_reshaping(block, index, x, out, field)
+            return out
 
         for transform, choice in zip(transforms, variant):
             fn = transform.wrap(fn, choice, scanned)
         return fn
+
+
+def block_difference(first, other) -> str | None:
+    """How block ``other`` differs from ``first`` in what a scanned stack shares with one code
+    (the class, the sub-modules, each variable's type, shape and dtype, the static attributes), in
+    a few words, or None."""
+    if type(other) is not type(first):
+        return f"it is a {type(other).__name__}, not a {type(first).__name__}"
+    (graphdef, state), (other_graphdef, other_state) = nnx.split(first), nnx.split(other)
+    if other_graphdef == graphdef and _shapes(other_state) == _shapes(state):
+        return None
+    theirs = dict(_parts(other))
+    for path, (kind, shape) in _parts(first):
+        name = "/".join(map(str, path))
+        if path not in theirs:
+            return f"it has no {name}"
+        if theirs[path] != (kind, shape):
+            return f"its {name} is {_part_text(*theirs[path])}, block 0's {_part_text(kind, shape)}"
+    extra = [p for p in theirs if p not in dict(_parts(first))]
+    if extra:
+        return f"it has a {'/'.join(map(str, extra[0]))} that block 0 has not"
+    if nnx.graphdef(other) != nnx.graphdef(first):
+        return "a setting of its own differs (an attribute that is not an array)"
+    return None
+
+
+def _shapes(state) -> list[tuple]:
+    return [(x.shape, x.dtype) for x in jax.tree.leaves(state)]
+
+
+def _parts(block) -> list[tuple[tuple, tuple]]:
+    """``(path, (type, shape and dtype))`` of a block's sub-modules and variables."""
+    found = []
+    for path, node in nnx.iter_graph(block):
+        if isinstance(node, nnx.Variable):
+            found.append((path, (type(node), (tuple(node.shape), str(node.dtype)))))
+        elif isinstance(node, nnx.Module) and path:
+            found.append((path, (type(node), None)))
+    return found
+
+
+def _part_text(kind, shape) -> str:
+    return f"a {kind.__name__}" + (f" {shape[0]} {shape[1]}" if shape else "")
+
+
+def _refuse_reshaping(block, index, x, out, field: str):
+    """The ConfigError for a block whose output is not x's shape, under a technique that needs
+    it (``BlockTransform.field``)."""
+    from jaxaccel.errors import ConfigError
+    which = f"block {index}" if isinstance(index, int) else "a block"
+    technique = field.split(".")[0].replace("_", " ")
+    got = getattr(out, "shape", None)
+    raise ConfigError(
+        f"{technique} runs each block of the nn.Stack on part of x and puts the result back, but "
+        f"{which} ({type(block).__name__}) turns x {tuple(x.shape)} into "
+        f"{tuple(got) if got is not None else type(out).__name__}; a block must return x's shape "
+        f"[B, T, D] (change the width outside the stack), or leave {technique} off", field=field)
 
 
 def _reseed(module, key):

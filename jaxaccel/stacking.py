@@ -50,6 +50,23 @@ def depths(n_layers: int, stages: int) -> list[int]:
     return [first * 2 ** s for s in range(stages)]
 
 
+def check_copies(stack, stage_depths: list[int]) -> None:
+    """A ConfigError unless each block a growth copies into is of the class and structure of the
+    block it copies (``nn.block_difference``): new block ``i`` starts as old block ``i mod d``."""
+    blocks = list(stack.layers) if not stack.scanned else []      # scanned: one structure
+    for depth, grown in zip(stage_depths, stage_depths[1:]):
+        for i in range(depth, grown):
+            why = nn.block_difference(blocks[i % depth], blocks[i])
+            if why:
+                raise ConfigError(
+                    f"progressive_stack starts block {i} of the grown stack as a copy of block "
+                    f"{i % depth}, but block {i} differs from it: "
+                    f"{why.replace('block 0', f'block {i % depth}')}; the copy would compute "
+                    f"another function: give the stack blocks of one class and structure"
+                    + (f" (or a pattern repeating every {depth} blocks)" if depth > 1 else "")
+                    + ", or fewer stages", field="stacking.stages")
+
+
 def boundaries(total_steps: int, stages: int, stack_at: str | None = None) -> list[int]:
     """The steps at which the depth doubles (``stages - 1`` of them, increasing, inside the
     run): ``stack_at``'s comma-separated steps, or equal shares of ``total_steps``."""

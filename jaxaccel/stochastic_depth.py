@@ -26,6 +26,7 @@ class StochasticDepth(nn.BlockTransform):
     """Block l computes ``kept_rows(B, l/L x rate)`` of the batch's rows in training."""
 
     order = 10
+    field = "stochastic_depth.rate"
 
     def __init__(self, rate: float):
         self.rate = rate

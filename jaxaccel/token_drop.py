@@ -72,6 +72,7 @@ class TokenDrop(nn.BlockTransform, nn.Updated):
     """The middle layers of the stack on each row's kept tokens, in training."""
 
     order = 20
+    field = "token_drop.keep"
 
     def __init__(self, settings: TokenDropSettings, layers: tuple[int, int], vocab_size: int):
         self.keep, self.score = settings.keep, settings.score

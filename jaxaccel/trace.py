@@ -15,12 +15,13 @@ from jax.extend import core as jex_core
 from jaxaccel.embedding import SKIP_SCOPE   # lookups that are matmuls only in form
 
 
-def _subjaxprs(value):
+def subjaxprs(value):
+    """The jaxprs in an equation's parameter ``value`` (a call's body, a scan's)."""
     if isinstance(value, (jex_core.ClosedJaxpr, jex_core.Jaxpr)):
         yield value
     elif isinstance(value, (tuple, list)):
         for item in value:
-            yield from _subjaxprs(item)
+            yield from subjaxprs(item)
 
 
 def equations(jaxpr, times: int = 1):
@@ -31,8 +32,19 @@ def equations(jaxpr, times: int = 1):
     for eqn in jaxpr.eqns:
         yield eqn, times
         inner = times * eqn.params.get("length", 1) if eqn.primitive.name == "scan" else times
-        for sub in _subjaxprs(list(eqn.params.values())):
+        for sub in subjaxprs(list(eqn.params.values())):
             yield from equations(sub, inner)
+
+
+def from_inputs(jaxpr) -> list[bool]:
+    """For each output of ``jaxpr`` (a ClosedJaxpr), whether it is computed from the inputs, not
+    from constants alone (an equation's outputs count as computed from all its inputs: a call's
+    body is not read through)."""
+    reached = set(jaxpr.jaxpr.invars)
+    for eqn in jaxpr.jaxpr.eqns:
+        if any(isinstance(v, jex_core.Var) and v in reached for v in eqn.invars):
+            reached.update(eqn.outvars)
+    return [isinstance(v, jex_core.Var) and v in reached for v in jaxpr.jaxpr.outvars]
 
 
 def tags(jaxpr) -> set[str]:

@@ -25,8 +25,8 @@ import time
 import jax
 from flax import nnx
 
-from jaxaccel import (compile_cache, fp8, model as model_lib, nn, precision, remat, stacking,
-                      techniques, trace)
+from jaxaccel import (compile_cache, fp8, hardware, model as model_lib, nn, precision, probe,
+                      remat, stacking, techniques, trace)
 from jaxaccel.checkpoint import CheckpointWriteError
 from jaxaccel.config import TrainConfig
 from jaxaccel.loader import abstract_batch, abstract_key
@@ -114,17 +114,18 @@ def _train_in(run_dir: str, cfg: TrainConfig, mesh, mesh_shape: dict, model, sho
 
 def preflight(cfg: TrainConfig, mesh_shape: dict):
     """The run's model, abstract, checked before any work (contract, mesh splits, remat tags: a
-    ConfigError line for what does not fit; float32 matmuls under a 16-bit policy: a warning)."""
+    ConfigError line for what does not fit; float32 matmuls under a 16-bit policy: a warning);
+    a model of one's own also by its first forward and backward (``jaxaccel.probe``)."""
     model = techniques.abstract(cfg)
     model_lib.check(model, cfg.model.name, vocab_size=cfg.model.vocab_size,
-                    packed=cfg.data.batching == "pack")
+                    packed=cfg.data.batching == "pack", pipelined=pipelined(cfg.mesh.strategy))
     check_split(mesh_shape, nnx.state(model), parse_axis_rules(cfg.mesh.axis_rules),
                 cfg.mesh.strategy)
     if pipelined(cfg.mesh.strategy):
         check_layers(model, mesh_shape["stage"])
-    if cfg.stacking.stages > 1:     # a stack whose depth the stages halve
-        stacking.depths(len(nn.the_stack(model, "progressive stacking", "stacking.stages")[1]),
-                        cfg.stacking.stages)
+    if cfg.stacking.stages > 1:     # a stack whose depth the stages halve, grown by copies
+        stack = nn.the_stack(model, "progressive stacking", "stacking.stages")[1]
+        stacking.check_copies(stack, stacking.depths(len(stack), cfg.stacking.stages))
     graphdef, state = nnx.split(model)
     apply = precision.cast(model_lib.make_apply(
         graphdef, segment_attention=cfg.data.batching == "pack"), cfg.policy())
@@ -135,4 +136,21 @@ def preflight(cfg: TrainConfig, mesh_shape: dict):
     warning = precision.float32_warning(trace.float32_matmuls(jaxpr), cfg.policy())
     if warning and jax.process_index() == 0:
         print(warning, file=sys.stderr)
+    if not model_lib.is_preset(cfg.model.name):     # the presets' start-up is benchmarked
+        probe_own_model(cfg, state)
     return model
+
+
+def probe_own_model(cfg: TrainConfig, abstract_state) -> None:
+    """``probe.check`` of the model of one's own, unless its weights would crowd one device
+    (the probe holds them, unsharded, with their gradient): then said, and skipped."""
+    weight_bytes = sum(x.size * x.dtype.itemsize for x in jax.tree.leaves(abstract_state))
+    limit = hardware.memory_limit_bytes()
+    if limit is not None and 3 * weight_bytes > limit // 2:
+        if jax.process_index() == 0:
+            print(f"note: the model's {weight_bytes:,} bytes of weights are too many for its "
+                  f"first forward and backward on one device before the run, so its logits and "
+                  f"gradient are not checked before the first step", file=sys.stderr)
+        return
+    probe.check(cfg.model, cfg.gpt, seq_len=cfg.seq_len, packed=cfg.data.batching == "pack",
+                seed=cfg.run.seed)
