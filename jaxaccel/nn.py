@@ -126,7 +126,7 @@ class Step:
     """What the runtime tells the blocks: the key (None in evaluation), the batch, a pipeline
     stage's layers (``first_layer`` of ``total_layers``), a ``stack(stack, x, token_args)`` to
     run in the stack's place (``jaxaccel.model.parts``), and the ``compute_dtype`` of a 16-bit
-    policy (``precision.cast``: the model's flax layers are set to compute in it, ``compute_in``)."""
+    policy (``precision.cast``: the model's flax layers compute in it, ``compute_in``)."""
 
     key: Any = None
     batch: Any = None

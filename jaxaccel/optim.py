@@ -3,10 +3,10 @@
 ``make_optimizer(name, ...)`` returns an ``optax.GradientTransformation`` (``adamw``, ``lion``,
 ``lamb``, ``lars``, ``sgd``, ``adafactor``) around optax's update rules, with weight decay and
 LAMB/LARS trust ratios only on weight matrices (``decay_mask``: by rank, type and metadata, no
-name but flax's for an ``nnx.Embed`` table), one schedule family (``make_schedule``), global-norm clipping and optional bfloat16 state. In ``DEFAULTS``
-Lion's are AdamW's with lr 10x smaller and weight decay 10x larger (its authors advise 3-10x;
-lr * weight decay stays AdamW's); LAMB's, LARS's and SGD's are the best of a short sweep on the
-tiny model (BENCHMARKS.md).
+name but flax's for an ``nnx.Embed`` table), one schedule family (``make_schedule``),
+global-norm clipping and optional bfloat16 state. In ``DEFAULTS`` Lion's are AdamW's with lr 10x
+smaller and weight decay 10x larger (its authors advise 3-10x; lr * weight decay stays AdamW's);
+LAMB's, LARS's and SGD's are the best of a short sweep on the tiny model (BENCHMARKS.md).
 """
 
 import math

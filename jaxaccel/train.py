@@ -144,8 +144,9 @@ def make_train_step(grad_fn, optimizer: optax.GradientTransformation, schedule=N
         params = grads.combine(optax.apply_updates(train, updates), frozen)
         if update_buffers is not None:      # not from a skipped step's amaxes or losses
             kept = jax.tree.map(lambda x: x, params)     # its Variables: updates write in place
-            params = precision.select_tree(finite, update_buffers(params, state.step, stats),
-                                           kept)
+            updated = update_buffers(params, state.step, stats)
+            if updated is not params:       # (model_updater of a model without buffers: itself)
+                params = precision.select_tree(finite, updated, kept)
         metrics = {"loss": loss, **aux, "grad_norm": optax.tree.norm(grads_),
                    "update_norm": optax.tree.norm(updates),
                    "loss_scale": state.loss_scale.loss_scale,
