@@ -27,6 +27,7 @@ import jax
 import jax.numpy as jnp
 
 from jaxaccel import nn, surgery
+from jaxaccel.errors import ConfigError
 from jaxaccel.sections import Fp8Settings     # declared without jax
 from jaxaccel.sharding import constrain, einsum, refuse_pipeline
 
@@ -134,6 +135,12 @@ class Fp8(surgery.Wrapper, nn.Updated):
             return self.base(x, *args, **kwargs)
 
     def update(self, step, stats, observed):
+        if observed is None:    # a gradient function told to observe nothing
+            raise ConfigError(
+                "FP8's amax histories are updated from the amaxes the backward pass observes, "
+                "and the step observed none: build its gradient function with "
+                "observed=nn.Observation (grads.value_and_grad's default for a state holding "
+                "histories)")
         self.history[...] = record(self.history[...], observed["history"][...])
 
 
@@ -152,7 +159,6 @@ def apply(model, settings: Fp8Settings) -> int:
 def check_device(device=None) -> str:
     """How FP8 matmuls run on ``device`` (default: the first), a note for the run's output;
     ConfigError on a GPU without FP8 tensor cores (emulation there is only slower than bf16)."""
-    from jaxaccel.errors import ConfigError
     device = device or jax.devices()[0]
     if device.platform != "gpu":
         return f"emulated on {device.platform}: FP8's rounding, not its speed"

@@ -12,6 +12,7 @@ import jax
 import jax.numpy as jnp
 from flax import nnx
 
+from jaxaccel import nn
 from jaxaccel.errors import ConfigError
 
 REDUCTIONS = ("mean", "sum")
@@ -24,28 +25,49 @@ def value_and_grad(loss_fn, *, trainable=None, observed=None):
     """The gradient function of ``loss_fn(params, batch, key) -> (loss, aux)``; the backward
     pass starts from ``scale`` (default 1), bit for bit ``jax.grad`` of ``scale * loss``.
 
-    With ``trainable`` (an NNX filter) ``params`` is a model's ``nnx.State`` and only the
-    matched variables are differentiated, the others entering as constants (LoRA and adapters
-    freeze the base weights; buffers never train). With ``observed`` (``nn.Observation``) the
+    With ``trainable`` (an NNX filter; for a model's ``nnx.State`` by default
+    ``nn.trainable(params)``, ``partition``) only the matched variables are differentiated, the
+    others entering as constants (LoRA and adapters freeze the base weights; buffers never
+    train). With ``observed`` (default: ``nn.Observation`` where the state holds any) the
     matched variables are probes whose cotangents (FP8's amax) return as ``aux["observed_max"]``.
     """
 
     def grad_fn(params, batch, key, *, scale=None):
-        train, probes, frozen = partition(params, trainable, observed)
+        probed = observed if observed is not None else default_observed(params)
+        train, probes, frozen = partition(params, trainable, probed)
         loss, backward, aux = jax.vjp(lambda t, p: loss_fn(combine(t, p, frozen), batch, key),
                                       train, probes, has_aux=True)
         seed = jnp.ones_like(loss) if scale is None else jnp.asarray(scale, loss.dtype)
         grads, observations = backward(seed)
-        if observed is not None:
+        if probed is not None:
             aux = {**aux, OBSERVED_MAX: observations}
         return (loss, aux), grads
 
     return grad_fn
 
 
+def _variables(params) -> list:
+    """The ``nnx.Variable`` leaves of a model's state (none for any other pytree)."""
+    if not isinstance(params, nnx.State):
+        return []
+    leaves = jax.tree.leaves(params, is_leaf=lambda x: isinstance(x, nnx.Variable))
+    return [v for v in leaves if isinstance(v, nnx.Variable)]
+
+
+def default_observed(params):
+    """``nn.Observation`` when the model's state holds such probes (FP8's amax histories), else
+    None: the filter ``value_and_grad`` observes unless told."""
+    return nn.Observation if any(isinstance(v, nn.Observation) for v in _variables(params)) \
+        else None
+
+
 def partition(params, trainable=None, observed=None):
     """``(trainable part, observed part, the rest)`` of a model's state by NNX filters
-    (``nnx.split_state``); without filters the whole of ``params`` (any pytree) trains."""
+    (``nnx.split_state``). Without ``trainable`` a model's ``nnx.State`` trains what the loop
+    trains, ``nn.trainable(params)`` (never a buffer, an RNG key, or a weight a fine-tune
+    freezes), and any other pytree trains whole."""
+    if trainable is None and _variables(params):
+        trainable = nn.trainable(params)
     if trainable is None and observed is None:
         return params, {}, {}
     train_filter = nnx.Param if trainable is None else trainable

@@ -289,11 +289,8 @@ def check(model, name: str, *, vocab_size: int, packed: bool, pipelined: bool = 
                           f"dynamic or bucket", field="data.batching")
     graphdef, state = nnx.split(model)
     _check_trainable(state, name)
-    # rows the mesh in context splits over its batch axes (Explicit axes refuse an uneven split)
-    mesh = jax.sharding.get_abstract_mesh()
-    rows = max(2, 1 if mesh.empty else math.prod(mesh.shape.get(a, 1) for a in ("data", "fsdp")))
-    batch = {k: jax.ShapeDtypeStruct((rows, 8), jnp.int32)
-             for k in ("inputs", "positions", "segment_ids")}
+    batch = probe_batch()
+    rows = batch["inputs"].shape[0]
     called = []
 
     def counted(stack, x, token_args):      # the stack runs as it would, counted
@@ -362,6 +359,30 @@ def _check_stack_calls(model, name: str, called: list, pipelined: bool) -> None:
                           f"or choose a strategy without pp", field="mesh.strategy")
 
 
+def probe_batch() -> dict:
+    """ShapeDtypeStructs of ids [rows, 8] with positions and segment ids, to trace a model on:
+    rows 2, or as many as the mesh in context splits over its batch axes (Explicit axes refuse
+    an uneven split)."""
+    mesh = jax.sharding.get_abstract_mesh()
+    rows = max(2, 1 if mesh.empty else math.prod(mesh.shape.get(a, 1) for a in ("data", "fsdp")))
+    return {k: jax.ShapeDtypeStruct((rows, 8), jnp.int32)
+            for k in ("inputs", "positions", "segment_ids")}
+
+
+def forward_jaxpr(model, what: str, field: str):
+    """The jaxpr of ``model``'s forward pass on ``probe_batch`` (traced, nothing computed), for
+    ``what`` reads it; a ConfigError line naming ``field`` with the user's line if it fails."""
+    graphdef, state = nnx.split(model)
+    batch = probe_batch()
+    try:
+        return jax.make_jaxpr(make_apply(graphdef, segment_attention=False))(state, batch)
+    except ConfigError:
+        raise
+    except Exception as e:      # noqa: BLE001 - the user's code: one line with where it failed
+        raise ConfigError(f"{what} traces the model's forward pass, which failed on ids "
+                          f"{list(batch['inputs'].shape)}: {_describe(e)}", field=field) from None
+
+
 # ---------------------------------------------------------------------------------------------
 # Pure functions of the state.
 
@@ -369,12 +390,13 @@ def make_apply(graphdef, *, segment_attention: bool = True):
     """``apply(state, batch, key=None) -> logits [B, T, V]``; ``key`` (training) reseeds the
     ``nnx.Rngs`` streams and reaches the blocks through ``nn.step``. ``segment_attention=False``
     (a document per row from column 0: every batching but pack) passes no segment ids: causal
-    attention alone changes no real token's output."""
+    attention alone changes no real token's output. ``apply.graphdef`` is ``graphdef``: what
+    ``train.lm_train_step`` finds the model's buffer updates in."""
     takes = None
 
     def apply(state, batch, key=None):
         nonlocal takes
-        model = nnx.merge(graphdef, state)
+        model = nn.in_step_dtype(nnx.merge(graphdef, state))     # precision.cast's 16 bits
         if takes is None:
             takes = call_arguments(model)
         if key is not None:
@@ -385,6 +407,7 @@ def make_apply(graphdef, *, segment_attention: bool = True):
         with nn.step(key=key, batch=batch):
             return model(batch["inputs"], **{k: v for k, v in kwargs.items() if k in takes})
 
+    apply.graphdef = graphdef
     return apply
 
 
@@ -445,7 +468,7 @@ def parts(graphdef, abstract_state, *, segment_attention: bool = True) -> Parts:
 
     def blocks(stack_state, x, token_args, batch, key, first_layer, total_layers):
         with nn.step(key=key, batch=batch, first_layer=first_layer, total_layers=total_layers):
-            return nnx.merge(stack_graphdef, stack_state)(x, **token_args)
+            return nn.in_step_dtype(nnx.merge(stack_graphdef, stack_state))(x, **token_args)
 
     def head(state, batch, x):
         with nn.step(stack=lambda stack, _, token_args: x):

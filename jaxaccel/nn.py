@@ -124,14 +124,16 @@ def updater(model):
 @dataclasses.dataclass(frozen=True)
 class Step:
     """What the runtime tells the blocks: the key (None in evaluation), the batch, a pipeline
-    stage's layers (``first_layer`` of ``total_layers``), and a ``stack(stack, x, token_args)`` to
-    run in the stack's place (``jaxaccel.model.parts``)."""
+    stage's layers (``first_layer`` of ``total_layers``), a ``stack(stack, x, token_args)`` to
+    run in the stack's place (``jaxaccel.model.parts``), and the ``compute_dtype`` of a 16-bit
+    policy (``precision.cast``: the model's flax layers compute in it, ``compute_in``)."""
 
     key: Any = None
     batch: Any = None
     first_layer: int = 0
     total_layers: int | None = None
     stack: Callable | None = None
+    compute_dtype: Any = None
 
 
 _STEP = contextvars.ContextVar("jaxaccel_step", default=Step())
@@ -155,6 +157,28 @@ def current() -> Step:
 def layer_key():
     """The running block's PRNG key: the step's folded with its layer index (None in evaluation)."""
     return _LAYER_KEY.get()
+
+
+def compute_in(model, dtype) -> int:
+    """Set ``dtype`` on ``model``'s flax layers whose ``dtype`` is None (infer), in place; how many.
+    Such a layer computes in the dtype of its inputs and variables, and a float32 input (flax's
+    ``nnx.Embed`` returns its table's float32) would keep every later matmul in float32."""
+    changed = 0
+    for _, module in nnx.iter_graph(model):
+        if isinstance(module, nnx.Module) and hasattr(module, "param_dtype") and \
+                getattr(module, "dtype", "missing") is None:
+            module.dtype = jnp.dtype(dtype)
+            changed += 1
+    return changed
+
+
+def in_step_dtype(model):
+    """``model`` (a module just merged from its state) with ``compute_in`` applied for the
+    step's ``compute_dtype``, if one is set: what a pure function of the state calls."""
+    dtype = current().compute_dtype
+    if dtype is not None:
+        compute_in(model, dtype)
+    return model
 
 
 # ---------------------------------------------------------------------------------------------

@@ -2,11 +2,11 @@
 
 ``make_optimizer(name, ...)`` returns an ``optax.GradientTransformation`` (``adamw``, ``lion``,
 ``lamb``, ``lars``, ``sgd``, ``adafactor``) around optax's update rules, with weight decay and
-LAMB/LARS trust ratios only on weight matrices (``decay_mask``, never by name), one schedule
-family (``make_schedule``), global-norm clipping and optional bfloat16 state. In ``DEFAULTS``
-Lion's are AdamW's with lr 10x smaller and weight decay 10x larger (its authors advise 3-10x;
-lr * weight decay stays AdamW's); LAMB's, LARS's and SGD's are the best of a short sweep on the
-tiny model (BENCHMARKS.md).
+LAMB/LARS trust ratios only on weight matrices (``decay_mask``: by rank, type and metadata, no
+name but flax's for an ``nnx.Embed`` table), one schedule family (``make_schedule``),
+global-norm clipping and optional bfloat16 state. In ``DEFAULTS`` Lion's are AdamW's with lr 10x
+smaller and weight decay 10x larger (its authors advise 3-10x; lr * weight decay stays AdamW's);
+LAMB's, LARS's and SGD's are the best of a short sweep on the tiny model (BENCHMARKS.md).
 """
 
 import math
@@ -18,6 +18,7 @@ import optax
 from flax import nnx
 
 from jaxaccel.errors import ConfigError
+from jaxaccel.sharding import EMBED_TABLE
 # The optimizers and their DEFAULTS, the schedules and scalings, declared without jax.
 from jaxaccel.sections import DEFAULTS, LR_SCALING, OPTIMIZERS, SCHEDULES
 
@@ -69,7 +70,8 @@ def path_name(path) -> str:
 
 def mark_no_decay(model) -> None:
     """Mark ``model``'s embedding tables (``nnx.Embed``) ``weight_decay=False``, in place: an
-    embedding row is a lookup, not a weight matrix, whatever its rank."""
+    embedding row is a lookup, not a weight matrix, whatever its rank. (``decay_mask`` spares
+    ``nnx.Embed``'s tables unmarked too; this marks them whatever their path.)"""
     for _, module in nnx.iter_graph(model):
         if isinstance(module, nnx.Embed):
             module.embedding.set_metadata("weight_decay", False)
@@ -79,7 +81,9 @@ def decay_mask(params, exclude: tuple[str, ...] = ()):
     """True on the variables weight decay (and LAMB/LARS trust ratios) applies to: ``nnx.Param``
     of two or more dimensions per layer (not counting a scanned stack's layer axis; a plain
     pytree's leaves by rank alone), unless their metadata says ``weight_decay=False``
-    (``mark_no_decay``) or their path matches an ``exclude`` regular expression (``--no-decay``)."""
+    (``mark_no_decay``), they are an ``nnx.Embed`` table (a ``Param`` flax names ``embedding``;
+    metadata ``weight_decay=True`` decays one), or their path matches an ``exclude`` regular
+    expression (``--no-decay``)."""
     try:
         patterns = [re.compile(p) for p in exclude]
     except re.error as e:
@@ -93,8 +97,11 @@ def decay_mask(params, exclude: tuple[str, ...] = ()):
             return leaf.ndim >= 2
         meta = leaf.get_metadata()
         rank = leaf.ndim - bool(meta.get("stacked"))
+        # the one name read: a state keeps no trace of the module that made a variable, and an
+        # own model's table must not decay when no mark_no_decay ran
+        table = getattr(path[-1], "key", None) == EMBED_TABLE
         return (isinstance(leaf, nnx.Param) and rank >= 2
-                and meta.get("weight_decay", True) is not False)
+                and meta.get("weight_decay", not table) is not False)
 
     return jax.tree_util.tree_map_with_path(decays, params,
                                             is_leaf=lambda x: isinstance(x, nnx.Variable))

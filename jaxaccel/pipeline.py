@@ -27,6 +27,7 @@ Both idle (S - 1) / (M + S - 1) of the step (``bubble_fraction``). Gradients, lo
 """
 
 import dataclasses
+import functools
 
 import jax
 import jax.numpy as jnp
@@ -37,7 +38,7 @@ from jax.sharding import PartitionSpec as P
 from jaxaccel import grads as grads_lib, nn
 from jaxaccel.errors import ConfigError
 from jaxaccel.model import join_at, parts as model_parts, split_at, stack_of
-from jaxaccel.precision import POLICIES, Policy
+from jaxaccel.precision import POLICIES, Policy, computing_in
 from jaxaccel.sections import PIPELINE_SCHEDULES as SCHEDULES     # declared without jax
 from jaxaccel.sharding import constrain
 from jaxaccel.train import weighted_cross_entropy
@@ -317,7 +318,19 @@ def pipeline_grad_fn(model, microbatches: int, schedule: str = "gpipe", *,
                "padded_tokens": jnp.sum(batch["segment_ids"] == 0).astype(jnp.float32)}
         return (loss, aux), grads
 
-    return grad_fn
+    return _computing_in(grad_fn, policy)
+
+
+def _computing_in(fn, policy: Policy):
+    """``fn`` with the model's flax layers computing in the policy's dtype, as ``precision.cast``
+    makes a model's apply."""
+
+    @functools.wraps(fn)
+    def in_policy(*args, **kwargs):
+        with computing_in(policy):
+            return fn(*args, **kwargs)
+
+    return in_policy
 
 
 def pipeline_eval_fn(model, microbatches: int, *, policy: Policy = POLICIES["fp32"]):
@@ -369,4 +382,4 @@ def pipeline_eval_fn(model, microbatches: int, *, policy: Policy = POLICIES["fp3
         loss_sum, weight_sum = staged(blocks, rest, mbs)
         return {"loss_sum": loss_sum, "weight_sum": weight_sum}
 
-    return eval_step
+    return _computing_in(eval_step, policy)

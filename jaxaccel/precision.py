@@ -13,6 +13,7 @@ is the identity: pytrees saved with the train state, all counting non-finite ste
 the update on a non-finite step.
 """
 
+import contextlib
 import dataclasses
 import functools
 import math
@@ -21,9 +22,11 @@ from typing import Any, Self
 import jax
 import jax.numpy as jnp
 import optax
-from flax import nnx, struct
+from flax import struct
 
+from jaxaccel import nn
 from jaxaccel.errors import ConfigError
+from jaxaccel.nn import compute_in      # noqa: F401 - the flax layers' dtype, re-exported
 from jaxaccel.sections import LOSS_SCALE_KINDS     # declared without jax
 
 _DTYPES = {
@@ -273,38 +276,51 @@ def select_tree(pred: jax.Array, on_true, on_false):
     return jax.tree.map(lambda a, b: jnp.where(pred, a, b), on_true, on_false)
 
 
+@contextlib.contextmanager
+def computing_in(policy: Policy):
+    """Inside, a model merged by ``model.make_apply`` (or ``model.parts``) computes its flax
+    layers in the policy's 16-bit ``compute_dtype`` (``compute_in`` on the merged copy)."""
+    dtype = None if policy.compute_dtype == jnp.float32 else policy.compute_dtype
+    with nn.step(compute_dtype=dtype):
+        yield
+
+
 def cast(fn, policy: Policy):
     """``fn(params, *args)`` in the policy's dtypes: floating ``params`` cast to ``compute_dtype``,
-    the result to ``output_dtype``; gradients flow back through the casts in params' dtype."""
+    the result to ``output_dtype``; gradients flow back through the casts in params' dtype. A
+    model's ``fn`` (``model.make_apply``) also computes its flax layers in ``compute_dtype``
+    (``computing_in``), as the loop's model does: cast variables alone leave a layer whose
+    ``dtype`` is None promoting to float32 (``compute_in``). ``fn``'s attributes are kept."""
 
+    @functools.wraps(fn)
     def cast_fn(params, *args, **kwargs):
-        return policy.cast_to_output(fn(policy.cast_to_compute(params), *args, **kwargs))
+        with computing_in(policy):
+            return policy.cast_to_output(fn(policy.cast_to_compute(params), *args, **kwargs))
 
     return cast_fn
 
 
-def compute_in(model, dtype) -> int:
-    """Set ``dtype`` on ``model``'s flax layers whose ``dtype`` is None (infer), in place; how many.
-    Without it ``nnx.Embed`` returns float32 even from cast variables, promoting later matmuls."""
-    changed = 0
-    for _, module in nnx.iter_graph(model):
-        if isinstance(module, nnx.Module) and hasattr(module, "param_dtype") and \
-                getattr(module, "dtype", "missing") is None:
-            module.dtype = jnp.dtype(dtype)
-            changed += 1
-    return changed
-
-
 def float32_warning(locations: list[str], policy: Policy) -> str | None:
     """The warning line for matmuls a 16-bit policy still computes in float32 (``locations``,
-    ``jaxaccel.trace.float32_matmuls`` of the step), or None."""
+    ``jaxaccel.trace.float32_matmuls`` of the step), or None. Its fix depends on whose line it
+    is: a flax layer multiplies in its ``dtype`` (``compute_in`` sets those left None), other
+    code in its operands'."""
     if policy.compute_dtype == jnp.float32 or not locations:
         return None
     shown = "; ".join(locations[:4]) + (f"; and {len(locations) - 4} more"
                                          if len(locations) > 4 else "")
+    dtype = policy.compute_dtype.name
+    fixes = []
+    if any(where.startswith("flax's ") for where in locations):
+        fixes.append(f"flax's layers multiply in their dtype, float32 there: build them with "
+                     f"dtype=None and precision.compute_in(model, {dtype}) sets it (as the loop "
+                     f"and precision.cast of a model.make_apply function do), or give "
+                     f"dtype={dtype}")
+    if not all(where.startswith("flax's ") for where in locations):
+        fixes.append("elsewhere an operand stayed float32 (a float32 constant, an explicit cast "
+                     "or a float32 layer's output): cast it to the input's dtype")
     return (f"warning: under --precision {policy.name} the model still multiplies in float32 "
-            f"at {shown}: an operand stayed float32 (a float32 constant or an explicit cast); "
-            f"cast it to the input's dtype")
+            f"at {shown}: {'; '.join(fixes)}")
 
 
 def loss_scaled(grad_fn):

@@ -14,7 +14,7 @@ tags). ``check_tags`` refuses a policy whose tags the model never uses (it would
 
 import jax
 
-from jaxaccel import nn
+from jaxaccel import model as model_lib, nn, trace
 from jaxaccel.errors import ConfigError
 from jaxaccel.sections import RematSettings     # declared without jax
 
@@ -73,14 +73,20 @@ class Remat(nn.BlockTransform):
         return jax.checkpoint(fn, policy=policy(self.name), prevent_cse=not scanned)
 
 
-def apply(model, settings: RematSettings) -> None:
-    """Scan the model's stack (``scan_layers``) and install the remat policy on it."""
+def apply(model, settings: RematSettings, *, check: bool = True) -> None:
+    """Scan the model's stack (``scan_layers``) and install the remat policy on it. A policy that
+    keeps tagged tensors first traces the model (nothing computed) and refuses, model unchanged,
+    one whose tags it never names (``check_tags``); ``check=False`` leaves that to the caller
+    (the loop reads the tags of the step it traces anyway, ``loop.preflight``)."""
     check_policy(settings.policy)
     if not settings.scan_layers and settings.policy == "none":
         return
     _, stack = nn.the_stack(
         model, "remat and scanned layers",
         "remat.scan_layers" if settings.scan_layers else "remat.policy")
+    if check and tags(settings.policy):
+        jaxpr = model_lib.forward_jaxpr(model, f"remat {settings.policy}", "remat.policy")
+        check_tags(settings.policy, trace.tags(jaxpr))
     if settings.scan_layers:
         stack.scan()
     if settings.policy != "none":

@@ -15,6 +15,7 @@ import dataclasses
 import math
 import re
 import socket
+import sys
 import time
 
 import jax
@@ -341,8 +342,10 @@ def parse_axis_rules(text: str | None) -> dict:
 def param_shardings(mesh, abstract_params, rules=None):
     """NamedShardings for a model's state by ``variable_axes`` and ``PARAM_RULES`` (the first
     ``AUTO`` dimension that divides takes fsdp). Without pipeline stages the stacked layers stay
-    whole: a size-1 ``stage`` would keep Explicit axes from scanning over them."""
+    whole: a size-1 ``stage`` would keep Explicit axes from scanning over them. Over a tensor
+    axis, the weights that name no logical axes are said in one warning line (``say_whole``)."""
     shape = dict(mesh.shape)
+    say_whole(shape, abstract_params, rules)
     param_rules = PARAM_RULES if shape.get("stage", 1) > 1 else {**PARAM_RULES, "layers": None}
     fsdp = shape.get("fsdp", 1)
 
@@ -383,6 +386,49 @@ def check_split(mesh_shape: dict[str, int], abstract_params, rules=None, strateg
             f"strategy {strategy} splits over the tensor axis, but the model names no dimension "
             f"for it (heads, kv_heads or mlp); annotate its kernels with nnx.with_partitioning("
             f"init, ('embed', 'mlp')) or pass --axis-rules", field="mesh.strategy")
+
+
+# What flax's nnx.Embed names its table: a lookup, which no strategy splits over tensor and no
+# optimizer decays (jaxaccel.optim), whatever axes it names.
+EMBED_TABLE = "embedding"
+
+
+def whole_over_tensor(abstract_params, rules=None) -> list[str]:
+    """The paths of the weights (``nnx.Param`` of two or more dimensions per layer, embedding
+    tables aside) that neither ``rules`` nor their ``out_sharding`` metadata give logical axes:
+    the tensor axis splits none of their dimensions, so tensor parallelism keeps each whole on
+    every tensor device."""
+    flat_axes = jax.tree.leaves(variable_axes(abstract_params, rules),
+                                is_leaf=lambda x: isinstance(x, tuple))
+    flat = jax.tree_util.tree_flatten_with_path(
+        abstract_params, is_leaf=lambda x: isinstance(x, nnx.Variable))[0]
+    return [path_name(path) for (path, _), axes in zip(flat, flat_axes)
+            if AUTO in axes and getattr(path[-1], "key", None) != EMBED_TABLE]
+
+
+def whole_warning(mesh_shape: dict[str, int], abstract_params, rules=None) -> str | None:
+    """The warning line for ``whole_over_tensor``'s weights when the mesh has a tensor axis of
+    more than one device, else None."""
+    tensor = mesh_shape.get("tensor", 1)
+    whole = whole_over_tensor(abstract_params, rules) if tensor > 1 else []
+    if not whole:
+        return None
+    shown = ", ".join(whole[:3]) + (f" and {len(whole) - 3} more" if len(whole) > 3 else "")
+    return (f"warning: tensor parallelism ({tensor} devices) keeps {len(whole)} weights whole on "
+            f"every tensor device, for they name no logical axes: {shown}; name their dimensions "
+            f"with nnx.with_partitioning(init, ('embed', 'mlp')) in the layer's kernel_init, or "
+            f"with --axis-rules 'PATH=embed,mlp' (mesh.axis_rules)")
+
+
+_SAID = set()       # the warnings this process has printed: a run builds its shardings often
+
+
+def say_whole(mesh_shape: dict[str, int], abstract_params, rules=None) -> None:
+    """Print ``whole_warning`` to stderr (process 0, once per process and message)."""
+    warning = whole_warning(mesh_shape, abstract_params, rules)
+    if warning and warning not in _SAID and jax.process_index() == 0:
+        _SAID.add(warning)
+        print(warning, file=sys.stderr)
 
 
 def state_shardings(mesh, abstract_state, params_sharding):

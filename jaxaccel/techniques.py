@@ -34,7 +34,7 @@ def build(cfg, key, *, depth: int | None = None, base_state=None) -> nnx.Module:
         fp8.apply(model, cfg.fp8)
     if policy.compute_dtype != jnp.float32:
         precision.compute_in(model, policy.compute_dtype)
-    remat.apply(model, cfg.remat)
+    remat.apply(model, cfg.remat, check=False)     # preflight checks the traced step's tags
     stochastic_depth.apply(model, cfg.stochastic_depth)
     token_drop.apply(model, cfg.token_drop, cfg.model.vocab_size, full_layers)
     return model

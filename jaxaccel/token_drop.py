@@ -121,6 +121,11 @@ class TokenDrop(nn.BlockTransform, nn.Updated):
         target; ids not seen, and a step whose losses are not finite, leave it unchanged."""
         if self.score != "loss":
             return
+        if stats is None:       # a step built without the loss's per-id statistics
+            raise ConfigError(
+                "token dropping scored by loss updates its running loss per id from the loss's "
+                "statistics, and the step computed none: pass stats=nn.loss_stats(model) to "
+                "train.lm_train_step (or train.lm_loss), as with update_buffers=nn.updater(model)")
         old_V = self.token_loss[...]
         count_V = stats["token_count"]
         mean_V = stats["token_loss_sum"] / jnp.maximum(count_V, 1.0)

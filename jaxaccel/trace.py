@@ -8,6 +8,7 @@ computes (token dropping's kept tokens, stochastic depth's kept rows).
 
 import contextlib
 import math
+import os
 
 import jax
 from jax.extend import core as jex_core
@@ -70,7 +71,8 @@ def matmul_flops(jaxpr) -> float:
 
 
 def float32_matmuls(jaxpr) -> list[str]:
-    """Where ``jaxpr`` multiplies two float32 operands (``file:line (function)``, each once)."""
+    """Where ``jaxpr`` multiplies two float32 operands (``file:line (function)``, each once; a
+    flax layer's line as ``flax's linear.py:422 (Linear.__call__)``: its ``dtype`` decides)."""
     import jax.numpy as jnp
     seen = {}                   # ordered, each once
     for eqn, _ in equations(jaxpr):
@@ -85,7 +87,16 @@ def _location(eqn) -> str:
     frame = source_info_util.user_frame(eqn.source_info.traceback)
     if frame is None:
         return "an unknown line"
-    return f"{frame.file_name.rsplit('/', 1)[-1]}:{frame.start_line} ({frame.function_name})"
+    where = f"{os.path.basename(frame.file_name)}:{frame.start_line} ({frame.function_name})"
+    return f"{FLAX_LAYER}{where}" if _in_flax(frame.file_name) else where
+
+
+FLAX_LAYER = "flax's "          # how float32_matmuls marks a line of flax's own layers
+
+
+def _in_flax(file_name: str) -> bool:
+    import flax
+    return os.path.abspath(file_name).startswith(os.path.dirname(os.path.abspath(flax.__file__)))
 
 
 @contextlib.contextmanager

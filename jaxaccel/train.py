@@ -14,9 +14,10 @@ from typing import Any
 import jax
 import jax.numpy as jnp
 import optax
-from flax import struct
+from flax import nnx, struct
 
-from jaxaccel import grads, precision
+from jaxaccel import grads, nn, precision
+from jaxaccel.errors import ConfigError
 from jaxaccel.sampling import row_scores
 
 
@@ -56,8 +57,9 @@ def lm_loss(apply_fn, *, sampling: str = "uniform", stats=None):
                                                       batch["weights"])
         aux = {"real_tokens": weight_sum,
                "padded_tokens": jnp.sum(batch["segment_ids"] == 0).astype(jnp.float32)}
-        if stats is not None:
-            aux[BUFFER_STATS] = stats(params, logits_BTV, batch)
+        found = None if stats is None else stats(params, logits_BTV, batch)
+        if found is not None:
+            aux[BUFFER_STATS] = found
         if sampling != "uniform":
             real_tokens = jnp.sum(batch["weights"] > 0).astype(jnp.float32)
             aux |= {"real_tokens": real_tokens, grads.ROWS: row_scores(logits_BTV, batch, sampling)}
@@ -70,22 +72,64 @@ def lm_loss(apply_fn, *, sampling: str = "uniform", stats=None):
 # aux entry of a technique's additive statistics, which feed the model's buffers, not metrics.
 BUFFER_STATS = "buffer_stats"
 
+# lm_train_step's default ``update_buffers`` and ``stats``: the model's own (``nn.updater``,
+# ``nn.loss_stats``), found when the step is traced from the graph model.make_apply's function
+# carries (``apply_fn.graphdef``, kept by precision.cast); None passes none.
+AUTO = "auto"
+
+
+def model_updater(graphdef):
+    """``update_buffers`` of the model ``graphdef`` describes: its ``nn.updater`` applied to the
+    state the step gives it (the state unchanged when no module updates buffers)."""
+
+    def update(params, step, stats):
+        found = nn.updater(nnx.merge(graphdef, params))
+        return params if found is None else found(params, step, stats)
+
+    return update
+
+
+def model_stats(graphdef):
+    """``stats`` of the model ``graphdef`` describes: its ``nn.loss_stats``, or None."""
+
+    def stats(params, logits_BTV, batch):
+        found = nn.loss_stats(nnx.merge(graphdef, params))
+        return None if found is None else found(params, logits_BTV, batch)
+
+    return stats
+
+
+def unknown_updater(params, step, stats):
+    """``update_buffers`` where the model's is unknown: refuses a state that holds buffers."""
+    held = [v for v in jax.tree.leaves(params, is_leaf=lambda x: isinstance(x, nnx.Variable))
+            if isinstance(v, nn.Buffer)]
+    if held:
+        kinds = sorted({type(v).__name__ for v in held})
+        raise ConfigError(
+            f"the model's state holds {len(held)} technique buffers ({', '.join(kinds)}) that "
+            f"only its update_buffers keeps current, and lm_train_step cannot find it: apply_fn "
+            f"is not model.make_apply's (nor precision.cast of it); pass "
+            f"update_buffers=nn.updater(model) (or None to leave them unchanged)")
+    return params
+
 
 def make_train_step(grad_fn, optimizer: optax.GradientTransformation, schedule=None, *,
                     trainable=None, update_buffers=None):
     """Build the pure ``train_step(state, batch) -> (state, metrics)``.
 
     Step keys are ``fold_in(state.rng, state.step)``; the state's loss scale scales the backward
-    pass. With ``NoLossScale`` every step updates; with a static or dynamic scale a step whose
-    global gradient is not finite changes only the scale and the skip count
-    (``precision.skip_nonfinite``), alike on every device. Metrics: ``grad_fn``'s aux and, given
-    ``schedule``, the learning rate. With ``trainable`` (an NNX filter) ``grad_fn`` returns that
-    part's gradients and the rest passes through bit for bit. ``update_buffers(params, step,
-    stats)`` (``nn.updater``) updates the buffers after the optimizer from the aux entries
-    ``observed_max`` and ``buffer_stats``, which leave the metrics.
+    pass. A step whose global gradient is not finite changes only the loss scale and its skip
+    count (``precision.skip_nonfinite``), alike on every device, whatever the loss scale: with
+    ``NoLossScale`` too (fp32, bf16), so ``skipped_steps`` counts steps that were not applied.
+    Metrics: ``grad_fn``'s aux and, given ``schedule``, the learning rate. With ``trainable`` (an
+    NNX filter; for a model's state by default ``nn.trainable``, ``grads.partition``)
+    ``grad_fn`` returns that part's gradients and the rest passes through bit for bit.
+    ``update_buffers(params, step, stats)`` (``nn.updater``) updates the buffers after the
+    optimizer from the aux entries ``observed_max`` and ``buffer_stats``, which leave the
+    metrics; a skipped step updates none.
     """
     scaled_grad_fn = precision.loss_scaled(grad_fn)
-    always = optax.with_extra_args_support(optimizer)
+    # Every loss scale skips: applying a non-finite step would make every parameter NaN.
     skipping = precision.skip_nonfinite(optimizer)
 
     def train_step(state: TrainState, batch):
@@ -95,12 +139,14 @@ def make_train_step(grad_fn, optimizer: optax.GradientTransformation, schedule=N
         aux = dict(aux)
         finite = aux.pop("grads_finite")
         stats = {k: aux.pop(k) for k in (grads.OBSERVED_MAX, BUFFER_STATS) if k in aux}
-        update = always if isinstance(state.loss_scale, precision.NoLossScale) else skipping
         train, _, frozen = grads.partition(state.params, trainable)
-        updates, opt_state = update.update(grads_, state.opt_state, train, grads_finite=finite)
+        updates, opt_state = skipping.update(grads_, state.opt_state, train, grads_finite=finite)
         params = grads.combine(optax.apply_updates(train, updates), frozen)
-        if update_buffers is not None:
-            params = update_buffers(params, state.step, stats)
+        if update_buffers is not None:      # not from a skipped step's amaxes or losses
+            kept = jax.tree.map(lambda x: x, params)     # its Variables: updates write in place
+            updated = update_buffers(params, state.step, stats)
+            if updated is not params:       # (model_updater of a model without buffers: itself)
+                params = precision.select_tree(finite, updated, kept)
         metrics = {"loss": loss, **aux, "grad_norm": optax.tree.norm(grads_),
                    "update_norm": optax.tree.norm(updates),
                    "loss_scale": state.loss_scale.loss_scale,
@@ -126,13 +172,24 @@ def make_eval_step(apply_fn):
 
 
 def lm_train_step(apply_fn, optimizer, schedule=None, *, policy=precision.POLICIES["fp32"],
-                  accumulate: int = 1, trainable=None, observed=None, update_buffers=None,
-                  stats=None, sampling: str = "uniform"):
+                  accumulate: int = 1, trainable=None, observed=None, update_buffers=AUTO,
+                  stats=AUTO, sampling: str = "uniform"):
     """The train step of a language model (``model.make_apply``): the model under ``policy``,
     the token-mean loss, ``accumulate`` microbatches weighted by their real tokens, the loss
     reweighted for ``sampling``; ``trainable``, ``observed`` and ``update_buffers`` as in
     ``make_train_step`` and ``grads.value_and_grad``. Every trainer builds its step here, so a
-    setting cannot reach one step and miss another."""
+    setting cannot reach one step and miss another.
+
+    Unset, each is what the loop passes for the model: ``trainable`` ``nn.trainable(state)``,
+    ``observed`` ``nn.Observation`` where the state holds any, and (``AUTO``) ``update_buffers``
+    and ``stats`` the model's ``nn.updater`` and ``nn.loss_stats``, read from the graph of
+    ``model.make_apply``'s ``apply_fn``; a state with buffers and another ``apply_fn`` is one
+    ConfigError line asking for ``update_buffers``."""
+    graphdef = getattr(apply_fn, "graphdef", None)
+    if stats == AUTO:
+        stats = None if graphdef is None else model_stats(graphdef)
+    if update_buffers == AUTO:
+        update_buffers = unknown_updater if graphdef is None else model_updater(graphdef)
     loss_fn = lm_loss(precision.cast(apply_fn, policy), sampling=sampling, stats=stats)
     grad_fn = grads.accumulate(
         grads.value_and_grad(loss_fn, trainable=trainable, observed=observed), accumulate,

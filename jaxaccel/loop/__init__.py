@@ -42,7 +42,7 @@ from jaxaccel.loop.setup import RUNS_ROOT, Setup, check_outputs, claimed_run_dir
 from jaxaccel.pipeline import check as check_pipeline, check_layers
 from jaxaccel.report import dump_json
 from jaxaccel.sharding import build_mesh, check_split, format_mesh, initialize_distributed, \
-    parse_axis_rules, pipelined
+    parse_axis_rules, pipelined, say_whole
 
 __all__ = ["train", "RunSummary", "Setup", "Steps", "Progress", "evaluate", "preflight",
            "read_trained_run", "read_config", "resume_settings", "sharded_steps",
@@ -114,13 +114,15 @@ def _train_in(run_dir: str, cfg: TrainConfig, mesh, mesh_shape: dict, model, sho
 
 def preflight(cfg: TrainConfig, mesh_shape: dict):
     """The run's model, abstract, checked before any work (contract, mesh splits, remat tags: a
-    ConfigError line for what does not fit; float32 matmuls under a 16-bit policy: a warning);
-    a model of one's own also by its first forward and backward (``jaxaccel.probe``)."""
+    ConfigError line for what does not fit; weights tensor parallelism keeps whole, and float32
+    matmuls under a 16-bit policy: a warning line each); a model of one's own also by its first
+    forward and backward (``jaxaccel.probe``)."""
     model = techniques.abstract(cfg)
     model_lib.check(model, cfg.model.name, vocab_size=cfg.model.vocab_size,
                     packed=cfg.data.batching == "pack", pipelined=pipelined(cfg.mesh.strategy))
     check_split(mesh_shape, nnx.state(model), parse_axis_rules(cfg.mesh.axis_rules),
                 cfg.mesh.strategy)
+    say_whole(mesh_shape, nnx.state(model), parse_axis_rules(cfg.mesh.axis_rules))
     if pipelined(cfg.mesh.strategy):
         check_layers(model, mesh_shape["stage"])
     if cfg.stacking.stages > 1:     # a stack whose depth the stages halve, grown by copies
