@@ -104,9 +104,24 @@ def rows(cfg: ShardingConfig) -> list[Row]:
                 "optimizer.accumulate": exp.pipeline_microbatches, "remat.scan_layers": True}
                 for schedule in schedules}
         for label, settings in variants.items():
-            check(override(cfg, settings))
+            try:
+                check(override(cfg, settings))
+            except ConfigError as e:
+                if pipelined(name) and e.field in ("data.batch_size", "optimizer.accumulate"):
+                    raise _microbatch_error(e, label, exp.pipeline_microbatches) from None
+                raise
             plan.append(Row(label, settings, {"strategy": label}))
     return plan
+
+
+def _microbatch_error(error: ConfigError, label: str, microbatches: int) -> ConfigError:
+    """A pipelined row's batch that does not split into its microbatches, said in this
+    experiment's flags: its microbatches are --pipeline-microbatches (the row's accumulate)."""
+    reason = str(error).split("; pass")[0].replace(f"accumulate={microbatches}",
+                                                   f"pipeline_microbatches={microbatches}")
+    return ConfigError(f"the pipelined row {label}: {reason}; pass --pipeline-microbatches "
+                       f"that divides the batch, or a --batch-size that splits",
+                       field="experiment.pipeline_microbatches")
 
 
 def check(cfg: ShardingConfig):

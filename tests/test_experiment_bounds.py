@@ -12,8 +12,8 @@ import re
 import jax.numpy as jnp
 import pytest
 
-from experiments import (attention, common, importance, padding, precision, remat, sparsity,
-                         token_drop, tokenization)
+from experiments import (attention, common, importance, padding, precision, remat, sharding,
+                         sparsity, token_drop, tokenization)
 from experiments.common import Row, check_run_root, parse_config
 from jaxaccel import hardware, planner
 from jaxaccel.errors import ConfigError
@@ -285,3 +285,16 @@ def test_token_drop_keeps_that_round_to_another_row_are_refused(
             "--seq-len", seq_len, "--keeps", keeps]
     line = refused(token_drop.main, args, capsys)
     assert words in line and f"[{flag} /" in line
+
+
+# ---------------------------------------------------------------------------------------------
+# The sharding experiment's pipelined rows: their microbatches were blamed on --batch-size as
+# "accumulate", a flag the experiment sets itself from --pipeline-microbatches.
+
+def test_pipeline_microbatches_that_do_not_split_the_batch_name_their_flag(
+        corpus_path, tmp_path, capsys, no_work):
+    args = ["--data", corpus_path, *TINY, "--batch-size", "16", "--run-dir",
+            str(tmp_path / "runs"), "--pipeline-microbatches", "3"]
+    line = refused(sharding.main, args, capsys)
+    assert "pipeline_microbatches=3" in line and "accumulate" not in line, line
+    assert line.endswith("[--pipeline-microbatches / experiment.pipeline_microbatches]"), line
