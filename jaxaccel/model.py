@@ -88,6 +88,9 @@ def _describe(error: BaseException) -> str:
     ours = os.path.dirname(os.path.abspath(__file__))
     theirs = [f for f in frames if not os.path.abspath(f.filename).startswith(ours)
               and "site-packages" not in f.filename]
+    if isinstance(error, SyntaxError) and error.filename:     # raised by the compiler, no frame
+        return (f"{type(error).__name__}: {error.msg} "
+                f"({os.path.basename(error.filename)}:{error.lineno})")
     where = f" ({os.path.basename(theirs[-1].filename)}:{theirs[-1].lineno})" if theirs else ""
     return f"{type(error).__name__}: {error}{where}"
 

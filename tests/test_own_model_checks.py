@@ -493,3 +493,12 @@ def test_a_kernel_checkify_cannot_read_leaves_the_other_checks(monkeypatch, tmp_
     cfg = model_cfg(spec)
     with pytest.raises(ConfigError, match="gets a gradient"):
         probe.check(cfg.model, cfg.gpt, seq_len=16, packed=False, seed=0)
+
+
+def test_a_syntax_error_in_the_model_file_names_its_line(corpus_path, tmp_path, capsys):
+    """The compiler raises it without a frame of the user's file: its own file and line."""
+    path = tmp_path / "broken.py"
+    path.write_text("import jax\n\n\ndef make(vocab_size, max_seq_len, *, rngs):\n    return (\n")
+    line = refused(corpus_path, tmp_path, capsys, f"{path}:make", says="SyntaxError",
+                   flag="--model")
+    assert "(broken.py:5)" in line and "importlib" not in line, line
