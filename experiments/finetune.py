@@ -49,6 +49,7 @@ from jaxaccel.loop import evaluate, read_trained_run
 from jaxaccel.loop.compile import eval_step_of
 from jaxaccel.loop.record import export_merged
 from jaxaccel.model import describe
+from jaxaccel.sections import absolute_name
 from jaxaccel.state import init_state
 
 ROWS = ("full", "lora", "adapters")
@@ -60,6 +61,12 @@ STDLIB_TEXT = "stdlib-text"
 BASE_SECTIONS = ("model", "gpt", "init", "sparsity", "token_drop")
 BASE_FIELDS = ("remat.scan_layers",)
 RUN_TIME = ("gpt.dropout", "gpt.attention")
+# The fine-tuning runs' defaults; the base run (without --from) trains on the stdlib with the
+# same batches for --base-steps.
+DEFAULTS = {"data.path": STDLIB_TEXT, "data.batching": "pack", "data.seq_len": 256,
+            "data.batch_size": 8, "run.steps": 150, "optimizer.learning_rate": 1e-3,
+            "optimizer.warmup_steps": 10, "run.eval_every": 0, "run.checkpoint_every": 0,
+            "lora.rank": 8, "adapters.dim": 16, "run.final_eval_batches": 40}
 
 
 @dataclasses.dataclass
@@ -134,8 +141,27 @@ def prepare(cfg: FinetuneConfig) -> FinetuneConfig:
             raise ConfigError(f"--from {exp.from_run!r} is not a run directory (no config.yaml "
                               f"in it); pass the run_dir of a trained run",
                               field="experiment.from_run")
-        more.update({**base_model_fields(exp.from_run), "run.init_from": exp.from_run})
+        base = base_model_fields(exp.from_run)
+        check_model_left_to_base(cfg, base, exp.from_run)
+        more.update({**base, "run.init_from": exp.from_run})
     return override(cfg, more)
+
+
+def check_model_left_to_base(cfg: FinetuneConfig, base: dict, run_dir: str) -> None:
+    """A ConfigError for a model setting given with --from that the base's would replace (a
+    fine-tune takes its base's model): one that differs from this experiment's default and from
+    the base run's."""
+    default = build(FinetuneConfig, DEFAULTS)
+    for path, theirs in base.items():
+        section, _, name = path.partition(".")
+        mine, unset = (getattr(getattr(c, section), name) for c in (cfg, default))
+        if path == "model.name":
+            mine, theirs = absolute_name(mine), absolute_name(theirs)
+        if mine != theirs and mine != unset:
+            raise ConfigError(f"--from {run_dir} trained with {path}={theirs!r}, and this run "
+                              f"gives {mine!r}: a fine-tune takes its base's model and settings "
+                              f"of the model; leave {path} out, or fine-tune a run of that model",
+                              field=path)
 
 
 def lora_targets(cfg) -> str:
@@ -229,12 +255,7 @@ EXPERIMENT = Experiment(
     measure=lambda run: base(run) if run.row.fields["row"] == "base" else tune(run),
     shared=lambda cfg: (stdlib_text(cfg.data.path)
                         if cfg.data.path == stdlib_text_path(cfg.run.run_dir) else None),
-    # The fine-tuning runs' defaults; the base run (without --from) trains on the stdlib with
-    # the same batches for --base-steps.
-    defaults={"data.path": STDLIB_TEXT, "data.batching": "pack", "data.seq_len": 256,
-              "data.batch_size": 8, "run.steps": 150, "optimizer.learning_rate": 1e-3,
-              "optimizer.warmup_steps": 10, "run.eval_every": 0, "run.checkpoint_every": 0,
-              "lora.rank": 8, "adapters.dim": 16, "run.final_eval_batches": 40},
+    defaults=DEFAULTS,
     fixed=("run.init_from", "stacking.stages"),
     columns=[("label", "row", ""), ("trainable_params", "trainable", ",d"),
              ("trainable_share", "of model", ".2%"), ("state_bytes", "opt state B", ",d"),

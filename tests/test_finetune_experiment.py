@@ -53,6 +53,9 @@ def test_every_row_from_one_run(base_run, corpus_path, tmp_path, capsys):
     (["--lora-targets", "q,z"], "'z' matches none of the model's linear layers"),
     (["--rows", "full,lora2"], "unknown rows ['lora2']"),
     (["--from", "/no/such/run"], "is not a run directory"),
+    # the base's model replaced a given one silently
+    (["--d-model", "64"], "trained with gpt.d_model=32, and this run gives 64"),
+    (["--model", "small"], "trained with model.name='tiny', and this run gives 'small'"),
 ])
 def test_bad_input_is_one_line_before_any_work(args, message, base_run, corpus_path, tmp_path,
                                                capsys):
