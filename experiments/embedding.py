@@ -35,6 +35,7 @@ from experiments.common import (Experiment, Row, RowRun, config_of, first, main_
                                 median_seconds, out_of_memory, parse_list, relative)
 from jaxaccel import embedding
 from jaxaccel.config import setting
+from jaxaccel.errors import ConfigError
 from jaxaccel.gpt import ACTIVATION_AXES
 
 METHODS = tuple(m for m in embedding.METHODS if m != "auto")
@@ -70,8 +71,33 @@ def rows(cfg: EmbeddingConfig) -> list[Row]:
     exp = cfg.experiment
     vocabs = parse_list(exp.vocabs, "experiment.vocabs", kind=int)
     parse_list(exp.methods, "experiment.methods", valid=METHODS)
+    check_vocabs(vocabs, exp)
     return [Row(f"V={V} {kind}", fields={"V": V, "ids": kind}) for V in vocabs
             for kind in parse_list(exp.ids, "experiment.ids", valid=ID_KINDS)]
+
+
+# Token ids are int32, as a training step's are.
+MAX_VOCAB = 2**31 - 1
+
+
+def check_vocabs(vocabs: list[int], exp) -> None:
+    """A ConfigError for a V the ids cannot index, or whose table and its gradient (each V x D
+    in the experiment's dtype) take more than half the device's memory (the host's, on a CPU:
+    the lookup's inputs, outputs and XLA's buffers need the rest); the largest V that fits."""
+    from jaxaccel import hardware
+
+    per_row = 2 * exp.d_model * jnp.dtype(DTYPES[exp.dtype]).itemsize
+    memory = hardware.device_memory_bytes()
+    largest = min(MAX_VOCAB, memory // 2 // per_row)
+    for V in vocabs:
+        if V < 1 or V > largest:
+            why = ("V must be at least 1" if V < 1 else
+                   f"V={V:,} is more than token ids of int32 can index" if V > MAX_VOCAB else
+                   f"V={V:,}'s table and its gradient ({V:,} x {exp.d_model} {exp.dtype}, "
+                   f"twice: {V * per_row:,} bytes) take more than half the memory here "
+                   f"({memory:,} bytes)")
+            raise ConfigError(f"{why}; pass --vocabs of sizes from 1 to {largest:,}",
+                              field="experiment.vocabs")
 
 
 def shared(cfg: EmbeddingConfig) -> dict:

@@ -12,8 +12,8 @@ import re
 import jax.numpy as jnp
 import pytest
 
-from experiments import (attention, common, importance, padding, precision, remat, sharding,
-                         sparsity, token_drop, tokenization)
+from experiments import (attention, common, embedding, importance, padding, precision, remat,
+                         sharding, sparsity, token_drop, tokenization)
 from experiments.common import Row, check_run_root, parse_config
 from jaxaccel import hardware, planner
 from jaxaccel.errors import ConfigError
@@ -298,3 +298,20 @@ def test_pipeline_microbatches_that_do_not_split_the_batch_name_their_flag(
     line = refused(sharding.main, args, capsys)
     assert "pipeline_microbatches=3" in line and "accumulate" not in line, line
     assert line.endswith("[--pipeline-microbatches / experiment.pipeline_microbatches]"), line
+
+
+# ---------------------------------------------------------------------------------------------
+# The embedding experiment's vocabularies: one past int32 was a traceback drawing its ids, and
+# no table's size was checked.
+
+@pytest.mark.parametrize("vocab,says", [("3000000000", "more than token ids of int32 can index"),
+                                        ("2000000", "take more than half the memory here")])
+def test_an_embedding_vocabulary_beyond_the_ids_or_memory_suggests_one_that_fits(
+        capsys, no_work, small_host, vocab, says):
+    line = refused(embedding.main, ["--vocabs", f"320,{vocab}", "--ids", "uniform"], capsys)
+    assert says in line and line.endswith("[--vocabs / experiment.vocabs]"), line
+    largest = int(re.search(r"sizes from 1 to ([\d,]+)", line).group(1).replace(",", ""))
+    exp = parse_config(embedding.EXPERIMENT, ["--vocabs", str(largest)]).experiment
+    embedding.check_vocabs([largest], exp)           # the suggestion is accepted
+    with pytest.raises(ConfigError):
+        embedding.check_vocabs([largest + 1], exp)
