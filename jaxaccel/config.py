@@ -31,7 +31,7 @@ from jaxaccel.sections import (LOSS_SCALE_KINDS, LR_SCALING, MESH_AXIS_TYPES, OP
                                GPTSettings, InitSettings, LoRASettings, ModelConfig,
                                RematSettings, SparsitySettings, StackingSettings,
                                StochasticDepthSettings, TokenDropSettings, absolute_name,
-                               describe_defaults, is_preset, preset)
+                               describe_defaults, is_preset, preset, unknown_model)
 from jaxaccel.settings import FLOAT_RANGE, INT_LIMIT, INT_RANGE, Range, setting
 from jaxaccel.tokenizer import TOKENIZER_HELP, vocab_of as tokenizer_vocab
 
@@ -601,9 +601,7 @@ def _resolve_model(model: ModelConfig, data: "DataConfig", gpt_settings):
     """The model section with context and vocabulary resolved, the data section's tokenizer."""
     is_gpt = is_preset(model.name)
     if is_gpt and model.name not in PRESETS:
-        raise ConfigError(f"unknown model {model.name!r}: give a preset "
-                          f"({', '.join(PRESETS)}) or a factory FILE.py:FUNCTION or "
-                          f"package.module:FUNCTION", field="model.name")
+        raise unknown_model(model.name)
     context = model.max_seq_len or (PRESETS[model.name].max_seq_len if is_gpt
                                     else data.seq_len or 256)
     spec = data.tokenizer or (PRESET_TOKENIZERS.get(model.name, "bytes") if is_gpt

@@ -15,6 +15,7 @@ import inspect
 import math
 import os
 import sys
+import sysconfig
 import traceback
 from typing import Callable, NamedTuple
 
@@ -25,7 +26,8 @@ from flax import nnx
 
 from jaxaccel import gpt, nn
 from jaxaccel.errors import ConfigError
-from jaxaccel.sections import ModelConfig, describe, factory_file, is_preset  # without jax
+from jaxaccel.sections import (ModelConfig, describe, factory_file, is_preset,  # without jax
+                               unknown_model)
 
 
 def factory_args(cfg: ModelConfig) -> dict:
@@ -53,12 +55,13 @@ def load_factory(name: str) -> Callable:
     """The factory ``--model`` names (a preset's: ``gpt.make``); a ConfigError if none loads."""
     if is_preset(name):
         if name not in gpt.PRESETS:
-            raise ConfigError(f"unknown model {name!r}: give a preset ({', '.join(gpt.PRESETS)}) "
-                              f"or a factory FILE.py:FUNCTION or package.module:FUNCTION",
-                              field="model.name")
+            raise unknown_model(name)
         return lambda vocab_size, max_seq_len, *, rngs, **args: gpt.make(
             vocab_size, max_seq_len, rngs=rngs, preset_name=name, **args)
     where, _, function = name.rpartition(":")
+    if not where or not function:
+        raise ConfigError(f"model {name!r} leaves out the {'file or module' if not where else 'function'}"
+                          f"; give FILE.py:FUNCTION or package.module:FUNCTION", field="model.name")
     try:
         if where.endswith(".py"):
             if not os.path.isfile(where):
@@ -82,12 +85,16 @@ def load_factory(name: str) -> Callable:
     return factory
 
 
+_STDLIB = sysconfig.get_paths()["stdlib"]
+
+
 def _describe(error: BaseException) -> str:
     """``TypeError: ... (model.py:12)``: an exception and the last line of the user's code."""
     frames = traceback.extract_tb(error.__traceback__)
     ours = os.path.dirname(os.path.abspath(__file__))
     theirs = [f for f in frames if not os.path.abspath(f.filename).startswith(ours)
-              and "site-packages" not in f.filename]
+              and "site-packages" not in f.filename and not f.filename.startswith("<")
+              and not os.path.abspath(f.filename).startswith(_STDLIB)]
     if isinstance(error, SyntaxError) and error.filename:     # raised by the compiler, no frame
         return (f"{type(error).__name__}: {error.msg} "
                 f"({os.path.basename(error.filename)}:{error.lineno})")

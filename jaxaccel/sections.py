@@ -41,6 +41,17 @@ def is_preset(name: str) -> bool:
     return ":" not in name
 
 
+def unknown_model(name: str) -> ConfigError:
+    """The error for a ``--model`` that is neither a preset nor a factory; a file named without
+    its function says so."""
+    if name.endswith(".py") or os.path.isfile(name):
+        return ConfigError(f"model {name} names a file but not its factory; give "
+                           f"{name}:FUNCTION, the function that builds the model",
+                           field="model.name")
+    return ConfigError(f"unknown model {name!r}: give a preset ({', '.join(PRESETS)}) or a "
+                       f"factory FILE.py:FUNCTION or package.module:FUNCTION", field="model.name")
+
+
 def factory_file(name: str) -> str | None:
     """The file of a factory ``FILE.py:FUNCTION`` as given (None: a preset, or a factory
     ``package.module:FUNCTION``)."""

@@ -502,3 +502,17 @@ def test_a_syntax_error_in_the_model_file_names_its_line(corpus_path, tmp_path, 
     line = refused(corpus_path, tmp_path, capsys, f"{path}:make", says="SyntaxError",
                    flag="--model")
     assert "(broken.py:5)" in line and "importlib" not in line, line
+
+
+@pytest.mark.parametrize("name,says", [
+    ("examples/tiny_lm.py", "names a file but not its factory; give examples/tiny_lm.py:FUNCTION"),
+    ("examples/tiny_lm.py:", "leaves out the function"),
+    (":make", "leaves out the file or module"),
+    ("no_such_package.models:make", "No module named 'no_such_package'"),
+])
+def test_a_model_name_that_is_not_a_factory_says_what_is_missing(corpus_path, tmp_path, capsys,
+                                                                 name, says):
+    """Where a name lacks its function or module, and where an import fails in importlib's own
+    code (no line of the user's to name: none named, not importlib's)."""
+    line = refused(corpus_path, tmp_path, capsys, name, says=says, flag="--model")
+    assert "importlib" not in line and "frozen" not in line and "__init__.py" not in line, line
