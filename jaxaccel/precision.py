@@ -219,7 +219,8 @@ class StaticLossScale(_Scaled):
 
 @struct.dataclass
 class NoLossScale:
-    """Scale 1: the identity, still counting non-finite steps so fp32 and bf16 runs report them."""
+    """Scale 1: the identity. Its steps are applied whatever their gradients
+    (``train.make_train_step``), so none counts as skipped."""
 
     skipped_steps: jax.Array
 
@@ -238,7 +239,7 @@ class NoLossScale:
         return grads
 
     def adjust(self, grads_finite: jax.Array) -> Self:
-        return self.replace(skipped_steps=_count_skipped(self.skipped_steps, grads_finite))
+        return self
 
 
 LossScale = DynamicLossScale | StaticLossScale | NoLossScale

@@ -53,7 +53,9 @@ def depths(n_layers: int, stages: int) -> list[int]:
 def check_copies(stack, stage_depths: list[int]) -> None:
     """A ConfigError unless each block a growth copies into is of the class and structure of the
     block it copies (``nn.block_difference``): new block ``i`` starts as old block ``i mod d``."""
-    blocks = list(stack.layers) if not stack.scanned else []      # scanned: one structure
+    if stack.scanned:       # scanning checked that every block has block 0's structure
+        return
+    blocks = list(stack.layers)
     for depth, grown in zip(stage_depths, stage_depths[1:]):
         for i in range(depth, grown):
             why = nn.block_difference(blocks[i % depth], blocks[i])

@@ -118,10 +118,13 @@ def make_train_step(grad_fn, optimizer: optax.GradientTransformation, schedule=N
     """Build the pure ``train_step(state, batch) -> (state, metrics)``.
 
     Step keys are ``fold_in(state.rng, state.step)``; the state's loss scale scales the backward
-    pass. A step whose global gradient is not finite changes only the loss scale and its skip
-    count (``precision.skip_nonfinite``), alike on every device, whatever the loss scale: with
-    ``NoLossScale`` too (fp32, bf16), so ``skipped_steps`` counts steps that were not applied.
-    Metrics: ``grad_fn``'s aux and, given ``schedule``, the learning rate. With ``trainable`` (an
+    pass. With a static or dynamic scale a step whose global gradient is not finite changes
+    only the scale and its skip count (``precision.skip_nonfinite``), alike on every device; with
+    ``NoLossScale`` (fp32, bf16) every step is applied, as without a loss scale anywhere (a
+    non-finite one makes the parameters NaN: the loop stops on the loss as diverged), and none
+    is counted as skipped. The select a skip needs holds the old and the new optimizer state at
+    once, which fp32 and bf16 steps do not pay. Metrics: ``grad_fn``'s aux and, given
+    ``schedule``, the learning rate. With ``trainable`` (an
     NNX filter; for a model's state by default ``nn.trainable``, ``grads.partition``)
     ``grad_fn`` returns that part's gradients and the rest passes through bit for bit.
     ``update_buffers(params, step, stats)`` (``nn.updater``) updates the buffers after the
@@ -129,7 +132,7 @@ def make_train_step(grad_fn, optimizer: optax.GradientTransformation, schedule=N
     metrics; a skipped step updates none.
     """
     scaled_grad_fn = precision.loss_scaled(grad_fn)
-    # Every loss scale skips: applying a non-finite step would make every parameter NaN.
+    always = optax.with_extra_args_support(optimizer)
     skipping = precision.skip_nonfinite(optimizer)
 
     def train_step(state: TrainState, batch):
@@ -139,14 +142,18 @@ def make_train_step(grad_fn, optimizer: optax.GradientTransformation, schedule=N
         aux = dict(aux)
         finite = aux.pop("grads_finite")
         stats = {k: aux.pop(k) for k in (grads.OBSERVED_MAX, BUFFER_STATS) if k in aux}
+        skips = not isinstance(state.loss_scale, precision.NoLossScale)
         train, _, frozen = grads.partition(state.params, trainable)
-        updates, opt_state = skipping.update(grads_, state.opt_state, train, grads_finite=finite)
+        updates, opt_state = (skipping if skips else always).update(
+            grads_, state.opt_state, train, grads_finite=finite)
         params = grads.combine(optax.apply_updates(train, updates), frozen)
         if update_buffers is not None:      # not from a skipped step's amaxes or losses
             kept = jax.tree.map(lambda x: x, params)     # its Variables: updates write in place
             updated = update_buffers(params, state.step, stats)
-            if updated is not params:       # (model_updater of a model without buffers: itself)
+            if skips and updated is not params:     # (a model without buffers: itself)
                 params = precision.select_tree(finite, updated, kept)
+            else:
+                params = updated
         metrics = {"loss": loss, **aux, "grad_norm": optax.tree.norm(grads_),
                    "update_norm": optax.tree.norm(updates),
                    "loss_scale": state.loss_scale.loss_scale,
