@@ -149,13 +149,16 @@ def test_fp16_gradients_underflow_without_scaling():
     np.testing.assert_allclose(scaled, reference, rtol=1e-2)
 
 
-def test_static_and_no_loss_scale_count_skipped_steps():
+def test_a_static_scale_counts_skipped_steps_and_no_scale_none():
+    """No scale (fp32, bf16) applies every step (``make_train_step``), so it counts none as
+    skipped; a static scale skips and counts the non-finite ones."""
     grads = random_tree(7)
-    for loss_scale, value in [(make_loss_scale("static", POLICIES["fp32"], static_scale=64.0), 64),
-                              (make_loss_scale("auto", POLICIES["bf16"]), 1)]:
+    for loss_scale, value, skipped in [
+            (make_loss_scale("static", POLICIES["fp32"], static_scale=64.0), 64, 2),
+            (make_loss_scale("auto", POLICIES["bf16"]), 1, 0)]:
         for finite in [True, False, False]:
             loss_scale = loss_scale.adjust(jnp.asarray(finite))
-        assert loss_scale.skipped_steps == 2 and loss_scale.loss_scale == value
+        assert loss_scale.skipped_steps == skipped and loss_scale.loss_scale == value
         assert loss_scale.loss_scale.dtype == jnp.float32
         scaled = {**grads, "w": grads["w"] * value, "b": grads["b"] * value}
         chex.assert_trees_all_close(loss_scale.unscale(scaled), grads)
