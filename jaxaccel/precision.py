@@ -8,7 +8,7 @@ float16's few exponent bits flush small gradients to zero; loss scaling multipli
 loss by a large factor before differentiation and divides the gradients by it after.
 ``DynamicLossScale`` follows PyTorch's GradScaler (halve the scale and skip the step on overflow,
 double it after ``growth_interval`` finite steps), ``StaticLossScale`` keeps one, ``NoLossScale``
-is the identity: pytrees saved with the train state, all counting non-finite steps.
+is the identity: pytrees saved with the train state; the two scales count the steps they skip.
 ``loss_scaled(grad_fn)`` applies one to a gradient function; ``skip_nonfinite(optimizer)`` skips
 the update on a non-finite step.
 """

@@ -148,7 +148,8 @@ def make_train_step(grad_fn, optimizer: optax.GradientTransformation, schedule=N
             grads_, state.opt_state, train, grads_finite=finite)
         params = grads.combine(optax.apply_updates(train, updates), frozen)
         if update_buffers is not None:      # not from a skipped step's amaxes or losses
-            kept = jax.tree.map(lambda x: x, params)     # its Variables: updates write in place
+            # its Variables: the updates write in place, so a skipping step keeps a copy first
+            kept = jax.tree.map(lambda x: x, params) if skips else None
             updated = update_buffers(params, state.step, stats)
             if skips and updated is not params:     # (a model without buffers: itself)
                 params = precision.select_tree(finite, updated, kept)

@@ -143,15 +143,19 @@ def test_a_gradient_that_is_nan_though_the_logits_are_finite_is_refused(tmp_path
     assert caught.value.field == "model.name"
 
 
-def test_logits_that_do_not_depend_on_the_weights_are_refused(corpus_path, tmp_path, capsys):
-    spec = model_file(tmp_path, '''
+# Logits that do not depend on the weights: no gradient reaches any of them.
+FROZEN = '''
         class Frozen(LM):
             def __call__(self, inputs, positions=None, segment_ids=None):
                 return jax.lax.stop_gradient(super().__call__(inputs, positions, segment_ids))
 
         def make(vocab_size, max_seq_len, *, rngs):
             return Frozen(vocab_size, max_seq_len, rngs=rngs)
-        ''') + ":make"
+        '''
+
+
+def test_logits_that_do_not_depend_on_the_weights_are_refused(corpus_path, tmp_path, capsys):
+    spec = model_file(tmp_path, FROZEN) + ":make"
     refused(corpus_path, tmp_path, capsys, spec, says="none of its 12 nnx.Param variables gets a "
             "gradient", flag="--model")
 
@@ -482,14 +486,7 @@ def test_a_kernel_checkify_cannot_read_leaves_the_other_checks(monkeypatch, tmp_
     monkeypatch.setattr(probe.checkify, "checkify", unreadable)
     cfg = model_cfg(TINY_LM, **{"model.args": "width: 16, depth: 1"})
     probe.check(cfg.model, cfg.gpt, seq_len=16, packed=False, seed=0)
-    spec = model_file(tmp_path, '''
-        class Frozen(LM):
-            def __call__(self, inputs, positions=None, segment_ids=None):
-                return jax.lax.stop_gradient(super().__call__(inputs, positions, segment_ids))
-
-        def make(vocab_size, max_seq_len, *, rngs):
-            return Frozen(vocab_size, max_seq_len, rngs=rngs)
-        ''') + ":make"
+    spec = model_file(tmp_path, FROZEN) + ":make"
     cfg = model_cfg(spec)
     with pytest.raises(ConfigError, match="gets a gradient"):
         probe.check(cfg.model, cfg.gpt, seq_len=16, packed=False, seed=0)
