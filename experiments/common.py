@@ -531,8 +531,8 @@ class Experiment:
       ``finish``: (cfg, shared) -> run after the rows however they ended (clean up); a dict
       it returns joins the JSON's meta;
     - ``measure``: RowRun -> the row's result, or a list of results (several table rows);
-      default: train it (``trained``); a result whose ``status`` is not ``"ran"`` ends the
-      row's rounds;
+      default: train it (``trained``); a result whose ``status`` is not ``"ran"``, or that
+      says ``"last_round": True`` (nothing a later round could change), ends the row's rounds;
     - ``rounds``: cfg -> N, the times every row is measured, the rows taking turns (round 1 of
       every row, then round 2, ...), so that a change of the machine's load meets every row;
       ``combine``: (cfg, results) -> one row's result from its rounds' (required with rounds);
@@ -700,8 +700,9 @@ def run_plan(exp: Experiment, cfg, plan: list[Row], root: str | None, shared, ro
         for index in range(rounds):
             this_round = []
             for row, earlier in zip(plan, results):
-                if earlier and any(r.get("status", "ran") != "ran" for r in earlier[-1]):
-                    continue            # failed or skipped in an earlier round
+                if earlier and any(r.get("status", "ran") != "ran" or r.get("last_round")
+                                   for r in earlier[-1]):
+                    continue            # failed, skipped or decided in an earlier round
                 check_stop()
                 run = RowRun(cfg, row, root and os.path.join(root, row.dirname), this_round,
                              shared, index)

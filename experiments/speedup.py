@@ -666,10 +666,11 @@ def measure(run: RowRun) -> dict:
               "steps": summary.steps, "real_tokens": summary.real_tokens,
               "real_tokens_per_s": summary.real_tokens_per_s, "val_bpb": summary.val_bpb,
               "process_s": seconds, "run_dir": run_dir}
+    # a row that gave up cannot reach the target in every round: it is not trained again
     return {**dataclasses.asdict(summary), **technique_fields(summary), "status": "ran",
             "run_dir": os.path.join(run.run_dir, "round-1"), "shapes": len(summary.shapes),
             "memory_bytes": memory.get("total"), "temp_bytes": memory.get("temp"),
-            "round": record}
+            "round": record, "last_round": not reached and index + 1 < rounds}
 
 
 def combine_rounds(cfg: SpeedupConfig, results: list[dict]) -> dict:
@@ -679,7 +680,9 @@ def combine_rounds(cfg: SpeedupConfig, results: list[dict]) -> dict:
     for result in results:
         row.update(result)
     row.pop("round", None)
+    gave_up = row.pop("last_round", False)
     row["rounds"] = rounds = [r["round"] for r in results if "round" in r]
+    row["gave_up_in_round"] = len(rounds) if gave_up else None
     if not rounds:
         return row
     reached = [r for r in rounds if r["reached"]]
@@ -862,6 +865,9 @@ def explain(row: dict, base: dict) -> str:
         arrival = (f"reached {row['target']['bpb']:g} bits/byte in {row['time_to_target_s']:.1f} s "
                    f"of training ({_per_round(row, 'steps')} steps, "
                    f"{_per_round(row, 'real_tokens')} real tokens)")
+    elif row.get("gave_up_in_round"):
+        arrival = (f"gave up in round {row['gave_up_in_round']} and was not trained again (it "
+                   f"could no longer reach the target in every round)")
     else:
         arrival = "did not reach the target in every round"
     speed = ("" if row["name"] == "baseline" or row.get("speedup") is None

@@ -70,6 +70,7 @@ def test_a_failing_a_hanging_and_a_missing_step_are_recorded(tmp_path, monkeypat
         gpu_session.Step("peer", [str(script), "ok"], 30, needs="peer", json=False),
         gpu_session.Step("works", [str(script), "ok"], 30)])
     monkeypatch.setattr(gpu_session, "PEER", tmp_path / "absent.py")
+    monkeypatch.setenv("TMPDIR", str(tmp_path))      # its work folder, removed with tmp_path
     assert gpu_session.main(["train", "--out", str(tmp_path / "out")]) == 1
     steps = {s["name"]: s for s in
              json.loads((tmp_path / "out" / "session.json").read_text())["steps"]}

@@ -1,6 +1,7 @@
 """experiments.speedup: time to quality, the verdicts, the choice of the best combination, and
 a minute-scale run of every row."""
 
+import dataclasses
 import json
 import os
 
@@ -190,6 +191,37 @@ def test_a_verdict_needs_every_round_on_one_side_of_one():
     assert never["speedup"] is None and never["verdict"] == "not reached"
     speedup.compare(base, base)
     assert base["verdict"] is None and base["speedup"] == 1
+
+
+def test_a_row_that_gave_up_is_not_trained_again():
+    """A row that gave up in a round cannot reach the target in every round, so its verdict is
+    decided: the harness trains it no more (its result said ``last_round``), the others go on,
+    and the report says so."""
+    from experiments import common
+    measured = []
+
+    def measure(run):
+        measured.append((run.row.label, run.round))
+        gave_up = run.row.label == "slow" and run.round == 0
+        record = {"train_s": 9.0 if gave_up else 5.0, "reached": not gave_up, "steps": 10,
+                  "compile_s": 1.0, "real_tokens": 100, "real_tokens_per_s": 20.0,
+                  "process_s": 11.0}
+        return {"status": "ran", "round": record, "last_round": gave_up}
+
+    exp = dataclasses.replace(speedup.EXPERIMENT, measure=measure, rounds=lambda cfg: 3)
+    rows = []
+    common.run_plan(exp, None, [common.Row("quick"), common.Row("slow")], None, None, rows)
+    assert measured == [("quick", 0), ("slow", 0), ("quick", 1), ("quick", 2)]
+    quick, slow = rows
+    assert len(quick["rounds"]) == 3 and quick["gave_up_in_round"] is None
+    assert len(slow["rounds"]) == 1 and slow["gave_up_in_round"] == 1
+    assert "last_round" not in slow and not slow["reached"]
+    speedup.compare(slow, quick)
+    assert slow["verdict"] == "not reached"
+    base = {"real_tokens_per_s": 1.0, "memory_bytes": 1}
+    line = speedup.explain({**slow, "name": "bf16", "description": "bf16", "group": "x",
+                            "real_tokens_per_s": 0.3, "memory_bytes": 1}, base)
+    assert "gave up in round 1 and was not trained again" in line
 
 
 # The first experiment of the file: its baseline (which misses the target) compiles the
