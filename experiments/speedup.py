@@ -186,8 +186,9 @@ class SpeedupSettings:
                                   "again)", at_least=0)
     rounds: int = setting(2, "train every row this many times, afresh, the rows taking turns, so "
                              "that a change of the machine's load meets every row; a speedup is "
-                             "the median of its rounds' and its spread their half-range (1: one "
-                             "run each, no verdict)", at_least=1, at_most=20)
+                             "the median of its rounds' and its spread their half-range; a row "
+                             "that gives up is not trained again (1: one run each, no verdict)",
+                    at_least=1, at_most=20)
     same_seed: bool = setting(False, "train every round from --seed (default: round k from --seed "
                                      "+ k - 1, every row alike, so that the spread covers the "
                                      "seed's luck in steps as well as the machine's load)")
