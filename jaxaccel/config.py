@@ -669,55 +669,89 @@ def write_config(cfg, run_dir: str, command: str | None = None):
 
 # The command line.
 
-def build_parser(cls=None, *, defaults: dict | None = None, fixed: tuple = (),
-                 description: str = "") -> argparse.ArgumentParser:
-    """One flag per field of ``cls``, grouped by section; ``fixed`` fields get no flag (the
-    experiment sets them). Defaults shown are ``defaults`` over the fields' own."""
+CONFIG_HELP = "read settings from this YAML file (sections of fields; flags and overrides win)"
+OVERRIDES_HELP = "set any field, e.g. data.seq_len=512 optimizer.name=lion"
+
+
+@dataclasses.dataclass(frozen=True)
+class Flag:
+    """A field's command-line flag as ``--help`` shows it (and docs/FLAGS.md, which
+    tools/flag_reference.py writes from these)."""
+
+    path: str               # the field, "data.seq_len"
+    flag: str               # "--seq-len"
+    kind: object            # the field's annotation, ``int | None``
+    help: str               # the setting's own help text
+    default: object         # the value a run gets without the flag (``defaults`` applied)
+    accepts: str            # a numeric field's range, "at least 1" ("" otherwise)
+    choices: tuple | None
+
+    @property
+    def section(self) -> str:
+        return self.path.partition(".")[0]
+
+    @property
+    def name(self) -> str:
+        return self.path.partition(".")[2]
+
+
+def flags(cls=None, *, defaults: dict | None = None, fixed: tuple = ()) -> list[Flag]:
+    """Every flag of ``cls`` (default TrainConfig), in the order of its sections and their
+    fields (``--help``'s); ``fixed`` fields and those no flag sets have none."""
     cls = cls or TrainConfig
     shown = to_dict(build(cls, defaults))
-    parser = _Parser(description=description, allow_abbrev=False,
-                     formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("--config", metavar="FILE.yaml", help="read settings from this YAML "
-                        "file (sections of fields; flags and overrides win)")
-    parser.add_argument("overrides", nargs="*", metavar="section.field=value",
-                        help="set any field, e.g. data.seq_len=512 optimizer.name=lion")
-    flags, ranges = {}, field_ranges(cls)
+    out, seen, ranges = [], {}, field_ranges(cls)
     for path, (kind, help_text, flag, choices) in _field_table(cls).items():
         section, _, name = path.partition(".")
         if path in fixed or flag is None:
             continue
-        if flag in flags:
-            raise ValueError(f"flag --{flag} of {path} is also {flags[flag]}'s")
-        flags[flag] = path
-        groups = {g.title: g for g in parser._action_groups}
-        group = groups.get(section) or parser.add_argument_group(section)
-        default = shown[section].get(name)
-        accepts = _accepts(ranges.get(path), kind)
-        kwargs = {"dest": path, "default": argparse.SUPPRESS,
-                  "help": f"{help_text} ({path}, default: {default}{accepts})".replace("%", "%%")}
-        if _scalar_type(kind) is bool:
+        if flag in seen:
+            raise ValueError(f"flag --{flag} of {path} is also {seen[flag]}'s")
+        seen[flag] = path
+        out.append(Flag(path, "--" + flag.replace("_", "-"), kind, help_text,
+                        shown[section].get(name), _accepts(ranges.get(path), kind), choices))
+    return out
+
+
+def build_parser(cls=None, *, defaults: dict | None = None, fixed: tuple = (),
+                 description: str = "") -> argparse.ArgumentParser:
+    """One flag per field of ``cls``, grouped by section; ``fixed`` fields get no flag (the
+    experiment sets them). Defaults shown are ``defaults`` over the fields' own."""
+    parser = _Parser(description=description, allow_abbrev=False,
+                     formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--config", metavar="FILE.yaml", help=CONFIG_HELP)
+    parser.add_argument("overrides", nargs="*", metavar="section.field=value",
+                        help=OVERRIDES_HELP)
+    groups = {}
+    for f in flags(cls, defaults=defaults, fixed=fixed):
+        if f.section not in groups:
+            groups[f.section] = parser.add_argument_group(f.section)
+        accepts = f"; {f.accepts}" if f.accepts else ""
+        kwargs = {"dest": f.path, "default": argparse.SUPPRESS,
+                  "help": f"{f.help} ({f.path}, default: {f.default}{accepts})".replace("%", "%%")}
+        if _scalar_type(f.kind) is bool:
             kwargs["action"] = argparse.BooleanOptionalAction
-        elif str in typing.get_args(kind) and len(_alternatives(kind)) > 1:  # a number or word
-            kwargs["metavar"] = "|".join([name.upper(), *choices])
+        elif str in typing.get_args(f.kind) and len(_alternatives(f.kind)) > 1:  # number or word
+            kwargs["metavar"] = "|".join([f.name.upper(), *f.choices])
         else:
-            kwargs["type"] = _scalar_type(kind)
-            if choices:
-                kwargs["choices"] = choices
+            kwargs["type"] = _scalar_type(f.kind)
+            if f.choices:
+                kwargs["choices"] = f.choices
             else:
-                kwargs["metavar"] = name.upper()
-        group.add_argument("--" + flag.replace("_", "-"), **kwargs)
+                kwargs["metavar"] = f.name.upper()
+        groups[f.section].add_argument(f.flag, **kwargs)
     return parser
 
 
 def _accepts(declared, annotation) -> str:
-    """``, an integer in [1, 64]``: a numeric field's range for its help ("" otherwise)."""
+    """``an integer in [1, 64]``: a numeric field's range for its help ("" otherwise)."""
     kinds = set(_alternatives(annotation)) or {annotation}
     kind = float if float in kinds else int if int in kinds and bool not in kinds else None
     if kind is None:
         return ""
     if declared is None or declared == Range():
         declared = INT_RANGE if kind is int else FLOAT_RANGE
-    return f"; {declared.describe(kind)}"
+    return declared.describe(kind)
 
 
 class _Parser(argparse.ArgumentParser):
