@@ -64,21 +64,6 @@ def check(cfg) -> None:
         technique.check(cfg)
 
 
-def describe(cfg) -> list[str]:
-    """The techniques the run applies to its model, one short phrase each."""
-    phrases = [(cfg.init.scheme != "default", f"init {cfg.init.scheme}"),
-               (cfg.lora.rank, f"LoRA rank {cfg.lora.rank}"),
-               (cfg.adapters.dim, f"adapters {cfg.adapters.dim}"),
-               (cfg.sparsity.pattern != "none", f"{cfg.sparsity.pattern} sparse"),
-               (cfg.policy().fp8, "fp8"),
-               (cfg.remat.scan_layers, "scanned"),
-               (cfg.remat.policy != "none", f"remat {cfg.remat.policy}"),
-               (cfg.stochastic_depth.rate, f"stochastic depth {cfg.stochastic_depth.rate:g}"),
-               (cfg.token_drop.keep < 1, f"token keep {cfg.token_drop.keep:g}"),
-               (cfg.stacking.stages > 1, f"stacked in {cfg.stacking.stages} stages")]
-    return [phrase for on, phrase in phrases if on]
-
-
 def report(cfg, params, mesh_shape: dict, run: dict) -> dict:
     """What each technique the run used did, for its summary (``run``: what the loop measured)."""
     from jaxaccel.pipeline import bubble_fraction
