@@ -522,9 +522,12 @@ HELLO = "jaxaccel-rendezvous/1"
 
 def rendezvous(host: str, port: int, num_processes: int, process_id: int,
                timeout_s: float) -> None:
-    """Meet every process on the coordinator's port before JAX starts, whose runtime aborts with
-    a C++ stack trace when peers never join, the port is taken or something else answers on it:
-    here each is one ConfigError line. Process 0 waits ``timeout_s`` for each other's hello
+    """Meet every process on the coordinator's port before JAX starts, whose runtime does not
+    raise when the start fails: it aborts (SIGABRT, a C++ stack trace) past its timeout when
+    peers never join, something else answers on the port or a process id is given twice, mostly
+    dies of SIGSEGV when the port is taken, and starts a process given a larger process count
+    than process 0's as if they agreed (jax 0.11; tests/test_distributed.py checks the abort).
+    Here each is one ConfigError line. Process 0 waits ``timeout_s`` for each other's hello
     (``HELLO``, id, process count), answers ``go`` and frees the port; misfits are refused."""
     if num_processes == 1:
         return
