@@ -4,6 +4,7 @@ suite so that the two pytest workers share the multi-device work.)"""
 
 import json
 import os
+import signal
 import socket
 import subprocess
 import sys
@@ -36,7 +37,7 @@ def test_an_unreachable_coordinator_times_out_with_one_line():
 def test_the_rendezvous_before_jax_makes_start_up_failures_one_line():
     """Processes meet on the coordinator port before JAX's runtime (which would abort with a
     C++ stack trace): all joined; peers that never join; another program on the port; a
-    process count that differs."""
+    process count that differs; a process id given twice."""
     import threading
 
     def in_thread(fn, *args):
@@ -81,6 +82,50 @@ def test_the_rendezvous_before_jax_makes_start_up_failures_one_line():
     assert info.value.field == "mesh.num_processes"
     zero.join(30)
     assert "process 1: it was started with --num-processes 3" in result["error"]
+
+    port = free_port()                      # two processes given the same --process-id
+    started = [in_thread(rendezvous, "127.0.0.1", port, 3, i, 10) for i in (0, 1, 1)]
+    for thread, _ in started:
+        thread.join(30)
+    errors = [result.get("error", "") for _, result in started]
+    assert "process 1: process id 1 is taken" in errors[0], errors
+    assert sorted("refused this process: process id 1 is taken" in e for e in errors[1:]) == [
+        False, True], errors
+
+
+# What the rendezvous is for: jax.distributed.initialize alone, as initialize_distributed calls
+# it, on a start-up failure: what it prints if it raises, nothing if it dies of a signal.
+JAX_ALONE = """
+import resource, sys
+resource.setrlimit(resource.RLIMIT_CORE, (0, 0))    # an abort leaves no core file
+import jax
+jax.config.update("jax_cpu_collectives_implementation", "gloo")
+try:
+    jax.distributed.initialize(sys.argv[1], 2, int(sys.argv[2]), initialization_timeout=1)
+except BaseException as e:
+    print("caught", type(e).__name__, e, flush=True)
+    sys.exit(1)
+print("started")
+"""
+
+
+def test_jax_distributed_alone_aborts_where_the_rendezvous_says_one_line():
+    """A process 1 whose process 0 never starts: past its timeout, JAX's runtime aborts (SIGABRT)
+    with a C++ stack trace instead of raising. (Also measured, jax 0.11 on CPU, 2026-11-28: a
+    process 0 whose peer never joins, another program answering on the port and a process id
+    given twice abort the same way; a process 0 whose port is taken dies of SIGSEGV in about 2
+    runs of 3, else raises JaxRuntimeError "Failed to start RPC server"; a process 1 with a
+    larger --num-processes than process 0's starts as if it agreed.) The rendezvous turns each
+    into one ConfigError line (the test above)."""
+    with socket.socket() as never:          # a port nobody listens on
+        never.bind(("127.0.0.1", 0))
+        port = never.getsockname()[1]
+    result = subprocess.run([sys.executable, "-c", JAX_ALONE, f"127.0.0.1:{port}", "1"],
+                            env={**os.environ, "JAX_PLATFORMS": "cpu"}, capture_output=True,
+                            text=True, timeout=60)
+    assert result.returncode == -signal.SIGABRT and result.stdout == "", result
+    assert "RegisterTask" in result.stderr and "Check failure stack trace" in result.stderr
+    assert result.stderr.strip().count("\n") > 5
 
 
 # One block 16 wide: what these tests check does not depend on the model's size; one final
@@ -171,7 +216,6 @@ def test_a_signal_to_one_process_stops_every_process_at_the_same_step(corpus_pat
     """SIGTERM to process 1 alone (a preemption notice to one host): both processes agree on
     the stop at a log step, save one checkpoint of that step together and exit 143."""
     import re
-    import signal
 
     procs, run_dir = start_two_processes(corpus_path, tmp_path)
     try:
@@ -190,8 +234,6 @@ def test_a_process_that_dies_stops_the_others_with_one_line(corpus_path, tmp_pat
     """SIGKILL to process 1: process 0's next collective fails, and it stops at once with one
     error line and exit code 3 (JAX's runtime would abort it after its heartbeat timeout,
     100 s, with a C++ stack trace)."""
-    import signal
-
     procs, _ = start_two_processes(corpus_path, tmp_path)
     try:
         procs[1].send_signal(signal.SIGKILL)
