@@ -220,8 +220,6 @@ def pipeline_grad_fn(model, microbatches: int, schedule: str = "gpipe", *,
 
     def grad_fn(params, batch, key, *, scale=None):
         stages = stage_count()
-        plan = make_schedule(schedule, stages, microbatches)
-        layers = total_layers // stages
         mbs = grads_lib.split_microbatches(batch, microbatches)
         keys = (key[None] if microbatches == 1 else
                 jax.vmap(lambda i: jax.random.fold_in(key, i))(jnp.arange(microbatches)))
@@ -230,83 +228,12 @@ def pipeline_grad_fn(model, microbatches: int, schedule: str = "gpipe", *,
         train, _, frozen = grads_lib.partition(params, trainable)
         rest, blocks = split_at(policy.cast_to_compute(train), layers_at)
         frozen, frozen_blocks = split_at(policy.cast_to_compute(frozen), layers_at)
-        kinds = _stage_kinds(stages)
         x_spec, _ = jax.eval_shape(parts.embed, policy.cast_to_compute(params), _select(mbs, 0))
-        x_axes = ("batch", "seq", *(None,) * (len(x_spec.shape) - 2))
+        pipe = _GradPipe(parts, policy, total_layers, stages,
+                         make_schedule(schedule, stages, microbatches), x_spec, frozen)
 
         def run(stage_blocks, stage_frozen, rest, seed, mbs, keys):
-            stage_fn = _stage_function(parts, policy, mbs, keys, frozen, stage_frozen, total_layers)
-            s, kind = _position(stages)
-            first_layer = s * layers
-            forward, backward = jnp.asarray(plan.forward), jnp.asarray(plan.backward)
-            x0 = constrain(jnp.zeros(x_spec.shape, x_spec.dtype), x_axes)
-            carry = dict(sent=x0, returned=x0,
-                         inputs=constrain(jnp.zeros((plan.slots, *x_spec.shape), x0.dtype),
-                                          (None, *x_axes)),
-                         d_blocks=_zeros_like(stage_blocks, jnp.float32),
-                         d_rest=_zeros_like(rest, jnp.float32),
-                         loss_sum=jnp.zeros((), jnp.float32))
-
-            def run_forward(k):
-                return lambda x, m: stage_fn(kinds[k], stage_blocks, rest, x, m, first_layer)
-
-            def idle_forward(x, m):
-                return x0
-
-            # A backward branch adds its gradients to the running sums it is given; a stage without
-            # such gradients (idle, or a middle one's for embedding and head) passes them through.
-            def run_backward(k):
-                first, last = kinds[k]
-
-                def pull(x, m, returned, d_blocks, d_rest):
-                    out, vjp = jax.vjp(
-                        lambda sb, r, x: stage_fn(kinds[k], sb, r, x, m, first_layer),
-                        stage_blocks, rest, x)
-                    if last:       # the loss, seeded
-                        loss = out[0]
-                        d_blocks_mb, d_rest_mb, d_x = vjp((seed.astype(loss.dtype),
-                                                           jnp.zeros_like(out[1])))
-                    else:
-                        loss = jnp.zeros((), jnp.float32)
-                        d_blocks_mb, d_rest_mb, d_x = vjp(returned.astype(out.dtype))
-                    if first or last:
-                        d_rest = _add(d_rest, d_rest_mb)
-                    return loss, _add(d_blocks, d_blocks_mb), d_rest, d_x
-                return pull
-
-            def idle_backward(x, m, returned, d_blocks, d_rest):
-                return jnp.zeros((), jnp.float32), d_blocks, d_rest, x0
-
-            # Branches: idle, then one per kind (the last stage computes nothing forward yet).
-            forwards = [idle_forward] + [idle_forward if last else run_forward(k)
-                                         for k, (_, last) in enumerate(kinds)]
-            backwards = [idle_backward] + [run_backward(k) for k in range(len(kinds))]
-
-            def tick(carry, t):
-                f, b = forward[t, s], backward[t, s]
-                # Forward: what the previous stage sent (the first stage embeds its own
-                # microbatch), kept for the backward and passed on.
-                mf = jnp.maximum(f, 0)
-                y = jax.lax.switch(jnp.where(f >= 0, 1 + kind, 0), forwards, carry["sent"], mf)
-                slot = mf % plan.slots
-                inputs = carry["inputs"].at[slot].set(
-                    jnp.where(f >= 0, carry["sent"], carry["inputs"][slot]))
-                # Backward: recompute from the kept input and pull the gradient through.
-                mb = jnp.maximum(b, 0)
-                loss, d_blocks, d_rest, d_x = jax.lax.switch(
-                    jnp.where(b >= 0, 1 + kind, 0), backwards, inputs[mb % plan.slots], mb,
-                    carry["returned"], carry["d_blocks"], carry["d_rest"])
-                new = dict(sent=_shift(y, stages, +1), returned=_shift(d_x, stages, -1),
-                           inputs=inputs, d_blocks=d_blocks, d_rest=d_rest,
-                           loss_sum=carry["loss_sum"] + loss)
-                return new, None
-
-            carry, _ = jax.lax.scan(tick, carry, jnp.arange(plan.ticks))
-            # The embedding's gradient is on the first stage, the head's and the loss on the last.
-            total = (carry["loss_sum"], carry["d_rest"])
-            if stages > 1:
-                total = jax.lax.psum(total, AXIS)
-            return (*total, carry["d_blocks"])
+            return _stage_grads(pipe, stage_blocks, stage_frozen, rest, seed, mbs, keys)
 
         staged = _on_stages(run, stages, in_specs=(P(AXIS), P(AXIS), P(), P(), P(), P()),
                             out_specs=(P(), P(), P(AXIS)))
@@ -319,6 +246,113 @@ def pipeline_grad_fn(model, microbatches: int, schedule: str = "gpipe", *,
         return (loss, aux), grads
 
     return _computing_in(grad_fn, policy)
+
+
+@dataclasses.dataclass(frozen=True)
+class _GradPipe:
+    """What every stage's program of one pipelined gradient step shares (``_stage_grads``)."""
+
+    parts: object
+    policy: Policy
+    total_layers: int
+    stages: int
+    plan: Schedule
+    x_spec: jax.ShapeDtypeStruct    # the activations passed between stages: [B, T, ...]
+    frozen: dict                    # the variables outside the stack not differentiated
+
+    @property
+    def x_axes(self) -> tuple:
+        return ("batch", "seq", *(None,) * (len(self.x_spec.shape) - 2))
+
+
+def _stage_grads(pipe: _GradPipe, stage_blocks, stage_frozen, rest, seed, mbs, keys):
+    """One stage's program (run by ``_on_stages``): the schedule's ticks, each running a
+    microbatch forward and one backward (or idling); (the loss summed over the batch's tokens,
+    the gradients of what is outside the stack, both summed over the stages, and those of this
+    stage's layers)."""
+    plan, stages = pipe.plan, pipe.stages
+    stage_fn = _stage_function(pipe.parts, pipe.policy, mbs, keys, pipe.frozen, stage_frozen,
+                               pipe.total_layers)
+    s, kind = _position(stages)
+    first_layer = s * (pipe.total_layers // stages)
+    forward, backward = jnp.asarray(plan.forward), jnp.asarray(plan.backward)
+    x0 = constrain(jnp.zeros(pipe.x_spec.shape, pipe.x_spec.dtype), pipe.x_axes)
+    carry = dict(sent=x0, returned=x0,
+                 inputs=constrain(jnp.zeros((plan.slots, *pipe.x_spec.shape), x0.dtype),
+                                  (None, *pipe.x_axes)),
+                 d_blocks=_zeros_like(stage_blocks, jnp.float32),
+                 d_rest=_zeros_like(rest, jnp.float32),
+                 loss_sum=jnp.zeros((), jnp.float32))
+    forwards, backwards = _grad_branches(stage_fn, _stage_kinds(stages), stage_blocks, rest,
+                                         seed, first_layer, x0)
+
+    def tick(carry, t):
+        f, b = forward[t, s], backward[t, s]
+        # Forward: what the previous stage sent (the first stage embeds its own
+        # microbatch), kept for the backward and passed on.
+        mf = jnp.maximum(f, 0)
+        y = jax.lax.switch(jnp.where(f >= 0, 1 + kind, 0), forwards, carry["sent"], mf)
+        slot = mf % plan.slots
+        inputs = carry["inputs"].at[slot].set(
+            jnp.where(f >= 0, carry["sent"], carry["inputs"][slot]))
+        # Backward: recompute from the kept input and pull the gradient through.
+        mb = jnp.maximum(b, 0)
+        loss, d_blocks, d_rest, d_x = jax.lax.switch(
+            jnp.where(b >= 0, 1 + kind, 0), backwards, inputs[mb % plan.slots], mb,
+            carry["returned"], carry["d_blocks"], carry["d_rest"])
+        new = dict(sent=_shift(y, stages, +1), returned=_shift(d_x, stages, -1),
+                   inputs=inputs, d_blocks=d_blocks, d_rest=d_rest,
+                   loss_sum=carry["loss_sum"] + loss)
+        return new, None
+
+    carry, _ = jax.lax.scan(tick, carry, jnp.arange(plan.ticks))
+    # The embedding's gradient is on the first stage, the head's and the loss on the last.
+    total = (carry["loss_sum"], carry["d_rest"])
+    if stages > 1:
+        total = jax.lax.psum(total, AXIS)
+    return (*total, carry["d_blocks"])
+
+
+def _grad_branches(stage_fn, kinds, stage_blocks, rest, seed, first_layer: int, x0):
+    """The branches ``lax.switch`` picks from in a tick: idle, then one per stage kind. Forward:
+    ``(x, m) -> y``; backward: ``(x, m, returned, d_blocks, d_rest) -> (loss, d_blocks, d_rest,
+    d_x)``, ``returned`` the gradient the next stage sent back."""
+
+    def run_forward(k):
+        return lambda x, m: stage_fn(kinds[k], stage_blocks, rest, x, m, first_layer)
+
+    def idle_forward(x, m):
+        return x0
+
+    # A backward branch adds its gradients to the running sums it is given; a stage without
+    # such gradients (idle, or a middle one's for embedding and head) passes them through.
+    def run_backward(k):
+        first, last = kinds[k]
+
+        def pull(x, m, returned, d_blocks, d_rest):
+            out, vjp = jax.vjp(
+                lambda sb, r, x: stage_fn(kinds[k], sb, r, x, m, first_layer),
+                stage_blocks, rest, x)
+            if last:       # the loss, seeded
+                loss = out[0]
+                d_blocks_mb, d_rest_mb, d_x = vjp((seed.astype(loss.dtype),
+                                                   jnp.zeros_like(out[1])))
+            else:
+                loss = jnp.zeros((), jnp.float32)
+                d_blocks_mb, d_rest_mb, d_x = vjp(returned.astype(out.dtype))
+            if first or last:
+                d_rest = _add(d_rest, d_rest_mb)
+            return loss, _add(d_blocks, d_blocks_mb), d_rest, d_x
+        return pull
+
+    def idle_backward(x, m, returned, d_blocks, d_rest):
+        return jnp.zeros((), jnp.float32), d_blocks, d_rest, x0
+
+    # Branches: idle, then one per kind (the last stage computes nothing forward yet).
+    forwards = [idle_forward] + [idle_forward if last else run_forward(k)
+                                 for k, (_, last) in enumerate(kinds)]
+    backwards = [idle_backward] + [run_backward(k) for k in range(len(kinds))]
+    return forwards, backwards
 
 
 def _computing_in(fn, policy: Policy):

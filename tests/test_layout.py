@@ -1,6 +1,7 @@
 """One direction of imports: no circles in the library, the model knows no technique, techniques
 know no loop, experiments import the library and never each other (only their shared harness,
-``experiments.common``). Read from the source (module-level and function-level imports alike)."""
+``experiments.common``). Read from the source (module-level and function-level imports alike).
+And no function in the library longer than a reader takes in at once (80 lines)."""
 
 import ast
 import os
@@ -97,3 +98,27 @@ def test_experiments_import_the_library_never_each_other():
             assert not others, f"{name} imports {others}"
     assert not [m for m in EDGES if m.startswith("jaxaccel")
                 and any(e.startswith("experiments") for e in EDGES[m])]
+
+
+MAX_FUNCTION_LINES = 80
+
+
+def long_functions(package: str, limit: int) -> list[str]:
+    """``file: function, N lines`` for each function (a nested one counted in its parent too)
+    of ``package`` longer than ``limit`` lines, decorators left out."""
+    found = []
+    for path in sorted(modules(package).values()):
+        with open(path) as f:
+            tree = ast.parse(f.read())
+        for node in ast.walk(tree):
+            if isinstance(node, (ast.FunctionDef, ast.AsyncFunctionDef)):
+                length = node.end_lineno - node.lineno + 1
+                if length > limit:
+                    found.append(f"{os.path.relpath(path, ROOT)}: {node.name}, {length} lines")
+    return found
+
+
+def test_no_function_is_longer_than_80_lines():
+    # A function a reader takes in at once: a longer one is split by phase, each part named
+    too_long = long_functions("jaxaccel", MAX_FUNCTION_LINES)
+    assert not too_long, (f"functions over {MAX_FUNCTION_LINES} lines:\n" + "\n".join(too_long))

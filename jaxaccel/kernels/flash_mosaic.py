@@ -125,100 +125,145 @@ def _run(shape: _Shape, grid_heads: int, n_programs: int, batch: int, out_type, 
     """The kernel of every pass. Operands: the schedule, ``n_own`` arrays the consumers own,
     ``n_streamed`` streamed, ``n_extra`` more, segment ids if any; ``own_index(h, b, r0)`` and
     ``streamed_index(h, b, g, i)`` index their tiles; ``consumer(...)`` runs one consumer."""
-    plan, G = shape.plan, shape.heads_per_program
+    plan = shape.plan
 
     def body(sched_ref, *refs):
+        r = _Refs.of(plan, out_type, n_own, n_streamed, n_extra, sched_ref, refs)
+        h, p, b = lax.axis_index("heads"), lax.axis_index("p"), lax.axis_index("batch")
+        wg = lax.axis_index("wg")
+
+        @pl.when(wg == CONSUMERS)
+        def _():
+            plgpu.copy_gmem_to_smem(r.sched.at[b, p], r.sched_smem, r.sched_bar)
+
+        plgpu.barrier_wait(r.sched_bar)
+        lo, hi = r.sched_smem[0], r.sched_smem[1]
+        n = hi - lo
+
+        @pl.when(wg < CONSUMERS)
+        def _():
+            _consume(shape, r, own_index, consumer, wg, h, p, b, lo, hi, n)
+
+        @pl.when(wg == CONSUMERS)
+        def _():
+            _produce(shape, r, streamed_index, h, b, lo, n)
+
+    return plgpu.kernel(
+        body, out_type=out_type, scratch_types=_scratch_types(shape, n_own, n_streamed),
+        grid=(grid_heads, n_programs, batch),
+        grid_names=("heads", "p", "batch"), num_threads=CONSUMERS + 1, thread_name="wg",
+        compiler_params=None if plan.interpret else plgpu.CompilerParams(approx_math=True),
+        interpret=plgpu.InterpretGPUParams() if plan.interpret else None)
+
+
+def _scratch_types(shape: _Shape, n_own: int, n_streamed: int) -> list:
+    """The kernel's shared memory and barriers, in ``_Refs``' scratch order."""
+    return [
+        plgpu.SMEM((2 + 3 * CONSUMERS,), jnp.int32),
+        [shape.tile(shape.rows, CONSUMERS) for _ in range(n_own)],
+        [shape.tile(shape.streamed, shape.slots) for _ in range(n_streamed)],
+        plgpu.SMEM((CONSUMERS, shape.rows), jnp.float32),
+        plgpu.SMEM((CONSUMERS, shape.rows, shape.streamed), shape.dtype)
+        if shape.plan.interpret else None,
+        plgpu.Barrier(),
+        plgpu.Barrier(num_barriers=(n_own, CONSUMERS)),
+        plgpu.Barrier(num_barriers=(n_streamed, shape.slots)),
+        plgpu.Barrier(num_arrivals=CONSUMERS, num_barriers=(n_streamed, shape.slots)),
+    ]
+
+
+@dataclasses.dataclass
+class _Refs:
+    """The kernel body's operands and scratch (``_scratch_types``), by name."""
+
+    sched: object
+    own: tuple
+    streamed: tuple
+    extra: tuple
+    seg: object               # the segment ids, or None
+    out: tuple
+    sched_smem: object
+    own_smem: list
+    ring: list                # per streamed operand: its ``slots`` tiles
+    vectors: object
+    staging: object           # wgmma's left operand in the interpreter, else None
+    sched_bar: object
+    own_bar: object
+    ready: object
+    free: object
+
+    @classmethod
+    def of(cls, plan, out_type, n_own: int, n_streamed: int, n_extra: int, sched_ref, refs):
+        """``body``'s arguments by name: the operands in ``_run``'s order, the outputs, the
+        scratch."""
         own_refs, refs = refs[:n_own], refs[n_own:]
         stream_refs, refs = refs[:n_streamed], refs[n_streamed:]
         extra_refs, refs = refs[:n_extra], refs[n_extra:]
         seg_ref, refs = (refs[0], refs[1:]) if plan.segments else (None, refs)
         n_out = len(jax.tree.leaves(out_type))
         out_refs, scratch = refs[:n_out], refs[n_out:]
-        sched_smem, own_smem, ring, vectors, staging, sched_bar, own_bar, ready, free = scratch
-        h, p, b = lax.axis_index("heads"), lax.axis_index("p"), lax.axis_index("batch")
-        wg = lax.axis_index("wg")
+        return cls(sched_ref, own_refs, stream_refs, extra_refs, seg_ref, out_refs, *scratch)
 
-        @pl.when(wg == CONSUMERS)
-        def _():
-            plgpu.copy_gmem_to_smem(sched_ref.at[b, p], sched_smem, sched_bar)
 
-        plgpu.barrier_wait(sched_bar)
-        lo, hi = sched_smem[0], sched_smem[1]
-        n = hi - lo
+def _consume(shape: _Shape, r: _Refs, own_index, consumer, wg, h, p, b, lo, hi, n):
+    """Consumer warpgroup ``wg``: load its own rows, then ``consumer`` over the streamed tiles."""
+    n_own, n_streamed = len(r.own), len(r.streamed)
+    plgpu.set_max_registers(232, action="increase")
+    c = wg
+    r0 = (p * CONSUMERS + c) * shape.rows
+    tiles = [smem.at[c] for smem in r.own_smem]
+    for k, (ref, index) in enumerate(zip(r.own, own_index(h, b, r0))):
+        plgpu.copy_gmem_to_smem(ref.at[index], tiles[k], r.own_bar.at[k, c])
+    runs = [r.sched_smem[2 + 3 * c + k] for k in range(3)]
+    seg_own = None
+    if shape.plan.segments:
+        seg_own = plgpu.load(r.seg.at[b, pl.ds(r0, shape.rows)], layout=ROW,
+                             optimized=False)
+    for k in range(n_own):
+        plgpu.barrier_wait(r.own_bar.at[k, c])
 
-        @pl.when(wg < CONSUMERS)
-        def _():
-            plgpu.set_max_registers(232, action="increase")
-            c = wg
-            r0 = (p * CONSUMERS + c) * shape.rows
-            tiles = [smem.at[c] for smem in own_smem]
-            for k, (ref, index) in enumerate(zip(own_refs, own_index(h, b, r0))):
-                plgpu.copy_gmem_to_smem(ref.at[index], tiles[k], own_bar.at[k, c])
-            runs = [sched_smem[2 + 3 * c + k] for k in range(3)]
-            seg_own = None
-            if plan.segments:
-                seg_own = plgpu.load(seg_ref.at[b, pl.ds(r0, shape.rows)], layout=ROW,
-                                     optimized=False)
-            for k in range(n_own):
-                plgpu.barrier_wait(own_bar.at[k, c])
+    def wait_tile(step):
+        slot = lax.rem(step, shape.slots)
+        for k in range(n_streamed):
+            plgpu.barrier_wait(r.ready.at[k, slot])
+        return slot, [t.at[slot] for t in r.ring]
 
-            def wait_tile(step):
-                slot = lax.rem(step, shape.slots)
-                for k in range(n_streamed):
-                    plgpu.barrier_wait(ready.at[k, slot])
-                return slot, [r.at[slot] for r in ring]
+    def release(slot):
+        for k in range(n_streamed):
+            plgpu.barrier_arrive(r.free.at[k, slot])
 
-            def release(slot):
-                for k in range(n_streamed):
-                    plgpu.barrier_arrive(free.at[k, slot])
+    consumer(h=h, b=b, r0=r0, lo=lo, hi=hi, n=n, runs=runs, tiles=tiles,
+             wait_tile=wait_tile, release=release, seg_own=seg_own, seg_ref=r.seg,
+             staging=None if r.staging is None else r.staging.at[c], vector=r.vectors.at[c],
+             out_refs=r.out, extra_refs=r.extra)
 
-            consumer(h=h, b=b, r0=r0, lo=lo, hi=hi, n=n, runs=runs, tiles=tiles,
-                     wait_tile=wait_tile, release=release, seg_own=seg_own, seg_ref=seg_ref,
-                     staging=None if staging is None else staging.at[c], vector=vectors.at[c],
-                     out_refs=out_refs, extra_refs=extra_refs)
 
-        @pl.when(wg == CONSUMERS)
-        def _():
-            plgpu.set_max_registers(40, action="decrease")   # 2 x 128 x 232 + 128 x 40 <= 64 K
-            per_head = jnp.maximum(n, 1)
+def _produce(shape: _Shape, r: _Refs, streamed_index, h, b, lo, n):
+    """The producer warpgroup: the union's tiles of each head in turn into the ring, a slot
+    refilled once both consumers freed it; then waits for the last ones to be freed."""
+    n_streamed = len(r.streamed)
+    plgpu.set_max_registers(40, action="decrease")   # 2 x 128 x 232 + 128 x 40 <= 64 K
+    per_head = jnp.maximum(n, 1)
 
-            def load(step, wait):
-                slot = lax.rem(step, shape.slots)
-                g, i = step // per_head, lo + lax.rem(step, per_head)
-                for k, (ref, index) in enumerate(zip(stream_refs, streamed_index(h, b, g, i))):
-                    if wait:
-                        plgpu.barrier_wait(free.at[k, slot])
-                    plgpu.copy_gmem_to_smem(ref.at[index], ring[k].at[slot], ready.at[k, slot])
+    def load(step, wait):
+        slot = lax.rem(step, shape.slots)
+        g, i = step // per_head, lo + lax.rem(step, per_head)
+        for k, (ref, index) in enumerate(zip(r.streamed, streamed_index(h, b, g, i))):
+            if wait:
+                plgpu.barrier_wait(r.free.at[k, slot])
+            plgpu.copy_gmem_to_smem(ref.at[index], r.ring[k].at[slot], r.ready.at[k, slot])
 
-            def drain(step, carry):
-                slot = lax.rem(step, shape.slots)
-                for k in range(n_streamed):
-                    plgpu.barrier_wait(free.at[k, slot])
-                return carry
+    def drain(step, carry):
+        slot = lax.rem(step, shape.slots)
+        for k in range(n_streamed):
+            plgpu.barrier_wait(r.free.at[k, slot])
+        return carry
 
-            steps = G * n
-            filled = jnp.minimum(steps, shape.slots)
-            lax.fori_loop(0, filled, lambda s, c: (load(s, False), c)[1], 0)
-            lax.fori_loop(filled, steps, lambda s, c: (load(s, True), c)[1], 0)
-            lax.fori_loop(jnp.maximum(0, steps - shape.slots), steps, drain, 0)
-
-    smem = [
-        plgpu.SMEM((2 + 3 * CONSUMERS,), jnp.int32),
-        [shape.tile(shape.rows, CONSUMERS) for _ in range(n_own)],
-        [shape.tile(shape.streamed, shape.slots) for _ in range(n_streamed)],
-        plgpu.SMEM((CONSUMERS, shape.rows), jnp.float32),
-        plgpu.SMEM((CONSUMERS, shape.rows, shape.streamed), shape.dtype)
-        if plan.interpret else None,
-        plgpu.Barrier(),
-        plgpu.Barrier(num_barriers=(n_own, CONSUMERS)),
-        plgpu.Barrier(num_barriers=(n_streamed, shape.slots)),
-        plgpu.Barrier(num_arrivals=CONSUMERS, num_barriers=(n_streamed, shape.slots)),
-    ]
-    return plgpu.kernel(
-        body, out_type=out_type, scratch_types=smem, grid=(grid_heads, n_programs, batch),
-        grid_names=("heads", "p", "batch"), num_threads=CONSUMERS + 1, thread_name="wg",
-        compiler_params=None if plan.interpret else plgpu.CompilerParams(approx_math=True),
-        interpret=plgpu.InterpretGPUParams() if plan.interpret else None)
+    steps = shape.heads_per_program * n
+    filled = jnp.minimum(steps, shape.slots)
+    lax.fori_loop(0, filled, lambda s, c: (load(s, False), c)[1], 0)
+    lax.fori_loop(filled, steps, lambda s, c: (load(s, True), c)[1], 0)
+    lax.fori_loop(jnp.maximum(0, steps - shape.slots), steps, drain, 0)
 
 
 def _loops(lo, hi, runs, visit, pass_over, carry, *, free_first: bool, step0=0):

@@ -49,49 +49,80 @@ def _finish(run: Setup, compiled: list, progress: Progress, wall_start: float, n
     run.checkpointer.close()            # the last checkpoint written before anything else
     paused = (not progress.interrupted and progress.target is None     # run.stop_at
               and final_step < run.total_steps)
-    val_loss, val_tokens = float("nan"), 0      # none: interrupted, paused, or cut by a signal
     if progress.interrupted or paused:
-        pass
-    elif (progress.last_eval and progress.last_eval[0] == final_step
-          and cfg.run.final_eval_batches == cfg.run.eval_batches):
-        _, val_loss, val_tokens = progress.last_eval     # the same batches: evaluated already
+        val_loss, val_tokens = float("nan"), 0
     else:
-        announce(cfg, f"final evaluation: {cfg.run.final_eval_batches or 'all'} validation "
-                      f"batches of {run.eval_batch_size} rows")
-        alone = jax.process_count() == 1
-        try:
-            evaluated = run_eval(run, steps, state, progress.writer, final_step,
-                                 cfg.run.final_eval_batches, final=True,
-                                 stop=(lambda: stopped() is not None) if alone else None)
-        except Exception as e:
-            if hardware.out_of_memory(e):   # its line names the evaluation's settings
-                e.add_note(hardware.FINAL_EVAL_NOTE)
-            raise
-        if evaluated is not None:
-            val_loss, val_tokens = evaluated
+        val_loss, val_tokens = _final_eval(run, steps, progress, final_step, stopped)
     stop = stopped() if jax.process_count() == 1 else agreed_stop(stopped())
     interrupted = progress.interrupted or stop_name(stop)
     target = progress.target
     if cfg.run.target_bpb is not None and target is None and not paused and \
             not interrupted:
-        bpb = run.corpus.bits_per_byte(val_loss)
-        target = (target_record(cfg, final_step, bpb, progress.totals, progress.train_s)
-                  if bpb <= cfg.run.target_bpb
-                  else {"bpb": cfg.run.target_bpb, "reached": False, "step": final_step,
-                        "val_bpb": bpb})
+        target = _final_target(run, progress, final_step, val_loss)
     unigram_bpb = run.corpus.unigram_bits_per_byte()
     name = model_lib.describe(cfg.model, cfg.gpt)
     if jax.process_index() == 0 and cfg.run.loss_plot:
         plot_loss_curve(read_metrics(progress.writer.path), os.path.join(run.run_dir, "loss.png"),
                         unigram_bpb=unigram_bpb,
                         title=f"{name} on {cfg.data.path}, {cfg.data.batching}")
+    summary = _summary(run, compiled, progress, wall_start, notes, final_step=final_step,
+                       interrupted=interrupted, paused=paused, target=target,
+                       val_loss=val_loss, val_tokens=val_tokens, name=name,
+                       unigram_bpb=unigram_bpb)
+    if progress.recent_batches and not interrupted:     # last: it consumes the state
+        placed = [place_batch(b, run.batch_layout) if isinstance(b["inputs"], np.ndarray)
+                  else b for b in progress.recent_batches]     # on the device, as timed alone
+        summary.step_alone = step_alone(steps, state, placed, summary.real_tokens_per_s)
+    if jax.process_count() == 1:        # a signal in the last moments is said too
+        summary.interrupted = interrupted or stop_name(stopped())
+    return summary
+
+
+def _final_eval(run: Setup, steps, progress: Progress, final_step: int, stopped
+                ) -> tuple[float, int]:
+    """The final evaluation's (mean loss, tokens): the last periodic one's where it evaluated
+    the same batches at this step, else run now; (NaN, 0) if a signal cut it (one process)."""
+    cfg = run.cfg
+    if (progress.last_eval and progress.last_eval[0] == final_step
+            and cfg.run.final_eval_batches == cfg.run.eval_batches):
+        _, val_loss, val_tokens = progress.last_eval     # the same batches: evaluated already
+        return val_loss, val_tokens
+    announce(cfg, f"final evaluation: {cfg.run.final_eval_batches or 'all'} validation "
+                  f"batches of {run.eval_batch_size} rows")
+    alone = jax.process_count() == 1
+    try:
+        evaluated = run_eval(run, steps, progress.state, progress.writer, final_step,
+                             cfg.run.final_eval_batches, final=True,
+                             stop=(lambda: stopped() is not None) if alone else None)
+    except Exception as e:
+        if hardware.out_of_memory(e):   # its line names the evaluation's settings
+            e.add_note(hardware.FINAL_EVAL_NOTE)
+        raise
+    return evaluated if evaluated is not None else (float("nan"), 0)
+
+
+def _final_target(run: Setup, progress: Progress, final_step: int, val_loss: float) -> dict:
+    """The summary's ``target`` where no periodic evaluation reached it: judged by the final
+    evaluation."""
+    cfg = run.cfg
+    bpb = run.corpus.bits_per_byte(val_loss)
+    if bpb <= cfg.run.target_bpb:
+        return target_record(cfg, final_step, bpb, progress.totals, progress.train_s)
+    return {"bpb": cfg.run.target_bpb, "reached": False, "step": final_step, "val_bpb": bpb}
+
+
+def _summary(run: Setup, compiled: list, progress: Progress, wall_start: float, notes: dict, *,
+             final_step: int, interrupted: str | None, paused: bool, target: dict | None,
+             val_loss: float, val_tokens: int, name: str, unigram_bpb: float) -> RunSummary:
+    """The run's summary, but for the step timed alone."""
+    cfg, state, steps = run.cfg, progress.state, compiled[-1]
     totals, train_s = progress.totals, progress.train_s
     flops_token = run_flops_per_token(run, final_step, progress.first_step)
     tokens_per_s = totals["real"] / train_s if train_s > 0 else float("nan")
     peak = hardware.peak_flops()
     stats = run.stream.stats
     trainable, weights = lora.count(state.params)
-    summary = RunSummary(
+    return RunSummary(
         steps=final_step, steps_this_run=final_step - progress.first_step,
         interrupted=interrupted, stopped_at=final_step if paused else None,
         target=target,
@@ -137,13 +168,6 @@ def _finish(run: Setup, compiled: list, progress: Progress, wall_start: float, n
         diverged_at_step=diverged_at(progress.history, progress.first_step,
                                      None if interrupted or paused else val_loss,
                                      final_step))
-    if progress.recent_batches and not interrupted:     # last: it consumes the state
-        placed = [place_batch(b, run.batch_layout) if isinstance(b["inputs"], np.ndarray)
-                  else b for b in progress.recent_batches]     # on the device, as timed alone
-        summary.step_alone = step_alone(steps, state, placed, tokens_per_s)
-    if jax.process_count() == 1:        # a signal in the last moments is said too
-        summary.interrupted = interrupted or stop_name(stopped())
-    return summary
 
 
 def flops_per_token(cfg, model) -> float:

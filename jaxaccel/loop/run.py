@@ -46,10 +46,195 @@ def run_steps(run: Setup, steps, should_stop=None, previous: Progress | None = N
               wall_start: float | None = None) -> Progress:
     """Train to the end of the run or of its stacking stage, continuing ``previous`` (the stages
     before); the start-up (``run.startup``) is timed to the first step from ``wall_start``."""
-    cfg, state = run.cfg, run.state
-    leaves = jax.tree.leaves(state)     # what the step takes and gives (StateStep.on_leaves)
+    stage = _open_stage(run, steps, previous, wall_start)
+    leaves = jax.tree.leaves(run.state)     # what the step takes and gives (StateStep.on_leaves)
+    log, watch = stage.log, stage.log.watch
+    watch.start()
+    with stop_on_signals() as received, closed_on_error(stage.feed, log.writer):
+        leaves, window = _train(stage, leaves, received, should_stop)
+        watch.pause(leaves)
+        state = steps.train.state_of(leaves)
+        log.log_late()
+        if window:
+            log.history += log_window(log.writer, int(state.step), window, log.totals,
+                                      watch.seconds, log.bar, log.train_bits)
+        stage.save(int(state.step), leaves, window)
+    final_position = stage.position()
+    stage.close()
+    waited = stage.feed.wait_seconds + (previous.data_wait_s if previous else 0.0)
+    report = (stage.profiler.report if stage.profiler is not None else None) or (
+        previous.profile if previous is not None else None)
+    return Progress(state, stage.first_step, log.totals, log.history, watch.seconds, waited,
+                    stage.interrupted, log.writer, final_position, report, list(stage.recent),
+                    stage.reached, stage.last_eval, stage.saved_at)
+
+
+def _train(stage: "_Stage", leaves: list, received: dict, should_stop) -> tuple[list, list]:
+    """The steps from ``stage.start`` to ``stage.end`` (or a stop, or the target reached); the
+    leaves after them and the metrics of the steps since the last log step, not yet fetched.
+    The hot path: what every step reads is a local, the rest a call behind its condition."""
+    run, cfg, train = stage.run, stage.run.cfg, stage.steps.train
+    feed, recent, sampler, profiler, log = (stage.feed, stage.recent, stage.sampler,
+                                            stage.profiler, stage.log)
+    start, end, timed_from = stage.start, stage.end, stage.timed_from
+    saved_at, reached = stage.saved_at, None
+    window = []         # the metrics of the steps since the last log step, not yet fetched
+    for step in range(start, end):
+        batch, _ = next(feed)
+        recent.append(batch)
+        if profiler is not None and profiler.starts(step):    # the trace's set-up and
+            stage.untimed(profiler.before, step, leaves)        # read-back are not training
+        leaves, metrics = train.on_leaves(leaves, batch)
+        if profiler is not None and profiler.stops(step):
+            stage.untimed(profiler.after, step, leaves)
+        if timed_from is not None and step == start:
+            _time_first_step(run, metrics, timed_from, log.bar)
+        if sampler is not None:
+            sampler.submit(step, metrics)
+        window.append(metrics)
+        done = step + 1
+        if done % max(cfg.run.log_every, 1) == 0 or done == run.total_steps:
+            log.log_late()
+            log.late.append((done, window))
+            window = []
+        if cfg.run.eval_every and done % cfg.run.eval_every == 0 and done < run.total_steps:
+            reached = stage.evaluate(done, leaves)
+        stop = stop_asked(received, should_stop, done)
+        due = checkpoint_due(cfg.run, done, saved_at)
+        if jax.process_count() > 1:     # every process stops (and saves) at the same step
+            at_log = done % max(cfg.run.log_every, 1) == 0 or done == end
+            stop, due = agreed(stop, due) if at_log else (None, False)
+        if cfg.run.save_checkpoints and (due or stop):
+            saved_at = stage.checkpoint(done, leaves, window)
+        if reached:
+            break
+        if stop:
+            stage.interrupted = stop_name(stop)
+            break
+    return leaves, window
+
+
+@dataclasses.dataclass
+class _Log:
+    """The steps' metrics on their way to the metrics file (and ``history``)."""
+
+    writer: MetricsWriter
+    history: list               # (loss, real tokens) per step
+    totals: dict                # real tokens and token positions of the run's global batches
+    watch: "Stopwatch"
+    bar: object                 # the progress bar, or None
+    train_bits: float           # bits per byte of a nat per token
+    late: list = dataclasses.field(default_factory=list)    # the last log step and its window
+
+    def log_late(self):
+        """Write the previous log step's window: fetched a log step late, the device is long done
+        with it and its queue never drains; the seconds are those when its metrics arrived."""
+        if self.late:
+            step, metrics = self.late.pop()
+            jax.block_until_ready(metrics[-1])
+            self.history.extend(log_window(self.writer, step, metrics, self.totals,
+                                           self.watch.elapsed(), self.bar, self.train_bits))
+
+
+@dataclasses.dataclass
+class _Stage:
+    """One ``run_steps``: the steps ``start`` to ``end`` and what they share, their evaluations
+    and checkpoints; how it ended (``interrupted``, ``reached``, ``last_eval``, ``saved_at``)."""
+
+    run: Setup
+    steps: object
+    start: int
+    end: int
+    first_step: int             # the run's first step in this invocation
+    timed_from: float | None    # the start-up's start, where this stage's first step ends it
+    log: _Log
+    feed: DevicePrefetcher
+    sampler: object             # importance sampling's score table, or None
+    profiler: object            # --profile's StepProfiler, or None
+    recent: collections.deque   # the batches step_alone replays
+    saved_at: float             # time.monotonic() of the last checkpoint (or start)
+    interrupted: str | None = None
+    reached: dict | None = None
+    last_eval: tuple | None = None
+
+    def position(self) -> dict:
+        """The loader's position after the last step, the sampler's scores with it."""
+        if self.sampler is None:
+            return self.feed.position
+        self.sampler.flush()
+        return {**self.feed.position, "sampler": self.sampler.state()}
+
+    def untimed(self, work, step: int, leaves):
+        """``work(step, leaves)`` with the training clock paused."""
+        self.log.watch.pause(leaves)
+        work(step, leaves)
+        self.log.watch.start()
+
+    def save(self, step: int, leaves, window: list):
+        """A checkpoint of ``leaves`` at ``step`` (with ``run.save_checkpoints``), with the
+        loader's position and the last steps' losses, ``window``'s not yet logged included."""
+        run = self.run
+        if not run.cfg.run.save_checkpoints:
+            return
+        self.log.log_late()
+        pending = [(float(loss), float(tokens)) for loss, tokens in
+                   jax.device_get([(m["loss"], m["real_tokens"]) for m in window])]
+        kept = (run.restored_history + self.log.history + pending)[-recent_steps(run.total_steps):]
+        run.checkpointer.save(step, self.steps.train.state_of(leaves),
+                              loader_position=self.position(), config=run.resume_config,
+                              history=kept)
+
+    def checkpoint(self, step: int, leaves, window: list) -> float:
+        """``save`` in the loop, off the training clock; when it was (time.monotonic())."""
+        self.log.watch.pause(leaves)
+        self.save(step, leaves, window)
+        self.saved_at = time.monotonic()
+        self.log.watch.start()
+        return self.saved_at
+
+    def evaluate(self, step: int, leaves) -> dict | None:
+        """The periodic evaluation after ``step``, off the training clock; ``reached``, the
+        target's record, if this evaluation reached ``run.target_bpb`` or gave up on it."""
+        run, cfg, log = self.run, self.run.cfg, self.log
+        log.watch.pause(leaves)
+        log.log_late()
+        loss, tokens = run_eval(run, self.steps, self.steps.train.state_of(leaves), log.writer,
+                                step, cfg.run.eval_batches)
+        bpb, self.last_eval = run.corpus.bits_per_byte(loss), (step, loss, tokens)
+        announce(cfg, f"eval at step {step}: loss {loss:.4f}, {bpb:.3f} bits per byte "
+                      f"over {tokens:,} tokens", log.bar)
+        seconds = log.watch.seconds
+        if cfg.run.target_bpb is not None and bpb <= cfg.run.target_bpb:
+            self.reached = target_record(cfg, step, bpb, log.totals, seconds)
+            announce(cfg, f"target {cfg.run.target_bpb:g} bits per byte reached at "
+                          f"step {step}: the run ends here", log.bar)
+        elif cfg.run.target_seconds is not None and seconds >= cfg.run.target_seconds:
+            self.reached = {"bpb": cfg.run.target_bpb, "reached": False, "step": step,
+                            "val_bpb": bpb, "gave_up_after_s": seconds}
+            announce(cfg, f"target {cfg.run.target_bpb:g} bits per byte not reached "
+                          f"in {cfg.run.target_seconds:g} s of training: the run ends "
+                          f"at step {step}", log.bar)
+        log.watch.start()
+        return self.reached
+
+    def close(self):
+        """The profiler, the sampler, the feed's thread and the progress bar closed."""
+        if self.profiler is not None:
+            self.profiler.close()
+        if self.sampler is not None:
+            self.sampler.close()
+        self.feed.close()
+        if self.log.bar is not None:
+            self.log.bar.close()
+
+
+def _open_stage(run: Setup, steps, previous: Progress | None, wall_start: float | None
+                ) -> _Stage:
+    """The stage from the run's state to the end of the run or of its stacking stage: the
+    metrics log continuing ``previous``'s (else opened), the feed, the sampler, the profiler."""
+    cfg = run.cfg
     train_bits = run.corpus.bits_per_byte(1.0, "train")    # bits per byte of a nat per token
-    start = int(state.step)
+    start = int(run.state.step)
     end = min(stacking.stage_end(start, run.total_steps, run.stack_ends), run.stop_step)
     if previous is None:
         drop_unsaved_records(run, start)
@@ -63,125 +248,18 @@ def run_steps(run: Setup, steps, should_stop=None, previous: Progress | None = N
         writer, first_step = previous.writer, previous.first_step
         history, totals = previous.history, previous.totals
     watch = Stopwatch(previous.train_s if previous else 0.0)
-    window = []         # the metrics of the steps since the last log step, not yet fetched
-    late = []           # the last log step and its window: fetched at the next log step
-    interrupted, reached, last_eval = None, None, None
     feed = DevicePrefetcher(run.stream, sharding=run.batch_layout,
                             depth=prefetch_depth(cfg.data))
-    progress = progress_bar(run.total_steps, first_step, cfg.run.progress)
-
-    sampler = getattr(run.stream, "sampler", None)      # importance sampling's score table
-    recent = collections.deque(maxlen=cfg.run.time_step)    # the batches step_alone replays
+    bar = progress_bar(run.total_steps, first_step, cfg.run.progress)
     profiler = (profiling.StepProfiler(profiling.parse_window(cfg.run.profile),
                                        os.path.join(run.run_dir, "profile"))
                 if cfg.run.profile is not None else None)
-
-    def position():
-        """The loader's position after the last step, the sampler's scores with it."""
-        if sampler is None:
-            return feed.position
-        sampler.flush()
-        return {**feed.position, "sampler": sampler.state()}
-
-    def log_late():
-        """Write the previous log step's window: fetched a log step late, the device is long done
-        with it and its queue never drains; the seconds are those when its metrics arrived."""
-        if late:
-            step, metrics = late.pop()
-            jax.block_until_ready(metrics[-1])
-            history.extend(log_window(writer, step, metrics, totals, watch.elapsed(),
-                                       progress, train_bits))
-
-    def save(step):
-        if not cfg.run.save_checkpoints:
-            return
-        log_late()
-        pending = [(float(loss), float(tokens)) for loss, tokens in
-                   jax.device_get([(m["loss"], m["real_tokens"]) for m in window])]
-        kept = (run.restored_history + history + pending)[-recent_steps(run.total_steps):]
-        run.checkpointer.save(step, steps.train.state_of(leaves), loader_position=position(),
-                              config=run.resume_config, history=kept)
-
-    saved_at = previous.saved_at if previous else time.monotonic()
-    watch.start()
-    with stop_on_signals() as received, closed_on_error(feed, writer):
-        for step in range(start, end):
-            batch, _ = next(feed)
-            recent.append(batch)
-            if profiler is not None and profiler.starts(step):    # the trace's set-up and
-                watch.pause(leaves)                                 # read-back are not training
-                profiler.before(step, leaves)
-                watch.start()
-            leaves, metrics = steps.train.on_leaves(leaves, batch)
-            if profiler is not None and profiler.stops(step):
-                watch.pause(leaves)
-                profiler.after(step, leaves)
-                watch.start()
-            if previous is None and step == start and wall_start is not None:
-                _time_first_step(run, metrics, wall_start, progress)
-            if sampler is not None:
-                sampler.submit(step, metrics)
-            window.append(metrics)
-            done = step + 1
-            if done % max(cfg.run.log_every, 1) == 0 or done == run.total_steps:
-                log_late()
-                late.append((done, window))
-                window = []
-            if cfg.run.eval_every and done % cfg.run.eval_every == 0 and done < run.total_steps:
-                watch.pause(leaves)
-                log_late()
-                loss, tokens = run_eval(run, steps, steps.train.state_of(leaves), writer, done,
-                                        cfg.run.eval_batches)
-                bpb, last_eval = run.corpus.bits_per_byte(loss), (done, loss, tokens)
-                announce(cfg, f"eval at step {done}: loss {loss:.4f}, {bpb:.3f} bits per byte "
-                              f"over {tokens:,} tokens", progress)
-                if cfg.run.target_bpb is not None and bpb <= cfg.run.target_bpb:
-                    reached = target_record(cfg, done, bpb, totals, watch.seconds)
-                    announce(cfg, f"target {cfg.run.target_bpb:g} bits per byte reached at "
-                                  f"step {done}: the run ends here", progress)
-                elif cfg.run.target_seconds is not None and \
-                        watch.seconds >= cfg.run.target_seconds:
-                    reached = {"bpb": cfg.run.target_bpb, "reached": False, "step": done,
-                               "val_bpb": bpb, "gave_up_after_s": watch.seconds}
-                    announce(cfg, f"target {cfg.run.target_bpb:g} bits per byte not reached "
-                                  f"in {cfg.run.target_seconds:g} s of training: the run ends "
-                                  f"at step {done}", progress)
-                watch.start()
-            stop = stop_asked(received, should_stop, done)
-            due = checkpoint_due(cfg.run, done, saved_at)
-            if jax.process_count() > 1:     # every process stops (and saves) at the same step
-                at_log = done % max(cfg.run.log_every, 1) == 0 or done == end
-                stop, due = agreed(stop, due) if at_log else (None, False)
-            if cfg.run.save_checkpoints and (due or stop):
-                watch.pause(leaves)
-                save(done)
-                saved_at = time.monotonic()
-                watch.start()
-            if reached:
-                break
-            if stop:
-                interrupted = stop_name(stop)
-                break
-        watch.pause(leaves)
-        state = steps.train.state_of(leaves)
-        log_late()
-        if window:
-            history += log_window(writer, int(state.step), window, totals, watch.seconds,
-                                   progress, train_bits)
-        save(int(state.step))
-    final_position = position()
-    if profiler is not None:
-        profiler.close()
-    if sampler is not None:
-        sampler.close()
-    feed.close()
-    if progress is not None:
-        progress.close()
-    waited = feed.wait_seconds + (previous.data_wait_s if previous else 0.0)
-    report = (profiler.report if profiler is not None else None) or (
-        previous.profile if previous is not None else None)
-    return Progress(state, first_step, totals, history, watch.seconds, waited, interrupted,
-                    writer, final_position, report, list(recent), reached, last_eval, saved_at)
+    return _Stage(run, steps, start, end, first_step,
+                  timed_from=wall_start if previous is None else None,
+                  log=_Log(writer, history, totals, watch, bar, train_bits), feed=feed,
+                  sampler=getattr(run.stream, "sampler", None), profiler=profiler,
+                  recent=collections.deque(maxlen=cfg.run.time_step),
+                  saved_at=previous.saved_at if previous else time.monotonic())
 
 
 def checkpoint_due(settings, step: int, saved_at: float) -> bool:

@@ -80,25 +80,12 @@ class Setup:
 def set_up(cfg, mesh, mesh_shape, full_model, run_dir: str) -> Setup:
     """Phase 1 in ``run_dir``, the directory ``claimed_run_dir`` locked for the run."""
     multiple = batch_shards(mesh_shape) * cfg.optimizer.accumulate
-    if cfg.data.batch_size is not None and cfg.data.batch_size % multiple:
-        raise ConfigError(
-            f"batch_size={cfg.data.batch_size} does not split over the mesh's data x fsdp axes "
-            f"({batch_shards(mesh_shape)} parts, {format_mesh(mesh_shape)}) times accumulate="
-            f"{cfg.optimizer.accumulate}; pass a batch size that is a multiple of {multiple}",
-            field="data.batch_size")
+    _check_batch_split(cfg, mesh_shape, multiple)
     check_scores(cfg, full_model, cfg.run.eval_batch_size or cfg.batch_rows())
     began = time.perf_counter()
     corpus = corpus_of(cfg.data)
     startup = {"corpus": time.perf_counter() - began}
-    if corpus.tokenizer.vocab_size > cfg.model.vocab_size:
-        raise ConfigError(f"tokenizer {cfg.data.tokenizer} has {corpus.tokenizer.vocab_size} "
-                          f"ids, more than the model's vocab_size={cfg.model.vocab_size}; build "
-                          f"the config with config.build, which sets vocab_size from the "
-                          f"tokenizer", field="model.vocab_size")
-    os.makedirs(run_dir, exist_ok=True)
-    if jax.process_index() == 0:
-        corpus.tokenizer.save(run_dir)          # the run keeps the tokenizer it trains with
-
+    _keep_tokenizer(cfg, corpus.tokenizer, run_dir)
     stream_args = stream_settings(cfg, multiple)
     stream = open_stream(cfg, corpus.train, stream_args)
     total_steps = cfg.run.steps
@@ -107,36 +94,18 @@ def set_up(cfg, mesh, mesh_shape, full_model, run_dir: str) -> Setup:
                                        / stream.stats["real_tokens_per_batch"]))
     optimizer, schedule, hyperparameters = build_optimizer(
         cfg.optimizer, batch_rows=cfg.batch_rows(), total_steps=total_steps)
-    # Before any work: where this invocation stops, and a profile window within its steps.
-    resumed = max(_saved_steps(run_dir), default=0) if cfg.run.resume else 0
-    stop = (stop_step(cfg.run.stop_at, total_steps, resumed) if cfg.run.stop_at is not None
-            else total_steps)
-    if cfg.run.profile is not None:
-        from jaxaccel import profiling
-        profiling.check_window(cfg.run.profile, resumed, stop)
+    stop = _checked_stop_step(cfg, run_dir, total_steps)
     checkpointer = Checkpointer(os.path.join(run_dir, "checkpoints"),
                                 max_to_keep=cfg.run.keep_checkpoints,
                                 keep_period=cfg.run.keep_every_steps,
                                 asynchronous=cfg.run.async_checkpoint)
     check_checkpoint_meta(cfg, checkpointer)
-    stages, full_layers, depth = cfg.stacking.stages, None, None
-    stack_ends = stacking.boundaries(total_steps, stages, cfg.stacking.at)
-    if stages > 1:
-        full_layers = len(nn.the_stack(full_model, "progressive stacking")[1])
-        first_step = (checkpointer.latest_step() or 0) if cfg.run.resume else 0
-        depth = stacking.depth_at(first_step, full_layers, stages, stack_ends)
+    full_layers, stack_ends, depth = _stacking_start(cfg, full_model, total_steps, checkpointer)
     model = full_model if depth in (None, full_layers) else techniques.abstract(cfg, depth=depth)
-    base, rules = (), parse_axis_rules(cfg.mesh.axis_rules)
-    if cfg.run.init_from is not None and not cfg.run.resume:
-        weights = base_weights(cfg.run.init_from, cfg)
-        base = (jax.device_put(weights, param_shardings(mesh, weights, rules)),)
     # The steps are compiled, and their memory checked, from the state's shapes before the
     # state is made: a run that cannot fit is refused before it allocates anything large.
-    make_state, shapes, shardings = state_maker(techniques.variables(cfg, depth), optimizer,
-                                                cfg.run.seed, cfg.make_loss_scale(), mesh,
-                                                cfg.policy(), rules, base)
-    shapes = jax.tree.map(lambda s, x: jax.tree.map(
-        lambda a: jax.ShapeDtypeStruct(a.shape, a.dtype, sharding=s), x), shardings, shapes)
+    planned = _plan_state(cfg, mesh, depth, optimizer)
+    shapes, shardings = planned.shapes, planned.shardings
     plan, full_cfg = None, cfg
     resume_config = {**resume_settings(full_cfg, stream_args, total_steps, multiple),
                      "data.corpus_fingerprint": corpus.fingerprint}
@@ -145,41 +114,16 @@ def set_up(cfg, mesh, mesh_shape, full_model, run_dir: str) -> Setup:
     batch_layout = batch_sharding(mesh)
     if cfg.run.memory_budget is not None:
         cfg, model, plan = plan_remat(cfg, model, depth, optimizer, shapes, stream, batch_layout)
-    eval_multiple = math.lcm(batch_shards(mesh_shape) * eval_microbatches(cfg),
-                             jax.process_count())
-    eval_batch_size = cfg.run.eval_batch_size or cfg.batch_rows()
-    eval_batch_size = -(-eval_batch_size // eval_multiple) * eval_multiple
-    begin = time.perf_counter()
-    # The state's initialisation compiles on a thread of its own while the steps compile (XLA
-    # leaves the GIL while it compiles); it runs once the steps' memory has been checked.
-    init = lower_state(make_state, shardings, cfg.run.seed, base)
-    with concurrent.futures.ThreadPoolExecutor(1) as pool:
-        init = pool.submit(compile_init, init)
-        steps = compiled_steps(cfg, model, optimizer, schedule, shardings, mesh, shapes,
-                               stream.global_shapes, eval_batch_size)
-        startup["compile"] = time.perf_counter() - begin
-        begin = time.perf_counter()
-        state = init.result()(jax.random.PRNGKey(cfg.run.seed), *base)
-    jax.block_until_ready(state)
-    startup["init"] = time.perf_counter() - begin
+    eval_batch_size = _eval_batch_size(cfg, mesh_shape)
+    steps, state = _compile_and_init(cfg, model, optimizer, schedule, mesh, planned,
+                                     stream.global_shapes, eval_batch_size, startup)
     extended_from = None
     if cfg.run.resume:
-        state, position, restored = checkpointer.restore(state, config=resume_config,
-                                                         **restoring)
-        saved_steps = checkpointer.saved_config.get("run.steps", total_steps)
-        if saved_steps != total_steps:
-            if total_steps < restored:
-                raise ConfigError(f"steps={total_steps} is below the checkpoint's step "
-                                  f"{restored}; resume with at least that many steps",
-                                  field="run.steps")
-            extended_from = saved_steps
-            announce(cfg, f"the run's length changes from {saved_steps} to {total_steps} "
-                          f"steps: the learning-rate schedule follows the new length")
+        state, position, extended_from = _restore_checkpoint(
+            cfg, checkpointer, state, resume_config, restoring, total_steps)
         stream = open_stream(cfg, corpus.train, stream_args, position)
     if jax.process_index() == 0:
-        write_config(override(full_cfg, {"run.stop_at": None}), run_dir,
-                     shlex.join(sys.orig_argv))     # a pause is not the run's setting
-        dump_json(os.path.join(run_dir, "environment.json"), run_environment(mesh_shape))
+        _write_run_record(full_cfg, run_dir, mesh_shape)
     depth_now = len(nn.the_stack(model, "")[1]) if nn.stacks(model) else None
     return Setup(cfg, mesh, mesh_shape, run_dir, corpus, stream, total_steps, optimizer,
                  schedule, hyperparameters, model, state, shardings, batch_layout, plan,
@@ -187,6 +131,130 @@ def set_up(cfg, mesh, mesh_shape, full_model, run_dir: str) -> Setup:
                  stack_ends, stop, [[int(state.step), depth_now]], extended_from,
                  restored_history=checkpointer.saved_history if cfg.run.resume else [],
                  startup=startup, precompiled=steps)
+
+
+def _check_batch_split(cfg, mesh_shape: dict, multiple: int):
+    """One ConfigError line if the batch does not split into ``multiple`` parts: the mesh's
+    data x fsdp shards times the accumulated microbatches."""
+    if cfg.data.batch_size is not None and cfg.data.batch_size % multiple:
+        raise ConfigError(
+            f"batch_size={cfg.data.batch_size} does not split over the mesh's data x fsdp axes "
+            f"({batch_shards(mesh_shape)} parts, {format_mesh(mesh_shape)}) times accumulate="
+            f"{cfg.optimizer.accumulate}; pass a batch size that is a multiple of {multiple}",
+            field="data.batch_size")
+
+
+def _keep_tokenizer(cfg, tokenizer, run_dir: str):
+    """The corpus's tokenizer checked against the model's vocabulary (one ConfigError line) and
+    saved in ``run_dir`` (made here)."""
+    if tokenizer.vocab_size > cfg.model.vocab_size:
+        raise ConfigError(f"tokenizer {cfg.data.tokenizer} has {tokenizer.vocab_size} "
+                          f"ids, more than the model's vocab_size={cfg.model.vocab_size}; build "
+                          f"the config with config.build, which sets vocab_size from the "
+                          f"tokenizer", field="model.vocab_size")
+    os.makedirs(run_dir, exist_ok=True)
+    if jax.process_index() == 0:
+        tokenizer.save(run_dir)         # the run keeps the tokenizer it trains with
+
+
+def _checked_stop_step(cfg, run_dir: str, total_steps: int) -> int:
+    """Before any work: the step this invocation stops at (``run.stop_at``, else the last), and
+    ``run.profile``'s window checked to lie within its steps."""
+    resumed = max(_saved_steps(run_dir), default=0) if cfg.run.resume else 0
+    stop = (stop_step(cfg.run.stop_at, total_steps, resumed) if cfg.run.stop_at is not None
+            else total_steps)
+    if cfg.run.profile is not None:
+        from jaxaccel import profiling
+        profiling.check_window(cfg.run.profile, resumed, stop)
+    return stop
+
+
+def _stacking_start(cfg, full_model, total_steps: int, checkpointer: Checkpointer):
+    """Progressive stacking's (full depth, steps where the depth doubles, depth to start at);
+    the depths None without stacking."""
+    stages, full_layers, depth = cfg.stacking.stages, None, None
+    stack_ends = stacking.boundaries(total_steps, stages, cfg.stacking.at)
+    if stages > 1:
+        full_layers = len(nn.the_stack(full_model, "progressive stacking")[1])
+        first_step = (checkpointer.latest_step() or 0) if cfg.run.resume else 0
+        depth = stacking.depth_at(first_step, full_layers, stages, stack_ends)
+    return full_layers, stack_ends, depth
+
+
+@dataclasses.dataclass
+class _StatePlan:
+    """The state at one depth, before it is made."""
+    make: object        # state_maker's function
+    shapes: object      # ShapeDtypeStructs carrying their shardings
+    shardings: object
+    base: tuple         # the weights it starts from (run.init_from's, on the mesh), else ()
+
+
+def _plan_state(cfg, mesh, depth, optimizer) -> _StatePlan:
+    """The state at ``depth`` (``state_maker``), not made: its shapes are what the steps
+    compile for."""
+    base, rules = (), parse_axis_rules(cfg.mesh.axis_rules)
+    if cfg.run.init_from is not None and not cfg.run.resume:
+        weights = base_weights(cfg.run.init_from, cfg)
+        base = (jax.device_put(weights, param_shardings(mesh, weights, rules)),)
+    make_state, shapes, shardings = state_maker(techniques.variables(cfg, depth), optimizer,
+                                                cfg.run.seed, cfg.make_loss_scale(), mesh,
+                                                cfg.policy(), rules, base)
+    shapes = jax.tree.map(lambda s, x: jax.tree.map(
+        lambda a: jax.ShapeDtypeStruct(a.shape, a.dtype, sharding=s), x), shardings, shapes)
+    return _StatePlan(make_state, shapes, shardings, base)
+
+
+def _compile_and_init(cfg, model, optimizer, schedule, mesh, planned: _StatePlan,
+                      batch_shapes, eval_batch_size: int, startup: dict):
+    """The compiled steps and the state made, the seconds of each in ``startup``."""
+    begin = time.perf_counter()
+    # The state's initialisation compiles on a thread of its own while the steps compile (XLA
+    # leaves the GIL while it compiles); it runs once the steps' memory has been checked.
+    init = lower_state(planned.make, planned.shardings, cfg.run.seed, planned.base)
+    with concurrent.futures.ThreadPoolExecutor(1) as pool:
+        init = pool.submit(compile_init, init)
+        steps = compiled_steps(cfg, model, optimizer, schedule, planned.shardings, mesh,
+                               planned.shapes, batch_shapes, eval_batch_size)
+        startup["compile"] = time.perf_counter() - begin
+        begin = time.perf_counter()
+        state = init.result()(jax.random.PRNGKey(cfg.run.seed), *planned.base)
+    jax.block_until_ready(state)
+    startup["init"] = time.perf_counter() - begin
+    return steps, state
+
+
+def _eval_batch_size(cfg, mesh_shape: dict) -> int:
+    """The evaluation's rows: ``run.eval_batch_size`` (else the training batch's) rounded up to
+    split over the batch shards, the evaluation's microbatches and the processes."""
+    eval_multiple = math.lcm(batch_shards(mesh_shape) * eval_microbatches(cfg),
+                             jax.process_count())
+    eval_batch_size = cfg.run.eval_batch_size or cfg.batch_rows()
+    return -(-eval_batch_size // eval_multiple) * eval_multiple
+
+
+def _restore_checkpoint(cfg, checkpointer: Checkpointer, state, resume_config: dict,
+                       restoring: dict, total_steps: int):
+    """On resume: the checkpoint's (state, loader position) restored into ``state``, and the
+    run's former length if it changes (else None); ConfigError if it is cut below the step."""
+    state, position, restored = checkpointer.restore(state, config=resume_config, **restoring)
+    saved_steps = checkpointer.saved_config.get("run.steps", total_steps)
+    if saved_steps == total_steps:
+        return state, position, None
+    if total_steps < restored:
+        raise ConfigError(f"steps={total_steps} is below the checkpoint's step "
+                          f"{restored}; resume with at least that many steps",
+                          field="run.steps")
+    announce(cfg, f"the run's length changes from {saved_steps} to {total_steps} "
+                  f"steps: the learning-rate schedule follows the new length")
+    return state, position, saved_steps
+
+
+def _write_run_record(cfg, run_dir: str, mesh_shape: dict):
+    """The run's config (without ``run.stop_at``: a pause is not the run's setting) and its
+    environment, in ``run_dir``."""
+    write_config(override(cfg, {"run.stop_at": None}), run_dir, shlex.join(sys.orig_argv))
+    dump_json(os.path.join(run_dir, "environment.json"), run_environment(mesh_shape))
 
 
 def check_checkpoint_meta(cfg, checkpointer: Checkpointer):
