@@ -142,6 +142,11 @@ def test_resume_is_bitwise_identical_to_an_uninterrupted_run(whole, tmp_path):
     cut = train(override(cut_cfg, {"run.stop_at": "19"}))
     assert cut.interrupted is None and cut.stopped_at == cut.steps == 19
     assert cut.total_steps == 20 and np.isnan(cut.val_bpb) and cut.diverged_at_step is None
+    # the checkpoint keeps the last tenth's losses, steps 18 and 19, step 19's once (it was
+    # kept twice when the stop fell between log steps)
+    from jaxaccel.checkpoint import Checkpointer
+    kept = Checkpointer(os.path.join(cut.run_dir, "checkpoints")).check_meta(19)["recent_history"]
+    assert len(kept) == 2 and kept[0] != kept[1], kept
     config = parse(["--config", os.path.join(cut.run_dir, "config.yaml")])
     assert config.run.stop_at is None       # the pause is not written into the run's config
     with pytest.raises(ConfigError, match="stop_at 1/2 is step 10, but the run resumes from "

@@ -58,7 +58,7 @@ def run_steps(run: Setup, steps, should_stop=None, previous: Progress | None = N
         if window:
             log.history += log_window(log.writer, int(state.step), window, log.totals,
                                       watch.seconds, log.bar, log.train_bits)
-        stage.save(int(state.step), leaves, window)
+        stage.save(int(state.step), leaves, [])         # the window is in the history now
     final_position = stage.position()
     stage.close()
     waited = stage.feed.wait_seconds + (previous.data_wait_s if previous else 0.0)
