@@ -55,20 +55,21 @@ def xla_flags(*flags: str) -> str:
 CORPUS_CACHE_DIR = os.path.join(tempfile.gettempdir(), f"jaxaccel-test-corpus-{OWNER}")
 
 
-# The 8-device pipeline suite compiles into a cache of this run alone: twice out of two runs of
-# the whole suite with .cache/xla-tests already filled (2026-11-28), a part of it aborted after
-# 66 s (SIGABRT, as XLA's CPU collectives do when a rendezvous times out); alone, 12 runs of
-# that part on the filled cache passed, and no run that compiled it afresh has failed.
-RUN_CACHE_DIR = os.path.join(tempfile.gettempdir(), f"jaxaccel-test-xla-{OWNER}")
-FRESH_CACHE = ("tests/multidevice/test_pipeline.py",)
+# The 8-device subprocesses compile with XLA CPU's concurrency-optimized scheduler off. With it
+# on, the 1F1B + FSDP + TP program of the pipeline suite, loaded from the compilation cache while
+# the other core was busy, deadlocked in its collectives: its devices waited at different
+# all-gathers until XLA's 40 s termination timeout aborted the process (3 of 3 runs, 2026-11-28;
+# compiled afresh it passed). With it off, 5 of 5 such runs passed. The order in which XLA runs
+# independent operations changes, not what they compute.
+MULTIDEVICE_FLAGS = ("--xla_force_host_platform_device_count=8",
+                     "--xla_cpu_enable_concurrency_optimized_scheduler=false")
 
 
 def pytest_sessionfinish(session):
-    # the run's folders go when the controller ends (after every worker), not when a pytest of
-    # tests/multidevice that it started ends (the same run's folders, by the inherited id)
+    # the run's folder goes when the controller ends (after every worker), not when a pytest of
+    # tests/multidevice that it started ends (the same run's folder, by the inherited id)
     if OWNER == str(os.getpid()):
         shutil.rmtree(CORPUS_CACHE_DIR, ignore_errors=True)
-        shutil.rmtree(RUN_CACHE_DIR, ignore_errors=True)
 
 
 def run_multidevice(path: str, part: int = 0, parts: int = 1, *, tests=(), others_than=()):
@@ -81,9 +82,7 @@ def run_multidevice(path: str, part: int = 0, parts: int = 1, *, tests=(), other
               f"except:{','.join(others_than)}" if others_than else f"slice:{part}/{parts}")
     env = {**os.environ, "JAXACCEL_MULTIDEVICE": "1", "JAX_PLATFORMS": "cpu",
            "JAXACCEL_MULTIDEVICE_SELECT": select,
-           "XLA_FLAGS": xla_flags("--xla_force_host_platform_device_count=8")}
-    if path in FRESH_CACHE:
-        env["JAX_COMPILATION_CACHE_DIR"] = RUN_CACHE_DIR
+           "XLA_FLAGS": xla_flags(*MULTIDEVICE_FLAGS)}
     result = subprocess.run([sys.executable, "-m", "pytest", "-x", "-q", "-o", "addopts=",
                              "-p", "no:cacheprovider", path], cwd=REPO, env=env,
                             capture_output=True, text=True, timeout=900)
