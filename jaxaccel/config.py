@@ -694,6 +694,11 @@ class Flag:
     def name(self) -> str:
         return self.path.partition(".")[2]
 
+    @property
+    def kinds(self) -> list:
+        """The field's types other than None: ``[int, str]`` for ``int | str | None``."""
+        return _alternatives(self.kind) or [self.kind]
+
 
 def flags(cls=None, *, defaults: dict | None = None, fixed: tuple = ()) -> list[Flag]:
     """Every flag of ``cls`` (default TrainConfig), in the order of its sections and their
@@ -729,12 +734,12 @@ def build_parser(cls=None, *, defaults: dict | None = None, fixed: tuple = (),
         accepts = f"; {f.accepts}" if f.accepts else ""
         kwargs = {"dest": f.path, "default": argparse.SUPPRESS,
                   "help": f"{f.help} ({f.path}, default: {f.default}{accepts})".replace("%", "%%")}
-        if _scalar_type(f.kind) is bool:
+        if f.kinds[0] is bool:
             kwargs["action"] = argparse.BooleanOptionalAction
-        elif str in typing.get_args(f.kind) and len(_alternatives(f.kind)) > 1:  # number or word
+        elif str in f.kinds and len(f.kinds) > 1:       # a number or a word
             kwargs["metavar"] = "|".join([f.name.upper(), *f.choices])
         else:
-            kwargs["type"] = _scalar_type(f.kind)
+            kwargs["type"] = f.kinds[0]
             if f.choices:
                 kwargs["choices"] = f.choices
             else:

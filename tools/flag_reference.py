@@ -9,7 +9,6 @@ in ``--help``'s order. tests/test_flag_reference.py fails while the file differs
 
 import os
 import sys
-import typing
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 sys.path.insert(0, ROOT)        # this checkout's jaxaccel, whatever is installed
@@ -32,19 +31,15 @@ def _code(value) -> str:
 
 
 def _flag(f: Flag) -> str:
-    if _scalar(f.kind) is bool:
+    if f.kinds[0] is bool:
         return f"{_code(f.flag)}, {_code('--no-' + f.flag[2:])}"
     return _code(f.flag)
-
-
-def _scalar(kind):
-    return ([a for a in typing.get_args(kind) if a is not type(None)] or [kind])[0]
 
 
 def _type(f: Flag) -> str:
     """``int, at least 1``, ``float, in [0, 1)``, ``bool``, ``one of `a`, `b```, ``int or
     `auto`, in [1, 64]``: the field's type and its range (``--help``'s words, shortened)."""
-    kinds = [a for a in typing.get_args(f.kind) if a is not type(None)] or [f.kind]
+    kinds = f.kinds
     words = ", ".join(_code(c) for c in f.choices or ())
     accepts = f.accepts.replace("an integer in ", "in ").replace("a finite number ", "")
     accepts = f", {accepts.replace('a finite number', 'finite')}" if accepts else ""
