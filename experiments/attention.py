@@ -5,7 +5,7 @@ tuning sweep, below).
     python -m experiments.attention                   # a GPU: T 1k-16k, D 64 and 128, bf16
     python -m experiments.attention --json attention.json
     python -m experiments.attention --seq-lens 64,128 --head-dims 64 --heads 2 --impls xla,pallas
-    python -m experiments.attention --tune            # a GPU: writes jaxaccel/kernels/tuned.json
+    python -m experiments.attention --tune     # a GPU: writes jaxaccel/model/kernels/tuned.json
 
 The implementations and layouts: docs/TRAINING.md, "Flash attention". Off the GPU the Pallas
 kernels run interpreted: the table checks that they work, it measures no speed. A packed row
@@ -27,12 +27,12 @@ import numpy as np
 from experiments.common import (Experiment, Interrupted, Row, RowRun, config_of, environment,
                                 first, main_of, median_seconds, out_of_memory, parse_list,
                                 relative, write_json)
-from jaxaccel import hardware
-from jaxaccel.attention import attention_mask, dot_product_attention
-from jaxaccel.config import setting
-from jaxaccel.errors import ConfigError
-from jaxaccel.kernels import autotune, flash, flash_attention, tuning
-from jaxaccel.report import format_table
+from jaxaccel.core import hardware
+from jaxaccel.model.attention import attention_mask, dot_product_attention
+from jaxaccel.run.config import setting
+from jaxaccel.core.errors import ConfigError
+from jaxaccel.model.kernels import autotune, flash, flash_attention, tuning
+from jaxaccel.core.report import format_table
 
 TOKAMAX_IMPLS = {"tokamax_mosaic": "mosaic", "tokamax_triton": "triton", "tokamax_cudnn": "cudnn"}
 IMPLS = ("xla", "cudnn", "jax_reference", "pallas", *TOKAMAX_IMPLS)
@@ -74,7 +74,8 @@ class AttentionSettings:
     json: str | None = setting(None, "also write the rows as JSON to this path")
     tune: bool = setting(
         False, "sweep our kernel's block sizes, warps and stages per pass instead, check each "
-        "against XLA, and write the tuned table jaxaccel.kernels.tuning reads for this device")
+        "against XLA, and write the tuned table jaxaccel.model.kernels.tuning reads for this "
+        "device")
     tune_seq_lens: str = setting("4096", "--tune: the lengths a candidate is timed at (summed "
                                          "over these and --causal)")
     tune_blocks: str = setting("64,128", "--tune: block sizes tried for query and key tiles "
@@ -85,7 +86,7 @@ class AttentionSettings:
     tune_backends: str = setting(
         "triton,mosaic_gpu", "--tune: backends tried (mosaic_gpu on Hopper GPUs only)")
     tuning_file: str | None = setting(None, "--tune: the table to write (default: "
-                                            "$JAXACCEL_FLASH_TUNING or jaxaccel/kernels/"
+                                            "$JAXACCEL_FLASH_TUNING or jaxaccel/model/kernels/"
                                             "tuned.json; required off the GPU)")
 
 
@@ -172,7 +173,7 @@ def fwdbwd_fn(attn):
 def packed_segment_ids(exp: AttentionSettings, T: int, batch: int) -> tuple[np.ndarray, float]:
     """int32 [batch, T] segment ids of the first batch of a seeded ``pack`` epoch with
     ``--packed-docs`` documents per row on average, and that mean; else ConfigError."""
-    from jaxaccel import corpus, data
+    from jaxaccel.data import corpus, batching as data
 
     documents = corpus.load_corpus(exp.data, tokenizer=exp.tokenizer).train
     most = 0.0
@@ -317,7 +318,7 @@ def compiled_need(exp: AttentionSettings, impl: str, batch: int, T: int, D: int)
     """The bytes XLA allocates for one forward+backward of ``impl`` (arguments, outputs and
     temporaries), from its compiled memory analysis; None where the backend gives none or the
     implementation does not compile the shape (its row reports why)."""
-    from jaxaccel.compiled import memory_bytes
+    from jaxaccel.step.compiled import memory_bytes
 
     q = jax.ShapeDtypeStruct((batch, T, exp.heads, D), DTYPES[exp.dtype])
     kv = jax.ShapeDtypeStruct((batch, T, exp.kv_heads or exp.heads, D), DTYPES[exp.dtype])

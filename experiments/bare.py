@@ -22,11 +22,12 @@ import jax
 import numpy as np
 from flax import nnx
 
-from jaxaccel import gpt, model, optim
-from jaxaccel.corpus import load_corpus
-from jaxaccel.data import batches
-from jaxaccel.state import init_state
-from jaxaccel.train import lm_train_step
+from jaxaccel.model import gpt, contract as model
+from jaxaccel.step import optim
+from jaxaccel.data.corpus import load_corpus
+from jaxaccel.data.batching import batches
+from jaxaccel.step.state import init_state
+from jaxaccel.step.train import lm_train_step
 
 
 def process_age() -> float:

@@ -20,13 +20,13 @@ from typing import Callable
 
 import numpy as np
 
-from jaxaccel.config import TrainConfig, describe_error, override, parse
-from jaxaccel.data import DataStream
-from jaxaccel.errors import ConfigError
-from jaxaccel.hardware import FINAL_EVAL_NOTE, out_of_memory
-from jaxaccel.metrics import plot_curves, read_metrics, token_curve
-from jaxaccel.report import dump_json, format_table
-from jaxaccel.sections import describe, is_preset, preset
+from jaxaccel.run.config import TrainConfig, describe_error, override, parse
+from jaxaccel.data.batching import DataStream
+from jaxaccel.core.errors import ConfigError
+from jaxaccel.core.hardware import FINAL_EVAL_NOTE, out_of_memory
+from jaxaccel.step.metrics import plot_curves, read_metrics, token_curve
+from jaxaccel.core.report import dump_json, format_table
+from jaxaccel.core.sections import describe, is_preset, preset
 
 
 def command(config_cls=TrainConfig):
@@ -228,7 +228,7 @@ def train_until_stopped(cfg: TrainConfig):
     """``loop.train(cfg)`` as one row of an experiment: the run also stops (its checkpoint
     saved) at a signal the experiment received before it started or between its steps, and its
     summary's ``interrupted`` then names that signal."""
-    from jaxaccel.loop import train
+    from jaxaccel.run.loop import train
     summary = train(cfg, should_stop=lambda step: stop_requested() is not None)
     if summary.interrupted:
         _received.setdefault("signal", summary.interrupted)
@@ -435,7 +435,7 @@ def stack_depth(cfg) -> int | None:
     if shape is not None:
         return shape.n_layers
     import jax
-    from jaxaccel import model as model_lib, nn
+    from jaxaccel.model import contract as model_lib, nn
     model = model_lib.abstract(lambda: model_lib.build(cfg.model, cfg.gpt,
                                                        jax.random.PRNGKey(0)))
     stacks = nn.stacks(model)
@@ -740,7 +740,7 @@ def shared_meta(cfg, unused: dict = ()) -> dict:
 def check_rows(cfg, plan: list[Row], flags: dict):
     """Every row's config validated and its model built abstractly (every technique applied),
     before any work; an error in a setting a row flag sets names that flag."""
-    from jaxaccel import techniques
+    from jaxaccel.techniques import registry as techniques
     for row in plan:
         try:
             row_cfg = override(cfg, row.settings)
@@ -754,8 +754,8 @@ def check_packing(cfg, row: Row, field: str = "data.batching"):
     """A row that packs documents by its own batching (the run's is checked when the run starts,
     naming --batching) needs a model whose call takes them apart: found only when the row
     starts, it would come after the rows before it trained."""
-    from jaxaccel import techniques
-    from jaxaccel.model import call_arguments
+    from jaxaccel.techniques import registry as techniques
+    from jaxaccel.model.contract import call_arguments
     if cfg.data.batching != "pack":
         return
     missing = {"positions", "segment_ids"} - call_arguments(techniques.abstract(cfg))

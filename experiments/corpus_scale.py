@@ -51,13 +51,13 @@ import numpy as np
 
 from experiments.common import (Experiment, Row, RowRun, check_stop, config_of, main_of,
                                 parse_list, passing_signals_to)
-from jaxaccel.config import check_writable, setting
-from jaxaccel.corpus import Documents, cache_root, load_corpus, stdlib_root
-from jaxaccel.corpus import stdlib_files as corpus_stdlib_files
-from jaxaccel.data import DataStream
-from jaxaccel.errors import ConfigError
-from jaxaccel.hardware import host_memory_bytes
-from jaxaccel.tokenizer import parse_spec
+from jaxaccel.run.config import check_writable, setting
+from jaxaccel.data.corpus import Documents, cache_root, load_corpus, stdlib_root
+from jaxaccel.data.corpus import stdlib_files as corpus_stdlib_files
+from jaxaccel.data.batching import DataStream
+from jaxaccel.core.errors import ConfigError
+from jaxaccel.core.hardware import host_memory_bytes
+from jaxaccel.core.tokenizer import parse_spec
 
 MB, GB = 2**20, 2**30
 TOKENIZE_MB_PER_S = 20.0            # issue 18's targets
@@ -205,8 +205,8 @@ except (OSError, AttributeError):
     pass
 if os.getppid() != int(sys.argv[5]):
     sys.exit(1)
-from jaxaccel.corpus import load_corpus
-from jaxaccel.errors import ConfigError
+from jaxaccel.data.corpus import load_corpus
+from jaxaccel.core.errors import ConfigError
 source, spec, cache_dir, batch_mb = sys.argv[1], sys.argv[2], sys.argv[3], float(sys.argv[4])
 began, cpu = time.perf_counter(), time.process_time()     # CPU time of all its threads
 try:

@@ -38,9 +38,9 @@ from experiments.common import (Experiment, Row, config_of, eval_curve, first_re
                                 main_of, parse_list, plot_eval_curves, relative,
                                 same_eval_batches, shared_run, stack_depth,
                                 technique)
-from jaxaccel.config import setting
-from jaxaccel.errors import ConfigError
-from jaxaccel.sections import describe
+from jaxaccel.run.config import setting
+from jaxaccel.core.errors import ConfigError
+from jaxaccel.core.sections import describe
 
 # The issue's targets, reported against (not asserted).
 SD_TARGET_RATE = 0.2         # stochastic depth at this rate ...
@@ -76,7 +76,7 @@ def row(label: str, directory: str, kind: str, rate: float = 0.0, stages: int = 
 def rows(cfg: DepthConfig) -> list[Row]:
     """The baseline, a row per rate and per stage count; every setting checked before any
     training (one ConfigError line otherwise, naming this experiment's flag where it has one)."""
-    from jaxaccel import stacking       # imports jax: not at the top, so that --help is fast
+    from jaxaccel.techniques import stacking  # imports jax: not at the top, so that --help is fast
     exp, steps = cfg.experiment, cfg.run.steps
     rates = parse_list(exp.stochastic_depth_rates, "experiment.stochastic_depth_rates",
                        kind=float, within=rate, example="0.2,0.5")
@@ -85,8 +85,8 @@ def rows(cfg: DepthConfig) -> list[Row]:
     n_layers = stack_depth(cfg)
     if n_layers is None:
         raise ConfigError(f"stochastic depth and progressive stacking act on the model's blocks, "
-                          f"but {cfg.model.name} has no single jaxaccel.nn.Stack; declare its "
-                          f"blocks as one (README, 'Your own model')", field="model.name")
+                          f"but {cfg.model.name} has no single jaxaccel.model.nn.Stack; declare "
+                          f"its blocks as one (README, 'Your own model')", field="model.name")
     for count in stages:
         if n_layers % 2 ** (count - 1):
             raise ConfigError(f"{count} stacking stages halve n_layers={n_layers} {count - 1} "

@@ -5,11 +5,11 @@ id distribution, and each gradient's error against a float64 scatter.
     python -m experiments.embedding --vocabs 320,50304 --ids bytes --json embedding.json
     python -m experiments.embedding --vocabs 64,512 --d-model 64 --batch 2 --seq-len 128
 
-Methods (``jaxaccel.embedding``, the training flag ``--embedding``): ``gather`` (the gather; its
-backward is XLA's scatter-add, whose atomic adds collide on the rows many tokens share),
-``one_hot`` (a matmul of the one-hot ids with the table, both ways) and ``sorted_sum`` (the
-gather, its backward the tokens sorted by id and each id's rows summed by a segmented scan, every
-row written once). ``auto`` marks the method the library picks for that vocabulary.
+Methods (``jaxaccel.model.embedding``, the training flag ``--embedding``): ``gather`` (the gather;
+its backward is XLA's scatter-add, whose atomic adds collide on the rows many tokens share),
+``one_hot`` (a matmul of the one-hot ids with the table, both ways) and ``sorted_sum`` (the gather,
+its backward the tokens sorted by id and each id's rows summed by a segmented scan, every row
+written once). ``auto`` marks the method the library picks for that vocabulary.
 
 Id distributions (``--ids``): ``uniform`` (every id equally likely: the case that hides the
 scatter's collisions), ``zipf`` (id of rank r drawn with probability proportional to
@@ -33,10 +33,10 @@ import numpy as np
 
 from experiments.common import (Experiment, Row, RowRun, config_of, first, main_of,
                                 median_seconds, out_of_memory, parse_list, relative)
-from jaxaccel import embedding
-from jaxaccel.config import setting
-from jaxaccel.errors import ConfigError
-from jaxaccel.gpt import ACTIVATION_AXES
+from jaxaccel.model import embedding
+from jaxaccel.run.config import setting
+from jaxaccel.core.errors import ConfigError
+from jaxaccel.model.gpt import ACTIVATION_AXES
 
 METHODS = tuple(m for m in embedding.METHODS if m != "auto")
 ID_KINDS = ("uniform", "zipf", "bytes")
@@ -84,7 +84,7 @@ def check_vocabs(vocabs: list[int], exp) -> None:
     """A ConfigError for a V the ids cannot index, or whose table and its gradient (each V x D
     in the experiment's dtype) take more than half the device's memory (the host's, on a CPU:
     the lookup's inputs, outputs and XLA's buffers need the rest); the largest V that fits."""
-    from jaxaccel import hardware
+    from jaxaccel.core import hardware
 
     per_row = 2 * exp.d_model * jnp.dtype(DTYPES[exp.dtype]).itemsize
     memory = hardware.device_memory_bytes()
@@ -103,7 +103,7 @@ def check_vocabs(vocabs: list[int], exp) -> None:
 def shared(cfg: EmbeddingConfig) -> dict:
     """The random stream every row's inputs are drawn from, in row order, and the corpus of the
     bytes ids (loaded, or failing, before any row runs)."""
-    from jaxaccel import corpus
+    from jaxaccel.data import corpus
 
     exp = cfg.experiment
     return {"rng": np.random.default_rng(exp.seed),

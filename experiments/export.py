@@ -10,9 +10,9 @@ and writes ``model.safetensors`` and
 (SwiGLU, untied head, RMSNorms; N:M masks folded into the weights; no branch gates, adapters or
 FP8) and ``--format`` is auto or llama, else (native, any model) every variable of the model's
 state under its dotted path, buffers included, with the run's settings as the config
-(``jaxaccel.export``). The run's tokenizer goes beside them as Hugging Face files
+(``jaxaccel.outputs.export``). The run's tokenizer goes beside them as Hugging Face files
 (``tokenizer.json``, ``tokenizer_config.json``, for Llama ``generation_config.json``;
-``jaxaccel.hf_tokenizer``): transformers' ``AutoTokenizer`` gets its BOS, EOS and PAD at the
+``jaxaccel.data.hf_tokenizer``): transformers' ``AutoTokenizer`` gets its BOS, EOS and PAD at the
 run's ids, prepends BOS as training did, and encodes and decodes as the run's tokenizer. The
 export is then read back: every tensor must equal what was written, a forward pass from the
 files alone (for Llama, an independent NumPy Llama; native, the model rebuilt from the config)
@@ -25,9 +25,9 @@ import dataclasses
 import sys
 
 from experiments.common import command, environment, settings_named, write_json
-from jaxaccel.config import parse, setting
-from jaxaccel.errors import ConfigError
-from jaxaccel.export import FORMATS, ExportCheckError, export
+from jaxaccel.run.config import parse, setting
+from jaxaccel.core.errors import ConfigError
+from jaxaccel.outputs.export import FORMATS, ExportCheckError, export
 
 
 @dataclasses.dataclass

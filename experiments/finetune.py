@@ -40,17 +40,18 @@ from flax import nnx
 
 from experiments.common import (Experiment, Row, config_of, first, main_of, parse_list,
                                 plot_loss_curves, relative, summary_fields, train_row)
-from jaxaccel import model as model_lib, surgery
-from jaxaccel.config import (TrainConfig, build, check_ranges, override, read_config_file,
-                             setting)
-from jaxaccel.corpus import corpus_of
-from jaxaccel.errors import ConfigError
-from jaxaccel.loop import evaluate, read_trained_run
-from jaxaccel.loop.compile import eval_step_of
-from jaxaccel.loop.record import export_merged
-from jaxaccel.model import describe
-from jaxaccel.sections import absolute_name
-from jaxaccel.state import init_state
+from jaxaccel.model import contract as model_lib
+from jaxaccel.techniques import surgery
+from jaxaccel.run.config import (TrainConfig, build, check_ranges, override, read_config_file,
+                                 setting)
+from jaxaccel.data.corpus import corpus_of
+from jaxaccel.core.errors import ConfigError
+from jaxaccel.run.loop import evaluate, read_trained_run
+from jaxaccel.run.loop.compile import eval_step_of
+from jaxaccel.run.loop.record import export_merged
+from jaxaccel.model.contract import describe
+from jaxaccel.core.sections import absolute_name
+from jaxaccel.step.state import init_state
 
 ROWS = ("full", "lora", "adapters")
 STDLIB_TEXT = "stdlib-text"

@@ -9,7 +9,7 @@ Rows: ``uniform`` (today's shuffled epochs, always the first row: the reference)
 ``grad-norm`` (``data.sampling``: rows of fixed batching drawn with probability proportional to
 their document's last relative loss or gradient-norm bound, smoothed by ``--sampling-power`` and
 ``--sampling-floor``, the loss reweighted by 1/(N p) so that its gradient stays unbiased; see
-``jaxaccel.sampling``). Every row trains the same ``--steps`` of the same batch shape from the
+``jaxaccel.data.sampling``). Every row trains the same ``--steps`` of the same batch shape from the
 same seed on the same training documents, evaluating every ``--eval-every`` steps on the same
 validation batches (``--final-eval-batches`` defaults to ``--eval-batches`` here, so every
 evaluation is comparable with uniform's final one).
@@ -30,10 +30,10 @@ import sys
 from experiments.common import (Experiment, Row, config_of, eval_curve, first_reaching,
                                 main_of, parse_list, plot_eval_curves, relative,
                                 same_eval_batches, shared_run)
-from jaxaccel.config import setting
-from jaxaccel.errors import ConfigError
-from jaxaccel.metrics import BITS_PER_NAT
-from jaxaccel.sections import SAMPLING, describe
+from jaxaccel.run.config import setting
+from jaxaccel.core.errors import ConfigError
+from jaxaccel.step.metrics import BITS_PER_NAT
+from jaxaccel.core.sections import SAMPLING, describe
 
 TARGET_SHARE = 0.90     # a sampler reaches uniform's final val loss within this share of tokens
 

@@ -5,11 +5,11 @@ at higher learning rates with no warmup, as the survey's Fixup family claims?
     python -m experiments.init_schemes --schemes default,tfixup --learning-rates 3e-3,3e-2
     python -m experiments.init_schemes --steps 400 --json init_schemes.json
 
-Every row trains the same model shape for the same steps on the same batches, with no
-learning-rate warmup (``optimizer.warmup_steps=0``): one row per scheme of ``--schemes``
-(``init.scheme``: default, rezero, skipinit, tfixup; ``jaxaccel.init``) and learning rate of
-``--learning-rates``. Reference rows train the default initialisation *with*
-``--reference-warmup`` warmup steps at each learning rate: what the warmup buys.
+Every row trains the same model shape for the same steps on the same batches, with no learning-rate
+warmup (``optimizer.warmup_steps=0``): one row per scheme of ``--schemes`` (``init.scheme``:
+default, rezero, skipinit, tfixup; ``jaxaccel.techniques.init``) and learning rate of
+``--learning-rates``. Reference rows train the default initialisation *with* ``--reference-warmup``
+warmup steps at each learning rate: what the warmup buys.
 
 A row **trained** when its final validation loss is finite and at least 10 % below the corpus's
 unigram entropy (``unigram_bpb``, what the token frequencies alone give, per byte of text);
@@ -28,9 +28,9 @@ import sys
 
 from experiments.common import (Experiment, Row, config_of, main_of, parse_list,
                                 plot_loss_curves)
-from jaxaccel.config import setting
-from jaxaccel.errors import ConfigError
-from jaxaccel.sections import INIT_SCHEMES as SCHEMES, describe
+from jaxaccel.run.config import setting
+from jaxaccel.core.errors import ConfigError
+from jaxaccel.core.sections import INIT_SCHEMES as SCHEMES, describe
 
 
 @dataclasses.dataclass

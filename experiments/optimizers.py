@@ -6,8 +6,8 @@ large batches under learning-rate scaling rules.
     python -m experiments.optimizers --json optimizers.json
 
 Table 1 trains one model per optimizer (``--optimizers``), each with the learning rate and weight
-decay of ``jaxaccel.optim.DEFAULTS``, on the same real tokens in the same order, and reports the
-final validation loss, real tokens/s and the optimizer state's bytes. Table 2 trains
+decay of ``jaxaccel.step.optim.DEFAULTS``, on the same real tokens in the same order, and reports
+the final validation loss, real tokens/s and the optimizer state's bytes. Table 2 trains
 ``--large-batch-factor`` times the batch on the same tokens (so that many times fewer steps) with
 ``--large-batch-optimizers`` under each ``--scalings`` rule, the learning rate scaled from the
 table-1 batch, and the warmup shortened by the same factor so it covers the same tokens. Loss
@@ -19,9 +19,9 @@ import sys
 
 from experiments.common import (Experiment, Row, check_rows, check_run_root, config_of, length,
                                 main_of, parse_list)
-from jaxaccel.config import setting
-from jaxaccel.errors import ConfigError
-from jaxaccel.sections import LR_SCALING, OPTIMIZERS, describe
+from jaxaccel.run.config import setting
+from jaxaccel.core.errors import ConfigError
+from jaxaccel.core.sections import LR_SCALING, OPTIMIZERS, describe
 
 
 @dataclasses.dataclass

@@ -39,8 +39,8 @@ import yaml
 
 from experiments.common import (Experiment, Row, RowRun, check_stop, config_of, main_of,
                                 parse_list, passing_signals_to)
-from jaxaccel.config import setting
-from jaxaccel.errors import ConfigError
+from jaxaccel.run.config import setting
+from jaxaccel.core.errors import ConfigError
 
 SHAPES = {  # name: (flags, steps, steps timed alone)
     "tiny": (["--d-model", "32", "--n-layers", "1", "--n-heads", "2", "--seq-len", "32",

@@ -22,11 +22,11 @@ import time
 from experiments.common import (Experiment, Row, check_packing, check_rows, check_run_root,
                                 config_of, first, length, main_of, matched_batch, parse_list,
                                 relative, summary_fields, train_row)
-from jaxaccel.config import TrainConfig, override, setting
-from jaxaccel.corpus import corpus_of
-from jaxaccel.data import STRATEGIES, DataStream, batch_stats, batches
-from jaxaccel.errors import ConfigError
-from jaxaccel.report import bar_chart
+from jaxaccel.run.config import TrainConfig, override, setting
+from jaxaccel.data.corpus import corpus_of
+from jaxaccel.data.batching import STRATEGIES, DataStream, batch_stats, batches
+from jaxaccel.core.errors import ConfigError
+from jaxaccel.core.report import bar_chart
 
 
 @dataclasses.dataclass

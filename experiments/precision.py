@@ -6,14 +6,13 @@ underflow.
     python -m experiments.precision --precisions fp32,bf16 --json precision.json
 
 Rows: ``fp32`` (float32 everywhere, matmuls at full float32 precision), ``tf32`` (the same with
-XLA's default matmul precision, which on NVIDIA GPUs runs float32 matmuls in TF32; on a CPU it
-is the fp32 computation), ``bf16``, ``fp16`` (dynamic loss scaling), ``fp16-noscale`` and
-``fp8`` (bf16 with the blocks' matmuls in float8, delayed scaling: ``jaxaccel.fp8``; emulated,
-so not faster, off FP8 GPUs). Each trains from the same initial parameters on the same batches.
-The table gives the mean step time, real tokens/s, XLA's compiled memory for the step
-(temporaries: mostly activations), the final validation loss, skipped steps and the speedup over
-fp32; fp8 is also compared with bf16 (the issue's target: >= 1.3x bf16's speed, validation loss
-within 1 %).
+XLA's default matmul precision, which on NVIDIA GPUs runs float32 matmuls in TF32; on a CPU it is
+the fp32 computation), ``bf16``, ``fp16`` (dynamic loss scaling), ``fp16-noscale`` and ``fp8``
+(bf16 with the blocks' matmuls in float8, delayed scaling: ``jaxaccel.techniques.fp8``; emulated,
+so not faster, off FP8 GPUs). Each trains from the same initial parameters on the same batches. The
+table gives the mean step time, real tokens/s, XLA's compiled memory for the step (temporaries:
+mostly activations), the final validation loss, skipped steps and the speedup over fp32; fp8 is
+also compared with bf16 (the issue's target: >= 1.3x bf16's speed, validation loss within 1 %).
 
 The underflow probe then takes the fp32 run's parameters at the start and at the end of
 training and one training batch, and computes the float16 gradient without and with the loss
@@ -32,16 +31,17 @@ from flax import nnx
 
 from experiments.common import (Experiment, Row, config_of, first, length, main_of, parse_list,
                                 relative, technique)
-from jaxaccel import nn, techniques
-from jaxaccel.config import override, setting
-from jaxaccel.corpus import corpus_of
-from jaxaccel.data import DataStream
-from jaxaccel.errors import ConfigError
-from jaxaccel.grads import value_and_grad
-from jaxaccel.loop import read_trained_run
-from jaxaccel.model import describe, make_apply
-from jaxaccel.precision import DynamicLossScale, NoLossScale, cast, get_policy, loss_scaled
-from jaxaccel.train import weighted_cross_entropy
+from jaxaccel.model import nn
+from jaxaccel.techniques import registry as techniques
+from jaxaccel.run.config import override, setting
+from jaxaccel.data.corpus import corpus_of
+from jaxaccel.data.batching import DataStream
+from jaxaccel.core.errors import ConfigError
+from jaxaccel.step.grads import value_and_grad
+from jaxaccel.run.loop import read_trained_run
+from jaxaccel.model.contract import describe, make_apply
+from jaxaccel.step.precision import DynamicLossScale, NoLossScale, cast, get_policy, loss_scaled
+from jaxaccel.step.train import weighted_cross_entropy
 
 # Row name -> (precision policy, loss scale, float32 matmul precision): its FIXED settings.
 ROWS = {
@@ -132,7 +132,7 @@ def probe_grad_fn(model, policy_name: str):
     of the probe for ``model`` (abstract: its graph) and its state ``params``: the loss is
     ``sum(weights * token_loss) / normalizer`` (in float32, from the model run under the
     policy, without dropout) and the gradient, of the weights that train, is that of the loss
-    times the scale, divided by the scale again (``jaxaccel.precision.loss_scaled``)."""
+    times the scale, divided by the scale again (``jaxaccel.step.precision.loss_scaled``)."""
     graphdef, state = nnx.split(model)
     apply_fn = cast(make_apply(graphdef), get_policy(policy_name))
     trainable = nn.trainable(state)

@@ -5,16 +5,16 @@ batch each policy fits in a memory budget, with the blocks unrolled and scanned.
     python -m experiments.remat --policies none,attention,full --no-scan-rows
     python -m experiments.remat --memory-budget 3000000000 --json remat.json
 
-Every row compiles the run's train step (the tiny preset's width, ``--n-layers`` 12, or the
-model ``--model`` names, the optimizer and ``--precision`` as given,
-``jaxaccel.loop.train_step_of``) with one remat policy, ahead of time, and reads XLA's compiled memory analysis (temporaries:
-mostly the activations kept for the backward pass; total: arguments + outputs not aliased to
-the donated state + temporaries) and ``cost_analysis()`` FLOPs (remat's recomputation shows
-here). It then runs one warm-up step and ``--timed-steps`` timed ones on a fixed batch of random
-tokens from the same initial parameters, and reports the median step time. Last, the planner
-(``jaxaccel.planner``) finds for every row the largest batch whose compiled step fits
-``--memory-budget`` (default: the first row's total bytes at ``--batch-size``, i.e. what no
-remat needs) and chooses the fastest policy that fits the batch.
+Every row compiles the run's train step (the tiny preset's width, ``--n-layers`` 12, or the model
+``--model`` names, the optimizer and ``--precision`` as given, ``jaxaccel.run.loop.train_step_of``)
+with one remat policy, ahead of time, and reads XLA's compiled memory analysis (temporaries: mostly
+the activations kept for the backward pass; total: arguments + outputs not aliased to the donated
+state + temporaries) and ``cost_analysis()`` FLOPs (remat's recomputation shows here). It then runs
+one warm-up step and ``--timed-steps`` timed ones on a fixed batch of random tokens from the same
+initial parameters, and reports the median step time. Last, the planner
+(``jaxaccel.techniques.planner``) finds for every row the largest batch whose compiled step fits
+``--memory-budget`` (default: the first row's total bytes at ``--batch-size``, i.e. what no remat
+needs) and chooses the fastest policy that fits the batch.
 
 XLA counts a loop body once whatever its trip count, so a scanned row's FLOPs are those outside
 the scan plus one layer's: compare them with the other scanned rows only. On the CPU pinned host
@@ -33,17 +33,20 @@ from flax import nnx
 from experiments.common import (Experiment, Row, RowRun, check_stop, config_of, first,
                                 gpt_shape, main_of, parse_list, random_batch, relative,
                                 stack_depth)
-from jaxaccel import hardware, nn, techniques, trace
-from jaxaccel.compiled import abstract, flops, memory_bytes
-from jaxaccel.config import setting
-from jaxaccel.errors import ConfigError
-from jaxaccel.loader import abstract_batch, abstract_key
-from jaxaccel.loop import train_step_of
-from jaxaccel.model import describe, make_apply
-from jaxaccel.optim import build_optimizer
-from jaxaccel.planner import choose_policy, compile_step, largest_batch
-from jaxaccel.remat import REMAT_POLICIES, check_tags, tags as policy_tags
-from jaxaccel.state import init_state
+from jaxaccel.core import hardware
+from jaxaccel.model import nn
+from jaxaccel.techniques import registry as techniques
+from jaxaccel.step import trace
+from jaxaccel.step.compiled import abstract, flops, memory_bytes
+from jaxaccel.run.config import setting
+from jaxaccel.core.errors import ConfigError
+from jaxaccel.data.loader import abstract_batch, abstract_key
+from jaxaccel.run.loop import train_step_of
+from jaxaccel.model.contract import describe, make_apply
+from jaxaccel.step.optim import build_optimizer
+from jaxaccel.techniques.planner import choose_policy, compile_step, largest_batch
+from jaxaccel.techniques.remat import REMAT_POLICIES, check_tags, tags as policy_tags
+from jaxaccel.step.state import init_state
 
 
 @dataclasses.dataclass
@@ -108,7 +111,7 @@ def check(cfg: RematConfig, plan: list[Row]):
             raise ConfigError(
                 f"remat {policy} keeps the tensors tagged {', '.join(policy_tags(policy))}, but "
                 f"the model never tags them ({found}), so its row would measure full under the "
-                f"name {policy}; tag them with jaxaccel.nn.tag, or leave {policy} out of "
+                f"name {policy}; tag them with jaxaccel.model.nn.tag, or leave {policy} out of "
                 f"--policies", field="experiment.policies") from None
 
 

@@ -4,19 +4,18 @@ offers one), tokens/s.
     python -m experiments.sample --run-dir runs/R --prompt "def " --max-new-tokens 200 \
         --temperature 0.8 --top-k 40 --num-samples 2
 
-Reads the run's ``config.yaml`` and latest checkpoint and rebuilds its model, whatever it is (a
-GPT preset or the run's own factory, found where the run recorded it or, if it moved, where
-``--model`` says; LoRA merged into the weights, evaluation mode, float32),
-encodes the prompt with the run's own tokenizer (the file the run kept, bytes if it trained on
-bytes; after BOS, as training documents start), runs the prompt through the forward pass once
-(the prefill) and then the new tokens one at a time in a ``lax.fori_loop``
-(``jaxaccel.generate``): over a key/value cache when the model offers one (``init_cache`` and
-``decode``, as jaxaccel's GPT does), else by running the model over the prefix so far for each
-new token (the same tokens, more work). Each sample is printed up to its first EOS; the timings
-line gives the compile time, the prefill's prompt tokens/s and the decode loop's new tokens/s
-over all samples, timed after ``--warmup`` untimed runs. ``--check-logits`` (on by default) also
-compares the prefill's logits with the training forward pass (``model.make_apply``) on the
-prompt and prints the largest difference.
+Reads the run's ``config.yaml`` and latest checkpoint and rebuilds its model, whatever it is (a GPT
+preset or the run's own factory, found where the run recorded it or, if it moved, where ``--model``
+says; LoRA merged into the weights, evaluation mode, float32), encodes the prompt with the run's
+own tokenizer (the file the run kept, bytes if it trained on bytes; after BOS, as training
+documents start), runs the prompt through the forward pass once (the prefill) and then the new
+tokens one at a time in a ``lax.fori_loop`` (``jaxaccel.outputs.generate``): over a key/value cache
+when the model offers one (``init_cache`` and ``decode``, as jaxaccel's GPT does), else by running
+the model over the prefix so far for each new token (the same tokens, more work). Each sample is
+printed up to its first EOS; the timings line gives the compile time, the prefill's prompt tokens/s
+and the decode loop's new tokens/s over all samples, timed after ``--warmup`` untimed runs.
+``--check-logits`` (on by default) also compares the prefill's logits with the training forward
+pass (``model.make_apply``) on the prompt and prints the largest difference.
 
 Temperature 0 is greedy decoding; otherwise top-k sampling at that temperature, seeded by
 ``--seed``: the same seed, prompt and run give the same text.
@@ -31,12 +30,12 @@ import numpy as np
 from flax import nnx
 
 from experiments.common import command, environment, settings_named, write_json
-from jaxaccel import generate as gen
-from jaxaccel.config import parse, setting
-from jaxaccel.errors import ConfigError
-from jaxaccel.model import make_apply, sequence_batch
-from jaxaccel.report import format_table
-from jaxaccel.tokenizer import from_run as tokenizer_from_run
+from jaxaccel.outputs import generate as gen
+from jaxaccel.run.config import parse, setting
+from jaxaccel.core.errors import ConfigError
+from jaxaccel.model.contract import make_apply, sequence_batch
+from jaxaccel.core.report import format_table
+from jaxaccel.core.tokenizer import from_run as tokenizer_from_run
 
 
 @dataclasses.dataclass

@@ -8,7 +8,7 @@ the loss against one device.
         --batch-size 64 --pipeline-microbatches 16      # 8 GPUs, pipelines of 4 stages
 
 Each row trains the same model from the same initial parameters on the same ``--steps`` batches
-of the corpus, with one strategy on its default mesh over all devices (``jaxaccel.sharding``),
+of the corpus, with one strategy on its default mesh over all devices (``jaxaccel.core.sharding``),
 then computes the loss of one validation batch. The first row runs on one device: the others'
 loss differences are relative to it. Per device, it reports the bytes of parameters plus
 optimizer state (from the arrays' shards), the compiled temporaries of the train step and of
@@ -21,7 +21,7 @@ A pipelined strategy (``+pp``) runs once per schedule in ``--pipeline-schedules`
 layers; its row adds the bubble, (stages - 1) / (microbatches + stages - 1), and the stage
 inputs a stage keeps. "blocks of one device's" is the share of the transformer blocks' weights
 a device holds: the stages split the blocks, while the embedding and the head stay whole on
-every stage (``jaxaccel.pipeline``).
+every stage (``jaxaccel.techniques.pipeline``).
 """
 
 import contextlib
@@ -38,23 +38,24 @@ from jax.sharding import NamedSharding
 
 from experiments.common import (Experiment, Row, RowRun, check_stop, config_of, gpt_shape,
                                 main_of, parse_list, relative, stack_depth)
-from jaxaccel import gpt, model as model_lib, nn, techniques
-from jaxaccel.compiled import abstract, memory_bytes
-from jaxaccel.config import override, setting
-from jaxaccel.corpus import corpus_of
-from jaxaccel.data import batches
-from jaxaccel.errors import ConfigError
-from jaxaccel.loader import abstract_batch, place_batch
-from jaxaccel.loop import sharded_steps
-from jaxaccel.model import describe
-from jaxaccel.optim import build_optimizer
-from jaxaccel.pipeline import (SCHEDULES, bubble_fraction, check as check_pipeline,
-                               check_layers, make_schedule)
-from jaxaccel.sharding import (COMPUTE_RULES, MESH_AXES, STRATEGIES, batch_shards,
-                               batch_sharding, bytes_per_device, check_split, format_mesh,
-                               logical_spec, make_mesh, mesh_shape, param_shardings,
-                               parse_axis_rules, pipelined)
-from jaxaccel.state import init_sharded_state
+from jaxaccel.model import gpt, contract as model_lib, nn
+from jaxaccel.techniques import registry as techniques
+from jaxaccel.step.compiled import abstract, memory_bytes
+from jaxaccel.run.config import override, setting
+from jaxaccel.data.corpus import corpus_of
+from jaxaccel.data.batching import batches
+from jaxaccel.core.errors import ConfigError
+from jaxaccel.data.loader import abstract_batch, place_batch
+from jaxaccel.run.loop import sharded_steps
+from jaxaccel.model.contract import describe
+from jaxaccel.step.optim import build_optimizer
+from jaxaccel.techniques.pipeline import (SCHEDULES, bubble_fraction, check as check_pipeline,
+                                          check_layers, make_schedule)
+from jaxaccel.core.sharding import (COMPUTE_RULES, MESH_AXES, STRATEGIES, batch_shards,
+                                    batch_sharding, bytes_per_device, check_split, format_mesh,
+                                    logical_spec, make_mesh, mesh_shape, param_shardings,
+                                    parse_axis_rules, pipelined)
+from jaxaccel.step.state import init_sharded_state
 
 
 @dataclasses.dataclass

@@ -4,18 +4,19 @@ steps, and what would a sparse matmul save?
     python -m experiments.sparsity                        # dense, 2:4, 1:4: ~4 CPU minutes
     python -m experiments.sparsity --patterns 2:4,4:8 --json sparsity.json
 
-Every row trains the same model shape from the same seed for the same steps on the same batches:
-a dense row, then one row per pattern of ``--patterns`` (``sparsity.pattern``; masks of the
-``--sparsity-targets`` layers, by default every linear layer of the model's blocks, recomputed every ``--sparsity-every`` steps from the weights' magnitudes, SR-STE
-gradients: ``jaxaccel.sparsity``). The table gives each row's final validation loss and its cost
-against the dense row, the share of the masked weights the masks keep at the end, and what an
-N:M sparse matmul would save: the share of the training FLOPs (every matmul with the sparse
-operand; the forward and input-gradient ones alone in NVIDIA's recipe, where the weight
-gradient stays dense) and of the masked weights' bytes (values plus indices). Those savings are
-counted, not timed: jax 0.11.2 has no N:M sparse matmul (XLA does not emit sparse tensor-core
-GEMMs, ``jax.experimental.sparse`` is unstructured BCOO/BCSR), so the masked rows multiply dense
-weights and their step time is the dense one plus the masking: the step time column shows that
-overhead, not a speed-up.
+Every row trains the same model shape from the same seed for the same steps on the same batches: a
+dense row, then one row per pattern of ``--patterns`` (``sparsity.pattern``; masks of the
+``--sparsity-targets`` layers, by default every linear layer of the model's blocks, recomputed
+every ``--sparsity-every`` steps from the weights' magnitudes, SR-STE gradients:
+``jaxaccel.techniques.sparsity``). The table gives each row's final validation loss and its cost
+against the dense row, the share of the masked weights the masks keep at the end, and what an N:M
+sparse matmul would save: the share of the training FLOPs (every matmul with the sparse operand;
+the forward and input-gradient ones alone in NVIDIA's recipe, where the weight gradient stays
+dense) and of the masked weights' bytes (values plus indices). Those savings are counted, not
+timed: jax 0.11.2 has no N:M sparse matmul (XLA does not emit sparse tensor-core GEMMs,
+``jax.experimental.sparse`` is unstructured BCOO/BCSR), so the masked rows multiply dense weights
+and their step time is the dense one plus the masking: the step time column shows that overhead,
+not a speed-up.
 """
 
 import dataclasses
@@ -23,8 +24,8 @@ import sys
 
 from experiments.common import (Experiment, Row, config_of, main_of, parse_list, relative,
                                 shared_run, technique)
-from jaxaccel.config import setting
-from jaxaccel.errors import ConfigError
+from jaxaccel.run.config import setting
+from jaxaccel.core.errors import ConfigError
 
 
 @dataclasses.dataclass

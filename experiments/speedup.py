@@ -44,15 +44,15 @@ from experiments.common import (PARENT_PID, Experiment, Row, RowRun, Unmeasurabl
                                 config_of, first, gpt_shape, main_of, matched_batch, parse_list,
                                 passing_signals_to, plot_loss_curves, stack_depth,
                                 stop_requested, technique as done)
-from jaxaccel.config import TrainConfig, build, describe_error, flatten, override, setting, \
+from jaxaccel.run.config import TrainConfig, build, describe_error, flatten, override, setting, \
     to_dict, write_config
-from jaxaccel.corpus import corpus_of
-from jaxaccel.errors import ConfigError
-from jaxaccel.report import bar_chart
-from jaxaccel.sections import describe, is_preset
+from jaxaccel.data.corpus import corpus_of
+from jaxaccel.core.errors import ConfigError
+from jaxaccel.core.report import bar_chart
+from jaxaccel.core.sections import describe, is_preset
 
-if TYPE_CHECKING:       # for the annotations only: jaxaccel.loop imports jax
-    from jaxaccel.loop import RunSummary
+if TYPE_CHECKING:       # for the annotations only: jaxaccel.run.loop imports jax
+    from jaxaccel.run.loop import RunSummary
 
 SCALES = ("auto", "cpu", "gpu")
 
@@ -325,7 +325,7 @@ def row_settings(cfg: SpeedupConfig, technique: Technique, documents,
 def depth_reason(settings: dict, depth: int | None) -> str | None:
     """Why a row's progressive stacking cannot halve a preset's ``depth`` (a factory's model is
     checked by ``check_models``)."""
-    from jaxaccel import stacking       # imports jax: not at the top, so that --help is fast
+    from jaxaccel.techniques import stacking  # imports jax: not at the top, so that --help is fast
     if settings.get("stacking.stages", 1) > 1 and depth is not None:
         try:
             stacking.depths(depth, settings["stacking.stages"])
@@ -378,8 +378,8 @@ def check_models(request: dict) -> dict:
     each row (``request["rows"]``: name -> settings over ``request["config"]``), its settings
     completed and why its model cannot train (None when it can), by the run's own checks
     (``TrainConfig.validate``, ``loop.preflight``)."""
-    from jaxaccel.loop import preflight
-    from jaxaccel.sharding import mesh_shape, parse_mesh
+    from jaxaccel.run.loop import preflight
+    from jaxaccel.core.sharding import mesh_shape, parse_mesh
 
     base = build(TrainConfig, request["config"])
     try:
@@ -642,7 +642,7 @@ def measure(run: RowRun) -> dict:
                                f"(see {run_dir}/log.txt)")
         print(f"  {label}{name:<16} {failure}", flush=True)
         return {"status": failure}
-    from jaxaccel.loop import RunSummary    # imports jax: not at the top, so that --help is fast
+    from jaxaccel.run.loop import RunSummary    # imports jax: not at the top, for a fast --help
     summary = RunSummary.read(os.path.join(run_dir, "summary.json"))
     reached = bool((summary.target or {}).get("reached"))
     if base_s is None and not reached:

@@ -7,7 +7,7 @@ each row's tokens, against the same model seeing all of them, at equal tokens.
 
 Rows: ``keep 1`` (every layer sees every token), then for each keep ratio of ``--keeps`` and
 each score of ``--scores`` a row with ``token_drop.keep`` at that ratio and
-``token_drop.score`` that score (``jaxaccel.token_drop``: the layers
+``token_drop.score`` that score (``jaxaccel.techniques.token_drop``: the layers
 ``--token-drop-layers``, by default the middle half, compute only ``K = keep x seq_len`` tokens
 per row, rounded to a multiple of 8, drawn each step: ``random`` uniformly, ``loss`` weighted by
 the running loss of each token's target id). Every row trains the same ``--steps``
@@ -39,15 +39,15 @@ import jax
 
 from experiments.common import (Experiment, Row, config_of, main_of, parse_list, random_batch,
                                 relative, shared_run, stack_depth)
-from jaxaccel import techniques, token_drop
-from jaxaccel.config import override, setting
-from jaxaccel.errors import ConfigError
-from jaxaccel.loader import place_batch
-from jaxaccel.loop import sharded_steps
-from jaxaccel.metrics import read_metrics
-from jaxaccel.optim import build_optimizer
-from jaxaccel.sharding import batch_sharding, build_mesh, parse_axis_rules
-from jaxaccel.state import init_sharded_state
+from jaxaccel.techniques import registry as techniques, token_drop
+from jaxaccel.run.config import override, setting
+from jaxaccel.core.errors import ConfigError
+from jaxaccel.data.loader import place_batch
+from jaxaccel.run.loop import sharded_steps
+from jaxaccel.step.metrics import read_metrics
+from jaxaccel.step.optim import build_optimizer
+from jaxaccel.core.sharding import batch_sharding, build_mesh, parse_axis_rules
+from jaxaccel.step.state import init_sharded_state
 
 # The targets for keep TARGET_KEEP in the middle half of the layers, reported against
 # (not asserted).

@@ -11,7 +11,7 @@ carries several bytes of text, so the same compute trains on more text. The tabl
 tokens/s, the bytes of text per token and per second trained on, and the validation loss in bits
 per byte of text (total nats over the split / its UTF-8 bytes / ln 2), the figure that compares
 across tokenizers, beside each tokenizer's unigram baseline in the same unit. A bpe:N tokenizer
-is trained on the corpus's training split the first time and cached (``jaxaccel.tokenizer``);
+is trained on the corpus's training split the first time and cached (``jaxaccel.core.tokenizer``);
 ``tokenize s`` is the time to load, tokenize or read back the corpus for the row.
 """
 
@@ -22,12 +22,12 @@ import time
 
 from experiments.common import (Experiment, Row, config_of, gpt_shape, main_of, parse_list,
                                 summary_fields, train_row)
-from jaxaccel.config import setting
-from jaxaccel.corpus import corpus_of
-from jaxaccel.errors import ConfigError
-from jaxaccel.metrics import plot_curves, read_metrics, token_curve
-from jaxaccel.sections import describe
-from jaxaccel.tokenizer import parse_spec
+from jaxaccel.run.config import setting
+from jaxaccel.data.corpus import corpus_of
+from jaxaccel.core.errors import ConfigError
+from jaxaccel.step.metrics import plot_curves, read_metrics, token_curve
+from jaxaccel.core.sections import describe
+from jaxaccel.core.tokenizer import parse_spec
 
 
 @dataclasses.dataclass

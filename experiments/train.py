@@ -12,7 +12,8 @@ model of one's own, ``--model FILE.py:FUNCTION`` (README, "Your own model"). Wri
 checkpoints/ and loss.png into the run directory. Bits per byte count every target token: each
 byte, and the end-of-document token once per document.
 
-This module imports jax (with ``jaxaccel.loop``) only when it trains, so that ``--help`` is fast.
+This module imports jax (with ``jaxaccel.run.loop``) only when it trains, so that ``--help`` is
+fast.
 """
 
 import dataclasses
@@ -20,10 +21,10 @@ import sys
 from typing import TYPE_CHECKING
 
 from experiments.common import DIVERGED, command, dump_json, exit_code, train_until_stopped
-from jaxaccel.config import parse
+from jaxaccel.run.config import parse
 
-if TYPE_CHECKING:       # for the annotations only: jaxaccel.loop imports jax
-    from jaxaccel.loop import RunSummary
+if TYPE_CHECKING:       # for the annotations only: jaxaccel.run.loop imports jax
+    from jaxaccel.run.loop import RunSummary
 
 
 def format_summary(s: "RunSummary") -> str:
@@ -184,7 +185,7 @@ def main(argv=None) -> int:
     else:
         print(format_summary(summary))
     if summary.profile:
-        from jaxaccel.profiling import ProfileReport, format_report
+        from jaxaccel.run.profiling import ProfileReport, format_report
         print(format_report(ProfileReport(**summary.profile)))
     if cfg.run.json:
         dump_json(cfg.run.json, dataclasses.asdict(summary))

@@ -1,5 +1,11 @@
 """jaxaccel: techniques that make transformer training faster and leaner in JAX/Flax.
 
+Seven packages, one per layer, lowest first; a module imports only from its own layer and those
+below it (tests/test_layout.py): ``core`` (errors, settings, sections, sharding), ``data``,
+``model`` (the contract, attention and its kernels, the GPT), ``step`` (the pure train step),
+``techniques`` (one module each, and their registry), ``run`` (config, the loop, checkpoints)
+and ``outputs`` (generate, export). docs/DESIGN.md draws them.
+
 Shape legend. An array's name ends in the letters of its dimensions, in order (``x_BTD`` is
 [batch, tokens, d_model]); each letter means one thing everywhere in the library and its tests:
 

@@ -8,8 +8,8 @@ import jax
 import jax.numpy as jnp
 from flax import nnx
 
-from jaxaccel import nn
-from jaxaccel.attention import dot_product_attention
+from jaxaccel.model import nn
+from jaxaccel.model.attention import dot_product_attention
 
 
 class Block(nnx.Module):

@@ -8,8 +8,8 @@ import jax
 import numpy as np
 from jax.sharding import Mesh, NamedSharding, PartitionSpec
 
-from jaxaccel.data import DataStream
-from jaxaccel.loader import DevicePrefetcher
+from jaxaccel.data.batching import DataStream
+from jaxaccel.data.loader import DevicePrefetcher
 
 
 def documents():

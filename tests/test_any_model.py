@@ -14,11 +14,13 @@ import pytest
 from flax import nnx
 
 from conftest import run_multidevice
-from jaxaccel import model as model_lib, nn, optim, precision, remat, techniques, trace
-from jaxaccel.config import build, override
-from jaxaccel.errors import ConfigError
-from jaxaccel.loader import abstract_batch
-from jaxaccel.loop import train
+from jaxaccel.model import contract as model_lib, nn
+from jaxaccel.step import optim, precision, trace
+from jaxaccel.techniques import remat, registry as techniques
+from jaxaccel.run.config import build, override
+from jaxaccel.core.errors import ConfigError
+from jaxaccel.data.loader import abstract_batch
+from jaxaccel.run.loop import train
 
 HERE = os.path.dirname(os.path.abspath(__file__))
 FOREIGN = os.path.join(HERE, "foreign_model.py") + ":make"
@@ -192,7 +194,7 @@ def test_checkpoint_round_trip_with_technique_state(trained, corpus_path, tmp_pa
 def test_an_old_checkpoint_is_one_line(trained, tmp_path):
     import shutil
 
-    from jaxaccel.checkpoint import Checkpointer
+    from jaxaccel.run.checkpoint import Checkpointer
     copy = tmp_path / "old"
     shutil.copytree(os.path.join(trained("gpt", "layers").run_dir, "checkpoints"), copy)
     latest = max(int(p.name) for p in copy.iterdir() if p.name.isdigit())
@@ -222,7 +224,7 @@ def test_sharded_equals_one_device(part):
 ])
 def test_a_block_technique_on_a_model_without_a_stack(setting, field):
     cfg = build(values={"model.name": NO_STACK, "model.max_seq_len": 32, **setting})
-    with pytest.raises(ConfigError, match="no jaxaccel.nn.Stack") as caught:
+    with pytest.raises(ConfigError, match="no jaxaccel.model.nn.Stack") as caught:
         techniques.abstract(cfg)
     assert caught.value.field == field
 
@@ -354,7 +356,7 @@ def test_dropout_of_nnx_layers_draws_per_step_and_layer_and_is_off_in_evaluation
 def test_sampling_without_a_cache_gives_the_cached_tokens():
     """A model without ``init_cache``/``decode`` samples by recomputing the prefix: the same
     greedy tokens as jaxaccel's GPT's key/value cache."""
-    from jaxaccel import generate
+    from jaxaccel.outputs import generate
     model = techniques.build(config("gpt"), jax.random.PRNGKey(0))
 
     class Plain(nnx.Module):
@@ -376,7 +378,7 @@ def test_sampling_without_a_cache_gives_the_cached_tokens():
 def test_lora_under_sparsity_folds_exactly_and_under_fp8_stays(name):
     """N:M masks fold into the kernel before the LoRA update does (the dense model computes what
     trained); under FP8 a folded update would be quantised as it never trained, so it stays."""
-    from jaxaccel import lora, surgery
+    from jaxaccel.techniques import lora, surgery
     cfg = config(name, **{"lora.rank": 2, "lora.targets": "blocks", "sparsity.pattern": "2:4"})
     model = techniques.build(cfg, jax.random.PRNGKey(0))
     for _, layer in surgery.wrappers(model, lora.LoRA):      # a non-zero update

@@ -3,8 +3,8 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from jaxaccel.attention import dot_product_attention
-from jaxaccel.errors import ConfigError
+from jaxaccel.model.attention import dot_product_attention
+from jaxaccel.core.errors import ConfigError
 from tests.reference import reference_attention
 
 
@@ -68,7 +68,7 @@ def test_bad_shapes_and_implementations_raise_config_errors():
     with pytest.raises(ConfigError, match="do not divide") as info:
         dot_product_attention(q, kv, kv)
     assert info.value.field == "gpt.n_kv_heads"
-    from jaxaccel.config import describe_error
+    from jaxaccel.run.config import describe_error
     assert describe_error(info.value).endswith("[--n-kv-heads / gpt.n_kv_heads]")
     with pytest.raises(ConfigError, match="expects \\[batch, seq, heads, head_dim\\]"):
         dot_product_attention(q[0], kv, kv)
@@ -91,7 +91,7 @@ def test_cudnn_off_gpu_is_a_clear_error():
 def test_auto_picks_per_shape_and_layout(monkeypatch):
     """auto: xla off NVIDIA GPUs and on ones older than sm80; on newer ones pallas for packed
     rows (segment ids) and up to AUTO_PALLAS_MAX_T tokens, cuDNN for longer unpacked rows."""
-    from jaxaccel import attention
+    from jaxaccel.model import attention
     assert attention.resolve_implementation("auto", 4096) == "xla"          # this CPU
     assert attention.resolve_implementation("cudnn", 16) == "cudnn"
     device = type("Device", (), {"compute_capability": "9.0"})()

@@ -10,12 +10,11 @@ from hypothesis import assume, given, settings
 from hypothesis import strategies as st
 from conftest import CORPUS_CACHE_DIR
 
-from jaxaccel import data
-from jaxaccel.corpus import load_corpus
-from jaxaccel.data import (
-    BATCH_KEYS, DataStream, batches, best_fit_decreasing, bucket_lengths, fixed_rows,
-)
-from jaxaccel.errors import ConfigError
+from jaxaccel.data import batching as data
+from jaxaccel.data.corpus import load_corpus
+from jaxaccel.data.batching import (BATCH_KEYS, DataStream, batches, best_fit_decreasing,
+                                    bucket_lengths, fixed_rows)
+from jaxaccel.core.errors import ConfigError
 
 STRATEGY_NAMES = ("fixed", "dynamic", "bucket", "pack")
 EACH_STRATEGY = pytest.mark.parametrize("strategy", STRATEGY_NAMES)

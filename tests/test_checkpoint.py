@@ -12,12 +12,13 @@ import orbax.checkpoint as ocp
 import pytest
 from flax import nnx
 
-from jaxaccel import checkpoint, techniques
-from jaxaccel.checkpoint import Checkpointer
-from jaxaccel.config import TrainConfig, build, build_parser
-from jaxaccel.errors import ConfigError
-from jaxaccel.optim import make_optimizer
-from jaxaccel.state import init_state
+from jaxaccel.run import checkpoint
+from jaxaccel.techniques import registry as techniques
+from jaxaccel.run.checkpoint import Checkpointer
+from jaxaccel.run.config import TrainConfig, build, build_parser
+from jaxaccel.core.errors import ConfigError
+from jaxaccel.step.optim import make_optimizer
+from jaxaccel.step.state import init_state
 
 CFG = build(TrainConfig, {"gpt.d_model": 32, "gpt.n_layers": 1, "gpt.n_heads": 2,
                           "model.max_seq_len": 8})
@@ -79,7 +80,7 @@ def test_help_lists_every_flag_the_issue_names():
 def test_tensorstores_disk_full_error_is_one_write_error_line(tmp_path, monkeypatch):
     """A full disk reaches orbax from tensorstore as a ValueError with the OS error code in its
     text, not an OSError: it is still the one CheckpointWriteError line (it was a traceback)."""
-    from jaxaccel.checkpoint import CheckpointWriteError
+    from jaxaccel.run.checkpoint import CheckpointWriteError
 
     def full(self, step, *args, **kwargs):
         raise ValueError(f'RESOURCE_EXHAUSTED: Error writing "rng/0" in OCDBT database at local '
@@ -149,7 +150,7 @@ def test_making_a_checkpointer_prints_nothing(tmp_path):
     """Its set-up (orbax's array handler replaced, which orbax warns of) leaves stderr clean: a
     run's error output is its one line."""
     import subprocess
-    code = ("from jaxaccel.checkpoint import Checkpointer; "
+    code = ("from jaxaccel.run.checkpoint import Checkpointer; "
             f"Checkpointer({str(tmp_path / 'c')!r}).close()")
     done = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True,
                           timeout=120)

@@ -15,13 +15,13 @@ import pytest
 import experiments
 from experiments.common import command, out_of_memory
 from experiments.train import main
-from jaxaccel import config
-from jaxaccel.config import (INT_LIMIT, INT_RANGE, FLOAT_RANGE, TrainConfig, build,
-                             build_parser, check_ranges, field_ranges, parse)
-from jaxaccel.errors import ConfigError
-from jaxaccel.loop import RunSummary, diverged_at
-from jaxaccel.model import ModelConfig
-from jaxaccel.report import dump_json, finite_json
+from jaxaccel.run import config
+from jaxaccel.run.config import (INT_LIMIT, INT_RANGE, FLOAT_RANGE, TrainConfig, build,
+                                 build_parser, check_ranges, field_ranges, parse)
+from jaxaccel.core.errors import ConfigError
+from jaxaccel.run.loop import RunSummary, diverged_at
+from jaxaccel.model.contract import ModelConfig
+from jaxaccel.core.report import dump_json, finite_json
 
 PARSE_ARGS = {}      # config class -> parse's defaults and fixed, from its module
 BAD = ["nan", "inf", "-inf", "-1", "0", "1e39", str(2**63)]
@@ -196,7 +196,7 @@ def test_sharding_steps_beyond_one_epoch_are_one_line(corpus_path, tmp_path, cap
 def test_init_from_a_run_without_a_checkpoint_names_init_from(corpus_path, tmp_path, capsys):
     """A fine-tune's --init-from run that saved no checkpoint is that flag's error, not the
     new run's --run-dir."""
-    from jaxaccel.config import write_config
+    from jaxaccel.run.config import write_config
     source = tmp_path / "source"
     source.mkdir()
     small = ["--d-model", "32", "--n-layers", "1", "--n-heads", "2", "--max-seq-len", "32",
@@ -285,8 +285,8 @@ def test_a_diverged_run_fails_with_exit_code_1(corpus_path, tmp_path, capsys):
 
 def test_library_entry_points_refuse_non_finite_values():
     """The library's own constructors refuse what the config would: for callers without it."""
-    from jaxaccel.optim import make_optimizer
-    from jaxaccel.precision import DynamicLossScale, StaticLossScale
+    from jaxaccel.step.optim import make_optimizer
+    from jaxaccel.step.precision import DynamicLossScale, StaticLossScale
     for kwargs, field in (({"learning_rate": math.nan}, "optimizer.learning_rate"),
                           ({"weight_decay": math.inf}, "optimizer.weight_decay"),
                           ({"clip_norm": -1.0}, "optimizer.clip_norm"),
@@ -303,7 +303,7 @@ def test_library_entry_points_refuse_non_finite_values():
 
 
 def test_an_override_of_null_unsets_an_optional_text_field():
-    from jaxaccel.config import parse
+    from jaxaccel.run.config import parse
     assert parse(["run.profile=null"], defaults={"run.profile": "2:4"}).run.profile is None
     assert parse(["run.run_dir=~"]).run.run_dir is None
     assert parse(["run.run_dir=nullish"]).run.run_dir == "nullish"

@@ -6,10 +6,10 @@ import numpy as np
 import pytest
 from conftest import CORPUS_CACHE_DIR
 
-from jaxaccel import corpus as corpus_lib
-from jaxaccel.corpus import load_corpus
-from jaxaccel.errors import ConfigError
-from jaxaccel.tokenizer import BOS_ID, EOS_ID, ByteTokenizer
+from jaxaccel.data import corpus as corpus_lib
+from jaxaccel.data.corpus import load_corpus
+from jaxaccel.core.errors import ConfigError
+from jaxaccel.core.tokenizer import BOS_ID, EOS_ID, ByteTokenizer
 
 
 @pytest.fixture(scope="module")
@@ -314,7 +314,7 @@ def test_tokenizing_resumes_where_an_interruption_stopped_it(tmp_path, monkeypat
 def test_a_corpus_beyond_the_memory_cap_streams_and_batches_lazily(tmp_path, monkeypatch):
     """Tokenizing holds at most the cap (plus one document) of text; batching plans from the
     lengths and reads only the documents of the batch it makes."""
-    from jaxaccel.data import DataStream
+    from jaxaccel.data.batching import DataStream
     data = _numbered_files(tmp_path / "data", count=60)
     text_bytes = sum(p.stat().st_size for p in data.iterdir())
     cap = 500

@@ -5,7 +5,7 @@ import json
 import numpy as np
 
 from experiments import corpus_scale
-from jaxaccel.corpus import load_corpus
+from jaxaccel.data.corpus import load_corpus
 
 
 def test_a_small_corpus_is_generated_tokenized_and_loaded(corpus_path, tmp_path, capsys):

@@ -7,8 +7,8 @@ import json
 import numpy as np
 import pytest
 
-from jaxaccel.data import BATCH_KEYS, DataStream, batch_stats, batches
-from jaxaccel.errors import ConfigError
+from jaxaccel.data.batching import BATCH_KEYS, DataStream, batch_stats, batches
+from jaxaccel.core.errors import ConfigError
 
 SEQ_LEN, BATCH_SIZE = 16, 4
 
@@ -99,7 +99,7 @@ def test_start_skips_batches(documents):
 def test_spread_makes_only_the_chosen_batches(documents, monkeypatch):
     """``spread=N`` gives N of the epoch's batches, the first and the last among them, evenly
     spaced, identical to those of the whole epoch; it makes no other batch."""
-    from jaxaccel import data
+    from jaxaccel.data import batching as data
     settings = {"seq_len": SEQ_LEN, "batch_size": BATCH_SIZE, "shuffle": False}
     full = list(batches(documents, **settings))
     made = []

@@ -13,8 +13,8 @@ import numpy as np
 import pytest
 
 from conftest import REPO, xla_flags
-from jaxaccel.errors import ConfigError
-from jaxaccel.sharding import rendezvous, wait_for_port
+from jaxaccel.core.errors import ConfigError
+from jaxaccel.core.sharding import rendezvous, wait_for_port
 
 def free_port() -> int:
     with socket.socket() as s:

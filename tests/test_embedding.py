@@ -7,8 +7,8 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from jaxaccel import embedding
-from jaxaccel.gpt import ACTIVATION_AXES
+from jaxaccel.model import embedding
+from jaxaccel.model.gpt import ACTIVATION_AXES
 
 
 def skewed_ids(key, shape, vocab):

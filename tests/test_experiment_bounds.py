@@ -15,14 +15,15 @@ import pytest
 from experiments import (attention, common, embedding, importance, padding, precision, remat,
                          sharding, sparsity, token_drop, tokenization)
 from experiments.common import Row, check_run_root, parse_config
-from jaxaccel import hardware, planner
-from jaxaccel.errors import ConfigError
+from jaxaccel.core import hardware
+from jaxaccel.techniques import planner
+from jaxaccel.core.errors import ConfigError
 
 # A model of one's own written before the contract: its call takes the ids alone (no positions,
 # no segment ids) and it tags no tensor for remat.
 PLAIN_MODEL = '''
 from flax import nnx
-from jaxaccel import nn
+from jaxaccel.model import nn
 
 
 class Block(nnx.Module):

@@ -79,8 +79,8 @@ def test_optimizers_experiment_plans_every_row_and_runs_both_tables(corpus_path,
     test_optim.py. Every row evaluates the same validation batches (one evaluation program
     for all)."""
     from experiments.common import parse_config
-    from jaxaccel.config import override
-    from jaxaccel.optim import build_optimizer
+    from jaxaccel.run.config import override
+    from jaxaccel.step.optim import build_optimizer
 
     common = ["--data", corpus_path, "--d-model", "32", "--n-layers", "1", "--n-heads", "2",
               "--max-seq-len", "32", "--seq-len", "32", "--batch-size", "2", "--train-tokens",
@@ -279,12 +279,12 @@ def test_attention_experiment_times_rows_and_reports_skips(tmp_path, capsys):
 
 def test_attention_tune_checks_candidates_and_writes_the_table_the_kernel_reads(
         tmp_path, monkeypatch, capsys):
-    from jaxaccel.kernels import tuning
+    from jaxaccel.model.kernels import tuning
 
     table = tmp_path / "tuned.json"
     other = "NVIDIA H100 80GB HBM3"
     tuning.write_entry(table, other, {64: tuning.TRITON[64]}, {"date": "2026-11-22"})
-    from jaxaccel.kernels import autotune
+    from jaxaccel.model.kernels import autotune
     real_score = autotune.score
 
     def score(shapes, params, **kwargs):     # a dQ candidate with 16-row tiles computes wrong

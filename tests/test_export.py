@@ -11,12 +11,12 @@ from safetensors import safe_open
 from safetensors.numpy import load_file
 
 from experiments.export import main
-from jaxaccel import export as ex
-from jaxaccel import hf_tokenizer
-from jaxaccel.config import override
-from jaxaccel.generate import load_run
-from jaxaccel.loop import train
-from jaxaccel.tokenizer import from_run as tokenizer_from_run
+from jaxaccel.outputs import export as ex
+from jaxaccel.data import hf_tokenizer
+from jaxaccel.run.config import override
+from jaxaccel.outputs.generate import load_run
+from jaxaccel.run.loop import train
+from jaxaccel.core.tokenizer import from_run as tokenizer_from_run
 from tests.test_loop import small_config
 
 LLAMA_FILES = ["config.json", "generation_config.json", "model.safetensors", "tokenizer.json",

@@ -15,8 +15,8 @@ import sys
 import pytest
 from conftest import REPO
 from experiments import train as train_cli
-from jaxaccel.loop.setup import lock_run_dir
-from jaxaccel.metrics import read_metrics
+from jaxaccel.run.loop.setup import lock_run_dir
+from jaxaccel.step.metrics import read_metrics
 
 # One layer and a constant learning rate after the warmup: runs of any length compile the same
 # programs, which the run-wide compilation cache serves after the first; no loss plot (about
@@ -99,7 +99,7 @@ def test_a_full_disk_is_refused_before_orbax_writes_anything(corpus_path, tmp_pa
                                                               monkeypatch):
     """Room for the state is checked before each save: a disk with too little is one line, and
     no half-written checkpoint is left; the first checkpoint failing says the run starts over."""
-    from jaxaccel import checkpoint
+    from jaxaccel.run import checkpoint
     usage, calls = shutil.disk_usage, []
 
     def full_from_second_save(path):
@@ -127,7 +127,7 @@ def test_out_of_memory_in_the_final_evaluation_keeps_the_last_checkpoint(corpus_
                                                                           capsys, monkeypatch):
     """The last checkpoint is finished before the final evaluation starts (it used to be left
     as N.orbax-checkpoint-tmp); --resume then runs only the evaluation, recorded once."""
-    finish = importlib.import_module("jaxaccel.loop.finish")
+    finish = importlib.import_module("jaxaccel.run.loop.finish")
     seen = []
 
     def out_of_memory(*args, **kwargs):
@@ -152,7 +152,7 @@ def test_out_of_memory_in_the_final_evaluation_keeps_the_last_checkpoint(corpus_
 
 HOLD_LOCK = """
 import sys, time
-from jaxaccel.loop.setup import lock_run_dir
+from jaxaccel.run.loop.setup import lock_run_dir
 lock = lock_run_dir(sys.argv[1])
 print("locked", flush=True)
 time.sleep(600)
@@ -250,7 +250,7 @@ def test_sigterm_in_the_final_evaluation_stops_the_run(corpus_path, tmp_path, ca
                                                         monkeypatch):
     """It was ignored until the evaluation ended, then exit 0 with ``interrupted: null``; now the
     evaluation stops at its next batch: no record of it, exit 143, and --resume finishes it."""
-    run_module = importlib.import_module("jaxaccel.loop.run")
+    run_module = importlib.import_module("jaxaccel.run.loop.run")
     place, sent = run_module.place_batch, []
 
     def signal_at_first_eval_batch(batch, sharding=None):      # eval_every 0: the final one
@@ -277,8 +277,8 @@ def test_sigterm_in_the_final_evaluation_stops_the_run(corpus_path, tmp_path, ca
 
 
 def test_a_metrics_record_that_cannot_be_written_is_one_line(tmp_path):
-    from jaxaccel.errors import ConfigError
-    from jaxaccel.metrics import MetricsWriter
+    from jaxaccel.core.errors import ConfigError
+    from jaxaccel.step.metrics import MetricsWriter
 
     class FullDisk:
         def write(self, text):

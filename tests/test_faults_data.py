@@ -11,10 +11,10 @@ import sys
 import numpy as np
 import pytest
 
-from jaxaccel import corpus as corpus_lib
-from jaxaccel import tokenizer as tok_lib
-from jaxaccel.corpus import load_corpus
-from jaxaccel.errors import ConfigError
+from jaxaccel.data import corpus as corpus_lib
+from jaxaccel.core import tokenizer as tok_lib
+from jaxaccel.data.corpus import load_corpus
+from jaxaccel.core.errors import ConfigError
 
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 

@@ -7,7 +7,7 @@ import pytest
 import yaml
 
 from experiments.finetune import main
-from jaxaccel.loop import train
+from jaxaccel.run.loop import train
 from tests.test_loop import small_config
 
 

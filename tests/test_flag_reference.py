@@ -10,7 +10,7 @@ import pytest
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent / "tools"))
 import flag_reference  # noqa: E402
 
-from jaxaccel.config import build_parser  # noqa: E402
+from jaxaccel.run.config import build_parser  # noqa: E402
 
 
 def test_the_flag_reference_is_up_to_date():

@@ -16,14 +16,14 @@ import pytest
 from flax import nnx
 from jax.experimental import pallas as pl
 
-from jaxaccel import techniques
-from jaxaccel.attention import dot_product_attention, resolve_implementation
-from jaxaccel.config import build, parse
-from jaxaccel.errors import ConfigError
-from jaxaccel.kernels import flash, flash_attention, tile_schedule, tuning
-from jaxaccel.model import make_apply
-from jaxaccel.state import init_state
-from jaxaccel.train import lm_train_step
+from jaxaccel.techniques import registry as techniques
+from jaxaccel.model.attention import dot_product_attention, resolve_implementation
+from jaxaccel.run.config import build, parse
+from jaxaccel.core.errors import ConfigError
+from jaxaccel.model.kernels import flash, flash_attention, tile_schedule, tuning
+from jaxaccel.model.contract import make_apply
+from jaxaccel.step.state import init_state
+from jaxaccel.step.train import lm_train_step
 from tests.reference import reference_attention
 
 
@@ -377,7 +377,7 @@ def test_model_trains_the_same_with_pallas_as_with_xla():
 
 
 def test_tuned_table_per_device_with_fallbacks_and_one_line_errors(tmp_path, monkeypatch):
-    from jaxaccel.kernels import tuning
+    from jaxaccel.model.kernels import tuning
 
     path = tmp_path / "tuned.json"
     monkeypatch.setenv(tuning.TABLE_ENV, str(path))

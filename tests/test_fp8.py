@@ -1,4 +1,5 @@
-"""FP8 matmuls with delayed scaling (jaxaccel.fp8): numerics against float32 and an independent
+"""FP8 matmuls with delayed scaling (jaxaccel.techniques.fp8): numerics against float32 and an
+independent
 float8 reference (ml_dtypes), the amax histories through the step and the checkpoint, saturation
 instead of overflow, and the device check."""
 
@@ -13,11 +14,13 @@ import optax
 import pytest
 from flax import nnx
 
-from jaxaccel import fp8, nn, surgery, techniques, trace
-from jaxaccel.config import build
-from jaxaccel.errors import ConfigError
-from jaxaccel.loop import train, train_step_of
-from jaxaccel.state import init_state
+from jaxaccel.techniques import fp8, surgery, registry as techniques
+from jaxaccel.model import nn
+from jaxaccel.step import trace
+from jaxaccel.run.config import build
+from jaxaccel.core.errors import ConfigError
+from jaxaccel.run.loop import train, train_step_of
+from jaxaccel.step.state import init_state
 from tests.test_loop import final_state
 from tests.test_techniques import batch, build_model, flat, small
 

@@ -12,10 +12,11 @@ import pytest
 from flax import nnx
 
 from experiments.sample import main
-from jaxaccel import fp8, generate as gen, init, techniques
-from jaxaccel.config import TrainConfig
-from jaxaccel.model import ModelConfig, load_factory, make_apply, sequence_batch
-from jaxaccel.tokenizer import ByteTokenizer
+from jaxaccel.techniques import fp8, init, registry as techniques
+from jaxaccel.outputs import generate as gen
+from jaxaccel.run.config import TrainConfig
+from jaxaccel.model.contract import ModelConfig, load_factory, make_apply, sequence_batch
+from jaxaccel.core.tokenizer import ByteTokenizer
 
 
 def forward(model, ids_BT):
@@ -119,7 +120,7 @@ def test_sampling_rules():
 def trained_run(corpus_path, tmp_path_factory):
     """A small run (the config of test_finetune_experiment.py's base run: in one pytest run
     they compile the same programs)."""
-    from jaxaccel.loop import train
+    from jaxaccel.run.loop import train
     from tests.test_loop import small_config
     tmp = tmp_path_factory.mktemp("sample")
     return train(small_config(corpus_path, tmp, "base", steps=4, eval_every=0,

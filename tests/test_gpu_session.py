@@ -12,7 +12,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent.parent / "tools"))
 import gpu_session  # noqa: E402
 
 from experiments import attention, embedding, precision, speedup  # noqa: E402
-from jaxaccel.config import parse  # noqa: E402
+from jaxaccel.run.config import parse  # noqa: E402
 
 
 def parse_step(argv: list[str]):

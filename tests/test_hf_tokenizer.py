@@ -9,8 +9,8 @@ import random
 import pytest
 from tokenizers import Tokenizer
 
-from jaxaccel import hf_tokenizer as ht
-from jaxaccel import tokenizer as tok_lib
+from jaxaccel.data import hf_tokenizer as ht
+from jaxaccel.core import tokenizer as tok_lib
 
 TEXTS = [f"def function_{i}(value):\n    return value * {i} + 'héllo wörld'\n"
          for i in range(200)]

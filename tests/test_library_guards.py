@@ -14,14 +14,16 @@ import pytest
 from flax import nnx
 from jax.sharding import AbstractMesh, AxisType
 
-from jaxaccel import (fp8, grads, model as model_lib, nn, optim, precision, remat, sharding,
-                      sparsity, token_drop, trace)
-from jaxaccel.config import build
-from jaxaccel.errors import ConfigError
-from jaxaccel.loader import abstract_batch
-from jaxaccel.loop import preflight
-from jaxaccel.state import init_state
-from jaxaccel.train import lm_loss, lm_train_step, make_train_step
+from jaxaccel.techniques import fp8, remat, sparsity, token_drop
+from jaxaccel.step import grads, optim, precision, trace
+from jaxaccel.model import contract as model_lib, nn
+from jaxaccel.core import sharding
+from jaxaccel.run.config import build
+from jaxaccel.core.errors import ConfigError
+from jaxaccel.data.loader import abstract_batch
+from jaxaccel.run.loop import preflight
+from jaxaccel.step.state import init_state
+from jaxaccel.step.train import lm_loss, lm_train_step, make_train_step
 
 HERE = os.path.dirname(os.path.abspath(__file__))
 TINY_LM = os.path.join(os.path.dirname(HERE), "examples", "tiny_lm.py") + ":make"

@@ -22,10 +22,10 @@ import orbax.checkpoint as ocp
 import pytest
 
 from experiments.train import main
-from jaxaccel.config import build, override, parse
-from jaxaccel.errors import ConfigError
-from jaxaccel.loop import train
-from jaxaccel.optim import DEFAULTS
+from jaxaccel.run.config import build, override, parse
+from jaxaccel.core.errors import ConfigError
+from jaxaccel.run.loop import train
+from jaxaccel.step.optim import DEFAULTS
 
 SMALL_MODEL = ["--d-model", "32", "--n-layers", "2", "--n-heads", "4", "--max-seq-len", "32"]
 
@@ -144,7 +144,7 @@ def test_resume_is_bitwise_identical_to_an_uninterrupted_run(whole, tmp_path):
     assert cut.total_steps == 20 and np.isnan(cut.val_bpb) and cut.diverged_at_step is None
     # the checkpoint keeps the last tenth's losses, steps 18 and 19, step 19's once (it was
     # kept twice when the stop fell between log steps)
-    from jaxaccel.checkpoint import Checkpointer
+    from jaxaccel.run.checkpoint import Checkpointer
     kept = Checkpointer(os.path.join(cut.run_dir, "checkpoints")).check_meta(19)["recent_history"]
     assert len(kept) == 2 and kept[0] != kept[1], kept
     config = parse(["--config", os.path.join(cut.run_dir, "config.yaml")])
@@ -173,7 +173,7 @@ def test_sigterm_without_checkpoints_exits_saying_the_run_cannot_be_continued(
     line says the run cannot be continued; exit 143. Here the signal is raised in this process
     after the first step (a real process's exit is the next test's, which reads these programs
     from the compilation cache)."""
-    from jaxaccel import compiled
+    from jaxaccel.step import compiled
     call, sent = compiled.StateStep.on_leaves, []
 
     def signal_after_the_first_step(self, *args):
@@ -432,7 +432,7 @@ def test_fp16_resume_restores_the_loss_scale_bitwise(strategy_runs):
 def test_partial_evaluation_spreads_its_batches_over_the_split():
     """``max_batches`` takes batches from the whole split (first and last included), not its
     first files; without it every batch counts."""
-    from jaxaccel.loop import evaluate
+    from jaxaccel.run.loop import evaluate
     documents = [np.full(10, i + 1, dtype=np.int32) for i in range(20)]   # 20 one-row batches
     seen = []
 
@@ -448,8 +448,8 @@ def test_partial_evaluation_spreads_its_batches_over_the_split():
 
 
 def test_a_checkpoint_is_due_by_steps_or_by_minutes_since_the_last(monkeypatch):
-    from jaxaccel.loop import run as run_phase
-    from jaxaccel.config import RunConfig
+    from jaxaccel.run.loop import run as run_phase
+    from jaxaccel.run.config import RunConfig
     monkeypatch.setattr(run_phase.time, "monotonic", lambda: 1000.0)
     due = run_phase.checkpoint_due
     by_time = RunConfig(checkpoint_every=0, checkpoint_minutes=10)
@@ -467,8 +467,8 @@ def test_a_log_step_fetches_the_window_before_so_the_device_queue_never_drains(
         whole, tmp_path, monkeypatch):
     """At log step k the loop writes the window that ended at the log step before (done on the
     device by then), not the one it has just dispatched; the rest is written at the end."""
-    from jaxaccel import compiled
-    from jaxaccel.loop import run as run_phase
+    from jaxaccel.step import compiled
+    from jaxaccel.run.loop import run as run_phase
     events = []
     log_window, call = run_phase.log_window, compiled.StateStep.on_leaves
     evaluate = compiled.CompiledFn.__call__

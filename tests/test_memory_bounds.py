@@ -10,9 +10,10 @@ import pytest
 
 from experiments import attention, optimizers, remat, train as train_cli
 from experiments.common import describe_out_of_memory
-from jaxaccel import hardware, loop
-from jaxaccel.config import parse
-from jaxaccel.errors import ConfigError
+from jaxaccel.core import hardware
+from jaxaccel.run import loop
+from jaxaccel.run.config import parse
+from jaxaccel.core.errors import ConfigError
 
 TINY = ["--d-model", "32", "--n-layers", "1", "--n-heads", "2", "--max-seq-len", "32",
         "--seq-len", "32", "--batch-size", "4", "--no-progress"]
@@ -71,7 +72,7 @@ def test_attention_scores_beyond_memory_are_refused_before_compiling(
     the scores' bytes are known from the traced forward before anything is compiled."""
     host_memory(500_000)        # the batch fits; 4 x 2 x 512 x 512 float32 scores do not
     compiled = []
-    compile_module = importlib.import_module("jaxaccel.loop.compile")
+    compile_module = importlib.import_module("jaxaccel.run.loop.compile")
     monkeypatch.setattr(compile_module.CompiledFn, "compile",
                         lambda self, *a: compiled.append(1))
     args = run_args(corpus_path, tmp_path, "--max-seq-len", "512", "--seq-len", "512")
@@ -86,7 +87,7 @@ def test_a_step_larger_than_host_memory_is_refused_before_the_state_is_made(
     """On the CPU the compiled step's sizes are checked against the host's memory, from the
     state's shapes, before the state is allocated."""
     host_memory(200_000)        # the batch and the scores fit; parameters + Adam do not
-    setup = importlib.import_module("jaxaccel.loop.setup")
+    setup = importlib.import_module("jaxaccel.run.loop.setup")
     made = []
     # the state's initialisation may compile, but never runs
     monkeypatch.setattr(setup, "compile_init", lambda lowered: lambda *args: made.append(1))
@@ -169,7 +170,7 @@ def test_attention_lengths_beyond_memory_are_refused(capsys, monkeypatch, flags,
 
 def test_final_eval_out_of_memory_names_the_evaluations_settings(corpus_path, tmp_path, capsys,
                                                                   monkeypatch):
-    finish = importlib.import_module("jaxaccel.loop.finish")
+    finish = importlib.import_module("jaxaccel.run.loop.finish")
 
     def out_of_memory(*args, **kwargs):
         raise MemoryError("Unable to allocate 954. GiB for an array")

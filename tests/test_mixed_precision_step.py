@@ -14,13 +14,13 @@ import numpy as np
 import pytest
 
 from conftest import xla_flags
-from jaxaccel import grads
-from jaxaccel.model import make_apply
-from jaxaccel.optim import make_optimizer, path_name
-from jaxaccel.precision import (POLICIES, DynamicLossScale, NoLossScale, StaticLossScale,
-                                loss_scaled)
-from jaxaccel.state import init_state
-from jaxaccel.train import lm_eval_step, lm_loss, lm_train_step
+from jaxaccel.step import grads
+from jaxaccel.model.contract import make_apply
+from jaxaccel.step.optim import make_optimizer, path_name
+from jaxaccel.step.precision import (POLICIES, DynamicLossScale, NoLossScale, StaticLossScale,
+                                     loss_scaled)
+from jaxaccel.step.state import init_state
+from jaxaccel.step.train import lm_eval_step, lm_loss, lm_train_step
 from tests.test_train import CFG, init_params as model_of, random_batch
 
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
@@ -214,9 +214,9 @@ TWO_DEVICE_SCRIPT = textwrap.dedent("""
     import json
     import jax, numpy as np
     from jax.sharding import Mesh, NamedSharding, PartitionSpec as P
-    from jaxaccel.optim import make_optimizer
-    from jaxaccel.precision import DynamicLossScale, all_finite
-    from jaxaccel.train import lm_train_step
+    from jaxaccel.step.optim import make_optimizer
+    from jaxaccel.step.precision import DynamicLossScale, all_finite
+    from jaxaccel.step.train import lm_train_step
     from tests.test_mixed_precision_step import batch_with_poison, fresh_state, poisoned_apply
     mesh = Mesh(np.array(jax.devices()), ("data",))
     optimizer = make_optimizer("adamw", total_steps=10, warmup_steps=0)
@@ -284,7 +284,7 @@ def test_two_devices_agree_on_skipping_when_only_one_sees_an_inf():
 def test_param_dtype_is_the_dtype_parameters_are_stored_in():
     """A policy's param_dtype is applied: the state holds the parameters (and so the optimizer
     moments) in it, and steps keep them there."""
-    from jaxaccel.precision import get_policy
+    from jaxaccel.step.precision import get_policy
     policy = get_policy("params=bfloat16,compute=bfloat16,output=float32")
     optimizer = make_optimizer("adamw", total_steps=10, warmup_steps=0)
     state = init_state(init_params(CFG, jax.random.PRNGKey(0)), optimizer, seed=0,

@@ -4,9 +4,9 @@ import numpy as np
 import pytest
 from flax import nnx
 
-from jaxaccel.errors import ConfigError
-from jaxaccel.gpt import PRESETS, GPTConfig, GPTSettings, preset
-from jaxaccel.model import ModelConfig, build, count_params, make_apply
+from jaxaccel.core.errors import ConfigError
+from jaxaccel.model.gpt import PRESETS, GPTConfig, GPTSettings, preset
+from jaxaccel.model.contract import ModelConfig, build, count_params, make_apply
 
 SMALL = dict(vocab_size=64, d_model=32, n_layers=2, n_heads=4, max_seq_len=16)
 
@@ -22,7 +22,7 @@ def matmul_params(cfg: GPTConfig) -> int:
 
 def small_model(seed, **fields):
     """The tiny preset at SMALL's shape with ``fields`` changed, built as ``--model tiny`` is
-    (``jaxaccel.model.build``), and its GPTConfig."""
+    (``jaxaccel.model.contract.build``), and its GPTConfig."""
     shape = {**SMALL, **fields}
     vocab, context = shape.pop("vocab_size"), shape.pop("max_seq_len")
     model = build(ModelConfig(name="tiny", max_seq_len=context, vocab_size=vocab),

@@ -22,7 +22,7 @@ import yaml
 from experiments.export import main as export_main
 from experiments.sample import main as sample_main
 from experiments.train import main as train_main
-from jaxaccel.checkpoint import Checkpointer, CheckpointMisfit
+from jaxaccel.run.checkpoint import Checkpointer, CheckpointMisfit
 
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 TINY_LM = os.path.join(REPO, "examples", "tiny_lm.py")

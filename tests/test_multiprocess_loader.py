@@ -10,7 +10,7 @@ import numpy as np
 import pytest
 
 from conftest import xla_flags
-from jaxaccel.data import DataStream
+from jaxaccel.data.batching import DataStream
 
 sys.path.insert(0, os.path.dirname(__file__))
 from multiprocess_loader_worker import documents  # noqa: E402

@@ -6,15 +6,17 @@ import pytest
 
 from flax import nnx
 
-from jaxaccel import grads, nn, techniques
-from jaxaccel.compiled import CompiledFn, memory_bytes
-from jaxaccel.config import TrainConfig, build
-from jaxaccel.errors import ConfigError
-from jaxaccel.model import make_apply
-from jaxaccel.optim import (DEFAULTS, OPTIMIZERS, decay_mask, make_optimizer, make_schedule,
-                            path_name, scale_learning_rate, state_bytes)
-from jaxaccel.state import init_state
-from jaxaccel.train import lm_eval_step, lm_loss, lm_train_step
+from jaxaccel.step import grads
+from jaxaccel.model import nn
+from jaxaccel.techniques import registry as techniques
+from jaxaccel.step.compiled import CompiledFn, memory_bytes
+from jaxaccel.run.config import TrainConfig, build
+from jaxaccel.core.errors import ConfigError
+from jaxaccel.model.contract import make_apply
+from jaxaccel.step.optim import (DEFAULTS, OPTIMIZERS, decay_mask, make_optimizer, make_schedule,
+                                 path_name, scale_learning_rate, state_bytes)
+from jaxaccel.step.state import init_state
+from jaxaccel.step.train import lm_eval_step, lm_loss, lm_train_step
 from tests.test_train import CFG, config, init_params, random_batch
 
 

@@ -1,6 +1,6 @@
 """A model of one's own that is wrong in a way training would not show: each case is one line
 naming the cause and the setting that depends on it, exit status 2, before any work
-(``model.check`` on the abstract model, ``jaxaccel.probe``'s first forward and backward for a
+(``model.check`` on the abstract model, ``jaxaccel.run.probe``'s first forward and backward for a
 factory of one's own, the stack's checks), and ``--model-args`` mistakes under ``--model-args``.
 
 Each model is a file written into the test's folder, trained through ``experiments.train``'s
@@ -14,9 +14,11 @@ import pytest
 from flax import nnx
 
 from experiments import train as train_cli
-from jaxaccel import loop, model as model_lib, nn, probe, stacking, techniques
-from jaxaccel.config import build
-from jaxaccel.errors import ConfigError
+from jaxaccel.run import loop, probe
+from jaxaccel.model import contract as model_lib, nn
+from jaxaccel.techniques import stacking, registry as techniques
+from jaxaccel.run.config import build
+from jaxaccel.core.errors import ConfigError
 
 HERE = os.path.dirname(os.path.abspath(__file__))
 TINY_LM = os.path.join(os.path.dirname(HERE), "examples", "tiny_lm.py") + ":make"
@@ -27,8 +29,8 @@ HEADER = '''
 import jax
 import jax.numpy as jnp
 from flax import nnx
-from jaxaccel import nn
-from jaxaccel.attention import dot_product_attention
+from jaxaccel.model import nn
+from jaxaccel.model.attention import dot_product_attention
 
 
 class Block(nnx.Module):

@@ -7,11 +7,11 @@ import numpy as np
 import pytest
 from flax import nnx
 
-from jaxaccel import techniques
-from jaxaccel.config import TrainConfig, build
-from jaxaccel.data import batches
-from jaxaccel.model import make_apply
-from jaxaccel.train import weighted_cross_entropy
+from jaxaccel.techniques import registry as techniques
+from jaxaccel.run.config import TrainConfig, build
+from jaxaccel.data.batching import batches
+from jaxaccel.model.contract import make_apply
+from jaxaccel.step.train import weighted_cross_entropy
 
 
 def config(**values):

@@ -10,14 +10,15 @@ import pytest
 from flax import nnx
 
 from conftest import run_multidevice
-from jaxaccel import grads, techniques
-from jaxaccel.config import build
-from jaxaccel.errors import ConfigError
-from jaxaccel.model import make_apply
-from jaxaccel.pipeline import (bubble_fraction, check, check_layers, make_schedule,
-                               pipeline_eval_fn, pipeline_grad_fn)
-from jaxaccel.sharding import mesh_shape, parse_mesh
-from jaxaccel.train import TrainState, lm_loss, make_eval_step
+from jaxaccel.step import grads
+from jaxaccel.techniques import registry as techniques
+from jaxaccel.run.config import build
+from jaxaccel.core.errors import ConfigError
+from jaxaccel.model.contract import make_apply
+from jaxaccel.techniques.pipeline import (bubble_fraction, check, check_layers, make_schedule,
+                                          pipeline_eval_fn, pipeline_grad_fn)
+from jaxaccel.core.sharding import mesh_shape, parse_mesh
+from jaxaccel.step.train import TrainState, lm_loss, make_eval_step
 
 CFG = {"gpt.d_model": 32, "gpt.n_layers": 2, "gpt.n_heads": 2, "model.max_seq_len": 16,
        "remat.scan_layers": True}

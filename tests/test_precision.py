@@ -5,9 +5,10 @@ import numpy as np
 import orbax.checkpoint as ocp
 import pytest
 
-from jaxaccel.errors import ConfigError
-from jaxaccel.precision import (POLICIES, DynamicLossScale, NoLossScale, Policy, StaticLossScale,
-                                all_finite, get_policy, make_loss_scale, select_tree)
+from jaxaccel.core.errors import ConfigError
+from jaxaccel.step.precision import (POLICIES, DynamicLossScale, NoLossScale, Policy,
+                                     StaticLossScale, all_finite, get_policy, make_loss_scale,
+                                     select_tree)
 
 
 def random_tree(seed):

@@ -4,7 +4,8 @@ gives the numbers and the fixes, before the first step."""
 import pytest
 
 from experiments import train as train_cli
-from jaxaccel import hardware, loop
+from jaxaccel.core import hardware
+from jaxaccel.run import loop
 
 
 def test_a_step_larger_than_the_device_is_refused_before_the_first_step(
@@ -24,8 +25,8 @@ def test_a_step_larger_than_the_device_is_refused_before_the_first_step(
 
 
 def test_memory_budget_auto_is_this_devices_memory(monkeypatch):
-    from jaxaccel.config import parse
-    from jaxaccel.errors import ConfigError
+    from jaxaccel.run.config import parse
+    from jaxaccel.core.errors import ConfigError
     assert hardware.memory_limit_bytes() is None            # the CPU reports none
     cfg = parse(["--memory-budget", "auto"])
     assert cfg.run.memory_budget == "auto" and parse(["run.memory_budget=512"]).run.memory_budget \

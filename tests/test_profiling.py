@@ -7,9 +7,9 @@ import time
 import pytest
 
 from experiments import train as train_cli
-from jaxaccel import profiling
-from jaxaccel.errors import ConfigError
-from jaxaccel.profiling import check_window, parse_window
+from jaxaccel.run import profiling
+from jaxaccel.core.errors import ConfigError
+from jaxaccel.run.profiling import check_window, parse_window
 from tests.test_run_files import SMALL
 
 

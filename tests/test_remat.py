@@ -11,18 +11,19 @@ import optax
 import pytest
 from flax import nnx
 
-from jaxaccel import grads, techniques
-from jaxaccel.compiled import abstract, memory_bytes
-from jaxaccel.config import build, parse
-from jaxaccel.errors import ConfigError
-from jaxaccel.loader import abstract_batch
-from jaxaccel.loop import train, train_step_of
-from jaxaccel.model import make_apply
-from jaxaccel.optim import build_optimizer, decay_mask
-from jaxaccel.planner import choose_policy, compile_step, largest_batch, plan_remat
-from jaxaccel.remat import REMAT_POLICIES, check_policy
-from jaxaccel.state import init_state
-from jaxaccel.train import lm_loss, lm_train_step
+from jaxaccel.step import grads
+from jaxaccel.techniques import registry as techniques
+from jaxaccel.step.compiled import abstract, memory_bytes
+from jaxaccel.run.config import build, parse
+from jaxaccel.core.errors import ConfigError
+from jaxaccel.data.loader import abstract_batch
+from jaxaccel.run.loop import train, train_step_of
+from jaxaccel.model.contract import make_apply
+from jaxaccel.step.optim import build_optimizer, decay_mask
+from jaxaccel.techniques.planner import choose_policy, compile_step, largest_batch, plan_remat
+from jaxaccel.techniques.remat import REMAT_POLICIES, check_policy
+from jaxaccel.step.state import init_state
+from jaxaccel.step.train import lm_loss, lm_train_step
 
 SMALL = {"gpt.d_model": 32, "gpt.n_layers": 2, "gpt.n_heads": 4, "model.max_seq_len": 16,
          "gpt.dropout": 0.1}

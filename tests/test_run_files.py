@@ -9,7 +9,7 @@ import shutil
 import pytest
 
 from experiments import train as train_cli
-from jaxaccel.metrics import read_metrics, truncate_metrics
+from jaxaccel.step.metrics import read_metrics, truncate_metrics
 
 SMALL = ["--d-model", "32", "--n-layers", "2", "--n-heads", "4", "--max-seq-len", "32",
          "--seq-len", "32", "--batch-size", "4", "--eval-every", "0", "--final-eval-batches",
@@ -70,7 +70,7 @@ def test_truncating_metrics_keeps_the_steps_up_to_the_checkpoint(tmp_path):
 
 
 def test_skipped_inputs_are_counted_and_named_when_nothing_is_left(tmp_path, capsys):
-    from jaxaccel.corpus import load_corpus, skipped_inputs
+    from jaxaccel.data.corpus import load_corpus, skipped_inputs
     data = tmp_path / "data"
     (data / "sub").mkdir(parents=True)
     for i in range(40):
@@ -209,8 +209,8 @@ def test_a_checkpoint_that_cannot_be_written_is_one_line_and_keeps_the_last(
 def test_a_bpe_run_keeps_its_tokenizer_reports_bits_per_byte_and_resumes(corpus_path, tmp_path,
                                                                         capsys):
     import yaml
-    from jaxaccel.corpus import load_corpus
-    from jaxaccel.export import export
+    from jaxaccel.data.corpus import load_corpus
+    from jaxaccel.outputs.export import export
     run_dir, summary_path = tmp_path / "run", tmp_path / "s.json"
     base = [*FAST, "--data", corpus_path, "--tokenizer", "bpe:300", "--steps", "4",
             "--checkpoint-every", "2", "--run-dir", str(run_dir), "--cache-dir",

@@ -1,4 +1,5 @@
-"""Importance sampling of documents (jaxaccel.sampling): the reweighted gradient's expectation is
+"""Importance sampling of documents (jaxaccel.data.sampling): the reweighted gradient's expectation
+is
 the uniform one, every document stays reachable, draws are deterministic, uniform is unchanged,
 bad input is one line, a sampled run resumes bitwise, and experiments.importance runs."""
 
@@ -16,13 +17,15 @@ import pytest
 from flax import nnx
 
 from experiments.train import main as train_main
-from jaxaccel import grads, sampling, techniques
-from jaxaccel.config import build
-from jaxaccel.data import DataStream, fixed_rows, make_batch
-from jaxaccel.loop import train
-from jaxaccel.loop.setup import open_stream, stream_settings
-from jaxaccel.model import make_apply
-from jaxaccel.train import lm_loss
+from jaxaccel.step import grads
+from jaxaccel.data import sampling
+from jaxaccel.techniques import registry as techniques
+from jaxaccel.run.config import build
+from jaxaccel.data.batching import DataStream, fixed_rows, make_batch
+from jaxaccel.run.loop import train
+from jaxaccel.run.loop.setup import open_stream, stream_settings
+from jaxaccel.model.contract import make_apply
+from jaxaccel.step.train import lm_loss
 from test_loop import final_state, small_config
 
 # Five documents of 4 to 12 tokens: at seq_len 4 they make 9 rows of 1 to 4 pairs (the longer
@@ -172,7 +175,7 @@ def test_draws_are_deterministic_given_the_seed_and_follow_the_scores():
 def test_uniform_is_todays_path(corpus_path, tmp_path, tiny_model):
     cfg = small_config(corpus_path, tmp_path)
     assert cfg.data.sampling == "uniform"
-    from jaxaccel.corpus import load_corpus
+    from jaxaccel.data.corpus import load_corpus
     documents = load_corpus(corpus_path, cache_dir=str(tmp_path / "cache")).train
     args = stream_settings(cfg, 1)
     stream, reference = open_stream(cfg, documents, args), DataStream(documents, **args)
@@ -215,7 +218,7 @@ def test_sampled_resume_is_bitwise_identical_to_an_uninterrupted_run(corpus_path
     model, batch and schedule are the importance experiment's below: its loss row compiles the
     same programs, and its uniform row is this run in uniform sampling (that the two differ is
     checked there)."""
-    from jaxaccel.config import override
+    from jaxaccel.run.config import override
 
     def make(name, **kw):
         return override(small_config(corpus_path, tmp_path, name, steps=12, eval_every=0,

@@ -10,14 +10,14 @@ from flax import nnx
 from jax.sharding import PartitionSpec
 
 from conftest import run_multidevice
-from jaxaccel import techniques
-from jaxaccel.config import build
-from jaxaccel.errors import ConfigError
-from jaxaccel.optim import make_optimizer
-from jaxaccel.sharding import (AUTO, COMPUTE_RULES, PARAM_RULES, check_split,
-                               initialize_distributed, logical_spec, make_mesh, mesh_shape,
-                               param_shardings, parse_mesh, state_shardings, variable_axes)
-from jaxaccel.state import init_state
+from jaxaccel.techniques import registry as techniques
+from jaxaccel.run.config import build
+from jaxaccel.core.errors import ConfigError
+from jaxaccel.step.optim import make_optimizer
+from jaxaccel.core.sharding import (AUTO, COMPUTE_RULES, PARAM_RULES, check_split,
+                                    initialize_distributed, logical_spec, make_mesh, mesh_shape,
+                                    param_shardings, parse_mesh, state_shardings, variable_axes)
+from jaxaccel.step.state import init_state
 
 
 def abstract_state(**values):

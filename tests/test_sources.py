@@ -4,8 +4,8 @@ import os
 
 import pytest
 
-from jaxaccel import sources
-from jaxaccel.errors import ConfigError
+from jaxaccel.data import sources
+from jaxaccel.core.errors import ConfigError
 
 pa = pytest.importorskip("pyarrow")
 pq = pytest.importorskip("pyarrow.parquet")

@@ -1,4 +1,5 @@
-"""N:M structured sparsity (jaxaccel.sparsity): the masks, the masked forward pass, SR-STE's
+"""N:M structured sparsity (jaxaccel.techniques.sparsity): the masks, the masked forward pass,
+SR-STE's
 gradient, the schedule of mask updates through the train step, the savings and bad settings."""
 
 import json
@@ -10,12 +11,13 @@ import optax
 import pytest
 from flax import nnx
 
-from jaxaccel import nn, sparsity, surgery, techniques
-from jaxaccel.config import build, check_ranges
-from jaxaccel.errors import ConfigError
-from jaxaccel.loop import train_step_of
-from jaxaccel.loop.finish import flops_per_token
-from jaxaccel.state import init_state
+from jaxaccel.model import nn
+from jaxaccel.techniques import sparsity, surgery, registry as techniques
+from jaxaccel.run.config import build, check_ranges
+from jaxaccel.core.errors import ConfigError
+from jaxaccel.run.loop import train_step_of
+from jaxaccel.run.loop.finish import flops_per_token
+from jaxaccel.step.state import init_state
 from tests.test_techniques import apply_of, batch, build_model, copy_of, small
 
 

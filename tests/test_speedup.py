@@ -8,9 +8,9 @@ import os
 import pytest
 
 from experiments import speedup
-from jaxaccel.config import build, flatten, parse, to_dict
-from jaxaccel.errors import ConfigError
-from jaxaccel.optim import DEFAULTS
+from jaxaccel.run.config import build, flatten, parse, to_dict
+from jaxaccel.core.errors import ConfigError
+from jaxaccel.step.optim import DEFAULTS
 
 # Rows reach this target at their first evaluations: the tests check the wiring, not learning.
 EASY = ["--target-bpb", "7.9", "--eval-every", "2"]
@@ -129,7 +129,7 @@ def test_combine_merges_settings_and_rounds_the_batch_for_sharding():
 
 
 def test_a_row_config_file_reproduces_its_config(tmp_path):
-    from jaxaccel.config import write_config
+    from jaxaccel.run.config import write_config
     experiment = build(speedup.SpeedupConfig, {"gpt.d_model": 64, "data.seq_len": 128,
                                                "run.progress": False})
     cfg = speedup.train_config(
@@ -228,7 +228,7 @@ def test_a_row_that_gave_up_is_not_trained_again():
 # baseline's programs into the run-wide cache for every experiment after it.
 def test_the_target_is_the_unigram_entropy_less_the_gap_and_a_missed_one_is_one_line(
         corpus_path, tmp_path, capsys):
-    from jaxaccel.corpus import load_corpus
+    from jaxaccel.data.corpus import load_corpus
     cfg = build(speedup.SpeedupConfig, {"data.path": corpus_path})
     corpus = load_corpus(corpus_path)
     resolved = speedup.resolve_target(cfg, corpus)
@@ -472,7 +472,7 @@ def test_a_model_of_ones_own_skips_the_rows_it_cannot_run_with_the_reason(tmp_pa
                 "lamb", "accumulate", "dp", "fsdp")
     assert [n for n, why in reasons.items() if why is None] == list(runnable)
     for name in ("remat-full", "remat-attention", "token-drop", "stochastic-depth", "stack"):
-        assert "has no jaxaccel.nn.Stack" in reasons[name] and "\n" not in reasons[name], name
+        assert "has no jaxaccel.model.nn.Stack" in reasons[name] and "\n" not in reasons[name], name
     assert reasons["token-drop"].endswith("[--token-keep / token_drop.keep]")
     assert "[--sparsity-targets / sparsity.targets]" in reasons["sparse-2:4"]
     assert "[--fp8-targets / fp8.targets]" in reasons["fp8"]
@@ -493,7 +493,7 @@ def test_the_stack_row_needs_a_depth_it_can_halve():
 def test_a_model_of_ones_own_trains_its_rows(corpus_path, tmp_path, capsys):
     """--model FILE.py:FUNCTION end to end: the cpu preset's GPT fields are left out, the row
     that sets one (flash) is skipped, the token-drop row drops in the last of its 2 layers."""
-    from jaxaccel.config import read_config_file
+    from jaxaccel.run.config import read_config_file
     tiny_lm = os.path.join(os.path.dirname(os.path.dirname(__file__)), "examples", "tiny_lm.py")
     out, run_dir = tmp_path / "speedup.json", tmp_path / "runs"
     code = speedup.main([
@@ -527,8 +527,8 @@ def test_a_bucket_budget_matched_under_a_batch_multiple_stays_valid(corpus_path)
     """The bucket row's token budget, re-matched for a combination whose rows must be a
     multiple of 4 (2 devices x 2 microbatches), still holds 4 rows of the longest bucket."""
     from experiments.common import matched_batch
-    from jaxaccel.corpus import load_corpus
-    from jaxaccel.data import DataStream
+    from jaxaccel.data.corpus import load_corpus
+    from jaxaccel.data.batching import DataStream
     cfg = build(values={"data.path": corpus_path, "model.max_seq_len": 128, "data.seq_len": 128,
                         "data.batch_size": 4, "data.pad_multiple": 32, "data.buckets": 3})
     documents = load_corpus(corpus_path).train

@@ -13,10 +13,10 @@ import pytest
 
 from conftest import REPO
 from experiments import train as train_cli
-from jaxaccel import compile_cache
+from jaxaccel.run import compile_cache
 from tests.test_run_files import FAST
 
-finish = importlib.import_module("jaxaccel.loop.finish")    # the package's finish() hides it
+finish = importlib.import_module("jaxaccel.run.loop.finish")    # the package's finish() hides it
 
 
 # The commands whose --help imports no jax, flax nor orbax; the other experiments' modules use
@@ -28,7 +28,7 @@ LIGHT_COMMANDS = ("train", "speedup", "corpus_scale", "depth", "importance", "in
 @pytest.mark.parametrize("name", LIGHT_COMMANDS)
 def test_the_help_imports_no_jax(name):
     """``python -m experiments.train --help`` took 1.5 s, most of it importing jax, flax and
-    orbax; building the parser needs none of them (``jaxaccel.sections``). Checked by the
+    orbax; building the parser needs none of them (``jaxaccel.core.sections``). Checked by the
     modules the command imported (-X importtime), not by its time."""
     done = subprocess.run([sys.executable, "-X", "importtime", "-m", f"experiments.{name}",
                            "--help"], cwd=REPO, capture_output=True, text=True, timeout=120)
@@ -130,11 +130,11 @@ def test_the_initialisation_takes_its_key_as_an_argument_and_hashes_in_a_gpu_ker
     has no constant key to fold the random initialisation into (issue 16: 3 min 22 s); lowered
     for a GPU, its threefry hashes are JAX's kernel, not inlined arithmetic (H200: 47.4 s of
     compilation for GPT-2 small without it, 3.8 s with it, the same parameters)."""
-    from jaxaccel import techniques
-    from jaxaccel.config import TrainConfig, build
-    from jaxaccel.optim import make_optimizer
-    from jaxaccel.sharding import make_mesh
-    from jaxaccel.state import lower_init
+    from jaxaccel.techniques import registry as techniques
+    from jaxaccel.run.config import TrainConfig, build
+    from jaxaccel.step.optim import make_optimizer
+    from jaxaccel.core.sharding import make_mesh
+    from jaxaccel.step.state import lower_init
     cfg = build(TrainConfig, {"gpt.d_model": 32, "gpt.n_layers": 2, "gpt.n_heads": 4,
                               "model.max_seq_len": 32})
     mesh = make_mesh({"stage": 1, "data": 1, "fsdp": 1, "tensor": 1})

@@ -8,7 +8,7 @@ import signal
 import threading
 import time
 
-from jaxaccel import metrics
+from jaxaccel.step import metrics
 
 
 def _signal_at_first_train_record(monkeypatch, signum):

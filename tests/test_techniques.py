@@ -14,16 +14,18 @@ import pytest
 from flax import nnx
 
 from experiments.train import main as train_main
-from jaxaccel import grads, init, lora, nn, stacking, surgery, techniques
-from jaxaccel import stochastic_depth as sd
-from jaxaccel.config import build, check_ranges, override
-from jaxaccel.errors import ConfigError
-from jaxaccel.init import tfixup_scale
-from jaxaccel.loop import resume_settings, train
-from jaxaccel.loop.finish import flops_per_token
-from jaxaccel.model import count_params, make_apply, parts, stack_of
-from jaxaccel.state import init_state
-from jaxaccel.train import lm_train_step
+from jaxaccel.step import grads
+from jaxaccel.techniques import init, lora, stacking, surgery, registry as techniques
+from jaxaccel.model import nn
+from jaxaccel.techniques import stochastic_depth as sd
+from jaxaccel.run.config import build, check_ranges, override
+from jaxaccel.core.errors import ConfigError
+from jaxaccel.techniques.init import tfixup_scale
+from jaxaccel.run.loop import resume_settings, train
+from jaxaccel.run.loop.finish import flops_per_token
+from jaxaccel.model.contract import count_params, make_apply, parts, stack_of
+from jaxaccel.step.state import init_state
+from jaxaccel.step.train import lm_train_step
 from tests.test_loop import SMALL_MODEL, final_state, small_config
 
 SMALL = {"gpt.d_model": 64, "gpt.n_layers": 2, "gpt.n_heads": 4, "model.max_seq_len": 32}
@@ -285,7 +287,7 @@ def progressive_config(corpus_path, tmp_path, name, **extra):
     """A run of 9 steps growing a 4-layer model in 3 stages (1, 2, then 4 layers), unrolled:
     grown blocks are copies in separate buffers (the scanned layout is experiments.depth's
     test). It drops tokens too (keep 0.5 in layers 1:3, the loss score), which the stacked
-    stages must carry through each growth (``jaxaccel.token_drop``)."""
+    stages must carry through each growth (``jaxaccel.techniques.token_drop``)."""
     base = small_config(corpus_path, tmp_path, name, steps=9, checkpoint_every=0, eval_every=0,
                         **extra)
     return override(base, {"gpt.n_layers": 4, "stacking.stages": 3, "token_drop.keep": 0.5,

@@ -1,4 +1,5 @@
-"""Token dropping (``jaxaccel.token_drop``): keep 1 is the plain model bit for bit, the kept tokens
+"""Token dropping (``jaxaccel.techniques.token_drop``): keep 1 is the plain model bit for bit, the
+kept tokens
 run the middle layers as the kept subset alone would, the dropped ones pass them unchanged, the
 running loss buffer follows its rule and is not trained, the FLOPs accounting matches XLA's, bad
 settings are one line, and ``experiments.token_drop`` runs. (Token dropping through progressive
@@ -16,14 +17,16 @@ import pytest
 from flax import nnx
 
 from experiments.train import main as train_main
-from jaxaccel import grads, nn, techniques
-from jaxaccel import token_drop as td
-from jaxaccel.config import build, check_ranges
-from jaxaccel.errors import ConfigError
-from jaxaccel.loop import train_step_of
-from jaxaccel.loop.finish import flops_per_token
-from jaxaccel.model import make_apply
-from jaxaccel.state import init_state
+from jaxaccel.step import grads
+from jaxaccel.model import nn
+from jaxaccel.techniques import registry as techniques
+from jaxaccel.techniques import token_drop as td
+from jaxaccel.run.config import build, check_ranges
+from jaxaccel.core.errors import ConfigError
+from jaxaccel.run.loop import train_step_of
+from jaxaccel.run.loop.finish import flops_per_token
+from jaxaccel.model.contract import make_apply
+from jaxaccel.step.state import init_state
 from tests.test_techniques import run_blocks
 
 T = 32

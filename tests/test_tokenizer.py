@@ -3,8 +3,8 @@
 import numpy as np
 import pytest
 
-from jaxaccel.errors import ConfigError
-from jaxaccel.tokenizer import BOS_ID, EOS_ID, PAD_ID, ByteTokenizer
+from jaxaccel.core.errors import ConfigError
+from jaxaccel.core.tokenizer import BOS_ID, EOS_ID, PAD_ID, ByteTokenizer
 
 
 def test_special_ids_and_vocab_sizes():
@@ -60,7 +60,7 @@ def test_decode_replaces_invalid_utf8():
 
 import io  # noqa: E402
 
-from jaxaccel import tokenizer as tok_lib  # noqa: E402
+from jaxaccel.core import tokenizer as tok_lib  # noqa: E402
 
 TEXTS = [f"def function_{i}(value):\n    return value * {i} + 'héllo wörld'\n"
          for i in range(200)]

@@ -10,10 +10,10 @@ import types
 
 import pytest
 
-from jaxaccel import trackers
-from jaxaccel.config import build
-from jaxaccel.errors import ConfigError
-from jaxaccel.loop import train
+from jaxaccel.run import trackers
+from jaxaccel.run.config import build
+from jaxaccel.core.errors import ConfigError
+from jaxaccel.run.loop import train
 
 
 def read_events(run_dir):

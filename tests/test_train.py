@@ -6,13 +6,13 @@ import jax.numpy as jnp
 import numpy as np
 from flax import nnx
 
-from jaxaccel import techniques
-from jaxaccel.compiled import CompiledFn, memory_bytes
-from jaxaccel.config import TrainConfig, build
-from jaxaccel.model import make_apply
-from jaxaccel.optim import decay_mask, make_optimizer, make_schedule
-from jaxaccel.state import init_state
-from jaxaccel.train import lm_eval_step, lm_train_step, weighted_cross_entropy
+from jaxaccel.techniques import registry as techniques
+from jaxaccel.step.compiled import CompiledFn, memory_bytes
+from jaxaccel.run.config import TrainConfig, build
+from jaxaccel.model.contract import make_apply
+from jaxaccel.step.optim import decay_mask, make_optimizer, make_schedule
+from jaxaccel.step.state import init_state
+from jaxaccel.step.train import lm_eval_step, lm_train_step, weighted_cross_entropy
 
 
 def config(**values):
@@ -110,7 +110,7 @@ def test_weight_decay_is_decided_by_rank_type_and_metadata_not_names():
     """The names that used to exempt a variable (embed, norm, bias) no longer do: a matrix
     named ``bias`` decays, a vector named ``kernel`` does not, a buffer never does, and any
     variable marked ``weight_decay=False`` is exempt; ``exclude`` regexes add exemptions."""
-    from jaxaccel import nn
+    from jaxaccel.model import nn
 
     class Foreign(nnx.Module):
         def __init__(self):
@@ -122,7 +122,7 @@ def test_weight_decay_is_decided_by_rank_type_and_metadata_not_names():
             self.lookup = nnx.Embed(8, 4, rngs=nnx.Rngs(0))
 
     model = Foreign()
-    from jaxaccel.optim import mark_no_decay
+    from jaxaccel.step.optim import mark_no_decay
     mark_no_decay(model)
     mask = decay_mask(nnx.state(model))
     assert mask["bias"] is True and mask["norm"] is True
@@ -149,7 +149,7 @@ def test_compiles_are_counted_once_per_shape_and_match_xla():
 
 
 def test_largest_memory_bytes_is_the_biggest_shape_not_the_last():
-    from jaxaccel.compiled import largest_memory_bytes
+    from jaxaccel.step.compiled import largest_memory_bytes
     fn = CompiledFn(lambda x: jnp.tanh(x @ x.T).sum())
     big, small = jnp.ones((256, 64)), jnp.ones((8, 64))
     fn(big)

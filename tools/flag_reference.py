@@ -2,7 +2,7 @@
 
     python tools/flag_reference.py        # after changing a setting: rewrites docs/FLAGS.md
 
-Each row comes from a field's ``setting(...)`` (``jaxaccel.config.flags``, which ``--help``
+Each row comes from a field's ``setting(...)`` (``jaxaccel.run.config.flags``, which ``--help``
 is built from too): its flag, field, type, range or choices, default and help text, by section
 in ``--help``'s order. tests/test_flag_reference.py fails while the file differs from this.
 """
@@ -13,7 +13,7 @@ import sys
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 sys.path.insert(0, ROOT)        # this checkout's jaxaccel, whatever is installed
 
-from jaxaccel.config import CONFIG_HELP, OVERRIDES_HELP, Flag, flags  # noqa: E402
+from jaxaccel.run.config import CONFIG_HELP, OVERRIDES_HELP, Flag, flags  # noqa: E402
 
 COMMAND = "python tools/flag_reference.py"
 PATH = os.path.join(ROOT, "docs", "FLAGS.md")
@@ -60,7 +60,7 @@ def render() -> str:
         "",
         "# Flags of `python -m experiments.train`",
         "",
-        f"Every field of a run's config (`jaxaccel.config.TrainConfig`), {len(every)} flags by "
+        f"Every field of a run's config (`jaxaccel.run.config.TrainConfig`), {len(every)} flags by "
         "section, in the order `--help` lists them. A flag sets the field named beside it, as "
         "does an override `section.field=value` or a `--config` file; [TRAINING.md](TRAINING.md) "
         "explains how they work together. Each experiment (`python -m experiments.NAME --help`) "

@@ -19,9 +19,10 @@ INIT = r'''
 import time, sys, jax, numpy as np
 from jax.sharding import Mesh
 from jax._src import config as jc
-from jaxaccel import config as C, techniques
-from jaxaccel.optim import build_optimizer
-from jaxaccel.state import state_maker
+from jaxaccel.run import config as C
+from jaxaccel.techniques import registry as techniques
+from jaxaccel.step.optim import build_optimizer
+from jaxaccel.step.state import state_maker
 cfg = C.parse(["--model","small","--seq-len","1024","--batch-size","16","--precision",sys.argv[2]])
 opt, _, _ = build_optimizer(cfg.optimizer, batch_rows=16, total_steps=100)
 mesh = Mesh(np.array(jax.devices()[:1]).reshape(1,1,1,1), ("stage","data","fsdp","tensor"))
@@ -37,7 +38,7 @@ print(f"INIT {sys.argv[1]} {sys.argv[2]}: lower {t1-t:.1f} s compile {t2-t1:.1f}
 
 FP8 = r'''
 import time, jax, jax.numpy as jnp, re
-from jaxaccel import fp8
+from jaxaccel.techniques import fp8
 E4, E5 = jnp.float8_e4m3fn, jnp.float8_e5m2
 import os; B, T, K, N = (16, 1024, 768, 3072) if jax.devices()[0].platform == "gpu" else (2, 32, 64, 128)
 kx, kw, kg = jax.random.split(jax.random.PRNGKey(1), 3)

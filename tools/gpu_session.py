@@ -7,15 +7,15 @@ inside the call's budget, so a hang or a crash costs one step, not the call.
     .venv/bin/python tools/gpu_session.py train --smoke # here: every step at toy sizes, on the CPU
 
 On the device tool: copy ``../shared/peers/torch_gpt2.py`` into ``.gpu/`` (ignored through
-``.git/info/exclude``), name ``.gpu`` in ``carry``, and run
-``PYTHONUNBUFFERED=1 PYTHONPATH=. python3 tools/gpu_session.py CALL``. The results come back in
-``$OUT`` (at most 8 files): ``session.json`` (each step's command, exit code, seconds and the JSON
-it wrote), ``log.txt`` (everything the steps printed) and, after a tuning step, ``tuned.json``:
-copy that over ``jaxaccel/kernels/tuned.json`` and commit it before the next call, which merges
-its own head dims into it. The last lines printed are a summary of the steps (the device tool
-returns the end of the output). The tokamax rows need its wheels: ``tools/gpu_wheels.sh`` puts
-them in ``.whl`` (37 MB; carry ``.whl`` too), and the driver installs them there before the
-first step; without them those rows say that tokamax is not installed.
+``.git/info/exclude``), name ``.gpu`` in ``carry``, and run ``PYTHONUNBUFFERED=1 PYTHONPATH=.
+python3 tools/gpu_session.py CALL``. The results come back in ``$OUT`` (at most 8 files):
+``session.json`` (each step's command, exit code, seconds and the JSON it wrote), ``log.txt``
+(everything the steps printed) and, after a tuning step, ``tuned.json``: copy that over
+``jaxaccel/model/kernels/tuned.json`` and commit it before the next call, which merges its own head
+dims into it. The last lines printed are a summary of the steps (the device tool returns the end of
+the output). The tokamax rows need its wheels: ``tools/gpu_wheels.sh`` puts them in ``.whl`` (37
+MB; carry ``.whl`` too), and the driver installs them there before the first step; without them
+those rows say that tokamax is not installed.
 
 Calls, in the order the issues want them: ``train`` (issue 16: start-up cold and warm, the loop
 against its step alone, the profile, the torch peer; cuDNN against our kernel on fixed and on
@@ -29,7 +29,7 @@ then tuning at D=128) and
 ``issue36`` is issue 36's most wanted figures in one call (about 330 s on an H200): start-up
 cold and warm, the loop against its step alone, the peer at both vocabularies, the FP8 probe and
 FP8 in the step, GPT-2's vocabulary. Its ``gpt2`` step reads ``.gpu/bpe50257.json``, a
-50,257-token BPE of the corpus made here beforehand (``python -c "from jaxaccel.corpus import
+50,257-token BPE of the corpus made here beforehand (``python -c "from jaxaccel.data.corpus import
 load_corpus; load_corpus('stdlib', tokenizer='bpe:50257', cache_dir='/tmp/bpe')"``, then copy
 the ``tokenizer-bpe50257-*.json`` it writes), so the GPU spends no time training it.
 """

@@ -25,7 +25,7 @@ PROBES = ["def f(x):\n    return x  *  2  # héllo wörld\t日本 🚀 \n", "imp
 
 
 def ours(run_dir: str, out: str):
-    from jaxaccel.tokenizer import from_run
+    from jaxaccel.core.tokenizer import from_run
     tok = from_run(run_dir)
     cases = [{"text": t, "framed": tok.encode(t, eos=False).tolist(),
               "decoded": tok.decode(tok.encode(t))} for t in PROBES]

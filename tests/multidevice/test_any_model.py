@@ -10,13 +10,13 @@ import jax
 import numpy as np
 import pytest
 
-from jaxaccel import techniques
-from jaxaccel.config import build
-from jaxaccel.loop import train_step_of
-from jaxaccel.techniques import variables as make_params
-from jaxaccel.optim import build_optimizer
-from jaxaccel.sharding import batch_sharding, build_mesh, parse_axis_rules, pipelined
-from jaxaccel.state import init_sharded_state
+from jaxaccel.techniques import registry as techniques
+from jaxaccel.run.config import build
+from jaxaccel.run.loop import train_step_of
+from jaxaccel.techniques.registry import variables as make_params
+from jaxaccel.step.optim import build_optimizer
+from jaxaccel.core.sharding import batch_sharding, build_mesh, parse_axis_rules, pipelined
+from jaxaccel.step.state import init_sharded_state
 
 assert jax.device_count() == 8, "run with XLA_FLAGS=--xla_force_host_platform_device_count=8"
 

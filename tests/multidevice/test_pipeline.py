@@ -10,16 +10,16 @@ import numpy as np
 import pytest
 from flax import nnx
 
-from jaxaccel import techniques
-from jaxaccel.compiled import CompiledFn, abstract, memory_bytes
-from jaxaccel.loader import place_batch
-from jaxaccel.model import make_apply
-from jaxaccel.optim import make_optimizer
-from jaxaccel.pipeline import pipeline_grad_fn
-from jaxaccel.precision import DynamicLossScale
-from jaxaccel.sharding import batch_sharding, bytes_per_device, make_mesh, replicated
-from jaxaccel.state import abstract_sharded_state, state_maker
-from jaxaccel.train import lm_train_step, make_train_step
+from jaxaccel.techniques import registry as techniques
+from jaxaccel.step.compiled import CompiledFn, abstract, memory_bytes
+from jaxaccel.data.loader import place_batch
+from jaxaccel.model.contract import make_apply
+from jaxaccel.step.optim import make_optimizer
+from jaxaccel.techniques.pipeline import pipeline_grad_fn
+from jaxaccel.step.precision import DynamicLossScale
+from jaxaccel.core.sharding import batch_sharding, bytes_per_device, make_mesh, replicated
+from jaxaccel.step.state import abstract_sharded_state, state_maker
+from jaxaccel.step.train import lm_train_step, make_train_step
 
 from .test_strategies import OPTIMIZER, batch, config
 

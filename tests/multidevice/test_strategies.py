@@ -11,19 +11,20 @@ import numpy as np
 import pytest
 from flax import nnx
 
-from jaxaccel import gpt, techniques
-from jaxaccel.checkpoint import Checkpointer
-from jaxaccel.compiled import CompiledFn
-from jaxaccel.config import build
-from jaxaccel.errors import ConfigError
-from jaxaccel.loader import place_batch
-from jaxaccel.loop import train
-from jaxaccel.model import make_apply
-from jaxaccel.optim import make_optimizer
-from jaxaccel.sharding import (STRATEGIES, batch_sharding, bytes_per_device, make_mesh,
-                               mesh_shape, pipelined, replicated)
-from jaxaccel.state import abstract_sharded_state, init_sharded_state
-from jaxaccel.train import lm_train_step
+from jaxaccel.model import gpt
+from jaxaccel.techniques import registry as techniques
+from jaxaccel.run.checkpoint import Checkpointer
+from jaxaccel.step.compiled import CompiledFn
+from jaxaccel.run.config import build
+from jaxaccel.core.errors import ConfigError
+from jaxaccel.data.loader import place_batch
+from jaxaccel.run.loop import train
+from jaxaccel.model.contract import make_apply
+from jaxaccel.step.optim import make_optimizer
+from jaxaccel.core.sharding import (STRATEGIES, batch_sharding, bytes_per_device, make_mesh,
+                                    mesh_shape, pipelined, replicated)
+from jaxaccel.step.state import abstract_sharded_state, init_sharded_state
+from jaxaccel.step.train import lm_train_step
 
 assert jax.device_count() == 8, "run with XLA_FLAGS=--xla_force_host_platform_device_count=8"
 

@@ -1,0 +1,1 @@
+"""Layer 2, data: corpora, tokenizers, batching strategies, the loader and importance sampling."""
