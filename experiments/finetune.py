@@ -48,7 +48,7 @@ from jaxaccel.data.corpus import corpus_of
 from jaxaccel.core.errors import ConfigError
 from jaxaccel.run.loop import evaluate, read_trained_run
 from jaxaccel.run.loop.compile import eval_step_of
-from jaxaccel.run.loop.record import export_merged
+from jaxaccel.outputs.export import export_merged
 from jaxaccel.model.contract import describe
 from jaxaccel.core.sections import absolute_name
 from jaxaccel.step.state import init_state

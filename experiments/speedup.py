@@ -49,7 +49,7 @@ from jaxaccel.run.config import TrainConfig, build, describe_error, flatten, ove
 from jaxaccel.data.corpus import corpus_of
 from jaxaccel.core.errors import ConfigError
 from jaxaccel.core.report import bar_chart
-from jaxaccel.core.sections import describe, is_preset
+from jaxaccel.core.sections import TECHNIQUES as RECORDS, HeadlineRow, describe, is_preset
 
 if TYPE_CHECKING:       # for the annotations only: jaxaccel.run.loop imports jax
     from jaxaccel.run.loop import RunSummary
@@ -84,27 +84,21 @@ PRESETS = {
 }
 
 # What the baseline fixes; a technique row changes one of these. None of them is a flag here.
+# Besides these, every technique with headline rows is off in the baseline (its record's ``off``).
 BASELINE = {"data.batching": "fixed", "precision.policy": "fp32", "precision.loss_scale": "auto",
-            "remat.policy": "none", "gpt.attention": "xla", "optimizer.name": "adamw",
-            "optimizer.accumulate": 1, "mesh.strategy": "dp", "mesh.num_devices": 1,
-            "run.memory_budget": None, "remat.scan_layers": False, "token_drop.keep": 1.0,
-            "sparsity.pattern": "none", "data.sampling": "uniform", "stochastic_depth.rate": 0.0,
-            "stacking.stages": 1, "stacking.at": None}
+            "gpt.attention": "xla", "optimizer.name": "adamw", "optimizer.accumulate": 1,
+            "mesh.strategy": "dp", "mesh.num_devices": 1, "run.memory_budget": None,
+            "data.sampling": "uniform", "stacking.at": None,
+            **{k: v for t in RECORDS if t.rows for k, v in t.off_values().items()}}
 FIXED = (*BASELINE, "run.resume", "run.target_seconds", "run.stop_at")
 # Fields of jaxaccel's GPT presets: a factory of one's own has none of them (model.build refuses
 # them), so neither its baseline nor a row sets them.
 GPT_SECTION = "gpt."
 
-
-@dataclasses.dataclass(frozen=True)
-class Technique:
-    name: str
-    group: str
-    description: str
-    settings: dict
-    needs: str | None = None   # "gpu", "fp8" (FP8 tensor cores) or "devices" (more than one)
-
-
+# The rows: the baseline, the rows of the run's own settings (padding, precision, attention,
+# sampling, optimizers, accumulation, sharding) with each technique record's rows after the
+# precision ones, and the best combination.
+Technique = HeadlineRow
 TECHNIQUES = [
     Technique("baseline", "baseline", "fixed padding, fp32, no remat, xla attention, AdamW, "
               "one device", {}),
@@ -118,22 +112,9 @@ TECHNIQUES = [
               {"precision.policy": "bf16"}),
     Technique("fp16", "precision", "float16 compute with dynamic loss scaling",
               {"precision.policy": "fp16", "precision.loss_scale": "dynamic"}),
-    *[Technique(f"remat-{policy}", "remat", f"remat policy {policy}", {"remat.policy": policy})
-      for policy in ("full", "dots", "attention", "mlp", "offload")],
+    *[row for t in RECORDS for row in t.rows],
     Technique("flash", "attention", "our Pallas flash attention kernel",
               {"gpt.attention": "pallas"}, needs="gpu"),
-    Technique("fp8", "precision", "FP8 matmuls in the blocks (delayed scaling), bf16 elsewhere",
-              {"precision.policy": "fp8"}, needs="fp8"),
-    Technique("token-drop", "token dropping", "half of each row's tokens (random) in the middle "
-              "layers (the last of a model under 3 layers)", {"token_drop.keep": 0.5}),
-    Technique("sparse-2:4", "sparsity", "2:4 structured sparse weights (SR-STE); masked dense "
-              "matmuls, no sparse kernel in jax", {"sparsity.pattern": "2:4"}),
-    Technique("stochastic-depth", "stochastic depth", "stochastic depth: block l of L skipped (not "
-              "computed) for a random set of rows at rate 0.2 l/L in training",
-              {"stochastic_depth.rate": 0.2}),
-    Technique("stack", "stacking", "progressive stacking: half the depth, doubled by stacking a "
-              "copy of the trained blocks after --stack-share of the baseline's steps to the "
-              "target", {"stacking.stages": 2}),
     Technique("importance", "sampling", "importance sampling of documents by their last loss, "
               "the loss reweighted by 1/(N p)", {"data.sampling": "loss"}),
     *[Technique(name, "optimizer", f"{label} at its defaults (learning rate, weight decay)",
@@ -148,10 +129,13 @@ TECHNIQUES = [
     Technique("best", "combination", "the best combination", {}),
 ]
 BY_NAME = {t.name: t for t in TECHNIQUES}
-# The groups whose soonest row the best row combines; never sparsity: with no N:M sparse kernel
-# in jax, its masked weights multiply densely.
-GROUPS = ("padding", "precision", "remat", "attention", "token dropping", "stochastic depth",
-          "stacking", "accumulation", "sharding", "optimizer", "sampling")
+# The groups whose soonest row the best row combines, in the order it names them: the run's
+# own groups around the technique records' groups, but for a group whose rows never combine
+# (sparsity: with no N:M sparse kernel in jax, its masked weights multiply densely).
+GROUPS = ("padding", "precision",
+          *dict.fromkeys(r.group for t in RECORDS for r in t.rows
+                         if r.combine and r.group not in ("padding", "precision")),
+          "attention", "accumulation", "sharding", "optimizer", "sampling")
 CORE_ROWS = ("pack", "bf16", "remat-dots", "accumulate", "fsdp", "token-drop", "best")
 
 

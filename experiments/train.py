@@ -92,25 +92,12 @@ def _startup_line(startup: dict) -> str:
 
 def _techniques(s: "RunSummary") -> str:
     """The survey techniques the run used, for the model line."""
-    t, parts = s.techniques, []
-    if "init" in t:
-        parts.append(f"init {t['init']}")
+    from jaxaccel.techniques import registry
+    t, parts = s.techniques, registry.describe(s.techniques)
     if s.trainable_params != s.params:
         parts.append(f"{s.trainable_params:,} trainable ({s.trainable_params / s.params:.2%})")
     if (t.get("lora") or {}).get("init_from") or t.get("init_from"):
         parts.append(f"from {(t.get('lora') or {}).get('init_from') or t.get('init_from')}")
-    if "stochastic_depth" in t:
-        sd = t["stochastic_depth"]
-        parts.append(f"stochastic depth {sd['rate']:g} (blocks compute {sd['kept']:.1%} of "
-                     f"their rows)")
-    if "token_drop" in t:
-        parts.append(f"token keep {t['token_drop']['keep']:g} ({t['token_drop']['score']})")
-    if "sparsity" in t:
-        parts.append(f"{t['sparsity']['pattern']} sparse ({t['sparsity']['density']:.1%} of the "
-                     f"masked weights kept)")
-    if "stacking" in t:
-        parts.append("stacked " + " -> ".join(f"{depth} layers at step {start}"
-                                              for start, depth in t["stacking"]["stages"]))
     return "; " + "; ".join(parts) if parts else ""
 
 

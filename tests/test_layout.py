@@ -116,6 +116,37 @@ def test_techniques_know_no_loop_nor_config(technique):
     assert not {m for m in EDGES[name] if m.startswith(("jaxaccel.run", "experiments"))}
 
 
+def techniques_named(path: str) -> set[str]:
+    """The registered techniques (``jaxaccel.core.sections.TECHNIQUES``) the file at ``path``
+    names: as an attribute (``cfg.token_drop``), a field path (``"token_drop.keep"``) or an
+    import of the module that does its work."""
+    from jaxaccel.core.sections import TECHNIQUES
+    by_module = {t.module: t.name for t in TECHNIQUES} | {"jaxaccel.techniques.planner": "remat"}
+    names, found = {t.name for t in TECHNIQUES}, set()
+    for node in ast.walk(ast.parse(open(path).read())):
+        if isinstance(node, ast.Attribute) and node.attr in names:
+            found.add(node.attr)
+        elif isinstance(node, ast.Constant) and isinstance(node.value, str) and \
+                "." in node.value and node.value.partition(".")[0] in names:
+            found.add(node.value.partition(".")[0])
+        elif isinstance(node, ast.ImportFrom) and node.module:
+            found |= {by_module[m] for m in (node.module, *(f"{node.module}.{a.name}"
+                                                            for a in node.names))
+                      if m in by_module}
+    return found
+
+
+def test_the_config_and_the_loop_name_no_technique_but_the_two_the_loop_drives():
+    # The config's technique sections come from the records; the loop reaches a technique
+    # through jaxaccel.techniques.registry, but for two it still drives itself: progressive
+    # stacking's stages (the run grows its model between them) and remat, whose policy a
+    # memory budget chooses by compiling the step.
+    assert not techniques_named(GRAPH["jaxaccel.run.config"])
+    loop = {name: techniques_named(path) for name, path in GRAPH.items()
+            if name.startswith("jaxaccel.run.loop")}
+    assert set().union(*loop.values()) <= {"stacking", "remat"}, loop
+
+
 def test_experiments_import_the_library_never_each_other():
     for name, edges in EDGES.items():
         if name.startswith("experiments.") and name != "experiments.common":

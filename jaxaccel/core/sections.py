@@ -383,3 +383,149 @@ class StackingSettings:
     at: str | None = setting(None, "comma-separated steps at which progressive stacking doubles "
                                    "the depth (default: equal shares of the steps)",
                              flag="stack_at")
+
+
+# ---------------------------------------------------------------------------------------------
+# The techniques: one record each, in the order they transform a model. ``jaxaccel.run.config``
+# makes a config section of each record's settings, the run checks, builds, reports, resumes and
+# strips each one through its record, and ``experiments.speedup`` takes its headline rows from
+# them: adding a technique is its module (with ``transform``, ``check``, ``report`` and
+# ``describe``; jaxaccel.techniques.registry) and its record in TECHNIQUES.
+
+
+# Fields of configuration files written before the any-model change (config format 1), and
+# where they live now (None: derived, dropped).
+RENAMED = {"model.preset": "model.name", "model.fp8": None,
+           **{f"model.{f}": f"gpt.{f}" for f in (
+               "d_model", "n_layers", "n_heads", "n_kv_heads", "d_ff", "mlp", "tie_embeddings",
+               "rope_base", "dropout", "attention", "embedding")},
+           "model.remat": "remat.policy", "model.scan_layers": "remat.scan_layers",
+           "model.init": "init.scheme", "model.stochastic_depth": "stochastic_depth.rate",
+           "model.lora_rank": "lora.rank", "model.lora_alpha": "lora.alpha",
+           "model.lora_targets": "lora.targets", "model.adapter_dim": "adapters.dim",
+           "model.sparsity": "sparsity.pattern", "model.sparsity_every": "sparsity.every",
+           "model.sparsity_decay": "sparsity.decay", "model.token_keep": "token_drop.keep",
+           "model.token_drop_layers": "token_drop.layers",
+           "model.token_drop_score": "token_drop.score",
+           "run.progressive_stack": "stacking.stages", "run.stack_at": "stacking.at"}
+
+
+@dataclasses.dataclass(frozen=True)
+class HeadlineRow:
+    """A row of ``experiments.speedup``: its name, the group whose soonest row the best
+    combination takes (``combine`` False: never combined), what it does, the config values that
+    make it from the baseline, and what it ``needs`` ("gpu", "fp8": FP8 tensor cores, "devices":
+    more than one)."""
+
+    name: str
+    group: str
+    description: str
+    settings: dict
+    needs: str | None = None
+    combine: bool = True
+
+
+@dataclasses.dataclass(frozen=True)
+class Technique:
+    """One technique, declared without jax. ``module`` (a dotted name, imported when a run
+    needs it) holds its work; ``phase`` says when it transforms a model: ``init`` (before a
+    base run's weights are loaded), ``layers`` (before the compute dtype), ``blocks`` (after).
+    ``off``: its section's values at which it does nothing (the headline's baseline takes
+    them); ``resume``: a resumed run must have the same section; ``strip``: a base model read
+    for ``--init-from`` is built with it off."""
+
+    name: str                   # its config section, and its flags' group in --help
+    settings: type              # that section's dataclass of ``setting(...)`` fields
+    module: str
+    phase: str
+    off: dict = dataclasses.field(default_factory=dict)
+    resume: bool = True
+    strip: bool = False
+    rows: tuple = ()            # its HeadlineRows
+
+    def off_values(self) -> dict:
+        """``off`` by field path: ``{"token_drop.keep": 1.0}``."""
+        return {f"{self.name}.{field}": value for field, value in self.off.items()}
+
+    def is_on(self, cfg) -> bool:
+        """Whether ``cfg``'s section asks for it (a technique with no ``off`` values decides in
+        its own ``transform``: fp8's is the precision policy)."""
+        section = getattr(cfg, self.name)
+        return any(getattr(section, field) != value for field, value in self.off.items())
+
+
+TECHNIQUES = [
+    Technique("init", InitSettings, "jaxaccel.techniques.init", "init", {"scheme": "default"}),
+    Technique("lora", LoRASettings, "jaxaccel.techniques.lora", "layers", {"rank": 0},
+              strip=True),
+    Technique("adapters", AdapterSettings, "jaxaccel.techniques.lora", "layers", {"dim": 0},
+              strip=True),
+    Technique("sparsity", SparsitySettings, "jaxaccel.techniques.sparsity", "layers",
+              {"pattern": "none"}, strip=True, rows=(HeadlineRow(
+                  "sparse-2:4", "sparsity", "2:4 structured sparse weights (SR-STE); masked "
+                  "dense matmuls, no sparse kernel in jax", {"sparsity.pattern": "2:4"},
+                  combine=False),)),
+    Technique("fp8", Fp8Settings, "jaxaccel.techniques.fp8", "layers", rows=(HeadlineRow(
+        "fp8", "precision", "FP8 matmuls in the blocks (delayed scaling), bf16 elsewhere",
+        {"precision.policy": "fp8"}, needs="fp8"),)),
+    Technique("remat", RematSettings, "jaxaccel.techniques.remat", "blocks",
+              {"policy": "none", "scan_layers": False}, strip=True, rows=tuple(
+                  HeadlineRow(f"remat-{policy}", "remat", f"remat policy {policy}",
+                              {"remat.policy": policy})
+                  for policy in ("full", "dots", "attention", "mlp", "offload"))),
+    Technique("stochastic_depth", StochasticDepthSettings, "jaxaccel.techniques.stochastic_depth",
+              "blocks", {"rate": 0.0}, strip=True, rows=(HeadlineRow(
+                  "stochastic-depth", "stochastic depth", "stochastic depth: block l of L "
+                  "skipped (not computed) for a random set of rows at rate 0.2 l/L in training",
+                  {"stochastic_depth.rate": 0.2}),)),
+    Technique("token_drop", TokenDropSettings, "jaxaccel.techniques.token_drop", "blocks",
+              {"keep": 1.0}, strip=True, rows=(HeadlineRow(
+                  "token-drop", "token dropping", "half of each row's tokens (random) in the "
+                  "middle layers (the last of a model under 3 layers)",
+                  {"token_drop.keep": 0.5}),)),
+    Technique("stacking", StackingSettings, "jaxaccel.techniques.stacking", "blocks",
+              {"stages": 1}, rows=(HeadlineRow(
+                  "stack", "stacking", "progressive stacking: half the depth, doubled by "
+                  "stacking a copy of the trained blocks after --stack-share of the baseline's "
+                  "steps to the target", {"stacking.stages": 2}),)),
+]
+PHASES = ("init", "layers", "blocks")
+
+
+def register(technique: Technique) -> None:
+    """Add a technique of one's own after jaxaccel's (a record as above, in a module importable
+    by name, which holds its functions). Register before ``jaxaccel.run.config`` is imported:
+    the config's sections are made from TECHNIQUES when it is. The processes this one starts
+    (an experiment's rows) register it too, through ``JAXACCEL_TECHNIQUES``."""
+    import sys
+    if "jaxaccel.run.config" in sys.modules:
+        raise RuntimeError(f"register technique {technique.name!r} before importing "
+                           f"jaxaccel.run.config (its TrainConfig has the sections of the "
+                           f"techniques registered then)")
+    if technique.phase not in PHASES or any(t.name == technique.name for t in TECHNIQUES):
+        raise ValueError(f"technique {technique.name!r}: a new name, and a phase of {PHASES}")
+    TECHNIQUES.append(technique)
+    module = sys.modules.get(technique.module)
+    name = next((k for k, v in vars(module).items() if v is technique), None) if module else None
+    if name is None:
+        raise ValueError(f"technique {technique.name!r}: its record is not a name of its "
+                         f"module {technique.module!r}")
+    entries = [e for e in os.environ.get(ENVIRONMENT, "").split(",") if e]
+    os.environ[ENVIRONMENT] = ",".join(dict.fromkeys([*entries, f"{technique.module}:{name}"]))
+
+
+# Techniques of one's own, as MODULE:RECORD,...: registered when this module is imported (set by
+# ``register`` for the processes a run starts, or by hand before a command).
+ENVIRONMENT = "JAXACCEL_TECHNIQUES"
+
+
+def _register_from_environment() -> None:
+    import importlib
+    for entry in filter(None, os.environ.get(ENVIRONMENT, "").split(",")):
+        module, _, name = entry.partition(":")
+        record = getattr(importlib.import_module(module), name)
+        if all(t.name != record.name for t in TECHNIQUES):
+            TECHNIQUES.append(record)
+
+
+_register_from_environment()

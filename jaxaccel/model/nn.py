@@ -68,6 +68,13 @@ def trainable(state):
     return nnx.Any(*tuned) if any(isinstance(v, tuned) for v in leaves) else nnx.Param
 
 
+def count_weights(state) -> tuple[int, int]:
+    """(trainable, total) weights of a model's state (buffers are neither)."""
+    def size(part):
+        return sum(x.size for x in jax.tree.leaves(part))
+    return size(nnx.filter_state(state, trainable(state))), size(nnx.filter_state(state, nnx.Param))
+
+
 class Updated:
     """A module whose ``update(step, stats, observed)`` changes its buffers after each step:
     ``stats`` sums its optional ``loss_stats(logits_BTV, batch)`` over microbatches, ``observed``

@@ -402,3 +402,36 @@ def export(run_dir: str, out_dir: str, format: str = "auto", *,
     diff = check_logits(model, cfg.model.max_seq_len, forward, read, config_read, out_dir, tok)
     return Exported(out_dir=out_dir, format=chosen, step=step, tensors=len(tensors),
                     bytes=os.path.getsize(os.path.join(out_dir, WEIGHTS)), max_logit_diff=diff)
+
+
+def export_merged(run_dir: str, out_dir: str) -> str:
+    """Write the LoRA run ``run_dir``'s model, its LoRA merged, as a run directory ``out_dir``
+    that reads like any: its config without LoRA, a checkpoint with a fresh optimizer state."""
+    from flax import nnx
+    from jaxaccel.model import nn
+    from jaxaccel.run.checkpoint import Checkpointer
+    from jaxaccel.run.config import override, write_config
+    from jaxaccel.run.loop.record import read_trained_run
+    from jaxaccel.step.optim import build_optimizer
+    from jaxaccel.step.state import init_state
+    from jaxaccel.techniques import lora, surgery
+    trained_cfg, model, step = read_trained_run(run_dir)
+    lora.merge(model)
+    if surgery.wrappers(model, lora.LoRA):
+        raise ConfigError(f"the LoRA of {run_dir} sits under FP8 or N:M sparsity, which change "
+                          f"its layers' product: merged, it would not compute what trained; "
+                          f"use the run itself", field="run_dir")
+    cfg = override(trained_cfg, {"lora.rank": 0})
+    optimizer, _, _ = build_optimizer(cfg.optimizer, batch_rows=cfg.batch_rows(),
+                                      total_steps=cfg.run.steps)
+    variables = nnx.state(model)
+    state = init_state(variables, optimizer, cfg.run.seed, cfg.make_loss_scale(), cfg.policy(),
+                       nn.trainable(variables))
+    os.makedirs(out_dir, exist_ok=True)
+    write_config(cfg, out_dir)
+    checkpointer = Checkpointer(os.path.join(out_dir, "checkpoints"))
+    try:
+        checkpointer.save(step, state, loader_position={}, config={})
+    finally:
+        checkpointer.close()
+    return out_dir

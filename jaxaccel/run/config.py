@@ -27,11 +27,9 @@ from jaxaccel.data.batching import STRATEGIES
 from jaxaccel.core.errors import ConfigError
 from jaxaccel.core.sections import (LOSS_SCALE_KINDS, LR_SCALING, MESH_AXIS_TYPES, OPTIMIZERS,
                                     PIPELINE_SCHEDULES, PRESET_TOKENIZERS, PRESETS, SAMPLING,
-                                    SCHEDULES, SHARDING_STRATEGIES, AdapterSettings, Fp8Settings,
-                                    GPTSettings, InitSettings, LoRASettings, ModelConfig,
-                                    RematSettings, SparsitySettings, StackingSettings,
-                                    StochasticDepthSettings, TokenDropSettings, absolute_name,
-                                    describe_defaults, is_preset, preset, unknown_model)
+                                    RENAMED, SCHEDULES, SHARDING_STRATEGIES, TECHNIQUES,
+                                    GPTSettings, ModelConfig, absolute_name, describe_defaults,
+                                    is_preset, preset, unknown_model)
 from jaxaccel.core.settings import FLOAT_RANGE, INT_LIMIT, INT_RANGE, Range, setting
 from jaxaccel.core.tokenizer import TOKENIZER_HELP, vocab_of as tokenizer_vocab
 
@@ -294,8 +292,8 @@ def _section(cls):
 
 
 @dataclasses.dataclass
-class TrainConfig:
-    """Every setting of a training run, by section (module docstring)."""
+class RunSections:
+    """The sections every run has; ``TrainConfig`` adds one per technique (module docstring)."""
 
     model: ModelConfig = _section(ModelConfig)
     gpt: GPTSettings = _section(GPTSettings)
@@ -304,15 +302,6 @@ class TrainConfig:
     precision: PrecisionConfig = _section(PrecisionConfig)
     mesh: MeshConfig = _section(MeshConfig)
     run: RunConfig = _section(RunConfig)
-    init: InitSettings = _section(InitSettings)
-    remat: RematSettings = _section(RematSettings)
-    stochastic_depth: StochasticDepthSettings = _section(StochasticDepthSettings)
-    token_drop: TokenDropSettings = _section(TokenDropSettings)
-    lora: LoRASettings = _section(LoRASettings)
-    adapters: AdapterSettings = _section(AdapterSettings)
-    sparsity: SparsitySettings = _section(SparsitySettings)
-    fp8: Fp8Settings = _section(Fp8Settings)
-    stacking: StackingSettings = _section(StackingSettings)
 
     @property
     def seq_len(self) -> int:
@@ -398,6 +387,13 @@ class TrainConfig:
                               field="run.init_from")
         check_batch_memory(self)
 
+
+
+# Every setting of a training run: the run's sections, then one per registered technique (its
+# record's ``name`` and ``settings``, jaxaccel.core.sections.TECHNIQUES), in the records' order.
+TrainConfig = dataclasses.make_dataclass(
+    "TrainConfig", [(t.name, t.settings, _section(t.settings)) for t in TECHNIQUES],
+    bases=(RunSections,), module=__name__)
 
 def check_batch_memory(cfg):
     """ConfigError, before any work, when one training or validation batch (its arrays, this
@@ -580,23 +576,6 @@ def build(cls=None, values: dict | None = None):
         sections["model"], sections["data"] = _resolve_model(sections["model"], sections["data"],
                                                              sections.get("gpt"))
     return cls(**sections)
-
-
-# Fields of configuration files written before the any-model change (config format 1), and
-# where they live now (None: derived, dropped).
-RENAMED = {"model.preset": "model.name", "model.fp8": None,
-           **{f"model.{f}": f"gpt.{f}" for f in (
-               "d_model", "n_layers", "n_heads", "n_kv_heads", "d_ff", "mlp", "tie_embeddings",
-               "rope_base", "dropout", "attention", "embedding")},
-           "model.remat": "remat.policy", "model.scan_layers": "remat.scan_layers",
-           "model.init": "init.scheme", "model.stochastic_depth": "stochastic_depth.rate",
-           "model.lora_rank": "lora.rank", "model.lora_alpha": "lora.alpha",
-           "model.lora_targets": "lora.targets", "model.adapter_dim": "adapters.dim",
-           "model.sparsity": "sparsity.pattern", "model.sparsity_every": "sparsity.every",
-           "model.sparsity_decay": "sparsity.decay", "model.token_keep": "token_drop.keep",
-           "model.token_drop_layers": "token_drop.layers",
-           "model.token_drop_score": "token_drop.score",
-           "run.progressive_stack": "stacking.stages", "run.stack_at": "stacking.at"}
 
 
 def _resolve_model(model: ModelConfig, data: "DataConfig", gpt_settings):

@@ -180,3 +180,21 @@ def fp8_gemms(executables) -> int | None:
     if jax.devices()[0].platform != "gpu" or not executables:
         return None
     return max(executable.as_text().count(FP8_GEMM) for executable in executables)
+
+
+WRAPPERS = (Fp8,)
+
+
+def transform(model, cfg, ctx) -> None:
+    if cfg.policy().fp8:
+        apply(model, cfg.fp8)
+
+
+def report(cfg, ctx) -> dict | None:
+    if not cfg.policy().fp8:
+        return None
+    return {"note": ctx.run.get("fp8_note"), "gemms": fp8_gemms(ctx.run.get("executables") or [])}
+
+
+def device_note(cfg) -> str | None:
+    return check_device() if cfg.policy().fp8 else None

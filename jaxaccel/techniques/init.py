@@ -136,3 +136,15 @@ def _tfixup(model, settings: InitSettings, key, stack_path: tuple, n_layers: int
             value = _draw(key, name, index, table.shape,
                           lambda k, s: std * jax.random.normal(k, s, table.dtype))
             table[...] = value * scale
+
+
+def transform(model, cfg, ctx) -> None:
+    apply(model, cfg.init, ctx.key)
+
+
+def report(cfg, ctx) -> str | None:
+    return cfg.init.scheme if cfg.init.scheme != "default" else None
+
+
+def describe(scheme: str) -> str:
+    return f"init {scheme}"

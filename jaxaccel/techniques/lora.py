@@ -144,9 +144,19 @@ def merge(model) -> int:
     return len(ours) + len(flax)
 
 
-def count(state) -> tuple[int, int]:
-    """(trainable, total) weights of a model's state (buffers are neither)."""
-    weights = nnx.filter_state(state, nnx.Param)
-    train = nnx.filter_state(state, nn.trainable(state))
-    size = lambda s: sum(x.size for x in jax.tree.leaves(s))        # noqa: E731
-    return size(train), size(weights)
+WRAPPERS = (Adapter, LoRA)
+
+
+def transform_lora(model, cfg, ctx) -> None:
+    apply_lora(model, cfg.lora, ctx.tune_key)
+
+
+def transform_adapters(model, cfg, ctx) -> None:
+    apply_adapters(model, cfg.adapters, ctx.tune_key)
+
+
+def report_lora(cfg, ctx) -> dict | None:
+    """LoRA's and the adapters' settings together (either makes a fine-tune)."""
+    if not (cfg.lora.rank or cfg.adapters.dim):
+        return None
+    return {"rank": cfg.lora.rank, "adapter_dim": cfg.adapters.dim, "init_from": cfg.run.init_from}

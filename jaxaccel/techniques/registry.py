@@ -1,45 +1,83 @@
-"""The techniques a run's settings name, applied to its model in one order and checked against
-each other. Each is a module with a settings dataclass and an ``apply(model, settings, ...)``;
-``build`` orders them: the factory's model, the init scheme, ``--init-from``'s weights, the layer
-techniques (LoRA, adapters, N:M sparsity, FP8, compute dtype), then the block techniques (scan and
-remat, stochastic depth, token dropping). A new one also needs its ``jaxaccel.run.config`` section.
+"""The techniques a run's settings name, run through their records (``jaxaccel.core.sections``'s
+TECHNIQUES, in order) and nowhere else: ``build`` transforms a model with each, ``check`` asks
+each whether its settings fit the rest, ``report`` what each did. A technique's module offers
+any of these functions (``<verb>_<record name>`` where one module serves two records, as
+``lora`` serves LoRA and adapters):
+
+- ``transform(model, cfg, ctx)``: change the model in place (``ctx``: a ``Context``);
+- ``check(cfg)``: a ConfigError for settings it cannot run with (before any work);
+- ``check_model(cfg, model, tags)``: the same for the run's abstract model and the tags its
+  traced step names; ``device_note(cfg)``: a line on this device's support (or None);
+- ``report(cfg, ctx)``: what it did, for the run's summary (None: it did nothing);
+- ``describe(report)``: that report as a few words for the summary's model line;
+- ``merge(model)`` and ``WRAPPERS``: its updates folded into the weights, and the classes it
+  wraps layers in, which a base model's reading removes (``strip_model``).
+
+``build`` runs the records of each phase in turn: the factory's model, the ``init`` phase,
+``--init-from``'s weights, the ``layers`` phase (LoRA, adapters, N:M sparsity, FP8), the compute
+dtype, then the ``blocks`` phase (scan and remat, stochastic depth, token dropping).
 """
+
+import dataclasses
+import functools
+import importlib
 
 import jax
 import jax.numpy as jnp
 from flax import nnx
 
-from jaxaccel.techniques import (fp8, init, lora, remat, sparsity, stacking, stochastic_depth,
-                                 token_drop)
+from jaxaccel.core.sections import PHASES, TECHNIQUES
+from jaxaccel.core.sharding import pipelined
+from jaxaccel.data import sampling
 from jaxaccel.model import contract as model_lib
 from jaxaccel.step import optim, precision
-from jaxaccel.data import sampling
-from jaxaccel.core.sharding import pipelined
+from jaxaccel.techniques import pipeline, stacking, surgery
 
 LORA_KEY = 0x10A      # folded into the model's key for the fine-tuning weights' draws
+# The sections of a run's settings that a resumed run must match, besides the techniques' own
+BASE_RESUME_SECTIONS = ("model", "gpt", "optimizer", "precision")
+
+
+@dataclasses.dataclass
+class Context:
+    """What a technique's ``transform`` or ``report`` may need besides the config."""
+
+    key: jax.Array | None = None        # the model's key
+    tune_key: jax.Array | None = None   # the fine-tuning weights' key
+    full_layers: int | None = None      # the stack's depth once every stacking stage has grown
+    params: object = None               # report: the trained variables
+    mesh_shape: dict | None = None      # report: the mesh's axis sizes
+    run: dict = dataclasses.field(default_factory=dict)    # report: what the loop measured
+
+
+@functools.cache
+def _module(name: str):
+    return importlib.import_module(name)
+
+
+def hook(technique, verb: str):
+    """The technique's function for ``verb`` (``transform``, ``check``, ...), or None."""
+    module = _module(technique.module)
+    return getattr(module, f"{verb}_{technique.name}", None) or getattr(module, verb, None)
 
 
 def build(cfg, key, *, depth: int | None = None, base_state=None) -> nnx.Module:
     """The model of ``cfg`` (a ``TrainConfig``) from ``key`` with its techniques; ``depth`` cuts
-    its stack (a stacking stage); ``base_state`` replaces its weights before LoRA or adapters."""
+    its stack (a stacking stage); ``base_state`` replaces its weights before the ``layers``
+    phase (a fine-tune's base)."""
     model = model_lib.build(cfg.model, cfg.gpt, key)
     optim.mark_no_decay(model)
     full_layers = stacking.truncate(model, depth) if depth is not None else None
-    init.apply(model, cfg.init, key)
-    if base_state is not None:
-        nnx.update(model, base_state)
-    tune_key = jax.random.fold_in(key, LORA_KEY)
-    lora.apply_lora(model, cfg.lora, tune_key)
-    lora.apply_adapters(model, cfg.adapters, tune_key)
-    sparsity.apply(model, cfg.sparsity)
-    policy = cfg.policy()
-    if policy.fp8:
-        fp8.apply(model, cfg.fp8)
-    if policy.compute_dtype != jnp.float32:
-        precision.compute_in(model, policy.compute_dtype)
-    remat.apply(model, cfg.remat, check=False)     # preflight checks the traced step's tags
-    stochastic_depth.apply(model, cfg.stochastic_depth)
-    token_drop.apply(model, cfg.token_drop, cfg.model.vocab_size, full_layers)
+    ctx = Context(key=key, tune_key=jax.random.fold_in(key, LORA_KEY), full_layers=full_layers)
+    for phase in PHASES:
+        if phase == "layers" and base_state is not None:
+            nnx.update(model, base_state)
+        if phase == "blocks" and cfg.policy().compute_dtype != jnp.float32:
+            precision.compute_in(model, cfg.policy().compute_dtype)
+        for technique in TECHNIQUES:
+            transform = hook(technique, "transform")
+            if technique.phase == phase and transform is not None:
+                transform(model, cfg, ctx)
     return model
 
 
@@ -61,49 +99,87 @@ def tuned(cfg) -> bool:
 
 
 def check(cfg) -> None:
-    """Each technique, and importance sampling, checks its settings and what it cannot join."""
-    for technique in (lora, sparsity, fp8, remat, stochastic_depth, token_drop, stacking,
-                      sampling):
-        technique.check(cfg)
+    """Each technique, and importance sampling, checks its settings and what it cannot join
+    (a module serving two records checks once)."""
+    checks = [hook(t, "check") for t in TECHNIQUES]
+    for fn in [*dict.fromkeys(c for c in checks if c is not None), sampling.check]:
+        fn(cfg)
+
+
+def device_notes(cfg) -> dict:
+    """What each technique has to say of this device before any work (``device_note``: fp8's,
+    that emulated FP8 is no faster), as ``{"<name>_note": text}``."""
+    notes = {}
+    for technique in TECHNIQUES:
+        fn = hook(technique, "device_note")
+        if fn is not None:
+            notes[f"{technique.name}_note"] = fn(cfg)
+    return notes
+
+
+def check_model(cfg, model, tags: set) -> None:
+    """Each technique's checks of the run's abstract model and of the tags its traced step
+    names (``check_model``), a ConfigError line for what does not fit."""
+    for technique in TECHNIQUES:
+        fn = hook(technique, "check_model")
+        if fn is not None:
+            fn(cfg, model, tags)
 
 
 def report(cfg, params, mesh_shape: dict, run: dict) -> dict:
-    """What each technique the run used did, for its summary (``run``: what the loop measured)."""
-    from jaxaccel.techniques.pipeline import bubble_fraction
+    """What each technique the run used did, for its summary (``run``: what the loop measured),
+    by record name; the attention, a base run, pipeline stages and sampling besides."""
     done = {"attention": (cfg.gpt.attention or "xla") if model_lib.is_preset(cfg.model.name)
             else None}
-    if cfg.init.scheme != "default":
-        done["init"] = cfg.init.scheme
-    if cfg.remat.policy != "none" or cfg.remat.scan_layers or run.get("remat_plan"):
-        done["remat"] = {"policy": cfg.remat.policy, "scan_layers": cfg.remat.scan_layers,
-                         "plan": run.get("remat_plan")}
-    if cfg.stochastic_depth.rate:
-        rows = cfg.batch_rows() // cfg.optimizer.accumulate
-        depth = (run.get("stages") or [[0, None]])[-1][1] or 1
-        done["stochastic_depth"] = {
-            "rate": cfg.stochastic_depth.rate,
-            "kept": stochastic_depth.kept_fraction(cfg.stochastic_depth.rate, depth, rows,
-                                                   mesh_shape["data"] * mesh_shape["fsdp"])}
-    if cfg.token_drop.keep < 1:
-        done["token_drop"] = {"keep": cfg.token_drop.keep, "score": cfg.token_drop.score}
-    if tuned(cfg):
-        done["lora"] = {"rank": cfg.lora.rank, "adapter_dim": cfg.adapters.dim,
-                        "init_from": cfg.run.init_from}
-    elif cfg.run.init_from:
+    ctx = Context(params=params, mesh_shape=mesh_shape, run=run)
+    for technique in TECHNIQUES:
+        fn = hook(technique, "report")
+        if fn is not None:
+            done[technique.name] = fn(cfg, ctx)
+    if not tuned(cfg) and cfg.run.init_from:
         done["init_from"] = cfg.run.init_from
-    if cfg.sparsity.pattern != "none":
-        done["sparsity"] = {"pattern": cfg.sparsity.pattern, "density": sparsity.density(params),
-                            **sparsity.savings(params, cfg.sparsity.pattern,
-                                               run.get("flops_per_token") or 1.0)}
-    if cfg.policy().fp8:
-        done["fp8"] = {"note": run.get("fp8_note"),
-                       "gemms": fp8.fp8_gemms(run.get("executables") or [])}
-    if cfg.stacking.stages > 1:
-        done["stacking"] = {"stages": run.get("stages")}
     if pipelined(cfg.mesh.strategy):
         done["pipeline"] = {"schedule": cfg.mesh.pipeline_schedule,
-                            "bubble": bubble_fraction(mesh_shape["stage"],
-                                                      cfg.optimizer.accumulate)}
+                            "bubble": pipeline.bubble_fraction(mesh_shape["stage"],
+                                                               cfg.optimizer.accumulate)}
     if cfg.data.sampling != "uniform":
         done["sampling"] = cfg.data.sampling
     return {k: v for k, v in done.items() if v is not None}
+
+
+def describe(techniques: dict) -> list[str]:
+    """The summary's words for what each technique did (``report``'s mapping), in order."""
+    words = []
+    for technique in TECHNIQUES:
+        fn = hook(technique, "describe")
+        if technique.name in techniques and fn is not None:
+            words.append(fn(techniques[technique.name]))
+    return words
+
+
+def wrappers() -> tuple:
+    """Every class a technique wraps a model's layers in (``WRAPPERS``)."""
+    return tuple(dict.fromkeys(w for t in TECHNIQUES
+                               for w in getattr(_module(t.module), "WRAPPERS", ())))
+
+
+def strip_model(model) -> None:
+    """A trained model as a base to fine-tune: each technique's updates folded into its
+    weights (``merge``: LoRA's) and its wrappers removed, in place."""
+    merges = [hook(t, "merge") for t in TECHNIQUES]
+    for merge in dict.fromkeys(m for m in merges if m is not None):
+        merge(model)
+    surgery.unwrap(model, wrappers())
+
+
+def resume_sections() -> tuple:
+    """The sections a resumed run must match: the model's and the step's, and each technique's
+    whose record says so."""
+    return BASE_RESUME_SECTIONS + tuple(t.name for t in TECHNIQUES if t.resume)
+
+
+def stripped() -> dict:
+    """The settings that build a fine-tune's base model: float32, and every technique whose
+    record strips it off."""
+    return {"precision.policy": "fp32",
+            **{k: v for t in TECHNIQUES if t.strip for k, v in t.off_values().items()}}

@@ -104,3 +104,18 @@ def check_tags(name: str, named: set[str]) -> None:
             f"remat {name} keeps the tensors tagged {', '.join(wanted)}, but the model's blocks "
             f"never tag them ({found}), so it would recompute everything like full; tag them "
             f"with jaxaccel.model.nn.tag, or choose full, dots or save:NAME", field="remat.policy")
+
+
+def transform(model, cfg, ctx) -> None:
+    apply(model, cfg.remat, check=False)     # preflight checks the traced step's tags
+
+
+def report(cfg, ctx) -> dict | None:
+    plan = ctx.run.get("remat_plan")
+    if cfg.remat.policy == "none" and not cfg.remat.scan_layers and not plan:
+        return None
+    return {"policy": cfg.remat.policy, "scan_layers": cfg.remat.scan_layers, "plan": plan}
+
+
+def check_model(cfg, model, tags: set) -> None:
+    check_tags(cfg.remat.policy, tags)

@@ -153,3 +153,22 @@ def savings(state, pattern: str, flops_per_token: float, bytes_per_weight: int =
             "flops_share": 6 * sparse * (1 - n / m) / flops_per_token,
             "flops_share_fwd_dgrad": 4 * sparse * (1 - n / m) / flops_per_token,
             "weight_bytes_share": 1 - compressed}
+
+
+WRAPPERS = (Sparse,)
+
+
+def transform(model, cfg, ctx) -> None:
+    apply(model, cfg.sparsity)
+
+
+def report(cfg, ctx) -> dict | None:
+    pattern = cfg.sparsity.pattern
+    if pattern == "none":
+        return None
+    return {"pattern": pattern, "density": density(ctx.params),
+            **savings(ctx.params, pattern, ctx.run.get("flops_per_token") or 1.0)}
+
+
+def describe(report: dict) -> str:
+    return f"{report['pattern']} sparse ({report['density']:.1%} of the masked weights kept)"

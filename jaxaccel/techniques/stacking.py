@@ -123,3 +123,20 @@ def grow(old_state, new_abstract, old_depth: int, stack_path: tuple):
 
     return jax.tree_util.tree_unflatten(treedef,
                                         [take(path, target) for path, target in new_leaves])
+
+
+def report(cfg, ctx) -> dict | None:
+    """The stages' (first step, depth)."""
+    return {"stages": ctx.run.get("stages")} if cfg.stacking.stages > 1 else None
+
+
+def describe(report: dict) -> str:
+    return "stacked " + " -> ".join(f"{depth} layers at step {start}"
+                                    for start, depth in report["stages"])
+
+
+def check_model(cfg, model, tags: set) -> None:
+    """A stack whose depth the stages halve, grown by copies of its blocks."""
+    if cfg.stacking.stages > 1:
+        stack = nn.the_stack(model, "progressive stacking", "stacking.stages")[1]
+        check_copies(stack, depths(len(stack), cfg.stacking.stages))

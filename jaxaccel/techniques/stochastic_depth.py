@@ -107,3 +107,23 @@ def skip_rows(block, x_BTD, row_args: dict, key, kept: int, groups: int):
     x_GSTD = x_GSTD.at[group_G1, rows_GK].add(delta_KTD.reshape(groups, per_group,
                                                                  *x_BTD.shape[1:]))
     return constrain(x_GSTD.reshape(x_BTD.shape), ACTIVATION_AXES)
+
+
+def transform(model, cfg, ctx) -> None:
+    apply(model, cfg.stochastic_depth)
+
+
+def report(cfg, ctx) -> dict | None:
+    """The rate, and the share of rows the blocks computed at the run's last depth."""
+    rate = cfg.stochastic_depth.rate
+    if not rate:
+        return None
+    rows = cfg.batch_rows() // cfg.optimizer.accumulate
+    depth = (ctx.run.get("stages") or [[0, None]])[-1][1] or 1
+    groups = ctx.mesh_shape["data"] * ctx.mesh_shape["fsdp"]
+    return {"rate": rate, "kept": kept_fraction(rate, depth, rows, groups)}
+
+
+def describe(report: dict) -> str:
+    return (f"stochastic depth {report['rate']:g} (blocks compute {report['kept']:.1%} of "
+            f"their rows)")

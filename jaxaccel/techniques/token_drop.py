@@ -215,3 +215,16 @@ def _per_id_sum(values_BT, ids_BT, vocab: int):
     return jnp.zeros((vocab,), jnp.float32).at[ids_BT].add(values_BT, **out)
 
 
+
+
+def transform(model, cfg, ctx) -> None:
+    apply(model, cfg.token_drop, cfg.model.vocab_size, ctx.full_layers)
+
+
+def report(cfg, ctx) -> dict | None:
+    keep = cfg.token_drop.keep
+    return {"keep": keep, "score": cfg.token_drop.score} if keep < 1 else None
+
+
+def describe(report: dict) -> str:
+    return f"token keep {report['keep']:g} ({report['score']})"

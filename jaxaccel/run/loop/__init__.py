@@ -27,7 +27,7 @@ import jax
 from flax import nnx
 
 from jaxaccel.run import compile_cache, probe
-from jaxaccel.techniques import fp8, remat, stacking, registry as techniques
+from jaxaccel.techniques import registry as techniques
 from jaxaccel.core import hardware
 from jaxaccel.model import contract as model_lib, nn
 from jaxaccel.step import precision, trace
@@ -71,7 +71,7 @@ def train(cfg: TrainConfig, *, should_stop=None) -> RunSummary:
         print(cache_warning, file=sys.stderr)
     if cfg.run.memory_budget == "auto":
         memory_budget_bytes("auto")         # the device can say its memory, before any work
-    notes = {"fp8_note": fp8.check_device() if cfg.policy().fp8 else None}
+    notes = techniques.device_notes(cfg)
     mesh, mesh_shape = build_mesh(m.strategy, m.shape, m.axis_types, m.num_devices)
     if pipelined(m.strategy):
         check_pipeline(m.pipeline_schedule, mesh_shape["stage"], cfg.optimizer.accumulate)
@@ -129,16 +129,13 @@ def preflight(cfg: TrainConfig, mesh_shape: dict):
     say_whole(mesh_shape, nnx.state(model), parse_axis_rules(cfg.mesh.axis_rules))
     if pipelined(cfg.mesh.strategy):
         check_layers(model, mesh_shape["stage"])
-    if cfg.stacking.stages > 1:     # a stack whose depth the stages halve, grown by copies
-        stack = nn.the_stack(model, "progressive stacking", "stacking.stages")[1]
-        stacking.check_copies(stack, stacking.depths(len(stack), cfg.stacking.stages))
     graphdef, state = nnx.split(model)
     apply = precision.cast(model_lib.make_apply(
         graphdef, segment_attention=cfg.data.batching == "pack"), cfg.policy())
     rows = max(1, cfg.batch_rows() // cfg.optimizer.accumulate)
     jaxpr = jax.make_jaxpr(apply)(state, dict(abstract_batch((rows, min(cfg.seq_len, 64)))),
                                   abstract_key())
-    remat.check_tags(cfg.remat.policy, trace.tags(jaxpr))
+    techniques.check_model(cfg, model, trace.tags(jaxpr))
     warning = precision.float32_warning(trace.float32_matmuls(jaxpr), cfg.policy())
     if warning and jax.process_index() == 0:
         print(warning, file=sys.stderr)

@@ -10,8 +10,8 @@ import numpy as np
 from flax import nnx
 
 from jaxaccel.core import hardware
-from jaxaccel.techniques import lora, registry as techniques
-from jaxaccel.model import contract as model_lib
+from jaxaccel.techniques import registry as techniques
+from jaxaccel.model import contract as model_lib, nn
 from jaxaccel.step import precision, trace
 from jaxaccel.step.compiled import largest_memory_bytes
 from jaxaccel.data.loader import abstract_batch, abstract_key, place_batch
@@ -124,7 +124,7 @@ def _summary(run: Setup, compiled: list, progress: Progress, wall_start: float, 
     tokens_per_s = totals["real"] / train_s if train_s > 0 else float("nan")
     peak = hardware.peak_flops()
     stats = run.stream.stats
-    trainable, weights = lora.count(state.params)
+    trainable, weights = nn.count_weights(state.params)
     return RunSummary(
         steps=final_step, steps_this_run=final_step - progress.first_step,
         interrupted=interrupted, stopped_at=final_step if paused else None,

@@ -18,10 +18,10 @@ import jax
 from flax import nnx
 
 from jaxaccel.core import hardware
-from jaxaccel.techniques import lora, surgery, registry as techniques
+from jaxaccel.techniques import registry as techniques
 from jaxaccel.model import contract as model_lib, nn
 from jaxaccel.run.checkpoint import Checkpointer
-from jaxaccel.run.config import TrainConfig, build, override, read_config_file, write_config
+from jaxaccel.run.config import TrainConfig, build, override, read_config_file
 from jaxaccel.core.errors import ConfigError
 from jaxaccel.step.optim import build_optimizer
 from jaxaccel.core.sections import factory_file, is_preset
@@ -199,17 +199,12 @@ def model_now(trained: TrainConfig, run_dir: str, given: str | None, fallback: s
 def base_weights(run_dir: str, cfg: TrainConfig):
     """The weights a fine-tune of ``cfg`` starts from: the model of the run in ``run_dir``, its
     layer techniques merged or folded away (an ``nnx.State``); one clear line if shapes differ."""
-    from jaxaccel.techniques import fp8, sparsity
     trained_cfg, trained, _ = read_trained_run(run_dir, fallback=cfg.model.name)
-    lora.merge(trained)                                 # flax's nnx.LoRA; ours below
-    surgery.unwrap(trained, (sparsity.Sparse, fp8.Fp8, lora.Adapter, lora.LoRA))
+    techniques.strip_model(trained)
     for _, stack in nn.stacks(trained):
         stack.unscan()
         stack.transforms = nnx.List([])
-    base = techniques.abstract(override(cfg, {     # the model without layer and block techniques
-        "lora.rank": 0, "adapters.dim": 0, "sparsity.pattern": "none", "precision.policy": "fp32",
-        "remat.policy": "none", "remat.scan_layers": False, "stochastic_depth.rate": 0.0,
-        "token_drop.keep": 1.0}))
+    base = techniques.abstract(override(cfg, techniques.stripped()))   # without the techniques
     want = jax.tree.map(lambda x: (x.shape, str(x.dtype)), nnx.state(base))
     have = nnx.state(trained)
     got = jax.tree.map(lambda x: (x.shape, str(x.dtype)), have)
@@ -219,28 +214,3 @@ def base_weights(run_dir: str, cfg: TrainConfig):
                           f"{trained_cfg.model.name}); use the same model settings as that run",
                           field="run.init_from")
     return have
-
-
-def export_merged(run_dir: str, out_dir: str) -> str:
-    """Write the LoRA run ``run_dir``'s model, its LoRA merged, as a run directory ``out_dir``
-    that reads like any: its config without LoRA, a checkpoint with a fresh optimizer state."""
-    trained_cfg, model, step = read_trained_run(run_dir)
-    lora.merge(model)
-    if surgery.wrappers(model, lora.LoRA):
-        raise ConfigError(f"the LoRA of {run_dir} sits under FP8 or N:M sparsity, which change "
-                          f"its layers' product: merged, it would not compute what trained; "
-                          f"use the run itself", field="run_dir")
-    cfg = override(trained_cfg, {"lora.rank": 0})
-    optimizer, _, _ = build_optimizer(cfg.optimizer, batch_rows=cfg.batch_rows(),
-                                      total_steps=cfg.run.steps)
-    variables = nnx.state(model)
-    state = init_state(variables, optimizer, cfg.run.seed, cfg.make_loss_scale(), cfg.policy(),
-                       nn.trainable(variables))
-    os.makedirs(out_dir, exist_ok=True)
-    write_config(cfg, out_dir)
-    checkpointer = Checkpointer(os.path.join(out_dir, "checkpoints"))
-    try:
-        checkpointer.save(step, state, loader_position={}, config={})
-    finally:
-        checkpointer.close()
-    return out_dir

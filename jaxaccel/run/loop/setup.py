@@ -39,10 +39,9 @@ from jaxaccel.step.state import compile_init, lower_state, state_maker
 
 RUNS_ROOT = "runs"
 LOCK_FILE = "run.lock"      # in the run directory: held (flock) by the run writing it
-# Sections and fields a resumed run must share with its checkpoint: they shape the state, the
+# Sections (techniques.resume_sections: the model's, the step's and the techniques' whose record
+# says so) and fields a resumed run must share with its checkpoint: they shape the state, the
 # data order or the optimizer's trajectory, so changing them would silently break the run.
-RESUME_SECTIONS = ("model", "gpt", "optimizer", "precision", "init", "remat", "stochastic_depth",
-                   "token_drop", "lora", "adapters", "sparsity", "fp8", "stacking")
 RESUME_FIELDS = ("data.path", "data.batching", "run.seed", "run.init_from", "data.sampling",
                  "data.sampling_power", "data.sampling_floor", "mesh.axis_rules")
 
@@ -435,7 +434,7 @@ def open_stream(cfg, documents, stream_args: dict, position: dict | None = None)
 def resume_settings(cfg, stream_args: dict, total_steps: int, multiple: int) -> dict:
     """The settings a checkpoint records and a resumed run must match, by field path."""
     settings = {f"{section}.{name}": value for section, fields in to_dict(cfg).items()
-                if section in RESUME_SECTIONS for name, value in fields.items()}
+                if section in techniques.resume_sections() for name, value in fields.items()}
     if not is_preset(cfg.model.name):   # where its factory is, and what its source was
         settings.update({"model.name": absolute_name(cfg.model.name),
                          "model.source": model_lib.source_of(cfg.model.name)})
