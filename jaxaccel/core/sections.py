@@ -336,6 +336,9 @@ class InitSettings:
                                        + TARGETS_HELP, flag="tfixup_scaled")
 
 
+REMAT_POLICIES = ("none", "full", "dots", "attention", "mlp", "offload")
+
+
 @dataclasses.dataclass
 class RematSettings:
     policy: str = setting("none", "activations each block keeps for the backward pass: none "

@@ -13,7 +13,7 @@ import jax
 from jaxaccel.step.compiled import flops, memory_bytes
 from jaxaccel.core.errors import ConfigError
 from jaxaccel.data.loader import abstract_batch
-from jaxaccel.techniques.remat import REMAT_POLICIES
+from jaxaccel.core.sections import REMAT_POLICIES
 
 
 @dataclasses.dataclass

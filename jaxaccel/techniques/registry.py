@@ -11,7 +11,11 @@ any of these functions (``<verb>_<record name>`` where one module serves two rec
 - ``report(cfg, ctx)``: what it did, for the run's summary (None: it did nothing);
 - ``describe(report)``: that report as a few words for the summary's model line;
 - ``merge(model)`` and ``WRAPPERS``: its updates folded into the weights, and the classes it
-  wraps layers in, which a base model's reading removes (``strip_model``).
+  wraps layers in, which a base model's reading removes (``strip_model``);
+- ``resume_values(cfg, total_steps)``: settings it derives that a resume must match;
+- for the one technique of a run that has them: ``growth``, ``next_depth`` and ``grown`` (it
+  grows the model between stages: progressive stacking), ``plan_for_budget`` (settings that
+  fit a memory budget: remat's policy).
 
 ``build`` runs the records of each phase in turn: the factory's model, the ``init`` phase,
 ``--init-from``'s weights, the ``layers`` phase (LoRA, adapters, N:M sparsity, FP8), the compute
@@ -170,6 +174,51 @@ def strip_model(model) -> None:
     for merge in dict.fromkeys(m for m in merges if m is not None):
         merge(model)
     surgery.unwrap(model, wrappers())
+
+
+def _only(verb: str, cfg=None):
+    """The function for ``verb`` of the one technique that has it (on in ``cfg``, if given)."""
+    found = [(t, fn) for t in TECHNIQUES if (fn := hook(t, verb)) is not None
+             and (cfg is None or t.is_on(cfg))]
+    if len(found) > 1:
+        raise ValueError(f"techniques {[t.name for t, _ in found]} all offer {verb!r}; "
+                         f"a run has one")
+    return found[0][1] if found else None
+
+
+def growth(cfg, model, total_steps: int, first_step: int):
+    """(full depth, steps at which the model grows, depth at ``first_step``) of the technique
+    that grows the model during a run (``growth``: progressive stacking's), else None, [],
+    None."""
+    fn = _only("growth", cfg)
+    return fn(cfg, model, total_steps, first_step) if fn else (None, [], None)
+
+
+def next_depth(cfg, depth: int) -> int:
+    """The depth the model grows to at a growth step from ``depth``."""
+    return _only("next_depth", cfg)(depth)
+
+
+def grown(cfg, old_state, new_abstract, old_depth: int, model):
+    """The grown model's state: ``new_abstract`` (its abstract state; ``model`` the grown
+    model) filled from ``old_state``, the state at ``old_depth``."""
+    return _only("grown", cfg)(old_state, new_abstract, old_depth, model)
+
+
+def plan_for_budget(make_step, abstract_state, shapes, budget: int, batch_sharding=None):
+    """(settings, plan) that fit a run's memory budget (``plan_for_budget``: remat's policy),
+    ``make_step(settings)`` being the run's step under other settings."""
+    return _only("plan_for_budget")(make_step, abstract_state, shapes, budget, batch_sharding)
+
+
+def resume_values(cfg, total_steps: int) -> dict:
+    """The settings a resumed run must match that each technique derives (``resume_values``)."""
+    values = {}
+    for technique in TECHNIQUES:
+        fn = hook(technique, "resume_values")
+        if fn is not None:
+            values.update(fn(cfg, total_steps))
+    return values
 
 
 def resume_sections() -> tuple:

@@ -17,11 +17,10 @@ import jax
 from jaxaccel.model import contract as model_lib, nn
 from jaxaccel.step import trace
 from jaxaccel.core.errors import ConfigError
-from jaxaccel.core.sections import RematSettings     # declared without jax
+from jaxaccel.core.sections import REMAT_POLICIES, RematSettings     # declared without jax
 
 _ATTENTION = (nn.QUERY, nn.KEY, nn.VALUE, nn.ATTENTION_OUT)
 POLICY_TAGS = {"attention": _ATTENTION, "mlp": (nn.MLP_IN, nn.MLP_GATE), "offload": _ATTENTION}
-REMAT_POLICIES = ("none", "full", "dots", "attention", "mlp", "offload")
 
 
 def tags(name: str) -> tuple[str, ...]:
@@ -119,3 +118,12 @@ def report(cfg, ctx) -> dict | None:
 
 def check_model(cfg, model, tags: set) -> None:
     check_tags(cfg.remat.policy, tags)
+
+
+def plan_for_budget(make_step, abstract_state, shapes, budget: int, batch_sharding=None):
+    """(settings, plan): the remat policy a run's memory budget chooses (``planner``), with
+    ``make_step(settings)`` the run's step under those settings."""
+    from jaxaccel.techniques.planner import choose_remat
+    policy, plan = choose_remat(lambda p: make_step({"remat.policy": p}), abstract_state, shapes,
+                                budget, batch_sharding)
+    return {"remat.policy": policy}, plan

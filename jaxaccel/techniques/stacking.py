@@ -140,3 +140,30 @@ def check_model(cfg, model, tags: set) -> None:
     if cfg.stacking.stages > 1:
         stack = nn.the_stack(model, "progressive stacking", "stacking.stages")[1]
         check_copies(stack, depths(len(stack), cfg.stacking.stages))
+
+
+def growth(cfg, model, total_steps: int, first_step: int):
+    """(full depth, steps at which the depth doubles, depth at ``first_step``) of a run of
+    ``model`` (its full depth); the depths None without stacking."""
+    stages = cfg.stacking.stages
+    ends = boundaries(total_steps, stages, cfg.stacking.at)
+    if stages == 1:
+        return None, ends, None
+    full = len(nn.the_stack(model, "progressive stacking")[1])
+    return full, ends, depth_at(first_step, full, stages, ends)
+
+
+def next_depth(depth: int) -> int:
+    return 2 * depth
+
+
+def grown(old_state, new_abstract, old_depth: int, model):
+    """``grow`` into ``model``'s stack (the deeper model of ``new_abstract``)."""
+    return grow(old_state, new_abstract, old_depth, nn.the_stack(model, "progressive stacking")[0])
+
+
+def resume_values(cfg, total_steps: int) -> dict:
+    """The steps at which the depth doubles: a resumed run must grow at the same ones."""
+    if cfg.stacking.stages == 1:
+        return {}
+    return {"stacking.at": boundaries(total_steps, cfg.stacking.stages, cfg.stacking.at)}

@@ -18,7 +18,6 @@ from jaxaccel.data.loader import abstract_batch, abstract_key
 from jaxaccel.run.loop.console import announce
 from jaxaccel.model.contract import eval_graphdef, is_preset, make_apply
 from jaxaccel.techniques.pipeline import pipeline_eval_fn, pipeline_grad_fn
-from jaxaccel.techniques.planner import choose_remat
 from jaxaccel.core.sharding import batch_sharding, bytes_per_device, pipelined, replicated
 from jaxaccel.step.train import lm_eval_step, lm_train_step, make_train_step
 
@@ -161,15 +160,17 @@ def memory_budget_bytes(budget: int | str) -> int:
     return limit
 
 
-def plan_remat(cfg, model, depth, optimizer, state, stream, batch_layout):
-    """``(cfg, model, plan)`` with the remat policy the memory budget chooses for this model."""
-    def make_step(policy):
-        variant = override(cfg, {"remat.policy": policy})
+def plan_memory(cfg, model, depth, optimizer, state, stream, batch_layout):
+    """``(cfg, model, plan)`` with the settings the memory budget chooses for this model
+    (``techniques.plan_for_budget``: the remat policy)."""
+    def make_step(settings):
+        variant = override(cfg, settings)
         return train_step_of(variant, techniques.abstract(variant, depth=depth), optimizer)
 
-    policy, plan = choose_remat(make_step, abstract(state), stream.global_shapes,
-                                memory_budget_bytes(cfg.run.memory_budget), batch_layout)
-    cfg = override(cfg, {"remat.policy": policy})
+    settings, plan = techniques.plan_for_budget(make_step, abstract(state), stream.global_shapes,
+                                                memory_budget_bytes(cfg.run.memory_budget),
+                                                batch_layout)
+    cfg = override(cfg, settings)
     return cfg, techniques.abstract(cfg, depth=depth), plan
 
 

@@ -13,12 +13,12 @@ import numpy as np
 
 from jaxaccel.model import nn
 from jaxaccel.run import profiling
-from jaxaccel.techniques import stacking, registry as techniques
+from jaxaccel.techniques import registry as techniques
 from jaxaccel.run.config import to_dict
 from jaxaccel.data.batching import batches
 from jaxaccel.data.loader import DevicePrefetcher, place_batch, prefetch_depth
 from jaxaccel.run.loop.console import announce, log_window, note, progress_bar
-from jaxaccel.run.loop.compile import plan_remat
+from jaxaccel.run.loop.compile import plan_memory
 from jaxaccel.run.loop.setup import Setup, open_stream
 from jaxaccel.step.metrics import MetricsWriter, metrics_path, truncate_metrics
 from jaxaccel.core.sharding import parse_axis_rules
@@ -237,7 +237,7 @@ def _open_stage(run: Setup, steps, previous: Progress | None, wall_start: float 
     cfg = run.cfg
     train_bits = run.corpus.bits_per_byte(1.0, "train")    # bits per byte of a nat per token
     start = int(run.state.step)
-    end = min(stacking.stage_end(start, run.total_steps, run.stack_ends), run.stop_step)
+    end = min(next((e for e in run.stack_ends if e > start), run.total_steps), run.stop_step)
     if previous is None:
         drop_unsaved_records(run, start)
         trackers = (open_trackers(tracker_names(cfg.run.trackers), run.run_dir,
@@ -348,21 +348,22 @@ def agreed(local: int | None, save_due: bool = False) -> tuple[int | None, bool]
 
 
 def grow_run(run: Setup, progress: Progress) -> Setup:
-    """The next progressive-stacking stage: the model twice as deep, its state grown from the
-    trained one (``stacking.grow``), the loader continuing from its position."""
+    """The next stage of a technique that grows the model (progressive stacking: twice as
+    deep), its state grown from the trained one (``techniques.grown``), the loader continuing
+    from its position."""
     cfg, old_depth = run.cfg, run.stages[-1][1]
-    depth = 2 * old_depth
+    depth = techniques.next_depth(cfg, old_depth)
     model = techniques.abstract(cfg, depth=None if depth == run.full_layers else depth)
     state, shardings = abstract_sharded_state(
         techniques.variables(cfg, depth), run.optimizer, cfg.run.seed, cfg.make_loss_scale(),
         run.mesh, cfg.policy(), axis_rules=parse_axis_rules(cfg.mesh.axis_rules))
-    stack_path = nn.the_stack(model, "progressive stacking")[0]
-    state = jax.device_put(stacking.grow(progress.state, state, old_depth, stack_path), shardings)
+    state = jax.device_put(techniques.grown(cfg, progress.state, state, old_depth, model),
+                           shardings)
     stream = open_stream(cfg, run.corpus.train, run.stream_args, progress.position)
     plan = run.plan
     if cfg.run.memory_budget is not None:
-        cfg, model, plan = plan_remat(cfg, model, depth, run.optimizer, state, stream,
-                                      run.batch_layout)
+        cfg, model, plan = plan_memory(cfg, model, depth, run.optimizer, state, stream,
+                                       run.batch_layout)
     progress.writer.write(int(state.step), "stack", {"n_layers": depth})
     return dataclasses.replace(run, cfg=cfg, model=model, state=state, shardings=shardings,
                                stream=stream, plan=plan,

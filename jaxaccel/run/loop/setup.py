@@ -18,7 +18,7 @@ import time
 import jax
 
 from jaxaccel.model import contract as model_lib, nn
-from jaxaccel.techniques import stacking, registry as techniques
+from jaxaccel.techniques import registry as techniques
 from jaxaccel.run.checkpoint import Checkpointer
 from jaxaccel.run.config import check_json_outputs, check_writable, field_value, override, \
     stop_step, to_dict, write_config
@@ -26,7 +26,7 @@ from jaxaccel.data.corpus import corpus_of
 from jaxaccel.data.batching import DataStream
 from jaxaccel.core.errors import ConfigError
 from jaxaccel.data.loader import prefetch_depth
-from jaxaccel.run.loop.compile import check_scores, compiled_steps, eval_microbatches, plan_remat
+from jaxaccel.run.loop.compile import check_scores, compiled_steps, eval_microbatches, plan_memory
 from jaxaccel.run.loop.console import announce, note
 from jaxaccel.run.loop.record import base_weights, run_environment
 from jaxaccel.step.optim import build_optimizer
@@ -100,7 +100,8 @@ def set_up(cfg, mesh, mesh_shape, full_model, run_dir: str) -> Setup:
                                 keep_period=cfg.run.keep_every_steps,
                                 asynchronous=cfg.run.async_checkpoint)
     check_checkpoint_meta(cfg, checkpointer)
-    full_layers, stack_ends, depth = _stacking_start(cfg, full_model, total_steps, checkpointer)
+    first_step = (checkpointer.latest_step() or 0) if cfg.run.resume else 0
+    full_layers, stack_ends, depth = techniques.growth(cfg, full_model, total_steps, first_step)
     model = full_model if depth in (None, full_layers) else techniques.abstract(cfg, depth=depth)
     # The steps are compiled, and their memory checked, from the state's shapes before the
     # state is made: a run that cannot fit is refused before it allocates anything large.
@@ -113,7 +114,7 @@ def set_up(cfg, mesh, mesh_shape, full_model, run_dir: str) -> Setup:
         restoring = check_resumed_model(cfg, checkpointer, resume_config, shapes, run_dir)
     batch_layout = batch_sharding(mesh)
     if cfg.run.memory_budget is not None:
-        cfg, model, plan = plan_remat(cfg, model, depth, optimizer, shapes, stream, batch_layout)
+        cfg, model, plan = plan_memory(cfg, model, depth, optimizer, shapes, stream, batch_layout)
     eval_batch_size = _eval_batch_size(cfg, mesh_shape)
     steps, state = _compile_and_init(cfg, model, optimizer, schedule, mesh, planned,
                                      stream.global_shapes, eval_batch_size, startup)
@@ -167,18 +168,6 @@ def _checked_stop_step(cfg, run_dir: str, total_steps: int) -> int:
         from jaxaccel.run import profiling
         profiling.check_window(cfg.run.profile, resumed, stop)
     return stop
-
-
-def _stacking_start(cfg, full_model, total_steps: int, checkpointer: Checkpointer):
-    """Progressive stacking's (full depth, steps where the depth doubles, depth to start at);
-    the depths None without stacking."""
-    stages, full_layers, depth = cfg.stacking.stages, None, None
-    stack_ends = stacking.boundaries(total_steps, stages, cfg.stacking.at)
-    if stages > 1:
-        full_layers = len(nn.the_stack(full_model, "progressive stacking")[1])
-        first_step = (checkpointer.latest_step() or 0) if cfg.run.resume else 0
-        depth = stacking.depth_at(first_step, full_layers, stages, stack_ends)
-    return full_layers, stack_ends, depth
 
 
 @dataclasses.dataclass
@@ -439,9 +428,7 @@ def resume_settings(cfg, stream_args: dict, total_steps: int, multiple: int) -> 
         settings.update({"model.name": absolute_name(cfg.model.name),
                          "model.source": model_lib.source_of(cfg.model.name)})
     settings.update({path: field_value(cfg, path) for path in RESUME_FIELDS})
-    if cfg.stacking.stages > 1:
-        settings["stacking.at"] = stacking.boundaries(total_steps, cfg.stacking.stages,
-                                                      cfg.stacking.at)
+    settings.update(techniques.resume_values(cfg, total_steps))
     settings.update({f"data.{k}": v for k, v in cfg.batching_options().items()},
                     **{"data.seq_len": stream_args["seq_len"], "run.steps": total_steps})
     if cfg.data.sampling != "uniform":          # the sampler's lag follows the prefetch depth
