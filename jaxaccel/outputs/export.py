@@ -67,19 +67,14 @@ def blocker(cfg) -> tuple[str, str] | None:
         return (f"the model is {cfg.model.name}, not jaxaccel's GPT", "a --model preset")
     shape = gpt.preset(cfg.model.name, **{k: v for k, v in dataclasses.asdict(cfg.gpt).items()
                                          if v is not None})
-    gates = " and gates their branches" if cfg.init.scheme in ("rezero", "skipinit") else ""
+    from jaxaccel.techniques import registry
     reasons = [
         (shape.mlp != "swiglu", f"mlp={shape.mlp} (Llama's MLP is SwiGLU)", "mlp=swiglu"),
         (shape.tie_embeddings, "tie_embeddings=True (Llama's output head is untied)",
          "tie_embeddings=False"),
-        (cfg.init.scheme != "default", f"init={cfg.init.scheme} removes the blocks' "
-                                       f"RMSNorms{gates}", "init=default"),
-        (cfg.adapters.dim > 0, f"adapter_dim={cfg.adapters.dim} (Llama has no adapters)",
-         "adapter_dim=0"),
-        (cfg.policy().fp8, "precision.policy=fp8 quantises its matmuls (Llama's are plain)",
-         "another precision.policy"),
     ]
-    return next(((why, fix) for blocked, why, fix in reasons if blocked), None)
+    found = [(why, fix) for blocked, why, fix in reasons if blocked]
+    return next(iter(found + registry.llama_blockers(cfg)), None)
 
 
 def flatten(state) -> dict[str, np.ndarray]:
@@ -362,7 +357,7 @@ def export(run_dir: str, out_dir: str, format: str = "auto", *,
     out_dir (without ``overwrite``) or an unwritable one, and llama for a model without it."""
     from flax import nnx
 
-    from jaxaccel.techniques import lora, surgery
+    from jaxaccel.techniques import registry
     from jaxaccel.run.config import override, to_dict
     from jaxaccel.outputs.generate import load_run, read_run_config
 
@@ -384,10 +379,9 @@ def export(run_dir: str, out_dir: str, format: str = "auto", *,
         metadata, forward = {"format": "pt"}, llama_forward
     else:
         tensors = flatten(nnx.state(model))
-        # The exported model's settings: its LoRA merged into the weights, but where FP8 or
-        # N:M masks change the product (``lora.merge``), where the factors stay.
-        merged = not surgery.wrappers(model, lora.LoRA)
-        settings = override(cfg, {"lora.rank": 0 if merged else cfg.lora.rank,
+        # The exported model's settings: those of the techniques merged into its weights
+        # (``load_run``; LoRA's, but where FP8 or N:M masks change the product)
+        settings = override(cfg, {**registry.exported_settings(cfg, model),
                                   "run.init_from": None,
                                   "model.name": absolute_name(cfg.model.name)})
         config = {"format": "jaxaccel", "train_config": to_dict(settings), "step": step,

@@ -240,10 +240,10 @@ def read_run_config(run_dir: str):
 
 def load_run(run_dir: str, model: str | None = None):
     """``(config, model, step)`` of a training run's latest checkpoint: the model in evaluation
-    mode, in float32, with LoRA merged into its weights (``lora.merge``; adapters stay).
+    mode, in float32, with LoRA merged into its weights (``techniques.merge``; adapters stay).
     ``model``: the run's own factory ``FILE.py:FUNCTION`` where it is now, if it moved since
     the run trained (``--model``; else the one the run recorded)."""
-    from jaxaccel.techniques import lora
+    from jaxaccel.techniques import registry as techniques
     from jaxaccel.run.loop import read_trained_run
 
     read_run_config(run_dir)
@@ -253,7 +253,7 @@ def load_run(run_dir: str, model: str | None = None):
     except ConfigError as e:       # the run's own model (its file, its code): --model fixes it
         raise ConfigError(str(e), field="model" if e.field in ("model", "model.name")
                           else "run_dir") from None
-    lora.merge(model)
+    techniques.merge(model)
     model.eval()
     graphdef, state = nnx.split(model)
     state = jax.tree.map(lambda a: a.astype(jnp.float32)

@@ -198,3 +198,10 @@ def report(cfg, ctx) -> dict | None:
 
 def device_note(cfg) -> str | None:
     return check_device() if cfg.policy().fp8 else None
+
+
+def llama_blocker(cfg) -> tuple[str, str] | None:
+    if cfg.policy().fp8:
+        return ("precision.policy=fp8 quantises its matmuls (Llama's are plain)",
+                "another precision.policy")
+    return None

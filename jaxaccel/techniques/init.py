@@ -148,3 +148,12 @@ def report(cfg, ctx) -> str | None:
 
 def describe(scheme: str) -> str:
     return f"init {scheme}"
+
+
+def llama_blocker(cfg) -> tuple[str, str] | None:
+    """Why a model with this scheme has no Hugging Face Llama layout, and the fix (or None)."""
+    scheme = cfg.init.scheme
+    if scheme == "default":
+        return None
+    gates = " and gates their branches" if scheme in ("rezero", "skipinit") else ""
+    return f"init={scheme} removes the blocks' RMSNorms{gates}", "init=default"

@@ -160,3 +160,15 @@ def report_lora(cfg, ctx) -> dict | None:
     if not (cfg.lora.rank or cfg.adapters.dim):
         return None
     return {"rank": cfg.lora.rank, "adapter_dim": cfg.adapters.dim, "init_from": cfg.run.init_from}
+
+
+def llama_blocker_adapters(cfg) -> tuple[str, str] | None:
+    if cfg.adapters.dim > 0:
+        return f"adapter_dim={cfg.adapters.dim} (Llama has no adapters)", "adapter_dim=0"
+    return None
+
+
+def exported_settings(cfg, model) -> dict:
+    """LoRA's rank in an exported model's settings: 0 once ``merge`` folded it into the
+    weights, kept where FP8 or N:M masks change the product and its factors stay."""
+    return {"lora.rank": cfg.lora.rank if surgery.wrappers(model, LoRA) else 0}

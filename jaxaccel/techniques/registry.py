@@ -13,6 +13,8 @@ any of these functions (``<verb>_<record name>`` where one module serves two rec
 - ``merge(model)`` and ``WRAPPERS``: its updates folded into the weights, and the classes it
   wraps layers in, which a base model's reading removes (``strip_model``);
 - ``resume_values(cfg, total_steps)``: settings it derives that a resume must match;
+- ``llama_blocker(cfg)`` and ``exported_settings(cfg, model)``: why it bars a Hugging Face
+  Llama export (and the fix), and its settings in a merged model's native export;
 - for the one technique of a run that has them: ``growth``, ``next_depth`` and ``grown`` (it
   grows the model between stages: progressive stacking), ``plan_for_budget`` (settings that
   fit a memory budget: remat's policy).
@@ -167,13 +169,37 @@ def wrappers() -> tuple:
                                for w in getattr(_module(t.module), "WRAPPERS", ())))
 
 
-def strip_model(model) -> None:
-    """A trained model as a base to fine-tune: each technique's updates folded into its
-    weights (``merge``: LoRA's) and its wrappers removed, in place."""
+def merge(model) -> None:
+    """Each technique's updates folded into the weights they update (``merge``: LoRA's), in
+    place, where that computes the same."""
     merges = [hook(t, "merge") for t in TECHNIQUES]
-    for merge in dict.fromkeys(m for m in merges if m is not None):
-        merge(model)
+    for fn in dict.fromkeys(m for m in merges if m is not None):
+        fn(model)
+
+
+def strip_model(model) -> None:
+    """A trained model as a base to fine-tune: ``merge``d and every technique's wrappers
+    removed, in place."""
+    merge(model)
     surgery.unwrap(model, wrappers())
+
+
+def llama_blockers(cfg) -> list[tuple[str, str]]:
+    """(why, fix) of each technique whose settings bar a Hugging Face Llama export
+    (``llama_blocker``)."""
+    found = [fn(cfg) for t in TECHNIQUES if (fn := hook(t, "llama_blocker")) is not None]
+    return [reason for reason in found if reason is not None]
+
+
+def exported_settings(cfg, model) -> dict:
+    """The settings each technique gives a ``merge``d model's native export
+    (``exported_settings``: LoRA's rank, 0 once merged)."""
+    settings = {}
+    for technique in TECHNIQUES:
+        fn = hook(technique, "exported_settings")
+        if fn is not None:
+            settings.update(fn(cfg, model))
+    return settings
 
 
 def _only(verb: str, cfg=None):
