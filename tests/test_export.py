@@ -222,3 +222,21 @@ def test_a_tokenizer_that_encodes_otherwise_fails_the_check(runs, tmp_path, caps
     err = one_error_line(capsys)
     assert "export check failed" in err and "tokenizer.json differs" in err, err
     assert sorted(os.listdir(out)) == LLAMA_FILES
+
+
+@pytest.mark.parametrize("values, why", [
+    ({}, None),
+    ({"gpt.mlp": "gelu"}, "mlp=gelu (Llama's MLP is SwiGLU)"),
+    ({"init.scheme": "rezero"}, "init=rezero removes the blocks' RMSNorms and gates their branches"),
+    ({"init.scheme": "tfixup"}, "init=tfixup removes the blocks' RMSNorms"),
+    ({"adapters.dim": 8}, "adapter_dim=8 (Llama has no adapters)"),
+    ({"precision.policy": "fp8"}, "precision.policy=fp8 quantises its matmuls"),
+    ({"lora.rank": 4, "sparsity.pattern": "2:4"}, None),     # both fold into the weights
+])
+def test_what_bars_the_llama_layout_is_the_first_blocker(values, why):
+    """The GPT's own shape first, then each technique's ``llama_blocker`` in the records'
+    order: one reason and its fix, or None."""
+    from jaxaccel.outputs.export import blocker
+    from jaxaccel.run.config import build
+    found = blocker(build(values=values))
+    assert (found is None) if why is None else found[0].startswith(why), found
