@@ -227,7 +227,8 @@ def test_a_tokenizer_that_encodes_otherwise_fails_the_check(runs, tmp_path, caps
 @pytest.mark.parametrize("values, why", [
     ({}, None),
     ({"gpt.mlp": "gelu"}, "mlp=gelu (Llama's MLP is SwiGLU)"),
-    ({"init.scheme": "rezero"}, "init=rezero removes the blocks' RMSNorms and gates their branches"),
+    ({"init.scheme": "rezero"},
+     "init=rezero removes the blocks' RMSNorms and gates their branches"),
     ({"init.scheme": "tfixup"}, "init=tfixup removes the blocks' RMSNorms"),
     ({"adapters.dim": 8}, "adapter_dim=8 (Llama has no adapters)"),
     ({"precision.policy": "fp8"}, "precision.policy=fp8 quantises its matmuls"),
