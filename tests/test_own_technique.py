@@ -97,3 +97,48 @@ def test_a_technique_of_ones_own_trains_reports_resumes_and_has_a_headline_row(
     rows = {r["name"]: r for r in json.load(open(tmp_path / "speedup.json"))["rows"]}
     assert rows["toy-2"]["status"] == "ran" and rows["toy-2"]["settings"] == {"toy.scale": 2.0}
     assert rows["baseline"]["val_bpb"] != rows["toy-2"]["val_bpb"]
+
+
+REFUSALS = """
+import dataclasses, sys
+from jaxaccel.core.sections import Technique, register
+import test_own_technique as toy
+for record in (dataclasses.replace(toy.TOY, phase="later"),
+               dataclasses.replace(toy.TOY, name="remat"),
+               dataclasses.replace(toy.TOY, module="__main__"),
+               dataclasses.replace(toy.TOY, name="other")):
+    try:
+        register(record)
+    except ValueError as e:
+        print("REFUSED", e)
+import jaxaccel.run.config
+try:
+    register(toy.TOY)
+except RuntimeError as e:
+    print("REFUSED", e)
+"""
+
+
+def test_a_technique_that_cannot_register_is_one_clear_error():
+    """A phase of none, a name taken, a record the run's processes could not import, or a
+    registration after the config was made: each refused in one line; a record in
+    JAXACCEL_TECHNIQUES that cannot be imported too, before any work."""
+    env = {**os.environ, "PYTHONPATH": os.pathsep.join(filter(None, [HERE, os.environ.get(
+        "PYTHONPATH")]))}
+    env.pop("JAXACCEL_TECHNIQUES", None)
+    result = subprocess.run([sys.executable, "-c", REFUSALS], cwd=REPO, capture_output=True,
+                            text=True, timeout=120, env=env)
+    refused = [line for line in result.stdout.splitlines() if line.startswith("REFUSED")]
+    assert len(refused) == 5, result.stdout + result.stderr
+    assert "a new name, and a phase of ('init', 'layers', 'blocks')" in refused[0]
+    assert "technique 'remat': a new name" in refused[1]
+    assert "not in the script run as __main__" in refused[2]
+    assert "its record is not a name of its module 'test_own_technique'" in refused[3]
+    assert "before importing jaxaccel.run.config" in refused[4]
+    bad = subprocess.run([sys.executable, "-m", "experiments.train", "--help"], cwd=REPO,
+                         capture_output=True, text=True, timeout=120,
+                         env={**env, "JAXACCEL_TECHNIQUES": "no_such_module:TOY"})
+    assert bad.returncode == 2 and bad.stderr.count("\n") == 1, bad.stderr
+    assert bad.stderr.startswith("error: JAXACCEL_TECHNIQUES=no_such_module:TOY: cannot register "
+                                 "it (No module named 'no_such_module'); put its module on "
+                                 "PYTHONPATH"), bad.stderr

@@ -507,12 +507,15 @@ def register(technique: Technique) -> None:
                            f"techniques registered then)")
     if technique.phase not in PHASES or any(t.name == technique.name for t in TECHNIQUES):
         raise ValueError(f"technique {technique.name!r}: a new name, and a phase of {PHASES}")
-    TECHNIQUES.append(technique)
+    if technique.module == "__main__":
+        raise ValueError(f"technique {technique.name!r}: declare it in a module the processes a "
+                         f"run starts can import by name, not in the script run as __main__")
     module = sys.modules.get(technique.module)
     name = next((k for k, v in vars(module).items() if v is technique), None) if module else None
     if name is None:
         raise ValueError(f"technique {technique.name!r}: its record is not a name of its "
                          f"module {technique.module!r}")
+    TECHNIQUES.append(technique)
     entries = [e for e in os.environ.get(ENVIRONMENT, "").split(",") if e]
     os.environ[ENVIRONMENT] = ",".join(dict.fromkeys([*entries, f"{technique.module}:{name}"]))
 
@@ -520,13 +523,19 @@ def register(technique: Technique) -> None:
 # Techniques of one's own, as MODULE:RECORD,...: registered when this module is imported (set by
 # ``register`` for the processes a run starts, or by hand before a command).
 ENVIRONMENT = "JAXACCEL_TECHNIQUES"
+UNREGISTERED = []   # why an entry of it could not be registered: the config refuses to build
 
 
 def _register_from_environment() -> None:
     import importlib
     for entry in filter(None, os.environ.get(ENVIRONMENT, "").split(",")):
         module, _, name = entry.partition(":")
-        record = getattr(importlib.import_module(module), name)
+        try:
+            record = getattr(importlib.import_module(module), name)
+        except (ImportError, AttributeError) as e:
+            UNREGISTERED.append(f"{ENVIRONMENT}={entry}: cannot register it ({e}); put its "
+                                f"module on PYTHONPATH or unset {ENVIRONMENT}")
+            continue
         if all(t.name != record.name for t in TECHNIQUES):
             TECHNIQUES.append(record)
 

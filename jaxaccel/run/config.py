@@ -28,8 +28,8 @@ from jaxaccel.core.errors import ConfigError
 from jaxaccel.core.sections import (LOSS_SCALE_KINDS, LR_SCALING, MESH_AXIS_TYPES, OPTIMIZERS,
                                     PIPELINE_SCHEDULES, PRESET_TOKENIZERS, PRESETS, SAMPLING,
                                     RENAMED, SCHEDULES, SHARDING_STRATEGIES, TECHNIQUES,
-                                    GPTSettings, ModelConfig, absolute_name, describe_defaults,
-                                    is_preset, preset, unknown_model)
+                                    UNREGISTERED, GPTSettings, ModelConfig, absolute_name,
+                                    describe_defaults, is_preset, preset, unknown_model)
 from jaxaccel.core.settings import FLOAT_RANGE, INT_LIMIT, INT_RANGE, Range, setting
 from jaxaccel.core.tokenizer import TOKENIZER_HELP, vocab_of as tokenizer_vocab
 
@@ -556,6 +556,8 @@ def build(cls=None, values: dict | None = None):
     """A ``cls`` (default TrainConfig) from ``{"section.field": value}``, the model's context
     (the preset's, else ``data.seq_len``, else 256), tokenizer (the preset's) and vocabulary (the
     tokenizer's padded size, or a larger vocab_size given) resolved, a preset's fields checked."""
+    if UNREGISTERED:        # a technique of one's own that JAXACCEL_TECHNIQUES names
+        raise ConfigError(UNREGISTERED[0])
     cls = cls or TrainConfig
     table = _field_table(cls)
     by_section = {section: {} for section in _sections(cls)}
