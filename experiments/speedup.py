@@ -98,35 +98,34 @@ GPT_SECTION = "gpt."
 # The rows: the baseline, the rows of the run's own settings (padding, precision, attention,
 # sampling, optimizers, accumulation, sharding) with each technique record's rows after the
 # precision ones, and the best combination.
-Technique = HeadlineRow
 TECHNIQUES = [
-    Technique("baseline", "baseline", "fixed padding, fp32, no remat, xla attention, AdamW, "
-              "one device", {}),
-    Technique("dynamic", "padding", "dynamic padding (each batch padded to its longest row)",
-              {"data.batching": "dynamic"}),
-    Technique("bucket", "padding", "length buckets with a token budget per batch",
-              {"data.batching": "bucket"}),
-    Technique("pack", "padding", "sequence packing with segment ids",
-              {"data.batching": "pack"}),
-    Technique("bf16", "precision", "bfloat16 compute, float32 master weights",
-              {"precision.policy": "bf16"}),
-    Technique("fp16", "precision", "float16 compute with dynamic loss scaling",
-              {"precision.policy": "fp16", "precision.loss_scale": "dynamic"}),
+    HeadlineRow("baseline", "baseline", "fixed padding, fp32, no remat, xla attention, AdamW, "
+                "one device", {}),
+    HeadlineRow("dynamic", "padding", "dynamic padding (each batch padded to its longest row)",
+                {"data.batching": "dynamic"}),
+    HeadlineRow("bucket", "padding", "length buckets with a token budget per batch",
+                {"data.batching": "bucket"}),
+    HeadlineRow("pack", "padding", "sequence packing with segment ids",
+                {"data.batching": "pack"}),
+    HeadlineRow("bf16", "precision", "bfloat16 compute, float32 master weights",
+                {"precision.policy": "bf16"}),
+    HeadlineRow("fp16", "precision", "float16 compute with dynamic loss scaling",
+                {"precision.policy": "fp16", "precision.loss_scale": "dynamic"}),
     *[row for t in RECORDS for row in t.rows],
-    Technique("flash", "attention", "our Pallas flash attention kernel",
-              {"gpt.attention": "pallas"}, needs="gpu"),
-    Technique("importance", "sampling", "importance sampling of documents by their last loss, "
-              "the loss reweighted by 1/(N p)", {"data.sampling": "loss"}),
-    *[Technique(name, "optimizer", f"{label} at its defaults (learning rate, weight decay)",
-                {"optimizer.name": name, "optimizer.learning_rate": None,
-                 "optimizer.weight_decay": None}) for name, label in (("lion", "Lion"),
-                                                                       ("lamb", "LAMB"))],
-    Technique("accumulate", "accumulation", "gradient accumulation over microbatches", {}),
-    Technique("dp", "sharding", "data parallel over all devices",
-              {"mesh.strategy": "dp", "mesh.num_devices": None}, needs="devices"),
-    Technique("fsdp", "sharding", "FSDP (ZeRO-3) over all devices",
-              {"mesh.strategy": "fsdp", "mesh.num_devices": None}, needs="devices"),
-    Technique("best", "combination", "the best combination", {}),
+    HeadlineRow("flash", "attention", "our Pallas flash attention kernel",
+                {"gpt.attention": "pallas"}, needs="gpu"),
+    HeadlineRow("importance", "sampling", "importance sampling of documents by their last loss, "
+                "the loss reweighted by 1/(N p)", {"data.sampling": "loss"}),
+    *[HeadlineRow(name, "optimizer", f"{label} at its defaults (learning rate, weight decay)",
+                  {"optimizer.name": name, "optimizer.learning_rate": None,
+                   "optimizer.weight_decay": None})
+      for name, label in (("lion", "Lion"), ("lamb", "LAMB"))],
+    HeadlineRow("accumulate", "accumulation", "gradient accumulation over microbatches", {}),
+    HeadlineRow("dp", "sharding", "data parallel over all devices",
+                {"mesh.strategy": "dp", "mesh.num_devices": None}, needs="devices"),
+    HeadlineRow("fsdp", "sharding", "FSDP (ZeRO-3) over all devices",
+                {"mesh.strategy": "fsdp", "mesh.num_devices": None}, needs="devices"),
+    HeadlineRow("best", "combination", "the best combination", {}),
 ]
 BY_NAME = {t.name: t for t in TECHNIQUES}
 # The groups whose soonest row the best row combines, in the order it names them: the run's
@@ -294,7 +293,7 @@ def resolve_target(cfg: SpeedupConfig, corpus) -> SpeedupConfig:
     return override(cfg, {"run.target_bpb": round(target, 4)})
 
 
-def row_settings(cfg: SpeedupConfig, technique: Technique, documents,
+def row_settings(cfg: SpeedupConfig, technique: HeadlineRow, documents,
                  depth: int | None = None) -> dict:
     """The settings a row changes from the baseline (batch sizes matched for padding rows)."""
     settings = dict(technique.settings)
@@ -387,7 +386,7 @@ def check_models(request: dict) -> dict:
     return {"depth": depth, "rows": rows}
 
 
-def skip_reason(technique: Technique, devices: dict, model_name: str = "tiny") -> str | None:
+def skip_reason(technique: HeadlineRow, devices: dict, model_name: str = "tiny") -> str | None:
     gpt_fields = [k for k in technique.settings if k.startswith(GPT_SECTION)]
     if gpt_fields and not is_preset(model_name):
         return (f"sets {', '.join(gpt_fields)}, a field of jaxaccel's GPT presets; --model "
@@ -478,7 +477,7 @@ def settings_and_reasons(cfg: SpeedupConfig, names: list[str]) -> tuple[dict, di
     return settings_of, reasons
 
 
-def plan_row(cfg: SpeedupConfig, technique: Technique, settings: dict,
+def plan_row(cfg: SpeedupConfig, technique: HeadlineRow, settings: dict,
              reason: str | None = None, **more) -> Row:
     """A technique's row: its record's fields, and ``status`` when it cannot run (``reason``)."""
     fields = {"name": technique.name, "group": technique.group,

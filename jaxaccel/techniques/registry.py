@@ -61,10 +61,17 @@ def _module(name: str):
     return importlib.import_module(name)
 
 
-def hook(technique, verb: str):
-    """The technique's function for ``verb`` (``transform``, ``check``, ...), or None."""
-    module = _module(technique.module)
-    return getattr(module, f"{verb}_{technique.name}", None) or getattr(module, verb, None)
+def hooks(verb: str) -> list:
+    """``(technique, function)`` for ``verb`` (``transform``, ``check``, ...) in the records'
+    order: the module's ``<verb>_<name>``, else its ``<verb>``; each function once (a module
+    serving two records with one function runs it for the first)."""
+    found = {}
+    for technique in TECHNIQUES:
+        module = _module(technique.module)
+        fn = getattr(module, f"{verb}_{technique.name}", None) or getattr(module, verb, None)
+        if fn is not None and fn not in found:
+            found[fn] = technique
+    return [(technique, fn) for fn, technique in found.items()]
 
 
 def build(cfg, key, *, depth: int | None = None, base_state=None) -> nnx.Module:
@@ -75,14 +82,15 @@ def build(cfg, key, *, depth: int | None = None, base_state=None) -> nnx.Module:
     optim.mark_no_decay(model)
     full_layers = stacking.truncate(model, depth) if depth is not None else None
     ctx = Context(key=key, tune_key=jax.random.fold_in(key, LORA_KEY), full_layers=full_layers)
+    compute_dtype = cfg.policy().compute_dtype
+    transforms = hooks("transform")
     for phase in PHASES:
         if phase == "layers" and base_state is not None:
             nnx.update(model, base_state)
-        if phase == "blocks" and cfg.policy().compute_dtype != jnp.float32:
-            precision.compute_in(model, cfg.policy().compute_dtype)
-        for technique in TECHNIQUES:
-            transform = hook(technique, "transform")
-            if technique.phase == phase and transform is not None:
+        if phase == "blocks" and compute_dtype != jnp.float32:
+            precision.compute_in(model, compute_dtype)
+        for technique, transform in transforms:
+            if technique.phase == phase:
                 transform(model, cfg, ctx)
     return model
 
@@ -99,37 +107,24 @@ def variables(cfg, depth: int | None = None):
     return make
 
 
-def tuned(cfg) -> bool:
-    """Whether the run fine-tunes (LoRA or adapters: only their weights train)."""
-    return bool(cfg.lora.rank or cfg.adapters.dim)
-
-
 def check(cfg) -> None:
-    """Each technique, and importance sampling, checks its settings and what it cannot join
-    (a module serving two records checks once)."""
-    checks = [hook(t, "check") for t in TECHNIQUES]
-    for fn in [*dict.fromkeys(c for c in checks if c is not None), sampling.check]:
+    """Each technique, and importance sampling, checks its settings and what it cannot join."""
+    for _, fn in hooks("check"):
         fn(cfg)
+    sampling.check(cfg)
 
 
 def device_notes(cfg) -> dict:
     """What each technique has to say of this device before any work (``device_note``: fp8's,
     that emulated FP8 is no faster), as ``{"<name>_note": text}``."""
-    notes = {}
-    for technique in TECHNIQUES:
-        fn = hook(technique, "device_note")
-        if fn is not None:
-            notes[f"{technique.name}_note"] = fn(cfg)
-    return notes
+    return {f"{technique.name}_note": fn(cfg) for technique, fn in hooks("device_note")}
 
 
 def check_model(cfg, model, tags: set) -> None:
     """Each technique's checks of the run's abstract model and of the tags its traced step
     names (``check_model``), a ConfigError line for what does not fit."""
-    for technique in TECHNIQUES:
-        fn = hook(technique, "check_model")
-        if fn is not None:
-            fn(cfg, model, tags)
+    for _, fn in hooks("check_model"):
+        fn(cfg, model, tags)
 
 
 def report(cfg, params, mesh_shape: dict, run: dict) -> dict:
@@ -138,11 +133,9 @@ def report(cfg, params, mesh_shape: dict, run: dict) -> dict:
     done = {"attention": (cfg.gpt.attention or "xla") if model_lib.is_preset(cfg.model.name)
             else None}
     ctx = Context(params=params, mesh_shape=mesh_shape, run=run)
-    for technique in TECHNIQUES:
-        fn = hook(technique, "report")
-        if fn is not None:
-            done[technique.name] = fn(cfg, ctx)
-    if not tuned(cfg) and cfg.run.init_from:
+    for technique, fn in hooks("report"):
+        done[technique.name] = fn(cfg, ctx)
+    if done.get("lora") is None and cfg.run.init_from:    # a base run, but no fine-tune
         done["init_from"] = cfg.run.init_from
     if pipelined(cfg.mesh.strategy):
         done["pipeline"] = {"schedule": cfg.mesh.pipeline_schedule,
@@ -155,12 +148,8 @@ def report(cfg, params, mesh_shape: dict, run: dict) -> dict:
 
 def describe(techniques: dict) -> list[str]:
     """The summary's words for what each technique did (``report``'s mapping), in order."""
-    words = []
-    for technique in TECHNIQUES:
-        fn = hook(technique, "describe")
-        if technique.name in techniques and fn is not None:
-            words.append(fn(techniques[technique.name]))
-    return words
+    return [fn(techniques[technique.name]) for technique, fn in hooks("describe")
+            if technique.name in techniques]
 
 
 def wrappers() -> tuple:
@@ -172,8 +161,7 @@ def wrappers() -> tuple:
 def merge(model) -> None:
     """Each technique's updates folded into the weights they update (``merge``: LoRA's), in
     place, where that computes the same."""
-    merges = [hook(t, "merge") for t in TECHNIQUES]
-    for fn in dict.fromkeys(m for m in merges if m is not None):
+    for _, fn in hooks("merge"):
         fn(model)
 
 
@@ -187,25 +175,19 @@ def strip_model(model) -> None:
 def llama_blockers(cfg) -> list[tuple[str, str]]:
     """(why, fix) of each technique whose settings bar a Hugging Face Llama export
     (``llama_blocker``)."""
-    found = [fn(cfg) for t in TECHNIQUES if (fn := hook(t, "llama_blocker")) is not None]
+    found = [fn(cfg) for _, fn in hooks("llama_blocker")]
     return [reason for reason in found if reason is not None]
 
 
 def exported_settings(cfg, model) -> dict:
     """The settings each technique gives a ``merge``d model's native export
     (``exported_settings``: LoRA's rank, 0 once merged)."""
-    settings = {}
-    for technique in TECHNIQUES:
-        fn = hook(technique, "exported_settings")
-        if fn is not None:
-            settings.update(fn(cfg, model))
-    return settings
+    return {k: v for _, fn in hooks("exported_settings") for k, v in fn(cfg, model).items()}
 
 
 def _only(verb: str, cfg=None):
     """The function for ``verb`` of the one technique that has it (on in ``cfg``, if given)."""
-    found = [(t, fn) for t in TECHNIQUES if (fn := hook(t, verb)) is not None
-             and (cfg is None or t.is_on(cfg))]
+    found = [(t, fn) for t, fn in hooks(verb) if cfg is None or t.is_on(cfg)]
     if len(found) > 1:
         raise ValueError(f"techniques {[t.name for t, _ in found]} all offer {verb!r}; "
                          f"a run has one")
@@ -218,6 +200,12 @@ def growth(cfg, model, total_steps: int, first_step: int):
     None."""
     fn = _only("growth", cfg)
     return fn(cfg, model, total_steps, first_step) if fn else (None, [], None)
+
+
+def stage_end(step: int, total_steps: int, ends: list[int]) -> int:
+    """The step at which the stage training ``step`` ends: the next of ``growth``'s ends, or
+    the run's end."""
+    return stacking.stage_end(step, total_steps, ends)
 
 
 def next_depth(cfg, depth: int) -> int:
@@ -239,12 +227,7 @@ def plan_for_budget(make_step, abstract_state, shapes, budget: int, batch_shardi
 
 def resume_values(cfg, total_steps: int) -> dict:
     """The settings a resumed run must match that each technique derives (``resume_values``)."""
-    values = {}
-    for technique in TECHNIQUES:
-        fn = hook(technique, "resume_values")
-        if fn is not None:
-            values.update(fn(cfg, total_steps))
-    return values
+    return {k: v for _, fn in hooks("resume_values") for k, v in fn(cfg, total_steps).items()}
 
 
 def resume_sections() -> tuple:

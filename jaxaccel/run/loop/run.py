@@ -237,7 +237,7 @@ def _open_stage(run: Setup, steps, previous: Progress | None, wall_start: float 
     cfg = run.cfg
     train_bits = run.corpus.bits_per_byte(1.0, "train")    # bits per byte of a nat per token
     start = int(run.state.step)
-    end = min(next((e for e in run.stack_ends if e > start), run.total_steps), run.stop_step)
+    end = min(techniques.stage_end(start, run.total_steps, run.stack_ends), run.stop_step)
     if previous is None:
         drop_unsaved_records(run, start)
         trackers = (open_trackers(tracker_names(cfg.run.trackers), run.run_dir,
